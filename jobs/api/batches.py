@@ -1,0 +1,49 @@
+"""/v1/batches and /v1/models"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, JsonResponse
+
+from jobs.api.base import api_view, json_body, paginate
+from jobs.models import Batch
+from jobs.services import batches
+
+
+def create(request: HttpRequest, user: Any) -> HttpResponse:
+    body = json_body(request)
+    batch = batches.create_batch(
+        owner=user, input_file_id=body.get("input_file_id"), endpoint=body.get("endpoint"),
+        completion_window=body.get("completion_window"), metadata=body.get("metadata"),
+        priority=body.get("priority"), output_expires_after=body.get("output_expires_after"))
+    return JsonResponse(batches.get_batch_for_user(owner=user, batch_id=batch.pk).to_openai())
+
+
+def list_batches(request: HttpRequest, user: Any) -> HttpResponse:
+    objects = batches.with_progress(Batch.objects.filter(owner=user))
+    return paginate(request, objects, default_limit=20, max_limit=100)
+
+
+def retrieve(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
+    return JsonResponse(batches.get_batch_for_user(owner=user, batch_id=batch_id).to_openai())
+
+
+def cancel(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
+    batch = batches.get_batch_for_user(owner=user, batch_id=batch_id)
+    return JsonResponse(batches.cancel_batch(batch=batch).to_openai())
+
+
+def list_models(request: HttpRequest, user: Any) -> HttpResponse:
+    created = int(time.time())
+    return JsonResponse({"object": "list", "data": [
+        {"id": m["name"], "object": "model", "created": created, "owned_by": "batchweb"}
+        for m in settings.BATCHWEB_MODELS]})
+
+
+batch_list = api_view({"GET": list_batches, "POST": create})
+batch_detail = api_view({"GET": retrieve})
+batch_cancel = api_view({"POST": cancel})
+models = api_view({"GET": list_models})

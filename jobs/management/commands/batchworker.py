@@ -1,0 +1,75 @@
+"""`manage.py batchworker --model NAME`: a long-lived RQ worker with one engine loaded.
+
+It never forks per job (CUDA cannot be forked, and loading a model per shard would waste
+minutes): jobs run in this process (rq's SimpleWorker) and feed the engine pipeline.
+SIGTERM stops taking jobs, lets the shards in flight finish (up to --drain-seconds) and
+hands back the rest; a second SIGTERM hands everything back at once. SIGKILL loses
+nothing: the reconciler gives the shards of a silent worker to another.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+from rq import SimpleWorker
+
+from engine import load_engine
+from engine.base import ModelSpec
+from jobs import queues
+from jobs.worker import Pipeline
+
+
+def model_spec(name: str) -> ModelSpec:
+    for entry in settings.BATCHWEB_MODELS:
+        if entry["name"] == name:
+            return ModelSpec(
+                name=entry["name"], backend=entry["backend"], path=entry.get("path", ""),
+                endpoints=tuple(entry.get("endpoints", ())), options=entry.get("options", {}),
+                source=entry.get("source", ""))
+    known = ", ".join(m["name"] for m in settings.BATCHWEB_MODELS)
+    raise CommandError(f"Unknown model {name!r}; this deployment serves: {known}")
+
+
+class Command(BaseCommand):
+    help = "Run a worker that loads one model's engine once and runs its shards."
+
+    def add_arguments(self, parser: Any) -> None:
+        parser.add_argument("--model", required=True, help="A name from BATCHWEB_MODELS.")
+        parser.add_argument("--name", default="", help="Worker name (default host.pid).")
+        parser.add_argument("--no-control", action="store_true",
+                            help="Do not take validation/finalization jobs.")
+        parser.add_argument("--drain-seconds", type=float, default=60.0,
+                            help="On SIGTERM, how long shards in flight may take to finish.")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        spec = model_spec(options["model"])
+        name = options["name"] or f"{socket.gethostname()}.{os.getpid()}.{spec.name}"
+        queue_names = queues.model_queue_names(spec.name)
+        if not options["no_control"]:
+            # Control jobs first: they are short, and a new batch should not wait for
+            # a long queue of shards to be validated.
+            queue_names = [queues.CONTROL_QUEUE, *queue_names]
+        self.stdout.write(f"batchworker {name}: loading {spec.name} ({spec.backend})")
+        engine = load_engine(spec)
+        pipeline = Pipeline(engine, worker_name=name)
+        pipeline.start()
+        worker = SimpleWorker([queues.queue(q) for q in queue_names], name=name,
+                              connection=queues.connection())
+        self.stdout.write(f"batchworker {name}: ready on {', '.join(queue_names)}")
+        cold = False
+        try:
+            worker.work(logging_level=settings.LOGGING["root"]["level"])
+            pipeline.drain(timeout=options["drain_seconds"])
+        except (SystemExit, KeyboardInterrupt):
+            cold = True
+            pipeline.hand_back_all()
+        finally:
+            pipeline.close()
+        if pipeline.broken is not None:
+            sys.exit(f"batchworker {name}: engine failed: {pipeline.broken}")
+        self.stdout.write(f"batchworker {name}: stopped{' (cold)' if cold else ''}")

@@ -1,0 +1,375 @@
+"""The data of the batch service: fields, small properties and the OpenAI object shapes.
+
+Workflows live in `jobs/services/`; nothing here changes state beyond a single save.
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime
+from typing import Any
+
+from django.conf import settings
+from django.db import models
+
+PROGRESS_FIELDS = ("completed", "failed", "input_tokens", "output_tokens")
+
+
+def new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+def epoch(value: datetime | None) -> int | None:
+    return int(value.timestamp()) if value else None
+
+
+class ApiKey(models.Model):
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
+    name = models.CharField(max_length=100)
+    # The first characters of the key, shown to tell keys apart and used to find the row;
+    # the secret itself is only ever stored as its SHA-256 (keys are 256-bit random, so a
+    # fast hash is enough: there is nothing to brute-force).
+    prefix = models.CharField(max_length=16, db_index=True)
+    secret_hash = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name = "API key"
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.prefix}…)"
+
+    @property
+    def is_active(self) -> bool:
+        return self.revoked_at is None
+
+
+class File(models.Model):
+    """A file of the Files API: uploaded input, or a batch's output or error file."""
+
+    class Purpose(models.TextChoices):
+        BATCH = "batch"
+        BATCH_OUTPUT = "batch_output"
+        BATCH_ERROR = "batch_error"
+
+    id = models.CharField(primary_key=True, max_length=40, default="", editable=False)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
+    purpose = models.CharField(max_length=20, choices=Purpose.choices)
+    filename = models.CharField(max_length=255)
+    bytes = models.BigIntegerField(default=0)
+    line_count = models.BigIntegerField(default=0)
+    sha256 = models.CharField(max_length=64, blank=True)
+    # Name inside Django storage: random, never derived from the user's filename.
+    storage_name = models.CharField(max_length=255)
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    expires_at = models.DateTimeField(null=True, blank=True, db_index=True)
+
+    class Meta:
+        verbose_name = "file"
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["owner", "created_at"])]
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if not self.id:
+            self.id = new_id("file-")
+        super().save(*args, **kwargs)
+
+    def __str__(self) -> str:
+        return f"{self.id} {self.filename}"
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "file",
+            "bytes": self.bytes,
+            "created_at": epoch(self.created_at),
+            "expires_at": epoch(self.expires_at),
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": "processed",
+            "status_details": None,
+        }
+
+
+class Upload(models.Model):
+    """An upload of the Uploads API: a big file sent in parts, assembled on completion."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        COMPLETED = "completed"
+        CANCELLED = "cancelled"
+        EXPIRED = "expired"
+
+    id = models.CharField(primary_key=True, max_length=40, default="", editable=False)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
+    filename = models.CharField(max_length=255)
+    purpose = models.CharField(max_length=20)
+    bytes = models.BigIntegerField()
+    mime_type = models.CharField(max_length=100)
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.PENDING)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(db_index=True)
+    file = models.OneToOneField(File, null=True, blank=True, on_delete=models.SET_NULL)
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if not self.id:
+            self.id = new_id("upload_")
+        super().save(*args, **kwargs)
+
+    def __str__(self) -> str:
+        return f"{self.id} {self.filename}"
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "upload",
+            "bytes": self.bytes,
+            "created_at": epoch(self.created_at),
+            "expires_at": epoch(self.expires_at),
+            "filename": self.filename,
+            "purpose": self.purpose,
+            "status": self.status,
+            "file": self.file.to_openai() if self.file else None,
+        }
+
+
+class UploadPart(models.Model):
+    id = models.CharField(primary_key=True, max_length=40, default="", editable=False)
+    upload = models.ForeignKey(Upload, on_delete=models.CASCADE, related_name="parts")
+    storage_name = models.CharField(max_length=255)
+    bytes = models.BigIntegerField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if not self.id:
+            self.id = new_id("part_")
+        super().save(*args, **kwargs)
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "upload.part",
+            "created_at": epoch(self.created_at),
+            "upload_id": self.upload_id,
+        }
+
+
+class Batch(models.Model):
+    class Status(models.TextChoices):
+        VALIDATING = "validating"
+        FAILED = "failed"
+        IN_PROGRESS = "in_progress"
+        FINALIZING = "finalizing"
+        COMPLETED = "completed"
+        EXPIRED = "expired"
+        CANCELLING = "cancelling"
+        CANCELLED = "cancelled"
+
+    ENDED = (Status.FAILED, Status.COMPLETED, Status.EXPIRED, Status.CANCELLED)
+
+    class Priority(models.TextChoices):
+        HIGH = "high"
+        DEFAULT = "default"
+        LOW = "low"
+
+    id = models.CharField(primary_key=True, max_length=40, default="", editable=False)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
+    endpoint = models.CharField(max_length=40)
+    model = models.CharField(max_length=200, blank=True)
+    # Batches keep the ids of their files after the files expire or are deleted, as OpenAI's
+    # do, so these references carry no database constraint.
+    input_file = models.ForeignKey(
+        File, on_delete=models.DO_NOTHING, db_constraint=False, related_name="+"
+    )
+    completion_window = models.CharField(max_length=10)
+    status = models.CharField(
+        max_length=20, choices=Status.choices, default=Status.VALIDATING, db_index=True
+    )
+    priority = models.CharField(max_length=10, choices=Priority.choices, default="default")
+    metadata = models.JSONField(default=dict, blank=True)
+    # OpenAI's `errors.data`: validation problems, one entry per bad line up to a cap.
+    errors = models.JSONField(default=list, blank=True)
+    output_file = models.ForeignKey(
+        File, null=True, blank=True, on_delete=models.DO_NOTHING, db_constraint=False,
+        related_name="+",
+    )
+    error_file = models.ForeignKey(
+        File, null=True, blank=True, on_delete=models.DO_NOTHING, db_constraint=False,
+        related_name="+",
+    )
+    # Seconds the output and error files live after the batch ends (None: no expiry).
+    output_expires_after = models.PositiveIntegerField(null=True, blank=True)
+
+    # Set when the batch must stop early ("batch_cancelled" or "batch_expired"): workers
+    # abort its running shards and the finalizer writes what never ran as error lines.
+    stop_code = models.CharField(max_length=30, blank=True)
+
+    # Set by whoever merges the results, so two finalizers never run at once.
+    finalize_claimed_at = models.DateTimeField(null=True, blank=True)
+
+    total = models.PositiveIntegerField(default=0)
+    # Requests whose body repeated an earlier deterministic one and were not computed again.
+    dedup_saved = models.PositiveIntegerField(default=0)
+
+    created_at = models.DateTimeField(auto_now_add=True, db_index=True)
+    in_progress_at = models.DateTimeField(null=True, blank=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    finalizing_at = models.DateTimeField(null=True, blank=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+    failed_at = models.DateTimeField(null=True, blank=True)
+    expired_at = models.DateTimeField(null=True, blank=True)
+    cancelling_at = models.DateTimeField(null=True, blank=True)
+    cancelled_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name_plural = "batches"
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["owner", "created_at"])]
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if not self.id:
+            self.id = new_id("batch_")
+        super().save(*args, **kwargs)
+
+    def __str__(self) -> str:
+        return self.id
+
+    @property
+    def is_ended(self) -> bool:
+        return self.status in self.ENDED
+
+    def progress(self) -> dict[str, int]:
+        """Requests and tokens so far, summed over shards (annotated by
+        `services.batches.with_progress`, or queried here)."""
+        if hasattr(self, "done_completed"):
+            values = {k: getattr(self, "done_" + k) for k in PROGRESS_FIELDS}
+        else:
+            values = self.shards.aggregate(
+                **{"done_" + k: models.Sum(k) for k in PROGRESS_FIELDS})
+            values = {k: values["done_" + k] for k in PROGRESS_FIELDS}
+        return {k: int(v or 0) for k, v in values.items()}
+
+    def to_openai(self) -> dict[str, Any]:
+        progress = self.progress()
+        return {
+            "id": self.id,
+            "object": "batch",
+            "endpoint": self.endpoint,
+            "model": self.model or None,
+            "errors": {"object": "list", "data": self.errors} if self.errors else None,
+            "input_file_id": self.input_file_id,
+            "completion_window": self.completion_window,
+            "status": self.status,
+            "output_file_id": self.output_file_id,
+            "error_file_id": self.error_file_id,
+            "created_at": epoch(self.created_at),
+            "in_progress_at": epoch(self.in_progress_at),
+            "expires_at": epoch(self.expires_at),
+            "finalizing_at": epoch(self.finalizing_at),
+            "completed_at": epoch(self.completed_at),
+            "failed_at": epoch(self.failed_at),
+            "expired_at": epoch(self.expired_at),
+            "cancelling_at": epoch(self.cancelling_at),
+            "cancelled_at": epoch(self.cancelled_at),
+            "request_counts": {
+                "total": self.total,
+                "completed": progress["completed"],
+                "failed": progress["failed"],
+            },
+            "usage": {
+                "input_tokens": progress["input_tokens"],
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": progress["output_tokens"],
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": progress["input_tokens"] + progress["output_tokens"],
+            },
+            "metadata": self.metadata or None,
+        }
+
+
+class Shard(models.Model):
+    """A slice of a batch's input (a byte range of whole lines) that one worker runs.
+
+    One RQ job per shard, with the shard id as job id. The row, not Redis, says whether the
+    shard still has to run: `attempt` grows with every claim, and a worker may only record
+    results under the attempt it claimed, so a worker presumed dead cannot overwrite a retry.
+    """
+
+    class Status(models.TextChoices):
+        QUEUED = "queued"
+        RUNNING = "running"
+        DONE = "done"
+        # Ended without running to completion: retries exhausted, cancelled or expired.
+        # Its requests were written as error lines.
+        ABANDONED = "abandoned"
+
+    id = models.CharField(primary_key=True, max_length=40, default="", editable=False)
+    batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="shards")
+    index = models.PositiveIntegerField()
+    start_byte = models.BigIntegerField()
+    end_byte = models.BigIntegerField()
+    # 1-based line number of the first line in the range (as in errors.data).
+    first_line = models.PositiveIntegerField()
+    request_count = models.PositiveIntegerField()
+    status = models.CharField(
+        max_length=20, choices=Status.choices, default=Status.QUEUED, db_index=True
+    )
+    queue_name = models.CharField(max_length=250)
+    # When its RQ job was created; None while it waits for a turn (fair share) or after its
+    # job was found lost.
+    enqueued_at = models.DateTimeField(null=True, blank=True)
+    # Grows with every claim: the fencing token a worker's writes must carry.
+    attempt = models.PositiveIntegerField(default=0)
+    # Attempts that failed (engine error, lost worker); retries stop at SHARD_MAX_ATTEMPTS.
+    failures = models.PositiveIntegerField(default=0)
+    not_before = models.DateTimeField(null=True, blank=True)
+    worker = models.CharField(max_length=200, blank=True)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True)
+    # For an abandoned shard: the code its requests' error lines carry.
+    end_code = models.CharField(max_length=30, blank=True)
+    # Progress of the current attempt; final once the shard is done or abandoned.
+    completed = models.PositiveIntegerField(default=0)
+    failed = models.PositiveIntegerField(default=0)
+    input_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField(default=0)
+    # Storage names of this shard's results, set only when an attempt finishes whole.
+    output_part = models.CharField(max_length=255, blank=True)
+    error_part = models.CharField(max_length=255, blank=True)
+
+    class Meta:
+        ordering = ["batch", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["batch", "index"], name="unique_shard_index")
+        ]
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if not self.id:
+            self.id = new_id("shard_")
+        super().save(*args, **kwargs)
+
+    def __str__(self) -> str:
+        return f"{self.batch_id}#{self.index}"
+
+
+class RequestCopy(models.Model):
+    """A request whose body repeats an earlier deterministic request of the same batch.
+
+    It is not computed: the shard holding the primary line writes the primary's result for
+    this custom_id too.
+    """
+
+    batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="copies")
+    primary_line = models.PositiveIntegerField()
+    line = models.PositiveIntegerField()
+    custom_id = models.CharField(max_length=512)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["batch", "primary_line"]),
+            models.Index(fields=["batch", "line"]),
+        ]

@@ -1,0 +1,58 @@
+"""Redis queues: only a transport that wakes workers up. Jobs carry ids, never user data;
+the database says what still has to run, so a lost job is re-created by the reconciler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import django_rq
+from django.conf import settings
+from rq import Queue
+from rq.job import Job
+
+# Validation and finalization: short jobs every worker takes before any shard.
+CONTROL_QUEUE = "batchweb"
+PRIORITIES = ("high", "default", "low")
+
+
+def connection() -> Any:
+    return django_rq.get_connection(CONTROL_QUEUE)
+
+
+def queue(name: str) -> Queue:
+    return Queue(name, connection=connection())
+
+
+def shard_queue_name(model: str, priority: str) -> str:
+    return f"{model}.{priority}"
+
+
+def model_queue_names(model: str) -> list[str]:
+    """A model's queues in the order its workers take them."""
+    return [shard_queue_name(model, p) for p in PRIORITIES]
+
+
+def enqueue_control(func: str, batch_id: str, *, suffix: str) -> None:
+    # A fixed job id per batch and step: enqueuing twice replaces, never doubles, the job.
+    queue(CONTROL_QUEUE).enqueue(func, batch_id, job_id=f"{batch_id}.{suffix}",
+                                 job_timeout=settings.BATCHWEB.get("CONTROL_JOB_TIMEOUT", 3600),
+                                 result_ttl=600, failure_ttl=7 * 24 * 3600)
+
+
+def enqueue_shard(shard_id: str, queue_name: str) -> None:
+    # A shard runs as long as it runs: the worker heartbeats in the database instead.
+    queue(queue_name).enqueue("jobs.tasks.run_shard", shard_id, job_id=shard_id,
+                              job_timeout=-1, result_ttl=600, failure_ttl=7 * 24 * 3600)
+
+
+def job_exists(job_id: str) -> bool:
+    return Job.exists(job_id, connection=connection())
+
+
+def queue_is_waiting(job_id: str) -> bool:
+    """Whether the job is still waiting in a queue (not lost with a flushed Redis)."""
+    try:
+        job = Job.fetch(job_id, connection=connection())
+    except Exception:
+        return False
+    return job.get_status(refresh=False) in ("queued", "started", "scheduled", "deferred")

@@ -1,0 +1,6 @@
+"""Every state change of the service, written once and used by the API, the dashboard, the
+admin and the RQ tasks. Functions take keyword-only arguments and say their side effects."""
+
+from jobs.services.errors import ServiceError
+
+__all__ = ["ServiceError"]

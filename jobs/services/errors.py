@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """A request the service refuses, with what the user needs to fix it.
+
+    The API renders it as an OpenAI error object with `status`; pages show `message`.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        code: str | None = None,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.code = code
+        self.param = param
+        self.type = type
+
+
+def not_found(what: str, object_id: str) -> ServiceError:
+    # The same answer whether the object does not exist or belongs to someone else.
+    return ServiceError(f"No such {what}: '{object_id}'", status=404, code="not_found",
+                        type="invalid_request_error")
+
+
+def wrong_state(message: str) -> ServiceError:
+    return ServiceError(message, status=409, code="invalid_state")

@@ -1,0 +1,74 @@
+"""The periodic repair pass: the database says what should be happening; make Redis and the
+workers agree. Safe to run from several processes at once (every change is conditional)."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from django.conf import settings
+from django.db.models import Q
+from django.utils import timezone
+
+from jobs import queues
+from jobs.models import Batch, Shard
+from jobs.services.batches import (
+    FINALIZE_STALE_AFTER,
+    enqueue_next_shards,
+    expire_due_batches,
+    request_finalize,
+)
+from jobs.services.shards import fail_shard
+
+log = logging.getLogger(__name__)
+
+VALIDATION_GRACE = timedelta(seconds=30)
+
+
+def reconcile() -> dict[str, int]:
+    """Expire overdue batches, retry shards of dead workers, re-create lost jobs, and
+    finalize batches that have nothing left to run. Returns counts of what it did."""
+    conf = settings.BATCHWEB
+    now = timezone.now()
+    done = {"expired": len(expire_due_batches()), "stale": 0, "lost": 0, "validations": 0,
+            "finalize": 0, "enqueued": 0}
+
+    stale_before = now - timedelta(seconds=conf["HEARTBEAT_TIMEOUT_SECONDS"])
+    for shard_id, attempt in Shard.objects.filter(
+            status=Shard.Status.RUNNING, heartbeat_at__lt=stale_before).values_list(
+            "pk", "attempt"):
+        fail_shard(shard_id=shard_id, attempt=attempt, reason="worker lost (no heartbeat)")
+        done["stale"] += 1
+
+    # Jobs lost with Redis (restarted without persistence, flushed, evicted).
+    for shard_id in Shard.objects.filter(status=Shard.Status.QUEUED,
+                                         enqueued_at__lt=now - timedelta(seconds=5)
+                                         ).values_list("pk", flat=True):
+        if not queues.queue_is_waiting(shard_id):
+            Shard.objects.filter(pk=shard_id, status=Shard.Status.QUEUED).update(enqueued_at=None)
+            done["lost"] += 1
+
+    for batch_id in Batch.objects.filter(status=Batch.Status.IN_PROGRESS,
+                                         stop_code="").values_list("pk", flat=True):
+        done["enqueued"] += enqueue_next_shards(batch_id=batch_id)
+
+    for batch_id in Batch.objects.filter(status=Batch.Status.VALIDATING, stop_code="",
+                                         created_at__lt=now - VALIDATION_GRACE
+                                         ).values_list("pk", flat=True):
+        if not queues.queue_is_waiting(f"{batch_id}.validate"):
+            queues.enqueue_control("jobs.tasks.validate_batch", batch_id, suffix="validate")
+            done["validations"] += 1
+
+    # Batches with nothing left to run whose finalization was lost or died.
+    unfinished = Batch.objects.filter(
+        Q(status__in=(Batch.Status.IN_PROGRESS, Batch.Status.CANCELLING))
+        | Q(status=Batch.Status.FINALIZING, finalize_claimed_at__lt=now - FINALIZE_STALE_AFTER)
+        | Q(status=Batch.Status.VALIDATING) & ~Q(stop_code="")
+    ).exclude(shards__status__in=(Shard.Status.QUEUED, Shard.Status.RUNNING)).distinct()
+    for batch_id in unfinished.values_list("pk", flat=True):
+        if not queues.queue_is_waiting(f"{batch_id}.finalize"):
+            request_finalize(batch_id=batch_id)
+            done["finalize"] += 1
+    if any(done.values()):
+        log.info("reconcile: %s", done)
+    return done

@@ -1,0 +1,118 @@
+"""Shard state: claimed by one worker at a time, fenced by the attempt number.
+
+A worker may only write (progress, results, failure) under the attempt it claimed: every
+write is `UPDATE ... WHERE id = %s AND attempt = %s AND status = 'running'`, so a worker
+presumed dead that wakes up later changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from jobs.models import Batch, Shard
+from jobs.services.batches import enqueue_next_shards, request_finalize
+from jobs.wire import Code
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Progress:
+    completed: int = 0
+    failed: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    def as_fields(self) -> dict[str, int]:
+        return {"completed": self.completed, "failed": self.failed,
+                "input_tokens": self.input_tokens, "output_tokens": self.output_tokens}
+
+
+def claim_shard(*, shard_id: str, worker: str) -> Shard | None:
+    """Take a queued shard of a running batch for this worker; None when it is not ours to
+    run (already done, taken, dropped, or its batch stopped). Tops up the batch's queue."""
+    shard = Shard.objects.select_related("batch").filter(pk=shard_id).first()
+    if shard is None or shard.status != Shard.Status.QUEUED:
+        return None
+    batch = shard.batch
+    if batch.status != Batch.Status.IN_PROGRESS or batch.stop_code:
+        return None
+    now = timezone.now()
+    claimed = Shard.objects.filter(pk=shard_id, status=Shard.Status.QUEUED,
+                                   attempt=shard.attempt).update(
+        status=Shard.Status.RUNNING, attempt=shard.attempt + 1, worker=worker,
+        heartbeat_at=now, started_at=now, finished_at=None, enqueued_at=None,
+        **Progress().as_fields())
+    if not claimed:
+        return None
+    batch_id = shard.batch_id
+    transaction.on_commit(lambda: enqueue_next_shards(batch_id=batch_id))
+    return Shard.objects.select_related("batch", "batch__input_file").get(pk=shard_id)
+
+
+def heartbeat(*, shard_id: str, attempt: int, progress: Progress) -> tuple[bool, str]:
+    """Record that the worker is alive and how far it got. Returns (still ours, the batch's
+    stop code: non-empty when the shard must stop)."""
+    mine = Shard.objects.filter(pk=shard_id, attempt=attempt,
+                                status=Shard.Status.RUNNING).update(
+        heartbeat_at=timezone.now(), **progress.as_fields())
+    stop_code = (Batch.objects.filter(shards__pk=shard_id).values_list("stop_code", flat=True)
+                 .first() or "")
+    return bool(mine), stop_code
+
+
+def finish_shard(*, shard_id: str, attempt: int, output_part: str, error_part: str,
+                 progress: Progress) -> bool:
+    """Record a shard's results as complete. False when the attempt is no longer the
+    current one (the caller must then discard its parts). Enqueues finalization when this
+    was the batch's last shard."""
+    with transaction.atomic():
+        done = Shard.objects.filter(pk=shard_id, attempt=attempt,
+                                    status=Shard.Status.RUNNING).update(
+            status=Shard.Status.DONE, finished_at=timezone.now(), output_part=output_part,
+            error_part=error_part, last_error="", **progress.as_fields())
+        if done:
+            batch_id = Shard.objects.values_list("batch_id", flat=True).get(pk=shard_id)
+            transaction.on_commit(lambda: request_finalize(batch_id=batch_id))
+    return bool(done)
+
+
+def fail_shard(*, shard_id: str, attempt: int, reason: str) -> None:
+    """An attempt failed (engine error, lost worker, storage error). Retry after an
+    exponential backoff, or once out of attempts abandon the shard: its requests become
+    `shard_failed` error lines and the batch still completes."""
+    conf = settings.BATCHWEB
+    shard = Shard.objects.filter(pk=shard_id, attempt=attempt,
+                                 status=Shard.Status.RUNNING).first()
+    if shard is None:
+        return
+    failures = shard.failures + 1
+    reason = reason[:2000]
+    fenced = Shard.objects.filter(pk=shard_id, attempt=attempt, status=Shard.Status.RUNNING)
+    if failures >= conf["SHARD_MAX_ATTEMPTS"]:
+        log.warning("shard %s abandoned after %d failures: %s", shard_id, failures, reason)
+        if fenced.update(status=Shard.Status.ABANDONED, failures=failures, last_error=reason,
+                         end_code=Code.SHARD_FAILED, finished_at=timezone.now(), completed=0,
+                         failed=F("request_count"), input_tokens=0, output_tokens=0):
+            request_finalize(batch_id=shard.batch_id)
+        return
+    delay = timedelta(seconds=conf["SHARD_RETRY_BASE_SECONDS"] * 2 ** (failures - 1))
+    log.warning("shard %s failed (%s); retry %d in %s", shard_id, reason, failures, delay)
+    fenced.update(status=Shard.Status.QUEUED, failures=failures, last_error=reason,
+                  not_before=timezone.now() + delay, worker="", **Progress().as_fields())
+
+
+def release_shard(*, shard_id: str, attempt: int) -> None:
+    """Hand a running shard back untouched (a worker shutting down): it is queued again at
+    once and does not count as a failure."""
+    if Shard.objects.filter(pk=shard_id, attempt=attempt, status=Shard.Status.RUNNING).update(
+            status=Shard.Status.QUEUED, worker="", not_before=None, **Progress().as_fields()):
+        batch_id = Shard.objects.values_list("batch_id", flat=True).get(pk=shard_id)
+        enqueue_next_shards(batch_id=batch_id)

@@ -1,0 +1,144 @@
+"""The Uploads API: a big file sent as parts (any order, up to 64 MB each), assembled in the
+order the client names on completion, checked like any other batch file."""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.files import File as DjangoFile
+from django.core.files.storage import default_storage
+from django.db import transaction
+from django.db.models import Sum
+from django.utils import timezone
+
+from jobs.models import Upload, UploadPart
+from jobs.services.errors import ServiceError, not_found, wrong_state
+from jobs.services.files import (
+    CHUNK,
+    check_purpose,
+    clean_filename,
+    create_input_file,
+    delete_file,
+    local_temp,
+    new_storage_name,
+)
+
+JSONL_MIME_TYPES = {"application/jsonl", "application/x-ndjson", "application/json",
+                    "text/jsonl", "text/plain", "application/octet-stream"}
+
+
+def create_upload(*, owner: Any, filename: Any, purpose: Any, bytes: Any,
+                  mime_type: Any) -> Upload:
+    check_purpose(purpose)
+    if not isinstance(filename, str) or not filename.strip():
+        raise ServiceError("filename is required.", param="filename")
+    if not isinstance(bytes, int) or isinstance(bytes, bool) or bytes <= 0:
+        raise ServiceError("bytes must be a positive integer.", param="bytes")
+    limit = min(settings.BATCHWEB["MAX_UPLOAD_BYTES"], settings.BATCHWEB["MAX_FILE_BYTES"])
+    if bytes > limit:
+        raise ServiceError(f"bytes must be at most {limit}.", status=413,
+                           code="file_too_large", param="bytes")
+    if mime_type not in JSONL_MIME_TYPES:
+        raise ServiceError("mime_type must be a JSONL type such as application/jsonl.",
+                           param="mime_type")
+    return Upload.objects.create(
+        owner=owner, filename=clean_filename(filename), purpose=purpose, bytes=bytes,
+        mime_type=mime_type,
+        expires_at=timezone.now() + timedelta(hours=settings.BATCHWEB["UPLOAD_TTL_HOURS"]))
+
+
+def get_upload_for_user(*, owner: Any, upload_id: str) -> Upload:
+    upload = Upload.objects.filter(owner=owner, pk=upload_id).first()
+    if upload is None:
+        raise not_found("upload", upload_id)
+    return upload
+
+
+def _check_pending(upload: Upload) -> None:
+    if upload.status == Upload.Status.PENDING and upload.expires_at <= timezone.now():
+        Upload.objects.filter(pk=upload.pk, status=Upload.Status.PENDING).update(
+            status=Upload.Status.EXPIRED)
+        upload.status = Upload.Status.EXPIRED
+    if upload.status != Upload.Status.PENDING:
+        raise wrong_state(f"The upload is {upload.status}.")
+
+
+def add_upload_part(*, upload: Upload, path: str | Path) -> UploadPart:
+    """Store one part (a local temporary file the caller owns)."""
+    _check_pending(upload)
+    size = Path(path).stat().st_size
+    if size == 0:
+        raise ServiceError("A part must not be empty.", param="data")
+    if size > settings.BATCHWEB["MAX_UPLOAD_PART_BYTES"]:
+        raise ServiceError(f"A part is at most {settings.BATCHWEB['MAX_UPLOAD_PART_BYTES']} bytes.",
+                           status=413, code="file_too_large", param="data")
+    so_far = upload.parts.aggregate(total=Sum("bytes"))["total"] or 0
+    if so_far + size > upload.bytes:
+        raise ServiceError(f"The parts would exceed the upload's {upload.bytes} bytes.",
+                           param="data")
+    with open(path, "rb") as handle:
+        storage_name = default_storage.save(new_storage_name(f"uploads/{upload.pk}"),
+                                            DjangoFile(handle))
+    return UploadPart.objects.create(upload=upload, storage_name=storage_name, bytes=size)
+
+
+def complete_upload(*, upload: Upload, part_ids: Any, md5: Any = None) -> Upload:
+    """Assemble the parts in the given order into a File; the upload becomes completed."""
+    _check_pending(upload)
+    if not isinstance(part_ids, list) or not part_ids or \
+            not all(isinstance(p, str) for p in part_ids):
+        raise ServiceError("part_ids must be a non-empty list of part ids.", param="part_ids")
+    if len(set(part_ids)) != len(part_ids):
+        raise ServiceError("part_ids lists a part more than once.", param="part_ids")
+    parts = {p.pk: p for p in upload.parts.filter(pk__in=part_ids)}
+    missing = [p for p in part_ids if p not in parts]
+    if missing:
+        raise ServiceError(f"Unknown part id for this upload: {missing[0][:64]}",
+                           param="part_ids")
+    total = sum(parts[p].bytes for p in part_ids)
+    if total != upload.bytes:
+        raise ServiceError(f"The parts hold {total} bytes; the upload was created for "
+                           f"{upload.bytes}.", param="part_ids")
+    if md5 not in (None, "") and not isinstance(md5, str):
+        raise ServiceError("md5 must be a hex string.", param="md5")
+    digest = hashlib.md5(usedforsecurity=False)
+    with local_temp(".upload") as assembled:
+        with open(assembled, "wb") as target:
+            for part_id in part_ids:
+                with default_storage.open(parts[part_id].storage_name, "rb") as source:
+                    while chunk := source.read(CHUNK):
+                        digest.update(chunk)
+                        target.write(chunk)
+        if md5 and digest.hexdigest() != md5.lower():
+            raise ServiceError("The md5 of the assembled file does not match.", param="md5")
+        file = create_input_file(owner=upload.owner, path=assembled, filename=upload.filename,
+                                 purpose=upload.purpose)
+    with transaction.atomic():
+        if not Upload.objects.filter(pk=upload.pk, status=Upload.Status.PENDING).update(
+                status=Upload.Status.COMPLETED, file=file):
+            transaction.on_commit(lambda: delete_file(file=file))
+            raise wrong_state("The upload was completed or cancelled meanwhile.")
+        _delete_parts(upload)
+    upload.refresh_from_db()
+    return upload
+
+
+def cancel_upload(*, upload: Upload) -> Upload:
+    with transaction.atomic():
+        if not Upload.objects.filter(pk=upload.pk, status=Upload.Status.PENDING).update(
+                status=Upload.Status.CANCELLED):
+            upload.refresh_from_db()
+            raise wrong_state(f"The upload is {upload.status}.")
+        _delete_parts(upload)
+    upload.refresh_from_db()
+    return upload
+
+
+def _delete_parts(upload: Upload) -> None:
+    names = list(upload.parts.values_list("storage_name", flat=True))
+    upload.parts.all().delete()
+    transaction.on_commit(lambda: [default_storage.delete(n) for n in names])

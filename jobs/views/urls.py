@@ -1,0 +1,10 @@
+from django.contrib.auth import views as auth_views
+from django.urls import path
+
+from jobs.views import pages
+
+urlpatterns = [
+    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("", pages.batch_list, name="batch_list"),
+]

@@ -1,0 +1,245 @@
+"""The OpenAI batch wire format in one place: input lines, output lines, error lines.
+
+Input line (OpenAI "The per-line object of the batch input file"):
+    {"custom_id": str, "method": "POST", "url": "/v1/chat/completions", "body": {...}}
+  custom_id: "A developer-provided per-request id that will be used to match outputs to
+  inputs. Must be unique for each request in a batch."
+Output line ("The per-line object of the batch output and error files"):
+    {"id": "batch_req_...", "custom_id": str,
+     "response": {"status_code": int, "request_id": str, "body": {...}} | null,
+     "error": {"code": str, "message": str} | null}
+  error: "For requests that failed with a non-HTTP error, this will contain more
+  information on the cause of the failure."
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS
+
+MAX_CUSTOM_ID_CHARS = 512
+
+
+class Code:
+    """`code` values of errors.data entries and of error lines."""
+
+    INVALID_JSON = "invalid_json_line"
+    INVALID_ENCODING = "invalid_encoding"
+    EMPTY_FILE = "empty_file"
+    LINE_TOO_LONG = "line_too_long"
+    TOO_MANY_REQUESTS = "too_many_requests"
+    FILE_TOO_LARGE = "file_too_large"
+    MISSING_PARAMETER = "missing_required_parameter"
+    INVALID_CUSTOM_ID = "invalid_custom_id"
+    DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
+    INVALID_METHOD = "invalid_method"
+    INVALID_URL = "invalid_url"
+    MISMATCHED_ENDPOINT = "mismatched_endpoint"
+    MISMATCHED_MODEL = "mismatched_model"
+    MODEL_NOT_FOUND = "model_not_found"
+    INVALID_BODY = "invalid_body"
+    INVALID_PARAMETER = "invalid_parameter"
+    # Error lines written at run time.
+    SHARD_FAILED = "shard_failed"
+    BATCH_CANCELLED = "batch_cancelled"
+    BATCH_EXPIRED = "batch_expired"
+
+
+@dataclass(frozen=True)
+class LineError:
+    code: str
+    message: str
+    param: str | None = None
+
+    def entry(self, line: int) -> dict[str, Any]:
+        """One `errors.data` item of the Batch object."""
+        return {"code": self.code, "line": line, "message": self.message, "param": self.param}
+
+
+@dataclass(frozen=True)
+class RequestLine:
+    custom_id: str
+    url: str
+    body: dict[str, Any]
+
+    @property
+    def model(self) -> str:
+        return self.body["model"]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def parse_line(raw: bytes, *, max_tokens_cap: int) -> RequestLine | LineError:
+    """Check one input line on its own (uniqueness and the batch's endpoint/model are the
+    caller's). `raw` has its line ending stripped."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return LineError(Code.INVALID_ENCODING, f"Line is not valid UTF-8 ({exc.reason}).")
+    try:
+        obj = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        return LineError(Code.INVALID_JSON, f"Line is not valid JSON: {str(exc)[:200]}")
+    if not isinstance(obj, dict):
+        return LineError(Code.INVALID_JSON, "Each line must be a JSON object.")
+
+    custom_id = obj.get("custom_id")
+    if custom_id is None:
+        return LineError(Code.MISSING_PARAMETER, "Missing custom_id.", "custom_id")
+    if not isinstance(custom_id, str) or not custom_id.strip():
+        return LineError(Code.INVALID_CUSTOM_ID, "custom_id must be a non-empty string.",
+                         "custom_id")
+    if len(custom_id) > MAX_CUSTOM_ID_CHARS:
+        return LineError(Code.INVALID_CUSTOM_ID,
+                         f"custom_id is longer than {MAX_CUSTOM_ID_CHARS} characters.",
+                         "custom_id")
+    method = obj.get("method")
+    if method != "POST":
+        return LineError(Code.INVALID_METHOD, "method must be POST.", "method")
+    url = obj.get("url")
+    if url not in ENDPOINTS:
+        return LineError(Code.INVALID_URL,
+                         f"url must be one of {', '.join(ENDPOINTS)}.", "url")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        return LineError(Code.INVALID_BODY, "body must be a JSON object.", "body")
+    problem = check_body(url, body, max_tokens_cap=max_tokens_cap)
+    if problem:
+        return problem
+    return RequestLine(custom_id=custom_id, url=url, body=body)
+
+
+def _check_messages(messages: Any) -> LineError | None:
+    if not isinstance(messages, list) or not messages:
+        return LineError(Code.INVALID_BODY, "body.messages must be a non-empty array.",
+                         "body.messages")
+    for i, message in enumerate(messages):
+        param = f"body.messages[{i}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            return LineError(Code.INVALID_BODY, f"{param} must be an object with a role.", param)
+        content = message.get("content")
+        if content is not None and not isinstance(content, str | list):
+            return LineError(Code.INVALID_BODY,
+                             f"{param}.content must be a string or an array of parts.",
+                             f"{param}.content")
+    return None
+
+
+def check_body(url: str, body: dict[str, Any], *, max_tokens_cap: int) -> LineError | None:
+    """The request-body rules we can check without the model; the engine checks the rest
+    and answers a per-request 400 for what it cannot honour."""
+    model = body.get("model")
+    if model is None:
+        return LineError(Code.MISSING_PARAMETER, "Missing body.model.", "body.model")
+    if not isinstance(model, str) or not model:
+        return LineError(Code.INVALID_BODY, "body.model must be a non-empty string.",
+                         "body.model")
+    if body.get("stream"):
+        return LineError(Code.INVALID_PARAMETER, "Streaming is not supported in a batch.",
+                         "body.stream")
+    if url == CHAT:
+        problem = _check_messages(body.get("messages"))
+        if problem:
+            return problem
+    elif url == COMPLETIONS:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str | list) or prompt in ("", []):
+            return LineError(Code.INVALID_BODY, "body.prompt must be a non-empty string or array.",
+                             "body.prompt")
+    elif url == EMBEDDINGS:
+        value = body.get("input")
+        if not isinstance(value, str | list) or value in ("", []):
+            return LineError(Code.INVALID_BODY, "body.input must be a non-empty string or array.",
+                             "body.input")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not _is_int(value) or value < 1:
+            return LineError(Code.INVALID_PARAMETER, f"body.{name} must be a positive integer.",
+                             f"body.{name}")
+        if value > max_tokens_cap:
+            return LineError(Code.INVALID_PARAMETER,
+                             f"body.{name} must be at most {max_tokens_cap}.", f"body.{name}")
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or not 1 <= n <= 128):
+        return LineError(Code.INVALID_PARAMETER, "body.n must be an integer from 1 to 128.",
+                         "body.n")
+    temperature = body.get("temperature")
+    if temperature is not None and (not _is_number(temperature) or not 0 <= temperature <= 2):
+        return LineError(Code.INVALID_PARAMETER, "body.temperature must be between 0 and 2.",
+                         "body.temperature")
+    top_p = body.get("top_p")
+    if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
+        return LineError(Code.INVALID_PARAMETER, "body.top_p must be in (0, 1].", "body.top_p")
+    return None
+
+
+def dedup_key(line: RequestLine) -> bytes | None:
+    """A digest of the request when its result is fully determined by its content
+    (greedy sampling, or a fixed seed); None when two runs may rightly differ."""
+    body = line.body
+    if line.url != EMBEDDINGS and body.get("temperature", 1) != 0 and body.get("seed") is None:
+        return None
+    canonical = json.dumps([line.url, body], sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(canonical.encode(), digest_size=16).digest()
+
+
+def estimate_tokens(line: RequestLine) -> tuple[int, int]:
+    """(input tokens, output-token ceiling) estimated without a tokenizer: ~4 characters a
+    token, which is close for English with BPE tokenizers."""
+    body = line.body
+    if line.url == CHAT:
+        text_chars = sum(len(json.dumps(m.get("content", ""))) for m in body["messages"])
+    elif line.url == COMPLETIONS:
+        text_chars = len(json.dumps(body["prompt"]))
+    else:
+        text_chars = len(json.dumps(body["input"]))
+    ceiling = 0
+    if line.url != EMBEDDINGS:
+        ceiling = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+        ceiling *= body.get("n") or 1
+    return max(1, text_chars // 4), ceiling
+
+
+def new_request_id() -> str:
+    return "batch_req_" + secrets.token_hex(12)
+
+
+def response_line(custom_id: str, status_code: int, body: dict[str, Any]) -> bytes:
+    """An output or error file line carrying the HTTP response of one request."""
+    line = {
+        "id": new_request_id(),
+        "custom_id": custom_id,
+        "response": {"status_code": status_code, "request_id": body.get("id") or
+                     "req_" + secrets.token_hex(12), "body": body},
+        "error": None,
+    }
+    return json.dumps(line, ensure_ascii=False).encode() + b"\n"
+
+
+def failure_line(custom_id: str, code: str, message: str) -> bytes:
+    """An error file line for a request that never got an HTTP response."""
+    line = {
+        "id": new_request_id(),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
+    return json.dumps(line, ensure_ascii=False).encode() + b"\n"
+
+
+def usage_of(body: dict[str, Any]) -> tuple[int, int]:
+    usage = body.get("usage") or {}
+    return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)

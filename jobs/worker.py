@@ -1,0 +1,397 @@
+"""The engine pipeline of a `batchworker` process.
+
+The engine is loaded once per process and fed continuously: an RQ job (`run_shard`) claims
+a shard, streams its lines into a bounded inbox and returns as soon as the last line is
+handed in, so the worker takes the next shard while the engine still finishes this one's
+slowest requests. One dispatcher thread drains the engine's results and writes each to its
+shard's part files; the shard is recorded done when its last result is written. A heartbeat
+thread keeps claimed shards alive in the database, stops shards whose batch was cancelled or
+expired, and runs the reconciler.
+
+Only ids cross threads and processes; the engine never sees a Django object.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+from django.conf import settings
+from django.core.files import File as DjangoFile
+from django.core.files.storage import default_storage
+from django.db import InterfaceError, OperationalError, close_old_connections, connection
+
+from engine.base import Engine, EngineRequest, EngineResult
+from jobs.models import RequestCopy, Shard
+from jobs.services import shards as shard_service
+from jobs.services.batches import STOP_MESSAGES, _bounded, _last_line
+from jobs.services.files import iter_lines, open_range, temp_dir
+from jobs.services.reconcile import reconcile
+from jobs.services.shards import Progress
+from jobs.wire import failure_line, response_line, usage_of
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+_END = object()
+_PIPELINE: Pipeline | None = None
+
+
+def current_pipeline() -> Pipeline:
+    if _PIPELINE is None:
+        raise RuntimeError("run_shard runs only inside `manage.py batchworker`.")
+    return _PIPELINE
+
+
+def with_db_retry(fn: Callable[[], T], *, attempts: int = 5) -> T:
+    """Run a database call, reconnecting if the connection was dropped (PostgreSQL
+    restarted, backend terminated). Each call is one conditional write, safe to repeat."""
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except (OperationalError, InterfaceError):
+            if attempt == attempts - 1:
+                raise
+            log.warning("database connection lost; reconnecting", exc_info=True)
+            connection.close()
+            time.sleep(min(2**attempt, 10))
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class ShardWork:
+    """One claimed shard while its requests are in the engine."""
+
+    shard_id: str
+    attempt: int
+    batch_id: str
+    out_path: Path
+    err_path: Path
+    out: IO[bytes]
+    err: IO[bytes]
+    # Primary line -> custom_ids of the identical requests it answers for (dedup).
+    copies: dict[int, list[str]]
+    # Lines in this shard's range that are copies answered by another line.
+    skip: set[int]
+    pending: dict[str, str] = field(default_factory=dict)  # request_id -> custom_id
+    progress: Progress = field(default_factory=Progress)
+    all_submitted: bool = False
+    finishing: bool = False
+    dead: bool = False
+    stop_code: str = ""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def request_id(self, line: int) -> str:
+        return f"{self.shard_id}:{self.attempt}:{line}"
+
+    def write_result(self, custom_id: str, line: int, result: EngineResult) -> None:
+        # Called with the lock held. Copies get the same body under their own custom_id;
+        # only the computed request's tokens are counted (the copies cost nothing).
+        ok = result.status_code == 200
+        target = self.out if ok else self.err
+        for cid in [custom_id, *self.copies.get(line, ())]:
+            target.write(response_line(cid, result.status_code, result.body))
+            if ok:
+                self.progress.completed += 1
+            else:
+                self.progress.failed += 1
+        if ok:
+            tokens_in, tokens_out = usage_of(result.body)
+            self.progress.input_tokens += tokens_in
+            self.progress.output_tokens += tokens_out
+
+    def write_unrun(self, custom_id: str, line: int, code: str) -> None:
+        message = STOP_MESSAGES.get(code, "The request was not run.")
+        for cid in [custom_id, *self.copies.get(line, ())]:
+            self.err.write(failure_line(cid, code, message))
+            self.progress.failed += 1
+
+    def close_files(self) -> None:
+        for handle in (self.out, self.err):
+            if not handle.closed:
+                handle.close()
+
+    def remove_files(self) -> None:
+        self.close_files()
+        for path in (self.out_path, self.err_path):
+            path.unlink(missing_ok=True)
+
+
+class Pipeline:
+    def __init__(self, engine: Engine, *, worker_name: str, inbox_size: int = 64,
+                 reconcile_every: float | None = None) -> None:
+        self.engine = engine
+        self.worker_name = worker_name
+        self.inbox: queue.Queue[Any] = queue.Queue(maxsize=inbox_size)
+        self.works: dict[str, ShardWork] = {}
+        self.works_lock = threading.Lock()
+        self.broken: BaseException | None = None
+        self.closing = threading.Event()
+        conf = settings.BATCHWEB
+        self.heartbeat_every = conf["HEARTBEAT_SECONDS"]
+        self.reconcile_every = (conf["RECONCILE_SECONDS"] if reconcile_every is None
+                                else reconcile_every)
+        self.dispatcher = threading.Thread(target=self._dispatch, name="dispatch", daemon=True)
+        self.heartbeater = threading.Thread(target=self._heartbeat, name="heartbeat",
+                                            daemon=True)
+
+    # --- lifecycle ---
+
+    def start(self) -> None:
+        global _PIPELINE
+        _PIPELINE = self
+        self.dispatcher.start()
+        self.heartbeater.start()
+
+    def drain(self, timeout: float) -> None:
+        """Wait for the shards in flight to finish; hand back what is left at the timeout."""
+        deadline = time.monotonic() + timeout
+        while self.works and time.monotonic() < deadline and self.broken is None:
+            time.sleep(0.2)
+        self.hand_back_all()
+
+    def hand_back_all(self) -> None:
+        with self.works_lock:
+            works = list(self.works.values())
+        for work in works:
+            self._drop(work)
+            with_db_retry(lambda w=work: shard_service.release_shard(
+                shard_id=w.shard_id, attempt=w.attempt))
+            log.info("handed back shard %s", work.shard_id)
+
+    def close(self) -> None:
+        global _PIPELINE
+        self.closing.set()
+        self.inbox.put(_END)
+        self.dispatcher.join(timeout=30)
+        self.heartbeater.join(timeout=30)
+        self.engine.close()
+        _PIPELINE = None
+
+    # --- the RQ job side ---
+
+    def run_shard(self, shard_id: str) -> None:
+        """Claim a shard and stream its requests into the engine; returns once all are
+        handed in (the dispatcher finishes the shard)."""
+        if self.broken is not None:
+            raise RuntimeError(f"engine failed: {self.broken}")
+        close_old_connections()
+        shard = with_db_retry(lambda: shard_service.claim_shard(shard_id=shard_id,
+                                                                worker=self.worker_name))
+        if shard is None:
+            return
+        work = self._open_work(shard)
+        try:
+            self._submit_lines(shard, work)
+        except BaseException as exc:
+            # Reading the input or the database failed, or a cold shutdown: the attempt is
+            # lost, the shard goes back to the queue (with backoff).
+            self._drop(work)
+            if not isinstance(exc, SystemExit | KeyboardInterrupt):
+                log.exception("shard %s failed while submitting", shard_id)
+                reason = f"{type(exc).__name__}: {exc}"
+                with_db_retry(lambda: shard_service.fail_shard(
+                    shard_id=shard_id, attempt=work.attempt, reason=reason))
+            raise
+        with work.lock:
+            work.all_submitted = True
+            finish_now = not work.pending and not work.finishing and not work.dead
+            work.finishing = work.finishing or finish_now
+        if finish_now:
+            self._finish(work)
+
+    def _open_work(self, shard: Shard) -> ShardWork:
+        last_line = _last_line(shard)
+        copies: dict[int, list[str]] = {}
+        for primary, custom_id in RequestCopy.objects.filter(
+                batch_id=shard.batch_id, primary_line__gte=shard.first_line,
+                primary_line__lte=last_line).values_list("primary_line", "custom_id").iterator():
+            copies.setdefault(primary, []).append(custom_id)
+        skip = set(RequestCopy.objects.filter(
+            batch_id=shard.batch_id, line__gte=shard.first_line, line__lte=last_line
+        ).values_list("line", flat=True))
+        base = temp_dir() / f"{shard.id}-{shard.attempt}"
+        out_path, err_path = base.with_suffix(".out"), base.with_suffix(".err")
+        # Closed by ShardWork.close_files when the shard finishes or is dropped.
+        work = ShardWork(shard_id=shard.id, attempt=shard.attempt, batch_id=shard.batch_id,
+                         out_path=out_path, err_path=err_path,
+                         out=open(out_path, "wb"),  # noqa: SIM115
+                         err=open(err_path, "wb"),  # noqa: SIM115
+                         copies=copies, skip=skip)
+        with self.works_lock:
+            self.works[shard.id] = work
+        return work
+
+    def _submit_lines(self, shard: Shard, work: ShardWork) -> None:
+        storage_name = shard.batch.input_file.storage_name
+        with open_range(storage_name, shard.start_byte) as stream:
+            for line in iter_lines(_bounded(stream, shard.end_byte - shard.start_byte),
+                                   max_line_bytes=settings.BATCHWEB["MAX_LINE_BYTES"],
+                                   start=shard.start_byte, first_number=shard.first_line):
+                if line.content is None or not line.content.strip() or line.number in work.skip:
+                    continue
+                request = json.loads(line.content)
+                if work.dead:
+                    return
+                if work.stop_code:
+                    with work.lock:
+                        work.write_unrun(request["custom_id"], line.number, work.stop_code)
+                    continue
+                engine_request = EngineRequest(request_id=work.request_id(line.number),
+                                               url=request["url"], body=request["body"])
+                with work.lock:
+                    work.pending[engine_request.request_id] = request["custom_id"]
+                self._put(engine_request)
+
+    def _put(self, request: EngineRequest) -> None:
+        # Blocks while the engine is full: this is the backpressure that bounds memory.
+        while True:
+            if self.broken is not None:
+                raise RuntimeError(f"engine failed: {self.broken}")
+            try:
+                self.inbox.put(request, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    # --- the dispatcher thread ---
+
+    def _requests(self) -> Iterator[EngineRequest]:
+        while True:
+            item = self.inbox.get()
+            if item is _END:
+                return
+            yield item
+
+    def _dispatch(self) -> None:
+        try:
+            for result in self.engine.run(self._requests()):
+                self._on_result(result)
+        except BaseException as exc:
+            log.exception("engine failed")
+            self.broken = exc
+            self._fail_all(f"engine failed: {type(exc).__name__}: {exc}")
+
+    def _on_result(self, result: EngineResult) -> None:
+        shard_id, attempt, line = result.request_id.rsplit(":", 2)
+        work = self.works.get(shard_id)
+        if work is None or work.attempt != int(attempt):
+            return
+        with work.lock:
+            custom_id = work.pending.pop(result.request_id, None)
+            if custom_id is None or work.dead:
+                return
+            if result.aborted:
+                work.write_unrun(custom_id, int(line), work.stop_code or "request_aborted")
+            else:
+                work.write_result(custom_id, int(line), result)
+            finish_now = work.all_submitted and not work.pending and not work.finishing
+            work.finishing = work.finishing or finish_now
+        if finish_now:
+            self._finish(work)
+
+    def _finish(self, work: ShardWork) -> None:
+        """Store the shard's parts and record it done, or fail the attempt if storing fails;
+        a part is attached to the shard only if the attempt is still current."""
+        stored: list[str] = []
+        try:
+            work.close_files()
+            for path, kind in ((work.out_path, "output"), (work.err_path, "error")):
+                if path.stat().st_size == 0:
+                    stored.append("")
+                    continue
+                with open(path, "rb") as handle:
+                    stored.append(default_storage.save(
+                        f"parts/{work.batch_id}/{work.shard_id}-{work.attempt}.{kind}.jsonl",
+                        DjangoFile(handle)))
+            finished = with_db_retry(lambda: shard_service.finish_shard(
+                shard_id=work.shard_id, attempt=work.attempt, output_part=stored[0],
+                error_part=stored[1], progress=work.progress))
+            if not finished:
+                log.warning("shard %s attempt %d was taken over; discarding its results",
+                            work.shard_id, work.attempt)
+                _delete_all(stored)
+        except Exception as exc:
+            log.exception("could not store results of shard %s", work.shard_id)
+            _delete_all(stored)
+            reason = f"storing results failed: {type(exc).__name__}: {exc}"
+            with_db_retry(lambda: shard_service.fail_shard(
+                shard_id=work.shard_id, attempt=work.attempt, reason=reason))
+        finally:
+            work.remove_files()
+            with self.works_lock:
+                self.works.pop(work.shard_id, None)
+
+    def _drop(self, work: ShardWork) -> None:
+        """Forget a shard's attempt: abort its requests in the engine, discard its files."""
+        with work.lock:
+            work.dead = True
+            in_flight = list(work.pending)
+            work.pending.clear()
+        if in_flight:
+            self.engine.abort(in_flight)
+        work.remove_files()
+        with self.works_lock:
+            self.works.pop(work.shard_id, None)
+
+    def _fail_all(self, reason: str) -> None:
+        with self.works_lock:
+            works = list(self.works.values())
+        for work in works:
+            self._drop(work)
+            try:
+                with_db_retry(lambda w=work: shard_service.fail_shard(
+                    shard_id=w.shard_id, attempt=w.attempt, reason=reason))
+            except Exception:
+                log.exception("could not record failure of shard %s", work.shard_id)
+
+    # --- the heartbeat thread ---
+
+    def _heartbeat(self) -> None:
+        last_reconcile = 0.0
+        while not self.closing.wait(self.heartbeat_every):
+            try:
+                self._beat()
+                if self.reconcile_every and time.monotonic() - last_reconcile > \
+                        self.reconcile_every:
+                    last_reconcile = time.monotonic()
+                    reconcile()
+            except (OperationalError, InterfaceError):
+                log.warning("heartbeat: database unavailable; will retry", exc_info=True)
+                connection.close()
+            except Exception:
+                log.exception("heartbeat failed")
+        connection.close()
+
+    def _beat(self) -> None:
+        with self.works_lock:
+            works = list(self.works.values())
+        for work in works:
+            with work.lock:
+                snapshot = Progress(**work.progress.as_fields())
+            mine, stop_code = shard_service.heartbeat(shard_id=work.shard_id,
+                                                      attempt=work.attempt, progress=snapshot)
+            if not mine and not work.finishing:
+                log.warning("shard %s is no longer ours; dropping it", work.shard_id)
+                self._drop(work)
+            elif stop_code and not work.stop_code:
+                with work.lock:
+                    work.stop_code = stop_code
+                    in_flight = list(work.pending)
+                log.info("shard %s stopping: %s", work.shard_id, stop_code)
+                self.engine.abort(in_flight)
+
+
+def _delete_all(names: list[str]) -> None:
+    for name in names:
+        if name:
+            try:
+                default_storage.delete(name)
+            except Exception:
+                log.exception("could not delete %s", name)
