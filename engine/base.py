@@ -1,0 +1,89 @@
+"""The one narrow interface between the batch service and an inference engine.
+
+Nothing in `engine/` imports Django: the worker hands plain requests in and gets plain
+results out. A request is one line of a batch input file, already validated; a result is
+the OpenAI response body the output (or error) file will carry for it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
+
+
+class EngineError(Exception):
+    """The engine itself failed (could not start, crashed): the whole shard is retried.
+
+    A single bad request is never an EngineError; it is an `EngineResult` with a 4xx status.
+    """
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    # Unique among the requests in flight in this engine; the worker uses "<shard>:<line>".
+    request_id: str
+    # One of ENDPOINTS.
+    url: str
+    # The request body exactly as the batch line carries it (model name already checked).
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EngineResult:
+    request_id: str
+    # 200 with an OpenAI response object (chat.completion, text_completion or an embeddings
+    # list, each with `usage`), or 4xx with an OpenAI error body {"error": {...}}.
+    status_code: int
+    body: dict[str, Any] = field(default_factory=dict)
+    # True when the request was aborted through `Engine.abort` before it finished; `body`
+    # is then empty and the caller decides what to write for it.
+    aborted: bool = False
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model a deployment serves, as declared in settings.BATCHWEB_MODELS."""
+
+    # The name users put in the `model` field of a request.
+    name: str
+    # "vllm" (GPU and CPU alike: the installed vLLM build decides the device) or "echo"
+    # (test-only, no model).
+    backend: str
+    # A local Hugging Face style folder; empty for the echo backend.
+    path: str = ""
+    # The endpoints this model serves.
+    endpoints: tuple[str, ...] = (CHAT, COMPLETIONS)
+    # Passed to the engine (dtype, max_model_len, max_num_seqs, tensor_parallel_size, ...).
+    options: dict[str, Any] = field(default_factory=dict)
+    # Where `prepare_model` gets the weights from when `path` does not exist yet.
+    source: str = ""
+
+
+class Engine(ABC):
+    """Continuous batching behind a pull-based stream.
+
+    `run` pulls requests lazily from the iterable it is given (which may block while the
+    caller has nothing to hand in), keeps at most `max_in_flight` of them inside the engine,
+    and yields each result as soon as it finishes, in completion order. It returns after the
+    iterable is exhausted and every pulled request has produced a result. Memory stays flat
+    however many requests pass through.
+    """
+
+    max_in_flight: int
+
+    @abstractmethod
+    def run(self, requests: Iterable[EngineRequest]) -> Iterator[EngineResult]: ...
+
+    @abstractmethod
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Stop these requests if they are in flight; each still yields one result, aborted."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook, not abstract)
+        """Release the model and any engine process."""
