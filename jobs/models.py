@@ -19,6 +19,27 @@ def new_id(prefix: str) -> str:
     return prefix + secrets.token_hex(12)
 
 
+# Public ids as OpenAI spells them; unguessable, so an id alone reveals nothing.
+def new_file_id() -> str:
+    return new_id("file-")
+
+
+def new_upload_id() -> str:
+    return new_id("upload_")
+
+
+def new_part_id() -> str:
+    return new_id("part_")
+
+
+def new_batch_id() -> str:
+    return new_id("batch_")
+
+
+def new_shard_id() -> str:
+    return new_id("shard_")
+
+
 def epoch(value: datetime | None) -> int | None:
     return int(value.timestamp()) if value else None
 
@@ -54,7 +75,7 @@ class File(models.Model):
         BATCH_OUTPUT = "batch_output"
         BATCH_ERROR = "batch_error"
 
-    id = models.CharField(primary_key=True, max_length=40, default="", editable=False)
+    id = models.CharField(primary_key=True, max_length=40, default=new_file_id, editable=False)
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
     purpose = models.CharField(max_length=20, choices=Purpose.choices)
     filename = models.CharField(max_length=255)
@@ -70,11 +91,6 @@ class File(models.Model):
         verbose_name = "file"
         ordering = ["-created_at", "-id"]
         indexes = [models.Index(fields=["owner", "created_at"])]
-
-    def save(self, *args: Any, **kwargs: Any) -> None:
-        if not self.id:
-            self.id = new_id("file-")
-        super().save(*args, **kwargs)
 
     def __str__(self) -> str:
         return f"{self.id} {self.filename}"
@@ -102,7 +118,7 @@ class Upload(models.Model):
         CANCELLED = "cancelled"
         EXPIRED = "expired"
 
-    id = models.CharField(primary_key=True, max_length=40, default="", editable=False)
+    id = models.CharField(primary_key=True, max_length=40, default=new_upload_id, editable=False)
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
     filename = models.CharField(max_length=255)
     purpose = models.CharField(max_length=20)
@@ -112,11 +128,6 @@ class Upload(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField(db_index=True)
     file = models.OneToOneField(File, null=True, blank=True, on_delete=models.SET_NULL)
-
-    def save(self, *args: Any, **kwargs: Any) -> None:
-        if not self.id:
-            self.id = new_id("upload_")
-        super().save(*args, **kwargs)
 
     def __str__(self) -> str:
         return f"{self.id} {self.filename}"
@@ -136,16 +147,11 @@ class Upload(models.Model):
 
 
 class UploadPart(models.Model):
-    id = models.CharField(primary_key=True, max_length=40, default="", editable=False)
+    id = models.CharField(primary_key=True, max_length=40, default=new_part_id, editable=False)
     upload = models.ForeignKey(Upload, on_delete=models.CASCADE, related_name="parts")
     storage_name = models.CharField(max_length=255)
     bytes = models.BigIntegerField()
     created_at = models.DateTimeField(auto_now_add=True)
-
-    def save(self, *args: Any, **kwargs: Any) -> None:
-        if not self.id:
-            self.id = new_id("part_")
-        super().save(*args, **kwargs)
 
     def to_openai(self) -> dict[str, Any]:
         return {
@@ -174,7 +180,7 @@ class Batch(models.Model):
         DEFAULT = "default"
         LOW = "low"
 
-    id = models.CharField(primary_key=True, max_length=40, default="", editable=False)
+    id = models.CharField(primary_key=True, max_length=40, default=new_batch_id, editable=False)
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
     endpoint = models.CharField(max_length=40)
     model = models.CharField(max_length=200, blank=True)
@@ -227,11 +233,6 @@ class Batch(models.Model):
         verbose_name_plural = "batches"
         ordering = ["-created_at", "-id"]
         indexes = [models.Index(fields=["owner", "created_at"])]
-
-    def save(self, *args: Any, **kwargs: Any) -> None:
-        if not self.id:
-            self.id = new_id("batch_")
-        super().save(*args, **kwargs)
 
     def __str__(self) -> str:
         return self.id
@@ -305,7 +306,7 @@ class Shard(models.Model):
         # Its requests were written as error lines.
         ABANDONED = "abandoned"
 
-    id = models.CharField(primary_key=True, max_length=40, default="", editable=False)
+    id = models.CharField(primary_key=True, max_length=40, default=new_shard_id, editable=False)
     batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="shards")
     index = models.PositiveIntegerField()
     start_byte = models.BigIntegerField()
@@ -346,11 +347,6 @@ class Shard(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["batch", "index"], name="unique_shard_index")
         ]
-
-    def save(self, *args: Any, **kwargs: Any) -> None:
-        if not self.id:
-            self.id = new_id("shard_")
-        super().save(*args, **kwargs)
 
     def __str__(self) -> str:
         return f"{self.batch_id}#{self.index}"

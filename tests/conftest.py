@@ -3,27 +3,14 @@ Redis (flushed per test) and real `batchworker` processes on the test database."
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-# Read by settings at import: the echo model for pipeline tests, short timings so the
-# reconciler and heartbeats act within a test's patience, and a storage of the tests' own.
-ROOT = Path(__file__).resolve().parent.parent
-os.environ.setdefault("BATCHWEB_ECHO_MODEL", "1")
-# Live-server threads must not keep connections open, or the test database cannot be dropped.
-os.environ.setdefault("DB_CONN_MAX_AGE", "0")
-os.environ.setdefault("BATCHWEB_HEARTBEAT_SECONDS", "1")
-os.environ.setdefault("BATCHWEB_HEARTBEAT_TIMEOUT_SECONDS", "6")
-os.environ.setdefault("BATCHWEB_RECONCILE_SECONDS", "2")
-os.environ.setdefault("BATCHWEB_SHARD_RETRY_BASE_SECONDS", "1")
-os.environ.setdefault("BATCHWEB_STORAGE_DIR", str(ROOT / "var" / "test-storage"))
+import pytest
 
-import pytest  # noqa: E402
-
-from tests.helpers import Workers  # noqa: E402
+from tests.helpers import Workers
 
 EPOCH = time.time()
 

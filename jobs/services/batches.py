@@ -108,8 +108,10 @@ def create_batch(*, owner: Any, input_file_id: Any, endpoint: Any, completion_wi
         expires_at=now + window,
     )
     batch_id = batch.id
+    # robust: if Redis is down the batch is still created; the reconciler enqueues it later.
     transaction.on_commit(
-        lambda: queues.enqueue_control("jobs.tasks.validate_batch", batch_id, suffix="validate"))
+        lambda: queues.enqueue_control("jobs.tasks.validate_batch", batch_id, suffix="validate"),
+        robust=True)
     return batch
 
 
@@ -148,7 +150,7 @@ def run_validation(*, batch_id: str) -> None:
             now = timezone.now()
             Batch.objects.filter(pk=batch_id, status=Batch.Status.VALIDATING).update(
                 status=Batch.Status.FAILED, failed_at=now, errors=errors)
-            transaction.on_commit(lambda: _notify_ended(batch_id))
+            transaction.on_commit(lambda: _notify_ended(batch_id), robust=True)
             return
         with transaction.atomic():
             started = Batch.objects.filter(
@@ -166,7 +168,7 @@ def run_validation(*, batch_id: str) -> None:
                 for plan in report.shards
             ], batch_size=500)
             _save_copies(batch_id, copies_path)
-            transaction.on_commit(lambda: enqueue_next_shards(batch_id=batch_id))
+            transaction.on_commit(lambda: enqueue_next_shards(batch_id=batch_id), robust=True)
 
 
 def _save_copies(batch_id: str, path: Path) -> None:
@@ -235,7 +237,7 @@ def cancel_batch(*, batch: Batch) -> Batch:
                 raise wrong_state(f"Cannot cancel a batch that is {batch.status}.")
         _drop_queued_shards(batch.pk, Code.BATCH_CANCELLED)
         batch_id = batch.pk
-        transaction.on_commit(lambda: request_finalize(batch_id=batch_id))
+        transaction.on_commit(lambda: request_finalize(batch_id=batch_id), robust=True)
     return with_progress(Batch.objects.filter(pk=batch.pk)).get()
 
 

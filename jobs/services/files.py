@@ -279,7 +279,7 @@ def delete_file(*, file: File) -> None:
             raise wrong_state("The file is the input of a batch that is still running.")
         storage_name = file.storage_name
         file.delete()
-        transaction.on_commit(lambda: default_storage.delete(storage_name))
+        transaction.on_commit(lambda: default_storage.delete(storage_name), robust=True)
 
 
 @contextmanager

@@ -55,7 +55,7 @@ def reconcile() -> dict[str, int]:
     for batch_id in Batch.objects.filter(status=Batch.Status.VALIDATING, stop_code="",
                                          created_at__lt=now - VALIDATION_GRACE
                                          ).values_list("pk", flat=True):
-        if not queues.queue_is_waiting(f"{batch_id}.validate"):
+        if not queues.queue_is_waiting(f"{batch_id}-validate"):
             queues.enqueue_control("jobs.tasks.validate_batch", batch_id, suffix="validate")
             done["validations"] += 1
 
@@ -66,7 +66,7 @@ def reconcile() -> dict[str, int]:
         | Q(status=Batch.Status.VALIDATING) & ~Q(stop_code="")
     ).exclude(shards__status__in=(Shard.Status.QUEUED, Shard.Status.RUNNING)).distinct()
     for batch_id in unfinished.values_list("pk", flat=True):
-        if not queues.queue_is_waiting(f"{batch_id}.finalize"):
+        if not queues.queue_is_waiting(f"{batch_id}-finalize"):
             request_finalize(batch_id=batch_id)
             done["finalize"] += 1
     if any(done.values()):

@@ -53,7 +53,7 @@ def claim_shard(*, shard_id: str, worker: str) -> Shard | None:
     if not claimed:
         return None
     batch_id = shard.batch_id
-    transaction.on_commit(lambda: enqueue_next_shards(batch_id=batch_id))
+    transaction.on_commit(lambda: enqueue_next_shards(batch_id=batch_id), robust=True)
     return Shard.objects.select_related("batch", "batch__input_file").get(pk=shard_id)
 
 
@@ -80,7 +80,7 @@ def finish_shard(*, shard_id: str, attempt: int, output_part: str, error_part: s
             error_part=error_part, last_error="", **progress.as_fields())
         if done:
             batch_id = Shard.objects.values_list("batch_id", flat=True).get(pk=shard_id)
-            transaction.on_commit(lambda: request_finalize(batch_id=batch_id))
+            transaction.on_commit(lambda: request_finalize(batch_id=batch_id), robust=True)
     return bool(done)
 
 

@@ -120,7 +120,7 @@ def complete_upload(*, upload: Upload, part_ids: Any, md5: Any = None) -> Upload
     with transaction.atomic():
         if not Upload.objects.filter(pk=upload.pk, status=Upload.Status.PENDING).update(
                 status=Upload.Status.COMPLETED, file=file):
-            transaction.on_commit(lambda: delete_file(file=file))
+            transaction.on_commit(lambda: delete_file(file=file), robust=True)
             raise wrong_state("The upload was completed or cancelled meanwhile.")
         _delete_parts(upload)
     upload.refresh_from_db()
@@ -141,4 +141,4 @@ def cancel_upload(*, upload: Upload) -> Upload:
 def _delete_parts(upload: Upload) -> None:
     names = list(upload.parts.values_list("storage_name", flat=True))
     upload.parts.all().delete()
-    transaction.on_commit(lambda: [default_storage.delete(n) for n in names])
+    transaction.on_commit(lambda: [default_storage.delete(n) for n in names], robust=True)

@@ -1,0 +1,22 @@
+"""Settings for the test suite: the service's own, plus the echo model for pipeline tests,
+short timings so heartbeats and the reconciler act within a test's patience, and a storage
+of the tests' own. Worker processes started by tests inherit this module through
+DJANGO_SETTINGS_MODULE."""
+
+import os
+from pathlib import Path
+
+_ROOT = Path(__file__).resolve().parent.parent
+for _name, _value in {
+    "BATCHWEB_ECHO_MODEL": "1",
+    # Live-server threads must not keep connections, or the test database cannot be dropped.
+    "DB_CONN_MAX_AGE": "0",
+    "BATCHWEB_HEARTBEAT_SECONDS": "1",
+    "BATCHWEB_HEARTBEAT_TIMEOUT_SECONDS": "6",
+    "BATCHWEB_RECONCILE_SECONDS": "2",
+    "BATCHWEB_SHARD_RETRY_BASE_SECONDS": "1",
+    "BATCHWEB_STORAGE_DIR": str(_ROOT / "var" / "test-storage"),
+}.items():
+    os.environ.setdefault(_name, _value)
+
+from batchweb.settings import *  # noqa: E402, F403
