@@ -191,7 +191,8 @@ ECHO_MODEL = {
     "name": "echo-test",
     "backend": "echo",
     "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"],
-    "options": {"seconds_per_request": float(os.environ.get("BATCHWEB_ECHO_SECONDS", "0"))},
+    "options": {"seconds_per_request": float(os.environ.get("BATCHWEB_ECHO_SECONDS", "0")),
+                "max_in_flight": env_int("BATCHWEB_ECHO_MAX_IN_FLIGHT", 64)},
 }
 if os.environ.get("BATCHWEB_MODELS_FILE"):
     BATCHWEB_MODELS = json.loads(Path(os.environ["BATCHWEB_MODELS_FILE"]).read_text())

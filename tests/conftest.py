@@ -66,3 +66,5 @@ def workers(transactional_db: Any, tmp_path: Path) -> Iterator[Workers]:
     pool = Workers(tmp_path)
     yield pool
     pool.stop_all()
+    # Shown by pytest only when the test failed.
+    print("--- worker logs ---\n" + pool.logs())
