@@ -45,14 +45,15 @@ def enqueue_shard(shard_id: str, queue_name: str) -> None:
                               job_timeout=-1, result_ttl=600, failure_ttl=7 * 24 * 3600)
 
 
-def job_exists(job_id: str) -> bool:
-    return Job.exists(job_id, connection=connection())
+def queue_is_waiting(job_id: str, *, started_counts: bool = True) -> bool:
+    """Whether the job is still waiting in a queue (not lost with a flushed Redis).
 
-
-def queue_is_waiting(job_id: str) -> bool:
-    """Whether the job is still waiting in a queue (not lost with a flushed Redis)."""
+    A shard's job that a worker has started but the shard is still queued was popped by a
+    worker that died before claiming it: pass started_counts=False for those.
+    """
     try:
         job = Job.fetch(job_id, connection=connection())
     except Exception:
         return False
-    return job.get_status(refresh=False) in ("queued", "started", "scheduled", "deferred")
+    waiting = {"queued", "scheduled", "deferred"} | ({"started"} if started_counts else set())
+    return job.get_status(refresh=False) in waiting

@@ -44,7 +44,7 @@ def reconcile() -> dict[str, int]:
     for shard_id in Shard.objects.filter(status=Shard.Status.QUEUED,
                                          enqueued_at__lt=now - timedelta(seconds=5)
                                          ).values_list("pk", flat=True):
-        if not queues.queue_is_waiting(shard_id):
+        if not queues.queue_is_waiting(shard_id, started_counts=False):
             Shard.objects.filter(pk=shard_id, status=Shard.Status.QUEUED).update(enqueued_at=None)
             done["lost"] += 1
 
