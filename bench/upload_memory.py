@@ -1,0 +1,114 @@
+"""Peak memory of the web server while it takes big uploads.
+
+Starts gunicorn (1 worker) on a scratch SQLite database and storage, then sends
+  - a FILE_MB multipart upload through POST /v1/files, and
+  - an UPLOAD_MB file through the Uploads API (64 MB parts),
+both with the official openai client, and reports the server's peak RSS (VmHWM) after
+each. Streaming everywhere means the peak stays flat whatever the size.
+
+    .venv/bin/python bench/upload_memory.py [--file-mb 200] [--upload-mb 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LINE = {"custom_id": "", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": "SmolLM2-135M-Instruct", "max_tokens": 64,
+                 "messages": [{"role": "user", "content": "x" * 300}]}}
+
+
+def write_jsonl(path: Path, megabytes: int) -> int:
+    target = megabytes * 1024 * 1024
+    size = 0
+    with open(path, "w") as out:
+        i = 0
+        while size < target:
+            LINE["custom_id"] = f"req-{i}"
+            line = json.dumps(LINE) + "\n"
+            out.write(line)
+            size += len(line)
+            i += 1
+    return size
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--file-mb", type=int, default=200)
+    parser.add_argument("--upload-mb", type=int, default=1024)
+    args = parser.parse_args()
+
+    import openai
+
+    scratch = Path(tempfile.mkdtemp(prefix="bw-upload-bench-"))
+    env = {**os.environ, "BATCHWEB_VAR_DIR": str(scratch), "DATABASE_URL": "",
+           "BATCHWEB_MAX_FILE_BYTES": str(4 * 1024**3),
+           "BATCHWEB_MAX_REQUESTS_PER_BATCH": str(100_000_000)}
+    env.pop("DATABASE_URL")
+    py = sys.executable
+    subprocess.run([py, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True)
+    subprocess.run([py, "manage.py", "shell", "-c",
+                    "from django.contrib.auth.models import User; User.objects.create(username='b')"],
+                   cwd=ROOT, env=env, check=True)
+    key = subprocess.run([py, "manage.py", "createapikey", "b"], cwd=ROOT, env=env, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    server = subprocess.Popen([py, "-m", "gunicorn", "batchweb.wsgi:application", "-b",
+                               "127.0.0.1:8765", "-w", "1", "--timeout", "900"],
+                              cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(3)
+        worker = children(server.pid)[0]
+        client = openai.OpenAI(base_url="http://127.0.0.1:8765/v1", api_key=key,
+                               max_retries=0, timeout=900)
+        baseline = peak_rss_mb(worker)
+        rows = [("baseline", "-", f"{baseline:.0f}")]
+
+        small = scratch / "multipart.jsonl"
+        size = write_jsonl(small, args.file_mb)
+        started = time.monotonic()
+        with open(small, "rb") as handle:
+            client.files.create(file=handle, purpose="batch")
+        rows.append((f"POST /v1/files {size / 1e6:.0f} MB", f"{time.monotonic() - started:.1f}",
+                     f"{peak_rss_mb(worker):.0f}"))
+        small.unlink()
+
+        big = scratch / "upload.jsonl"
+        size = write_jsonl(big, args.upload_mb)
+        started = time.monotonic()
+        upload = client.uploads.upload_file_chunked(file=big, mime_type="application/jsonl",
+                                                    purpose="batch",
+                                                    part_size=64 * 1024 * 1024)
+        assert upload.status == "completed", upload
+        rows.append((f"Uploads API {size / 1e6:.0f} MB", f"{time.monotonic() - started:.1f}",
+                     f"{peak_rss_mb(worker):.0f}"))
+        print(f"{'what':<28} {'seconds':>8} {'peak RSS MB':>12}")
+        for what, seconds, rss in rows:
+            print(f"{what:<28} {seconds:>8} {rss:>12}")
+    finally:
+        server.terminate()
+        server.wait()
+        subprocess.run(["rm", "-rf", str(scratch)])
+
+
+if __name__ == "__main__":
+    main()
