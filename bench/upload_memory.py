@@ -67,9 +67,8 @@ def main() -> None:
     env.pop("DATABASE_URL")
     py = sys.executable
     subprocess.run([py, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True)
-    subprocess.run([py, "manage.py", "shell", "-c",
-                    "from django.contrib.auth.models import User; User.objects.create(username='b')"],
-                   cwd=ROOT, env=env, check=True)
+    create_user = "from django.contrib.auth.models import User; User.objects.create(username='b')"
+    subprocess.run([py, "manage.py", "shell", "-c", create_user], cwd=ROOT, env=env, check=True)
     key = subprocess.run([py, "manage.py", "createapikey", "b"], cwd=ROOT, env=env, check=True,
                          capture_output=True, text=True).stdout.strip()
     server = subprocess.Popen([py, "-m", "gunicorn", "batchweb.wsgi:application", "-b",

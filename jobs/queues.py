@@ -45,15 +45,20 @@ def enqueue_shard(shard_id: str, queue_name: str) -> None:
                               job_timeout=-1, result_ttl=600, failure_ttl=7 * 24 * 3600)
 
 
-def queue_is_waiting(job_id: str, *, started_counts: bool = True) -> bool:
-    """Whether the job is still waiting in a queue (not lost with a flushed Redis).
-
-    A shard's job that a worker has started but the shard is still queued was popped by a
-    worker that died before claiming it: pass started_counts=False for those.
-    """
+def job_is_waiting(job_id: str, queue_name: str) -> bool:
+    """Whether the job still sits in its queue, or a worker is running it. A job popped by
+    a worker that died before it could mark the job started is in neither place: RQ would
+    only notice minutes later, the reconciler treats it as lost."""
+    if queue(queue_name).get_job_position(job_id) is not None:
+        return True
     try:
         job = Job.fetch(job_id, connection=connection())
     except Exception:
         return False
-    waiting = {"queued", "scheduled", "deferred"} | ({"started"} if started_counts else set())
-    return job.get_status(refresh=False) in waiting
+    return job.get_status(refresh=False) == "started"
+
+
+def shard_job_is_queued(shard_id: str, queue_name: str) -> bool:
+    """Whether a queued shard's job is still in its queue. A shard still queued while its
+    job is started was popped by a worker that died before claiming it: lost too."""
+    return queue(queue_name).get_job_position(shard_id) is not None

@@ -41,10 +41,10 @@ def reconcile() -> dict[str, int]:
         done["stale"] += 1
 
     # Jobs lost with Redis (restarted without persistence, flushed, evicted).
-    for shard_id in Shard.objects.filter(status=Shard.Status.QUEUED,
-                                         enqueued_at__lt=now - timedelta(seconds=5)
-                                         ).values_list("pk", flat=True):
-        if not queues.queue_is_waiting(shard_id, started_counts=False):
+    for shard_id, queue_name in Shard.objects.filter(
+            status=Shard.Status.QUEUED, enqueued_at__lt=now - timedelta(seconds=5)
+    ).values_list("pk", "queue_name"):
+        if not queues.shard_job_is_queued(shard_id, queue_name):
             Shard.objects.filter(pk=shard_id, status=Shard.Status.QUEUED).update(enqueued_at=None)
             done["lost"] += 1
 
@@ -55,7 +55,7 @@ def reconcile() -> dict[str, int]:
     for batch_id in Batch.objects.filter(status=Batch.Status.VALIDATING, stop_code="",
                                          created_at__lt=now - VALIDATION_GRACE
                                          ).values_list("pk", flat=True):
-        if not queues.queue_is_waiting(f"{batch_id}-validate"):
+        if not queues.job_is_waiting(f"{batch_id}-validate", queues.CONTROL_QUEUE):
             queues.enqueue_control("jobs.tasks.validate_batch", batch_id, suffix="validate")
             done["validations"] += 1
 
@@ -66,7 +66,7 @@ def reconcile() -> dict[str, int]:
         | Q(status=Batch.Status.VALIDATING) & ~Q(stop_code="")
     ).exclude(shards__status__in=(Shard.Status.QUEUED, Shard.Status.RUNNING)).distinct()
     for batch_id in unfinished.values_list("pk", flat=True):
-        if not queues.queue_is_waiting(f"{batch_id}-finalize"):
+        if not queues.job_is_waiting(f"{batch_id}-finalize", queues.CONTROL_QUEUE):
             request_finalize(batch_id=batch_id)
             done["finalize"] += 1
     if any(done.values()):
