@@ -369,3 +369,28 @@ class RequestCopy(models.Model):
             models.Index(fields=["batch", "primary_line"]),
             models.Index(fields=["batch", "line"]),
         ]
+
+
+class SpotCheck(models.Model):
+    """A person's verdict on one finished request of a batch (the dashboard's spot check):
+    seed 003's quality check. One mark per request; marking again replaces it."""
+
+    class Verdict(models.TextChoices):
+        GOOD = "good"
+        BAD = "bad"
+
+    batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="spot_checks")
+    custom_id = models.CharField(max_length=512)
+    verdict = models.CharField(max_length=10, choices=Verdict.choices)
+    note = models.TextField(blank=True, max_length=2000)
+    marked_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                                  on_delete=models.SET_NULL, related_name="+")
+    marked_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["batch", "custom_id"], name="unique_spot_check")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.batch_id} {self.custom_id}: {self.verdict}"

@@ -1,10 +1,28 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from jobs.views import pages
+from jobs.views import batches, files, keys
 
 urlpatterns = [
-    path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
+    path("accounts/login/", auth_views.LoginView.as_view(redirect_authenticated_user=True),
+         name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
-    path("", pages.batch_list, name="batch_list"),
+    path("", batches.batch_list, name="batch_list"),
+    path("batches/new", batches.batch_new, name="batch_new"),
+    path("batches/<str:batch_id>/", batches.batch_detail, name="batch_detail"),
+    path("batches/<str:batch_id>/live", batches.batch_live, name="batch_live"),
+    path("batches/<str:batch_id>/row", batches.batch_row, name="batch_row"),
+    path("batches/<str:batch_id>/cancel", batches.batch_cancel, name="batch_cancel"),
+    path("batches/<str:batch_id>/rerun", batches.batch_rerun, name="batch_rerun"),
+    path("batches/<str:batch_id>/download/<str:kind>", batches.batch_download,
+         name="batch_download"),
+    path("batches/<str:batch_id>/errors", batches.batch_errors, name="batch_errors"),
+    path("batches/<str:batch_id>/results", batches.batch_results, name="batch_results"),
+    path("batches/<str:batch_id>/spot-check", batches.batch_spot_check,
+         name="batch_spot_check"),
+    path("files/", files.file_list, name="file_list"),
+    path("files/<str:file_id>/download", files.file_download, name="file_download"),
+    path("files/<str:file_id>/delete", files.file_delete, name="file_delete"),
+    path("keys/", keys.key_list, name="key_list"),
+    path("keys/<int:key_id>/revoke", keys.key_revoke, name="key_revoke"),
 ]

@@ -1,0 +1,83 @@
+"""Dashboard forms: they parse and present input; every rule they enforce beyond types is
+the services' (the same checks the API applies)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+
+from engine.base import ENDPOINTS
+from jobs.models import Batch, File, SpotCheck
+from jobs.services.validation import served_models
+
+PRIORITY_CHOICES = [(p.value, p.label) for p in Batch.Priority]
+
+
+def parse_metadata(text: str) -> dict[str, str]:
+    """`key=value`, one pair a line (blank lines ignored). Limits are checked by the
+    service (batches.check_metadata)."""
+    pairs: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line:
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip():
+            raise forms.ValidationError(f"Line {number}: write metadata as key=value.")
+        pairs[key.strip()] = value.strip()
+    return pairs
+
+
+class NewBatchForm(forms.Form):
+    """Step one uploads or picks a file and checks it; step two (the same form, with the
+    checked file's id) creates the batch."""
+
+    upload = forms.FileField(required=False, label="Upload a JSONL file",
+                             widget=forms.ClearableFileInput(attrs={"accept": ".jsonl,.json,.txt"}))
+    # A free value shown as a select: any of the user's files may be named (the service
+    # looks it up for this user), not only the recent ones listed.
+    file_id = forms.CharField(required=False, max_length=40, label="…or use an uploaded file",
+                              widget=forms.Select)
+    endpoint = forms.ChoiceField(required=False, label="Endpoint")
+    model = forms.ChoiceField(required=False, label="Model")
+    completion_window = forms.CharField(initial="24h", max_length=10,
+                                        help_text="Whole hours, e.g. 24h.")
+    priority = forms.ChoiceField(choices=PRIORITY_CHOICES, initial="default")
+    metadata = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}),
+                               help_text="Optional, one key=value a line (at most 16).")
+
+    def __init__(self, *args: Any, owner: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        recent = File.objects.filter(owner=owner, purpose=File.Purpose.BATCH).only(
+            "id", "filename", "line_count")[:50]
+        choices = [("", "—")] + [
+            (f.pk, f"{f.filename[:60]} ({f.line_count} lines, {f.pk})") for f in recent]
+        chosen = self.data.get("file_id") if self.is_bound else self.initial.get("file_id")
+        if chosen and chosen not in {value for value, _ in choices}:
+            choices.append((chosen, chosen))
+        self.fields["file_id"].widget.choices = choices
+        self.fields["endpoint"].choices = [("", "from the file")] + [(e, e) for e in ENDPOINTS]
+        self.fields["model"].choices = [("", "from the file")] + [
+            (name, f"{name} ({', '.join(eps)})") for name, eps in served_models().items()]
+
+    def clean_metadata(self) -> dict[str, str]:
+        return parse_metadata(self.cleaned_data.get("metadata") or "")
+
+
+class ApiKeyForm(forms.Form):
+    name = forms.CharField(max_length=100, initial="default")
+
+
+class SpotCheckForm(forms.Form):
+    custom_id = forms.CharField(max_length=512, widget=forms.HiddenInput)
+    verdict = forms.ChoiceField(choices=SpotCheck.Verdict.choices)
+    note = forms.CharField(required=False, max_length=2000)
+
+
+class ResultFilterForm(forms.Form):
+    """The error and result tabs' filters (GET)."""
+
+    q = forms.CharField(required=False, max_length=512, label="custom_id contains")
+    code = forms.CharField(required=False, max_length=100)
+    cursor = forms.CharField(required=False, max_length=40, widget=forms.HiddenInput)

@@ -1,0 +1,305 @@
+"""Read-side numbers of the dashboard: progress, throughput (now, average, over time), ETA,
+the run report of seed 003 and the preflight time estimate.
+
+Nothing here writes. Throughput is derived from the shard rows alone: a shard's live
+counters say how many requests its current attempt finished between `started_at` and now
+(or `finished_at`); we spread those evenly over that interval. That is exact for the average
+and a fair estimate for "now" and for the chart, without recording per-request times.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.db.models import Max, Min, Sum
+from django.utils import timezone
+
+from jobs.models import Batch, Shard
+
+# "Now" is the last two minutes: long enough to smooth shard boundaries, short enough to
+# follow a worker joining or leaving.
+RECENT_WINDOW = timedelta(minutes=2)
+# The preflight estimate uses the model's shards that finished within this window.
+MODEL_HISTORY = timedelta(hours=1)
+CHART_BUCKETS = 30
+CHART_WIDTH = 600
+CHART_HEIGHT = 120
+
+SHARD_FIELDS = ("batch_id", "status", "started_at", "finished_at", "completed", "failed",
+                "attempt", "failures", "input_tokens", "output_tokens")
+
+
+@dataclass
+class ShardRow:
+    batch_id: str
+    status: str
+    started_at: datetime | None
+    finished_at: datetime | None
+    completed: int
+    failed: int
+    attempt: int
+    failures: int
+    input_tokens: int
+    output_tokens: int
+
+    @property
+    def ran(self) -> bool:
+        # Abandoned shards report all their requests failed at once without running them;
+        # counting them as throughput would show a spike of work that never happened.
+        return self.started_at is not None and self.status in (Shard.Status.RUNNING,
+                                                               Shard.Status.DONE)
+
+    def interval(self, now: datetime) -> tuple[datetime, datetime]:
+        assert self.started_at is not None
+        return self.started_at, self.finished_at or now
+
+    def done_between(self, start: datetime, end: datetime, now: datetime) -> float:
+        """Requests of this attempt finished in [start, end), spread evenly over its run."""
+        if not self.ran:
+            return 0.0
+        s, e = self.interval(now)
+        count = self.completed + self.failed
+        length = (e - s).total_seconds()
+        if length <= 0:
+            return float(count) if start <= e < end else 0.0
+        overlap = (min(e, end) - max(s, start)).total_seconds()
+        return count * max(0.0, overlap) / length
+
+
+def shard_rows(batch_ids: Iterable[str]) -> dict[str, list[ShardRow]]:
+    """The shards of several batches in one query, grouped by batch."""
+    grouped: dict[str, list[ShardRow]] = {}
+    for values in Shard.objects.filter(batch_id__in=list(batch_ids)).order_by().values_list(
+            *SHARD_FIELDS):
+        row = ShardRow(*values)
+        grouped.setdefault(row.batch_id, []).append(row)
+    return grouped
+
+
+@dataclass
+class Report:
+    """Seed 003's run report."""
+
+    completions_per_minute: float | None
+    # Failed shard attempts over all shard claims: a shard that failed once and then ran
+    # counts 1 of 2. Requests are retried as whole shards, so this is the share of work
+    # that had to be redone.
+    retry_rate: float | None
+    claims: int
+    failures: int
+    # Input tokens per completed request (prompt tokens actually computed; dedup copies
+    # are not counted twice).
+    mean_context_tokens: float | None
+    slowest_shard_seconds: float | None
+
+
+@dataclass
+class Chart:
+    """A throughput-over-time chart as SVG path data (drawn by the template)."""
+
+    line: str
+    area: str
+    max_per_minute: float
+    span_seconds: float
+    width: int = CHART_WIDTH
+    height: int = CHART_HEIGHT
+
+
+@dataclass
+class BatchStats:
+    total: int
+    completed: int
+    failed: int
+    input_tokens: int
+    output_tokens: int
+    rate_now: float | None  # requests per second over RECENT_WINDOW (running batches)
+    rate_avg: float | None  # requests per second since the batch started running
+    eta_seconds: float | None
+    elapsed_seconds: float | None
+    report: Report
+    chart: Chart | None
+    timeline: list[tuple[str, datetime]] = field(default_factory=list)
+
+    @property
+    def done(self) -> int:
+        return self.completed + self.failed
+
+    @property
+    def remaining(self) -> int:
+        return max(0, self.total - self.done)
+
+    def _pct(self, value: int) -> float:
+        return round(100.0 * value / self.total, 1) if self.total else 0.0
+
+    @property
+    def percent(self) -> float:
+        return self._pct(self.done)
+
+    @property
+    def percent_completed(self) -> float:
+        return self._pct(self.completed)
+
+    @property
+    def percent_failed(self) -> float:
+        return min(self._pct(self.failed), 100.0 - self.percent_completed)
+
+
+TIMELINE = (("created", "created_at"), ("in progress", "in_progress_at"),
+            ("finalizing", "finalizing_at"), ("cancelling", "cancelling_at"),
+            ("completed", "completed_at"), ("failed", "failed_at"),
+            ("expired", "expired_at"), ("cancelled", "cancelled_at"))
+
+
+def timeline(batch: Batch) -> list[tuple[str, datetime]]:
+    stamps = [(label, getattr(batch, attr)) for label, attr in TIMELINE if getattr(batch, attr)]
+    return sorted(stamps, key=lambda item: item[1])
+
+
+def ended_at(batch: Batch) -> datetime | None:
+    return (batch.completed_at or batch.failed_at or batch.expired_at or batch.cancelled_at
+            if batch.is_ended else None)
+
+
+def _rates(batch: Batch, rows: list[ShardRow], now: datetime) -> tuple[
+        float | None, float | None, float | None]:
+    """(rate now, average rate, elapsed seconds) in requests per second."""
+    if batch.in_progress_at is None:
+        return None, None, None
+    end = ended_at(batch) or now
+    elapsed = max((end - batch.in_progress_at).total_seconds(), 0.001)
+    ran = sum(r.completed + r.failed for r in rows if r.ran)
+    rate_avg = ran / elapsed if ran else 0.0
+    rate_now = None
+    if not batch.is_ended:
+        window = min(RECENT_WINDOW, end - batch.in_progress_at)
+        seconds = max(window.total_seconds(), 0.001)
+        rate_now = sum(r.done_between(now - window, now + timedelta(seconds=1), now)
+                       for r in rows) / seconds
+    return rate_now, rate_avg, elapsed
+
+
+def eta_seconds(batch: Batch, rows: list[ShardRow], remaining: int,
+                now: datetime) -> float | None:
+    """Seconds until the last request is done, from the recent throughput (the average
+    when nothing finished recently); None when there is no measure yet or it has ended."""
+    if batch.is_ended or batch.status != Batch.Status.IN_PROGRESS:
+        return None
+    if remaining == 0:
+        return 0.0
+    rate_now, rate_avg, _ = _rates(batch, rows, now)
+    rate = rate_now or rate_avg
+    return remaining / rate if rate else None
+
+
+def batch_stats(batch: Batch, *, now: datetime | None = None) -> BatchStats:
+    now = now or timezone.now()
+    rows = shard_rows([batch.pk]).get(batch.pk, [])
+    progress = batch.progress()
+    rate_now, rate_avg, elapsed = _rates(batch, rows, now)
+    remaining = max(0, batch.total - progress["completed"] - progress["failed"])
+    claims = sum(r.attempt for r in rows)
+    failures = sum(r.failures for r in rows)
+    durations = [(r.finished_at - r.started_at).total_seconds() for r in rows
+                 if r.status == Shard.Status.DONE and r.started_at and r.finished_at]
+    report = Report(
+        completions_per_minute=(progress["completed"] / elapsed * 60) if elapsed else None,
+        retry_rate=(failures / claims) if claims else None,
+        claims=claims, failures=failures,
+        mean_context_tokens=(progress["input_tokens"] / progress["completed"]
+                             if progress["completed"] else None),
+        slowest_shard_seconds=max(durations) if durations else None,
+    )
+    return BatchStats(
+        total=batch.total, completed=progress["completed"], failed=progress["failed"],
+        input_tokens=progress["input_tokens"], output_tokens=progress["output_tokens"],
+        rate_now=rate_now, rate_avg=rate_avg,
+        eta_seconds=eta_seconds(batch, rows, remaining, now), elapsed_seconds=elapsed,
+        report=report, chart=throughput_chart(batch, rows, now), timeline=timeline(batch))
+
+
+def list_etas(batches: Iterable[Batch], *, now: datetime | None = None
+              ) -> dict[str, float | None]:
+    """ETA of every running batch of a page, with one query for all their shards."""
+    now = now or timezone.now()
+    running = [b for b in batches if b.status == Batch.Status.IN_PROGRESS]
+    if not running:
+        return {}
+    rows = shard_rows(b.pk for b in running)
+    etas = {}
+    for batch in running:
+        progress = batch.progress()  # annotated by with_progress: no query
+        remaining = max(0, batch.total - progress["completed"] - progress["failed"])
+        etas[batch.pk] = eta_seconds(batch, rows.get(batch.pk, []), remaining, now)
+    return etas
+
+
+def throughput_series(batch: Batch, rows: list[ShardRow], now: datetime,
+                      buckets: int = CHART_BUCKETS) -> list[float]:
+    """Requests per minute in equal time buckets from in_progress to the end (or now)."""
+    if batch.in_progress_at is None:
+        return []
+    start = batch.in_progress_at
+    end = ended_at(batch) or now
+    span = (end - start).total_seconds()
+    if span <= 0:
+        return []
+    step = span / buckets
+    series = []
+    for i in range(buckets):
+        b_start = start + timedelta(seconds=i * step)
+        b_end = start + timedelta(seconds=(i + 1) * step)
+        if i == buckets - 1:
+            b_end += timedelta(seconds=1)  # include requests finished at the very end
+        count = sum(r.done_between(b_start, b_end, now) for r in rows)
+        series.append(count / step * 60)
+    return series
+
+
+def throughput_chart(batch: Batch, rows: list[ShardRow], now: datetime) -> Chart | None:
+    series = throughput_series(batch, rows, now)
+    if not series or max(series) <= 0:
+        return None
+    top = max(series) * 1.1
+    n = len(series)
+    points = []
+    for i, value in enumerate(series):
+        # Each bucket is drawn at its middle; the line starts and ends at the edges.
+        x = CHART_WIDTH * (i + 0.5) / n
+        y = CHART_HEIGHT - CHART_HEIGHT * value / top
+        points.append((x, y))
+    points = [(0.0, points[0][1]), *points, (float(CHART_WIDTH), points[-1][1])]
+    line = "M" + " L".join(f"{x:.1f},{y:.1f}" for x, y in points)
+    area = f"{line} L{CHART_WIDTH},{CHART_HEIGHT} L0,{CHART_HEIGHT} Z"
+    end = ended_at(batch) or now
+    assert batch.in_progress_at is not None
+    return Chart(line=line, area=area, max_per_minute=max(series),
+                 span_seconds=(end - batch.in_progress_at).total_seconds())
+
+
+# --- preflight ---
+
+
+def model_throughput(model: str, *, now: datetime | None = None) -> float | None:
+    """Requests per second this deployment recently sustained for a model: the requests of
+    its shards that finished within MODEL_HISTORY, over the time from the first of them
+    starting to the last finishing (so shards running side by side count once). None
+    when there is no such history."""
+    now = now or timezone.now()
+    agg = Shard.objects.filter(
+        batch__model=model, status=Shard.Status.DONE, started_at__isnull=False,
+        finished_at__gte=now - MODEL_HISTORY).aggregate(
+        requests=Sum("completed"), failed=Sum("failed"), first=Min("started_at"),
+        last=Max("finished_at"))
+    requests = (agg["requests"] or 0) + (agg["failed"] or 0)
+    if not requests or agg["first"] is None:
+        return None
+    seconds = max((agg["last"] - agg["first"]).total_seconds(), 1.0)
+    return requests / seconds
+
+
+def estimate_seconds(requests: int, rate: float | None) -> float | None:
+    return math.ceil(requests / rate) if rate else None
+

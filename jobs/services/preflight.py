@@ -1,0 +1,62 @@
+"""The new-batch form's preflight: check a file before any batch exists, say what the
+batch will cost, and (when the user picks another model than the file names) write a copy
+of the file for that model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+
+from jobs.models import File
+from jobs.services import dashboard
+from jobs.services.files import create_input_file, iter_lines, local_temp, open_file
+from jobs.services.validation import InputReport, check_input
+
+
+@dataclass
+class Preflight:
+    report: InputReport
+    # Requests per second measured for the model recently; None: no history.
+    rate: float | None
+    estimated_seconds: float | None
+
+    @property
+    def ok(self) -> bool:
+        return self.report.ok
+
+
+def check_path(path: str | Path, *, endpoint: str | None = None) -> Preflight:
+    with open(path, "rb") as stream:
+        return _preflight(check_input(stream, endpoint=endpoint))
+
+
+def check_file(file: File, *, endpoint: str | None = None) -> Preflight:
+    with open_file(file) as stream:
+        return _preflight(check_input(stream, endpoint=endpoint))
+
+
+def _preflight(report: InputReport) -> Preflight:
+    rate = dashboard.model_throughput(report.model) if report.model else None
+    return Preflight(report=report, rate=rate,
+                     estimated_seconds=dashboard.estimate_seconds(report.requests, rate))
+
+
+def with_model(*, file: File, model: str, owner: Any) -> File:
+    """A new input file: `file` with every request's body.model set to `model`, streamed
+    line by line. Lines are re-serialized, so their formatting may change, not their data."""
+    with local_temp(".model") as path:
+        with open(path, "wb") as target, open_file(file) as stream:
+            for line in iter_lines(stream, max_line_bytes=settings.BATCHWEB["MAX_LINE_BYTES"]):
+                if not line.content or not line.content.strip():
+                    continue
+                obj = json.loads(line.content)
+                if isinstance(obj, dict) and isinstance(obj.get("body"), dict):
+                    obj["body"]["model"] = model
+                target.write(json.dumps(obj, ensure_ascii=False).encode() + b"\n")
+        stem = file.filename.rsplit(".", 1)[0]
+        return create_input_file(owner=owner, path=path, filename=f"{stem}.{model}.jsonl",
+                                 purpose="batch")

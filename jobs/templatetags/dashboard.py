@@ -1,0 +1,155 @@
+"""Display helpers: untrusted text made safe to look at, durations, rates, JSON previews.
+
+Django escapes HTML already; `clip` adds what escaping does not cover: huge strings are cut,
+and invisible or direction-changing characters (bidi overrides, zero-width, control
+characters) are shown as visible escapes so content cannot disguise itself or the page.
+"""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from typing import Any
+
+from django import template
+
+register = template.Library()
+
+DEFAULT_CLIP = 300
+# More combining marks than this on one character ("zalgo" text) are dropped: they draw
+# over neighbouring lines.
+MAX_COMBINING = 2
+
+
+def _visible(text: str) -> str:
+    out = []
+    combining = 0
+    for ch in text:
+        if ch in "\n\t":
+            out.append(ch)
+            combining = 0
+            continue
+        category = unicodedata.category(ch)
+        if category in ("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"):
+            out.append(f"\\u{ord(ch):04x}" if ord(ch) <= 0xFFFF else f"\\U{ord(ch):08x}")
+            combining = 0
+        elif category in ("Mn", "Me"):
+            combining += 1
+            if combining <= MAX_COMBINING:
+                out.append(ch)
+        else:
+            combining = 0
+            out.append(ch)
+    return "".join(out)
+
+
+@register.filter
+def clip(value: Any, limit: int = DEFAULT_CLIP) -> str:
+    """`value` as text of at most `limit` characters (plus a note of how much was cut),
+    with invisible characters made visible. The result is still escaped by the template."""
+    if value is None:
+        return ""
+    text = value if isinstance(value, str) else str(value)
+    limit = int(limit)
+    cut = len(text) - limit
+    if cut > 0:
+        text = text[:limit]
+    text = _visible(text)
+    return f"{text}… (+{cut:,} characters)" if cut > 0 else text
+
+
+@register.filter
+def pretty(value: Any, limit: int = 4000) -> str:
+    """JSON, indented, clipped (for <pre> blocks)."""
+    if value is None:
+        return ""
+    try:
+        text = json.dumps(value, indent=2, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = str(value)
+    return clip(text, limit)
+
+
+@register.filter
+def duration(seconds: Any) -> str:
+    """1h 02m, 3m 05s, 42s; an em dash when unknown."""
+    if seconds is None:
+        return "—"
+    seconds = int(round(float(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, secs = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m {secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours}h {minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d {hours}h"
+
+
+@register.filter
+def per_minute(rate_per_second: Any) -> str:
+    if rate_per_second is None:
+        return "—"
+    return f"{float(rate_per_second) * 60:,.1f}/min"
+
+
+@register.filter
+def number(value: Any, digits: int = 0) -> str:
+    if value is None:
+        return "—"
+    return f"{float(value):,.{int(digits)}f}"
+
+
+@register.filter
+def percent(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "—"
+    return f"{float(value) * 100:.{int(digits)}f}%"
+
+
+@register.filter
+def request_text(line: Any) -> str:
+    """The human part of an input line: the messages, prompt or input."""
+    body = line.get("body") if isinstance(line, dict) else None
+    if not isinstance(body, dict):
+        return ""
+    if isinstance(body.get("messages"), list):
+        parts = []
+        for message in body["messages"]:
+            if not isinstance(message, dict):
+                continue
+            content = message.get("content")
+            if isinstance(content, list):
+                content = " ".join(str(p.get("text", "")) for p in content
+                                   if isinstance(p, dict))
+            parts.append(f"{message.get('role', '?')}: {content}")
+        return "\n".join(parts)
+    for key in ("prompt", "input"):
+        if key in body:
+            value = body[key]
+            return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return ""
+
+
+@register.filter
+def response_text(body: Any) -> str:
+    """The human part of a response body: the first choice's text, or an embedding's size."""
+    if not isinstance(body, dict):
+        return ""
+    choices = body.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        first = choices[0]
+        message = first.get("message")
+        if isinstance(message, dict):
+            return str(message.get("content") or "")
+        return str(first.get("text") or "")
+    data = body.get("data")
+    if isinstance(data, list) and data and isinstance(data[0], dict):
+        embedding = data[0].get("embedding")
+        if isinstance(embedding, list):
+            return f"embedding of {len(embedding)} dimensions ({len(data)} inputs)"
+    if isinstance(body.get("error"), dict):
+        return str(body["error"].get("message") or "")
+    return ""

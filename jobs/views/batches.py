@@ -1,0 +1,340 @@
+"""Batch pages: list, new batch (upload + preflight), batch page with live progress, the
+errors / results / spot-check tabs, cancel, rerun and downloads.
+
+Views are thin: they parse the request, call a service and pick a template or a partial.
+A request from htmx gets only the partial it targets (`template#partial`); the same URL
+without htmx renders the whole page, so every link works without JavaScript.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.paginator import Paginator
+from django.http import Http404, HttpRequest, HttpResponse, StreamingHttpResponse
+from django.shortcuts import redirect, render
+from django.template.loader import render_to_string
+from django.urls import reverse
+from django.utils.text import slugify
+from django.views.decorators.http import require_GET, require_POST
+from django_htmx.http import HttpResponseClientRedirect, HttpResponseStopPolling
+
+from jobs.api.base import uploaded_path
+from jobs.api.files import download_response
+from jobs.forms import NewBatchForm, ResultFilterForm, SpotCheckForm
+from jobs.models import Batch, File
+from jobs.services import dashboard, preflight, results, spotcheck
+from jobs.services.batches import cancel_batch, create_batch, get_batch_for_user, with_progress
+from jobs.services.errors import ServiceError
+from jobs.services.files import create_input_file, get_file_for_user
+from jobs.services.rerun import rerun_failed
+
+LIST_PAGE_SIZE = 20
+STATUS_FILTERS = [("", "all"), ("active", "active"), *[(s, s.replace("_", " "))
+                                                       for s in Batch.Status.values]]
+
+
+def _get_batch_for_user(request: HttpRequest, batch_id: str) -> Batch:
+    """The signed-in user's batch (with live counts), or 404: another user's id looks
+    exactly like one that does not exist."""
+    try:
+        return get_batch_for_user(owner=request.user, batch_id=batch_id)
+    except ServiceError:
+        raise Http404("No such batch.") from None
+
+
+def _row(batch: Batch, eta: float | None) -> dict[str, Any]:
+    progress = batch.progress()
+    total = batch.total or 0
+    done = progress["completed"] + progress["failed"]
+
+    def pct(n: int) -> float:
+        return round(100.0 * n / total, 1) if total else 0.0
+
+    return {"batch": batch, "progress": progress, "done": done, "eta": eta,
+            "pct": pct(done), "pct_completed": pct(progress["completed"]),
+            "pct_failed": min(pct(progress["failed"]), 100.0 - pct(progress["completed"]))}
+
+
+# --- list ---
+
+
+@login_required
+@require_GET
+def batch_list(request: HttpRequest) -> HttpResponse:
+    status = request.GET.get("status", "")
+    # Explicit order: Meta.ordering is not applied to the GROUP BY query of with_progress.
+    batches = with_progress(Batch.objects.filter(owner=request.user)).order_by(
+        "-created_at", "-pk")
+    if status == "active":
+        batches = batches.exclude(status__in=Batch.ENDED)
+    elif status in Batch.Status.values:
+        batches = batches.filter(status=status)
+    else:
+        status = ""
+    page = Paginator(batches, LIST_PAGE_SIZE).get_page(request.GET.get("page"))
+    page_batches = list(page.object_list)
+    etas = dashboard.list_etas(page_batches)
+    context = {"page": page, "rows": [_row(b, etas.get(b.pk)) for b in page_batches],
+               "status": status, "status_filters": STATUS_FILTERS}
+    template = "jobs/batch_list.html"
+    if request.htmx and not request.htmx.boosted:
+        template += "#batch-table"
+    return render(request, template, context)
+
+
+@login_required
+@require_GET
+def batch_row(request: HttpRequest, batch_id: str) -> HttpResponse:
+    """One row of the list, polled while the batch runs; 286 stops polling once it ended."""
+    batch = _get_batch_for_user(request, batch_id)
+    eta = dashboard.list_etas([batch]).get(batch.pk)
+    context = {"row": _row(batch, eta)}
+    if batch.is_ended:
+        return HttpResponseStopPolling(
+            render_to_string("jobs/batch_list.html#batch-row", context, request=request))
+    return render(request, "jobs/batch_list.html#batch-row", context)
+
+
+# --- new batch ---
+
+
+def _check(request: HttpRequest, data: dict[str, Any]) -> tuple[File | None,
+                                                               preflight.Preflight]:
+    """Check the uploaded or chosen file. An upload is stored only when it has no problems,
+    so a bad file never becomes a File (the user fixes it and uploads again)."""
+    endpoint = data.get("endpoint") or None
+    upload = data.get("upload")
+    if upload:
+        with uploaded_path(upload) as path:
+            result = preflight.check_path(path, endpoint=endpoint)
+            if not result.ok:
+                return None, result
+            file = create_input_file(owner=request.user, path=path,
+                                     filename=upload.name or "", purpose="batch")
+        return file, result
+    if data.get("file_id"):
+        file = get_file_for_user(owner=request.user, file_id=data["file_id"])
+        return file, preflight.check_file(file, endpoint=endpoint)
+    raise ServiceError("Upload a JSONL file or choose one you uploaded before.")
+
+
+def _submit(request: HttpRequest, data: dict[str, Any]) -> tuple[Batch | None,
+                                                                preflight.Preflight]:
+    file = get_file_for_user(owner=request.user, file_id=data["file_id"])
+    endpoint = data.get("endpoint") or None
+    result = preflight.check_file(file, endpoint=endpoint)
+    if result.ok and data.get("model") and data["model"] != result.report.model:
+        file = preflight.with_model(file=file, model=data["model"], owner=request.user)
+        result = preflight.check_file(file, endpoint=endpoint)
+    if not result.ok:
+        return None, result
+    batch = create_batch(owner=request.user, input_file_id=file.pk,
+                         endpoint=endpoint or result.report.endpoint,
+                         completion_window=data["completion_window"],
+                         metadata=data["metadata"], priority=data["priority"])
+    return batch, result
+
+
+@login_required
+def batch_new(request: HttpRequest) -> HttpResponse:
+    result: preflight.Preflight | None = None
+    checked: File | None = None
+    if request.method == "POST":
+        form = NewBatchForm(request.POST, request.FILES, owner=request.user)
+        if form.is_valid():
+            data = form.cleaned_data
+            try:
+                if request.POST.get("action") == "submit" and data["file_id"] and \
+                        not data["upload"]:
+                    batch, result = _submit(request, data)
+                    if batch is not None:
+                        url = reverse("batch_detail", args=[batch.pk])
+                        if request.htmx:
+                            return HttpResponseClientRedirect(url)
+                        return redirect(url)
+                else:
+                    checked, result = _check(request, data)
+            except ServiceError as exc:
+                form.add_error(None, exc.message)
+            if checked is not None and result is not None and result.ok:
+                # A fresh form: the stored file is now the one to submit, with the endpoint
+                # and model the file asks for as suggestions.
+                form = NewBatchForm(owner=request.user, initial={
+                    **{k: request.POST.get(k) for k in
+                       ("completion_window", "priority", "metadata")},
+                    "file_id": checked.pk,
+                    "endpoint": data.get("endpoint") or result.report.endpoint,
+                    "model": data.get("model") or result.report.model})
+    else:
+        initial = {}
+        if request.GET.get("file_id"):
+            initial["file_id"] = request.GET["file_id"]
+        form = NewBatchForm(owner=request.user, initial=initial)
+    context = {"form": form, "preflight": result, "checked": checked}
+    template = "jobs/batch_new.html"
+    if request.htmx:
+        template += "#new-batch"
+    return render(request, template, context)
+
+
+# --- the batch page ---
+
+
+def _detail_context(batch: Batch, tab: str) -> dict[str, Any]:
+    return {"batch": batch, "tab": tab, "spot": spotcheck.summary(batch)}
+
+
+@login_required
+@require_GET
+def batch_detail(request: HttpRequest, batch_id: str) -> HttpResponse:
+    batch = _get_batch_for_user(request, batch_id)
+    context = {**_detail_context(batch, "overview"), "stats": dashboard.batch_stats(batch)}
+    return render(request, "jobs/batch_detail.html", context)
+
+
+@login_required
+@require_GET
+def batch_live(request: HttpRequest, batch_id: str) -> HttpResponse:
+    """The live block of the batch page (progress, numbers, report, chart, actions), polled
+    every 2 s; 286 once the batch has ended, so htmx shows the final state and stops."""
+    batch = _get_batch_for_user(request, batch_id)
+    context = {**_detail_context(batch, "overview"), "stats": dashboard.batch_stats(batch)}
+    if batch.is_ended:
+        return HttpResponseStopPolling(
+            render_to_string("jobs/batch_detail.html#live", context, request=request))
+    return render(request, "jobs/batch_detail.html#live", context)
+
+
+@login_required
+def batch_cancel(request: HttpRequest, batch_id: str) -> HttpResponse:
+    """GET: a confirmation page (the no-JavaScript path). POST: cancel."""
+    batch = _get_batch_for_user(request, batch_id)
+    if request.method == "POST":
+        try:
+            cancel_batch(batch=batch)
+            messages.success(request, "Cancelling: finished results are kept.")
+        except ServiceError as exc:
+            messages.error(request, exc.message)
+        return redirect("batch_detail", batch_id=batch.pk)
+    return render(request, "jobs/batch_cancel.html", {"batch": batch})
+
+
+@login_required
+@require_POST
+def batch_rerun(request: HttpRequest, batch_id: str) -> HttpResponse:
+    batch = _get_batch_for_user(request, batch_id)
+    try:
+        new = rerun_failed(batch=batch, owner=request.user)
+    except ServiceError as exc:
+        messages.error(request, exc.message)
+        return redirect("batch_detail", batch_id=batch.pk)
+    messages.success(request, f"Rerunning the failed requests of {batch.pk}.")
+    return redirect("batch_detail", batch_id=new.pk)
+
+
+DOWNLOAD_KINDS = {"input": None, "output": "output", "errors": "error"}
+
+
+@login_required
+@require_GET
+def batch_download(request: HttpRequest, batch_id: str, kind: str) -> HttpResponse:
+    """The input, output or error file, streamed as an attachment. While the batch runs,
+    output and errors are the finished shards' parts so far."""
+    batch = _get_batch_for_user(request, batch_id)
+    if kind not in DOWNLOAD_KINDS:
+        raise Http404("Unknown download.")
+    if kind == "input":
+        file_id = batch.input_file_id
+    elif batch.is_ended:
+        file_id = batch.output_file_id if kind == "output" else batch.error_file_id
+    else:
+        segs = results.segments(batch, "output" if kind == "output" else "error")
+        response = StreamingHttpResponse(results.stream_segments(segs),
+                                         content_type="application/jsonl")
+        response["Content-Disposition"] = (
+            f'attachment; filename="{batch.pk}_{kind}_partial.jsonl"')
+        return response
+    if not file_id:
+        raise Http404("This batch has no such file.")
+    try:
+        file = get_file_for_user(owner=request.user, file_id=file_id)
+    except ServiceError:
+        raise Http404("The file was deleted or has expired.") from None
+    return download_response(file)
+
+
+# --- tabs ---
+
+
+def _tab(request: HttpRequest, batch_id: str, kind: results.Kind, tab: str,
+         partial: str) -> HttpResponse:
+    batch = _get_batch_for_user(request, batch_id)
+    filters = ResultFilterForm(request.GET)
+    filters.is_valid()
+    data = filters.cleaned_data
+    context = _detail_context(batch, tab)
+    try:
+        page = results.read_page(batch, kind, cursor=data.get("cursor") or None,
+                                 code=data.get("code") or None, search=data.get("q") or None)
+    except ServiceError as exc:
+        raise Http404(exc.message) from None
+    inputs = results.find_inputs(batch, {r.custom_id for r in page.rows if r.custom_id})
+    context.update({
+        "page": page, "filters": data,
+        "rows": [(row, inputs.get(row.custom_id or "")) for row in page.rows],
+        "paged": bool(data.get("cursor")),
+    })
+    if kind == "error":
+        context["counts"] = results.error_counts(batch)
+        # A batch that failed validation has no error file: its problems are errors.data.
+        context["validation_errors"] = batch.errors or []
+    template = f"jobs/batch_{tab}.html"
+    if request.htmx and not request.htmx.boosted:
+        template += f"#{partial}"
+    return render(request, template, context)
+
+
+@login_required
+@require_GET
+def batch_errors(request: HttpRequest, batch_id: str) -> HttpResponse:
+    return _tab(request, batch_id, "error", "errors", "error-list")
+
+
+@login_required
+@require_GET
+def batch_results(request: HttpRequest, batch_id: str) -> HttpResponse:
+    return _tab(request, batch_id, "output", "results", "result-list")
+
+
+@login_required
+def batch_spot_check(request: HttpRequest, batch_id: str) -> HttpResponse:
+    """GET: the sample with its marks. POST: mark one request (htmx swaps that item)."""
+    batch = _get_batch_for_user(request, batch_id)
+    if request.method == "POST":
+        form = SpotCheckForm(request.POST)
+        if not form.is_valid():
+            return HttpResponse("Choose good or bad.", status=400)
+        try:
+            spotcheck.mark(batch=batch, user=request.user, **form.cleaned_data)
+        except ServiceError as exc:
+            return HttpResponse(exc.message, status=400)
+        if not request.htmx:
+            return redirect(reverse("batch_spot_check", args=[batch.pk]) +
+                            f"#spot-{slugify(form.cleaned_data['custom_id'])[:60]}")
+    sample = results.spot_sample(batch)
+    if request.method == "POST":
+        # htmx: only the marked item is re-rendered (and the summary, out of band).
+        sample = [i for i in sample if i.custom_id == form.cleaned_data["custom_id"]]
+    inputs = results.find_inputs(batch, {item.custom_id for item in sample})
+    marks = spotcheck.marks(batch)
+    items = [{"item": item, "input": inputs.get(item.custom_id),
+              "mark": marks.get(item.custom_id)} for item in sample]
+    context = {**_detail_context(batch, "spot_check"), "items": items,
+               "finished": batch.progress()["completed"]}
+    if request.method == "POST":
+        return render(request, "jobs/batch_spot_check.html#spot-item",
+                      {**context, "entry": items[0], "oob_summary": True})
+    return render(request, "jobs/batch_spot_check.html", context)
