@@ -133,6 +133,7 @@ class Pipeline:
         self.works_lock = threading.Lock()
         self.broken: BaseException | None = None
         self.closing = threading.Event()
+        self.idle = IdleMeter()
         conf = settings.BATCHWEB
         self.heartbeat_every = conf["HEARTBEAT_SECONDS"]
         self.reconcile_every = (conf["RECONCILE_SECONDS"] if reconcile_every is None
@@ -167,6 +168,8 @@ class Pipeline:
 
     def close(self) -> None:
         global _PIPELINE
+        log.info("engine idle %.2f%% of %.1fs with work (%d requests)",
+                 100 * self.idle.fraction(), self.idle.window(), self.idle.requests)
         self.closing.set()
         self.inbox.put(_END)
         self.dispatcher.join(timeout=30)
@@ -251,6 +254,8 @@ class Pipeline:
 
     def _put(self, request: EngineRequest) -> None:
         # Blocks while the engine is full: this is the backpressure that bounds memory.
+        # Counted before it goes in, so its result can never be counted first.
+        self.idle.request_started()
         while True:
             if self.broken is not None:
                 raise RuntimeError(f"engine failed: {self.broken}")
@@ -279,6 +284,7 @@ class Pipeline:
             self._fail_all(f"engine failed: {type(exc).__name__}: {exc}")
 
     def _on_result(self, result: EngineResult) -> None:
+        self.idle.request_finished()
         shard_id, attempt, line = result.request_id.rsplit(":", 2)
         work = self.works.get(shard_id)
         if work is None or work.attempt != int(attempt):
@@ -386,6 +392,47 @@ class Pipeline:
                     in_flight = list(work.pending)
                 log.info("shard %s stopping: %s", work.shard_id, stop_code)
                 self.engine.abort(in_flight)
+
+
+class IdleMeter:
+    """How long the engine had nothing to do while this worker had work: the time with no
+    request in flight, between the first request handed in and the last result out.
+    Reported when the worker stops (the benchmarks read it)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.requests = 0
+        self.first: float | None = None
+        self.last = 0.0
+        self.idle_since: float | None = None
+        self.idle_total = 0.0
+
+    def request_started(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            if self.first is None:
+                self.first = now
+            if self.in_flight == 0 and self.idle_since is not None:
+                self.idle_total += now - self.idle_since
+                self.idle_since = None
+            self.in_flight += 1
+            self.requests += 1
+
+    def request_finished(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            self.in_flight = max(0, self.in_flight - 1)
+            self.last = now
+            if self.in_flight == 0:
+                self.idle_since = now
+
+    def window(self) -> float:
+        return (self.last - self.first) if self.first is not None else 0.0
+
+    def fraction(self) -> float:
+        window = self.window()
+        return self.idle_total / window if window > 0 else 0.0
 
 
 def _delete_all(names: list[str]) -> None:
