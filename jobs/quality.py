@@ -1,0 +1,100 @@
+"""Quality flags on finished requests: outputs that look wrong even though the request
+succeeded, so a run cannot "finish but drift" unnoticed (seed 003's advice). The output
+line format is never changed; flags are kept beside it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+
+from engine.base import CHAT, COMPLETIONS
+
+EMPTY = "empty_output"
+LENGTH = "length_limit"
+REPETITION = "repetition"
+INVALID_JSON = "invalid_json"
+FLAGS = (EMPTY, LENGTH, REPETITION, INVALID_JSON)
+FLAG_LABELS = {
+    EMPTY: "Empty output",
+    LENGTH: "Stopped by the length limit",
+    REPETITION: "Degenerate repetition",
+    INVALID_JSON: "Not valid JSON / not matching the schema",
+}
+
+
+def wants_json(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The response_format of a request that asked for JSON, else None."""
+    response_format = body.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") in (
+            "json_object", "json_schema"):
+        return response_format
+    return None
+
+
+def json_problem(text: str, response_format: dict[str, Any]) -> str | None:
+    """Why `text` does not satisfy a JSON response_format, or None when it does."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        return f"not valid JSON: {exc}"
+    if response_format.get("type") == "json_object" and not isinstance(value, dict):
+        return "not a JSON object"
+    schema = (response_format.get("json_schema") or {}).get("schema")
+    if response_format.get("type") == "json_schema" and isinstance(schema, dict):
+        try:
+            jsonschema.validate(value, schema)
+        except jsonschema.ValidationError as exc:
+            return f"does not match the schema: {exc.message}"
+        except jsonschema.SchemaError:
+            return None  # the user's schema is broken, not the output
+    return None
+
+
+def is_repetitive(text: str, *, max_n: int = 8, min_repeats: int = 4) -> bool:
+    """Whether the text ends in one n-gram looping: its last n words (characters, for text
+    with few spaces) repeated `min_repeats` times in a row, for some n <= max_n. A single
+    repeated unit needs a longer run (16) to count: "!!!!" is emphasis, not a loop."""
+    units: list[str] = text.split()
+    if len(units) < 8:
+        units = list(text.strip())
+    for n in range(1, max_n + 1):
+        repeats = 16 if n == 1 else min_repeats
+        if len(units) < n * repeats:
+            continue
+        tail = units[-n:]
+        end = len(units)
+        if all(units[end - n * (k + 1): end - n * k] == tail for k in range(repeats)):
+            return True
+    return False
+
+
+def output_texts(url: str, body: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """(text, finish_reason) of each choice of a chat or completion response."""
+    texts = []
+    for choice in body.get("choices") or ():
+        if url == CHAT:
+            text = (choice.get("message") or {}).get("content") or ""
+        elif url == COMPLETIONS:
+            text = choice.get("text") or ""
+        else:
+            continue
+        texts.append((text, choice.get("finish_reason")))
+    return texts
+
+
+def flags_for(url: str, request: dict[str, Any], response: dict[str, Any]) -> list[str]:
+    """The flags of one successful response, in FLAGS order."""
+    found: set[str] = set()
+    response_format = wants_json(request) if url == CHAT else None
+    for text, finish_reason in output_texts(url, response):
+        if not text.strip():
+            found.add(EMPTY)
+        if finish_reason == "length":
+            found.add(LENGTH)
+        if is_repetitive(text):
+            found.add(REPETITION)
+        if response_format and text.strip() and json_problem(text, response_format):
+            found.add(INVALID_JSON)
+    return [flag for flag in FLAGS if flag in found]
