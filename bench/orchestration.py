@@ -1,0 +1,155 @@
+"""Benchmark 2: orchestration at scale with the zero-cost echo engine.
+
+For each size: write an N-request JSONL file, upload it through the Uploads API, create the
+batch, let 2 `batchworker` processes validate, shard, run and finalize it, download the
+output. Reports requests/s of each stage and the peak RSS of the web server and of each
+worker (VmHWM). Uses its own scratch SQLite database, storage and (unless REDIS_URL is set)
+a private Redis.
+
+    .venv/bin/python bench/orchestration.py [--sizes 100000,1000000] [--workers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def write_input(path: Path, count: int) -> int:
+    with open(path, "w") as out:
+        for i in range(count):
+            out.write(json.dumps({
+                "custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "echo-test", "max_tokens": 16, "messages": [
+                    {"role": "user", "content": f"Classify document number {i} please."}]},
+            }) + "\n")
+    return path.stat().st_size
+
+
+def peak_rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except FileNotFoundError:
+        pass
+    return 0.0
+
+
+def worker_log_line(path: Path, needle: str) -> str:
+    lines = [line for line in path.read_text(errors="replace").splitlines() if needle in line]
+    return lines[-1] if lines else ""
+
+
+def run_size(count: int, workers: int, env: dict[str, str], scratch: Path) -> dict:
+    import openai
+
+    py = sys.executable
+    server = subprocess.Popen([py, "-m", "gunicorn", "batchweb.wsgi:application", "-b",
+                               "127.0.0.1:8766", "-w", "1", "--threads", "4", "--timeout", "900"],
+                              cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
+    procs = []
+    logs = []
+    for i in range(workers):
+        log = scratch / f"worker-{count}-{i}.log"
+        logs.append(log)
+        with open(log, "wb") as handle:
+            procs.append(subprocess.Popen([py, "manage.py", "batchworker", "--model",
+                                           "echo-test"], cwd=ROOT, env=env, stdout=handle,
+                                          stderr=subprocess.STDOUT))
+    try:
+        time.sleep(4)
+        web_pid = int(subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True,
+                                     text=True).stdout.split()[0])
+        client = openai.OpenAI(base_url="http://127.0.0.1:8766/v1", api_key=env["BENCH_KEY"],
+                               max_retries=2, timeout=900)
+        path = scratch / f"in-{count}.jsonl"
+        size = write_input(path, count)
+        t0 = time.monotonic()
+        upload = client.uploads.upload_file_chunked(file=path, mime_type="application/jsonl",
+                                                    purpose="batch", part_size=64 * 1024 * 1024)
+        t_upload = time.monotonic() - t0
+        t1 = time.monotonic()
+        batch = client.batches.create(input_file_id=upload.file.id,
+                                      endpoint="/v1/chat/completions", completion_window="24h")
+        while (batch := client.batches.retrieve(batch.id)).status == "validating":
+            time.sleep(0.2)
+        t_validate = time.monotonic() - t1
+        while (batch := client.batches.retrieve(batch.id)).status not in (
+                "completed", "failed", "expired", "cancelled"):
+            time.sleep(0.5)
+        t_run = time.monotonic() - t1 - t_validate
+        assert batch.status == "completed", batch
+        assert batch.request_counts.completed == count, batch.request_counts
+        t2 = time.monotonic()
+        downloaded = 0
+        with client.files.with_streaming_response.content(batch.output_file_id) as response:
+            for chunk in response.iter_bytes(1024 * 1024):
+                downloaded += chunk.count(b"\n")
+        t_download = time.monotonic() - t2
+        assert downloaded == count
+        total = time.monotonic() - t0
+        path.unlink()
+        return {
+            "requests": count, "MB": size / 1e6,
+            "upload r/s": count / t_upload, "validate r/s": count / t_validate,
+            "run+finalize r/s": count / t_run, "download r/s": count / t_download,
+            "end-to-end r/s": count / total, "web RSS MB": peak_rss_mb(web_pid),
+            "worker RSS MB": max(peak_rss_mb(p.pid) for p in procs),
+        }
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=120)
+        server.terminate()
+        server.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="100000,1000000")
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+
+    from batchweb.embedded import ensure_redis
+
+    scratch = Path(tempfile.mkdtemp(prefix="bw-orch-bench-"))
+    redis = ensure_redis(scratch)
+    env = {**os.environ, "BATCHWEB_VAR_DIR": str(scratch), "BATCHWEB_ECHO_MODEL": "1",
+           "BATCHWEB_MAX_FILE_BYTES": str(4 * 1024**3),
+           "BATCHWEB_MAX_REQUESTS_PER_BATCH": str(10_000_000), "LOG_LEVEL": "WARNING"}
+    env.pop("DATABASE_URL", None)
+    py = sys.executable
+    subprocess.run([py, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True)
+    create_user = "from django.contrib.auth.models import User; User.objects.create(username='b')"
+    subprocess.run([py, "manage.py", "shell", "-c", create_user], cwd=ROOT, env=env, check=True)
+    env["BENCH_KEY"] = subprocess.run([py, "manage.py", "createapikey", "b"], cwd=ROOT, env=env,
+                                      check=True, capture_output=True, text=True).stdout.strip()
+    rows = []
+    try:
+        for size in (int(s) for s in args.sizes.split(",")):
+            rows.append(run_size(size, args.workers, env, scratch))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        if redis is not None:
+            redis.shutdown()  # type: ignore[attr-defined]
+        subprocess.run(["rm", "-rf", str(scratch)])
+    columns = list(rows[0])
+    print(" | ".join(columns))
+    for row in rows:
+        print(" | ".join(f"{row[c]:.0f}" if isinstance(row[c], float) else str(row[c])
+                         for c in columns))
+
+
+if __name__ == "__main__":
+    main()
