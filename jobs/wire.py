@@ -57,8 +57,10 @@ class LineError:
     param: str | None = None
 
     def entry(self, line: int) -> dict[str, Any]:
-        """One `errors.data` item of the Batch object."""
-        return {"code": self.code, "line": line, "message": self.message, "param": self.param}
+        """One `errors.data` item of the Batch object. Messages quote what the line sent (a
+        model name): NUL is escaped, as PostgreSQL cannot store it in JSON text."""
+        return {"code": self.code, "line": line, "param": self.param,
+                "message": self.message.replace("\x00", "\\u0000")}
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,16 @@ class RequestLine:
     @property
     def model(self) -> str:
         return self.body["model"]
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def loads_strict(text: str | bytes) -> Any:
+    """json.loads without Python's extensions: NaN, Infinity and -Infinity are refused (no
+    other JSON parser reads them back, and they would end up in the output files)."""
+    return json.loads(text, parse_constant=_reject_constant)
 
 
 def _is_int(value: Any) -> bool:
@@ -88,7 +100,7 @@ def parse_line(raw: bytes, *, max_tokens_cap: int) -> RequestLine | LineError:
     except UnicodeDecodeError as exc:
         return LineError(Code.INVALID_ENCODING, f"Line is not valid UTF-8 ({exc.reason}).")
     try:
-        obj = json.loads(text)
+        obj = loads_strict(text)
     except (ValueError, RecursionError) as exc:
         return LineError(Code.INVALID_JSON, f"Line is not valid JSON: {str(exc)[:200]}")
     if not isinstance(obj, dict):
@@ -99,6 +111,10 @@ def parse_line(raw: bytes, *, max_tokens_cap: int) -> RequestLine | LineError:
         return LineError(Code.MISSING_PARAMETER, "Missing custom_id.", "custom_id")
     if not isinstance(custom_id, str) or not custom_id.strip():
         return LineError(Code.INVALID_CUSTOM_ID, "custom_id must be a non-empty string.",
+                         "custom_id")
+    if "\x00" in custom_id:
+        # custom_ids are stored (dedup copies, spot checks) and PostgreSQL text has no NUL.
+        return LineError(Code.INVALID_CUSTOM_ID, "custom_id must not contain NUL characters.",
                          "custom_id")
     if len(custom_id) > MAX_CUSTOM_ID_CHARS:
         return LineError(Code.INVALID_CUSTOM_ID,
@@ -196,16 +212,34 @@ def dedup_key(line: RequestLine) -> bytes | None:
     return hashlib.blake2b(canonical.encode(), digest_size=16).digest()
 
 
+def _text_length(value: Any) -> int:
+    """Characters of text in a message content, prompt or input (strings, or lists of
+    strings / text parts)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        total = 0
+        for item in value:
+            if isinstance(item, str):
+                total += len(item)
+            elif isinstance(item, dict):
+                total += len(item.get("text") or "")
+            else:
+                total += 4  # token ids
+        return total
+    return 0
+
+
 def estimate_tokens(line: RequestLine) -> tuple[int, int]:
     """(input tokens, output-token ceiling) estimated without a tokenizer: ~4 characters a
     token, which is close for English with BPE tokenizers."""
     body = line.body
     if line.url == CHAT:
-        text_chars = sum(len(json.dumps(m.get("content", ""))) for m in body["messages"])
+        text_chars = sum(_text_length(m.get("content")) for m in body["messages"])
     elif line.url == COMPLETIONS:
-        text_chars = len(json.dumps(body["prompt"]))
+        text_chars = _text_length(body["prompt"])
     else:
-        text_chars = len(json.dumps(body["input"]))
+        text_chars = _text_length(body["input"])
     ceiling = 0
     if line.url != EMBEDDINGS:
         ceiling = body.get("max_completion_tokens") or body.get("max_tokens") or 0
