@@ -43,6 +43,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "jobs.middleware.BodySizeLimitMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -165,7 +166,9 @@ BATCHWEB = {
 # tensor_parallel_size, max_model_len, max_num_seqs, enforce_eager, ...) and source.
 MODELS_DIR = Path(os.environ.get("BATCHWEB_MODELS_DIR", VAR_DIR / "models"))
 _CPU_OPTIONS = {
-    "dtype": os.environ.get("BATCHWEB_DTYPE", "bfloat16"),
+    # float32: on CPUs without AVX-512 bf16 (like this project's machines) bf16 falls back to
+    # slow matmuls (~27 vs ~100 tok/s measured), and float32 greedy output is reproducible.
+    "dtype": os.environ.get("BATCHWEB_DTYPE", "float32"),
     "enforce_eager": env_bool("BATCHWEB_ENFORCE_EAGER", True),
     "max_model_len": 2048,
 }
@@ -231,3 +234,33 @@ RQ_QUEUES = {"batchweb": {"URL": REDIS_URL, "DEFAULT_TIMEOUT": 3600}}
 for _model in BATCHWEB_MODELS:
     for _priority in ("high", "default", "low"):
         RQ_QUEUES[f"{_model['name']}.{_priority}"] = {"URL": REDIS_URL, "DEFAULT_TIMEOUT": -1}
+
+# --- Operations: metrics, webhooks, cleanup ---
+
+
+def env_list(name: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
+
+
+BATCHWEB.update({
+    # /metrics answers a request carrying "Authorization: Bearer <token>" (Prometheus'
+    # bearer_token), or a signed-in staff user. Empty: staff only.
+    "METRICS_TOKEN": os.environ.get("BATCHWEB_METRICS_TOKEN", ""),
+    # Where webhooks may be sent. A URL is called only if its host name is listed in
+    # ALLOWED_HOSTS (exact, or ".example.com" for subdomains), or every address it
+    # resolves to lies in ALLOWED_NETWORKS (CIDRs; "public" means any globally routable
+    # address). Both empty (the default): no webhook is ever sent. Loopback and private
+    # ranges are never implied; list them explicitly (tests allow 127.0.0.1/32).
+    "WEBHOOK_ALLOWED_HOSTS": env_list("BATCHWEB_WEBHOOK_ALLOWED_HOSTS"),
+    "WEBHOOK_ALLOWED_NETWORKS": env_list("BATCHWEB_WEBHOOK_ALLOWED_NETWORKS"),
+    "WEBHOOK_TIMEOUT_SECONDS": float(os.environ.get("BATCHWEB_WEBHOOK_TIMEOUT_SECONDS", "5")),
+    "WEBHOOK_MAX_ATTEMPTS": env_int("BATCHWEB_WEBHOOK_MAX_ATTEMPTS", 8),
+    # Attempt n+1 waits base * 2**(n-1) seconds (30 s, 1 min, 2 min, ... ~1 h).
+    "WEBHOOK_RETRY_BASE_SECONDS": env_int("BATCHWEB_WEBHOOK_RETRY_BASE_SECONDS", 30),
+    # The reconciler (in every worker) enqueues `cleanup` at most once per interval;
+    # 0 turns the schedule off (run `manage.py cleanup` from cron instead).
+    "CLEANUP_INTERVAL_SECONDS": env_int("BATCHWEB_CLEANUP_INTERVAL_SECONDS", 3600),
+    # Storage objects no row refers to are deleted only once older than this: a file is
+    # saved a moment before its row is created, and that moment must not look orphaned.
+    "ORPHAN_GRACE_SECONDS": env_int("BATCHWEB_ORPHAN_GRACE_SECONDS", 3600),
+})

