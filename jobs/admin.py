@@ -5,15 +5,31 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.contrib import admin, messages
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.urls import URLPattern, path
 from django.utils import timezone
 
-from jobs.models import ApiKey, Batch, File, Shard, Upload
+from jobs.models import (
+    ApiKey,
+    Batch,
+    File,
+    Quota,
+    Shard,
+    Upload,
+    UserSettings,
+    WebhookDelivery,
+    WebhookEvent,
+)
 from jobs.services import ServiceError
-from jobs.services.batches import cancel_batch, enqueue_next_shards, with_progress
+from jobs.services.batches import cancel_batch, with_progress
+from jobs.services.cleanup import delete_expired_files
+from jobs.services.health import queue_health, requeue_shards
 from jobs.services.keys import create_api_key, revoke_api_key
+from jobs.services.webhooks import enqueue_delivery, retry_now
 
 
 @admin.register(ApiKey)
@@ -51,9 +67,27 @@ class FileAdmin(admin.ModelAdmin):
     list_filter = ["purpose", "created_at"]
     search_fields = ["id", "filename", "owner__username", "sha256"]
     readonly_fields = [f.name for f in File._meta.fields]
+    actions = ["delete_expired"]
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
+
+    @admin.action(description="Delete selected files that have expired")
+    def delete_expired(self, request: HttpRequest, queryset: QuerySet[File]) -> None:
+        """What `manage.py cleanup` does to expired files, for the selected rows only:
+        rows not yet expired, and the input of an active batch, are kept."""
+        selected = queryset.count()
+        report = delete_expired_files(files=queryset)
+        self.message_user(request, f"Deleted {len(report.expired_files)} expired file(s) "
+                                   f"({report.expired_bytes:,} bytes).")
+        not_expired = selected - len(report.expired_files) - len(report.kept_in_use)
+        if report.kept_in_use:
+            self.message_user(request, f"Kept {len(report.kept_in_use)} file(s) an active "
+                                       f"batch still reads: {', '.join(report.kept_in_use)}",
+                              messages.WARNING)
+        if not_expired > 0:
+            self.message_user(request, f"Kept {not_expired} file(s) that have not expired.",
+                              messages.INFO)
 
 
 @admin.register(Upload)
@@ -117,12 +151,12 @@ class BatchAdmin(admin.ModelAdmin):
 
     @admin.action(description="Requeue stuck or failed shards now")
     def requeue_shards(self, request: HttpRequest, queryset: QuerySet[Batch]) -> None:
-        """Shards waiting for a retry run now; shards whose job was lost get a new one."""
+        """Shards waiting for a retry run now, shards whose job was lost get a new one,
+        running shards of a silent worker are retried, and shards out of retries get
+        fresh ones (see `health.requeue_shards`)."""
         count = 0
         for batch in queryset.filter(status=Batch.Status.IN_PROGRESS):
-            count += Shard.objects.filter(batch=batch, status=Shard.Status.QUEUED).update(
-                not_before=None, enqueued_at=None)
-            enqueue_next_shards(batch_id=batch.pk)
+            count += requeue_shards(batch=batch)
         self.message_user(request, f"Requeued {count} shard(s) at {timezone.now():%H:%M:%S}.")
 
 
@@ -133,6 +167,101 @@ class ShardAdmin(admin.ModelAdmin):
     list_filter = ["status"]
     search_fields = ["id", "batch__id", "worker"]
     readonly_fields = [f.name for f in Shard._meta.fields]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def get_urls(self) -> list[URLPattern]:
+        # The queue-health page lives beside the shards it is about: /admin/jobs/shard/health/
+        return [path("health/", self.admin_site.admin_view(self.queue_health_view),
+                     name="jobs_queue_health"), *super().get_urls()]
+
+    def queue_health_view(self, request: HttpRequest) -> HttpResponse:
+        context = {**self.admin_site.each_context(request), "title": "Queue health",
+                   "health": queue_health(), "opts": self.model._meta,
+                   "heartbeat_timeout": settings.BATCHWEB["HEARTBEAT_TIMEOUT_SECONDS"]}
+        return TemplateResponse(request, "admin/jobs/queue_health.html", context)
+
+
+# --- operations: quotas, user settings, webhooks ---
+
+
+@admin.register(Quota)
+class QuotaAdmin(admin.ModelAdmin):
+    list_display = ["__str__", *Quota.LIMITS, "updated_at"]
+    search_fields = ["user__username", "user__email"]
+    autocomplete_fields = ["user"]
+    readonly_fields = ["updated_at"]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        # Which user a row belongs to (or that it is the default) is fixed once created.
+        return [*self.readonly_fields, "user"] if obj else self.readonly_fields
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        # The default row is the fallback of every user: edit it, do not delete it.
+        if obj is not None and obj.user_id is None:
+            return False
+        return super().has_delete_permission(request, obj)
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        from jobs.services.quotas import default_quota
+
+        default_quota()  # so the default row is always there to edit
+        return super().changelist_view(request, extra_context)
+
+
+@admin.register(UserSettings)
+class UserSettingsAdmin(admin.ModelAdmin):
+    list_display = ["user", "webhook_url", "updated_at"]
+    search_fields = ["user__username", "webhook_url"]
+    autocomplete_fields = ["user"]
+    # The signing secret is the user's to see (dashboard); the admin never shows it.
+    fields = ["user", "webhook_url", "updated_at"]
+    readonly_fields = ["updated_at"]
+
+
+class WebhookDeliveryInline(admin.TabularInline):
+    model = WebhookDelivery
+    fields = ["attempt", "started_at", "url", "status_code", "ok", "duration_ms", "error",
+              "response_excerpt"]
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(WebhookEvent)
+class WebhookEventAdmin(admin.ModelAdmin):
+    list_display = ["id", "owner", "type", "batch_id", "status", "attempts", "created_at",
+                    "next_attempt_at", "delivered_at", "last_error"]
+    list_filter = ["status", "type"]
+    search_fields = ["id", "batch_id", "owner__username"]
+    readonly_fields = [f.name for f in WebhookEvent._meta.fields]
+    inlines = [WebhookDeliveryInline]
+    actions = ["retry"]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    @admin.action(description="Retry delivery now")
+    def retry(self, request: HttpRequest, queryset: QuerySet[WebhookEvent]) -> None:
+        ids = list(queryset.exclude(status=WebhookEvent.Status.DELIVERED).values_list(
+            "pk", flat=True))
+        retry_now(events=WebhookEvent.objects.filter(pk__in=ids))
+        for event_id in ids:
+            enqueue_delivery(event_id)
+        self.message_user(request, f"Retrying {len(ids)} event(s).")
+
+
+@admin.register(WebhookDelivery)
+class WebhookDeliveryAdmin(admin.ModelAdmin):
+    list_display = ["event", "attempt", "started_at", "url", "status_code", "ok",
+                    "duration_ms", "error"]
+    list_filter = ["ok"]
+    search_fields = ["event__id", "event__batch_id", "url"]
+    readonly_fields = [f.name for f in WebhookDelivery._meta.fields]
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

@@ -11,6 +11,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import models
+from django.db.models.functions import Coalesce
 
 PROGRESS_FIELDS = ("completed", "failed", "input_tokens", "output_tokens")
 
@@ -341,6 +342,12 @@ class Shard(models.Model):
     # Storage names of this shard's results, set only when an attempt finishes whole.
     output_part = models.CharField(max_length=255, blank=True)
     error_part = models.CharField(max_length=255, blank=True)
+    # Quality flags of this shard's outputs (jobs.quality): a part of {"custom_id", "flags"}
+    # lines, and the count of each flag.
+    flags_part = models.CharField(max_length=255, blank=True)
+    flag_counts = models.JSONField(default=dict, blank=True)
+    # Requests run a second time because their JSON output did not parse or match.
+    json_retries = models.PositiveIntegerField(default=0)
 
     class Meta:
         ordering = ["batch", "index"]
@@ -394,3 +401,140 @@ class SpotCheck(models.Model):
 
     def __str__(self) -> str:
         return f"{self.batch_id} {self.custom_id}: {self.verdict}"
+
+
+# --- Operations: quotas, per-user settings (webhooks), webhook events and deliveries ---
+
+
+class Quota(models.Model):
+    """Usage limits. The row without a user is the site-wide default (edited in the admin);
+    a user's row overrides it limit by limit. A blank limit on a user's row means "as the
+    default"; a blank limit on the default row means "no limit" (the service's hard limits,
+    BATCHWEB_MAX_FILE_BYTES and BATCHWEB_MAX_REQUESTS_PER_BATCH, always apply).
+
+    Token budgets count input + output tokens of successful requests (the batch billing
+    rule), by when their shard finished, per calendar day and month in TIME_ZONE (UTC).
+    """
+
+    LIMITS = ("max_file_bytes", "max_requests_per_batch", "max_active_batches",
+              "max_stored_bytes", "tokens_per_day", "tokens_per_month")
+
+    user = models.OneToOneField(settings.AUTH_USER_MODEL, null=True, blank=True,
+                                on_delete=models.CASCADE, related_name="quota",
+                                help_text="Empty: the site-wide default.")
+    max_file_bytes = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="Largest input file, in bytes.")
+    max_requests_per_batch = models.PositiveBigIntegerField(null=True, blank=True)
+    max_active_batches = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="Batches validating, running, finalizing or "
+                                         "cancelling at once.")
+    max_stored_bytes = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="All of the user's files together (input, output, "
+                                         "error), in bytes.")
+    tokens_per_day = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="Input + output tokens of successful requests per "
+                                         "UTC day; new batches are refused once reached.")
+    tokens_per_month = models.PositiveBigIntegerField(
+        null=True, blank=True, help_text="The same per calendar month.")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            # One row per user, and a single default row (NULLs are distinct in a plain
+            # unique index, so the default is folded to 0, which no user id takes).
+            models.UniqueConstraint(Coalesce("user", models.Value(0)),
+                                    name="one_quota_per_user_and_one_default"),
+        ]
+
+    def __str__(self) -> str:
+        return f"quota of {self.user}" if self.user_id else "site-wide default quota"
+
+
+def new_webhook_secret() -> str:
+    # Standard Webhooks' secret format: "whsec_" + base64 of the key bytes.
+    import base64
+
+    return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+
+
+class UserSettings(models.Model):
+    """Per-user preferences: where batch notifications go and the key that signs them."""
+
+    user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE,
+                                related_name="batchweb_settings")
+    webhook_url = models.URLField(max_length=500, blank=True,
+                                  help_text="POSTed a signed event when a batch ends.")
+    # Stored as is: signing needs the key itself (HMAC), unlike API keys.
+    webhook_secret = models.CharField(max_length=100, default=new_webhook_secret)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name = "user settings"
+        verbose_name_plural = "user settings"
+
+    def __str__(self) -> str:
+        return f"settings of {self.user}"
+
+
+def new_event_id() -> str:
+    return new_id("evt_")
+
+
+class WebhookEvent(models.Model):
+    """A batch notification for one user, and where its delivery stands. Retried with
+    exponential backoff until delivered or out of attempts; every attempt is a
+    WebhookDelivery."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        DELIVERED = "delivered"
+        FAILED = "failed"
+
+    id = models.CharField(primary_key=True, max_length=40, default=new_event_id, editable=False)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
+    type = models.CharField(max_length=40)
+    # The batch's id only: the event outlives the batch row if an operator deletes it.
+    batch_id = models.CharField(max_length=40, db_index=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.PENDING,
+                              db_index=True)
+    attempts = models.PositiveIntegerField(default=0)
+    # When the next attempt is due (None once delivered or failed). A sender pushes it
+    # forward while it works, so the reconciler never enqueues an attempt in flight.
+    next_attempt_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(fields=["batch_id", "type"], name="one_event_per_batch_end")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.id} {self.type} {self.batch_id}"
+
+    def payload(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "event", "type": self.type,
+                "created_at": epoch(self.created_at), "data": {"id": self.batch_id}}
+
+
+class WebhookDelivery(models.Model):
+    """One attempt to deliver a WebhookEvent: what was called and what came back."""
+
+    event = models.ForeignKey(WebhookEvent, on_delete=models.CASCADE, related_name="deliveries")
+    attempt = models.PositiveIntegerField()
+    url = models.CharField(max_length=500)
+    started_at = models.DateTimeField(auto_now_add=True)
+    duration_ms = models.PositiveIntegerField(default=0)
+    status_code = models.PositiveIntegerField(null=True, blank=True)
+    ok = models.BooleanField(default=False)
+    error = models.TextField(blank=True)
+    response_excerpt = models.CharField(max_length=500, blank=True)
+
+    class Meta:
+        verbose_name_plural = "webhook deliveries"
+        ordering = ["event", "attempt"]
+
+    def __str__(self) -> str:
+        return f"{self.event_id} attempt {self.attempt}"

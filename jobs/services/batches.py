@@ -23,7 +23,7 @@ from django.utils import timezone
 from engine.base import ENDPOINTS
 from jobs import queues
 from jobs.models import PROGRESS_FIELDS, Batch, File, RequestCopy, Shard
-from jobs.services.errors import ServiceError, not_found, wrong_state
+from jobs.services.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.services.files import (
     get_file_for_user,
     iter_lines,
@@ -33,6 +33,7 @@ from jobs.services.files import (
     parse_expires_after,
     store_file,
 )
+from jobs.services.quotas import check_quota
 from jobs.services.validation import check_input
 from jobs.wire import Code, failure_line
 
@@ -49,7 +50,7 @@ STOP_MESSAGES = {
 def parse_completion_window(value: Any) -> timedelta:
     """'24h' as OpenAI; other whole hours within the configured bounds ('1h', '72h')."""
     conf = settings.BATCHWEB
-    match = WINDOW_PATTERN.match(value) if isinstance(value, str) else None
+    match = WINDOW_PATTERN.fullmatch(value) if isinstance(value, str) else None
     hours = int(match.group(1)) if match else 0
     if not conf["MIN_WINDOW_HOURS"] <= hours <= conf["MAX_WINDOW_HOURS"]:
         raise ServiceError(
@@ -68,10 +69,10 @@ def check_metadata(value: Any) -> dict[str, str]:
     if len(value) > MAX_METADATA_PAIRS:
         raise ServiceError("metadata takes at most 16 pairs.", param="metadata")
     for key, item in value.items():
-        if not isinstance(key, str) or not key or len(key) > 64:
+        if not isinstance(key, str) or not key or len(key) > 64 or "\x00" in key:
             raise ServiceError("metadata keys must be strings of 1 to 64 characters.",
                                param="metadata")
-        if not isinstance(item, str) or len(item) > 512:
+        if not isinstance(item, str) or len(item) > 512 or "\x00" in item:
             raise ServiceError("metadata values must be strings of at most 512 characters.",
                                param=f"metadata.{key}"[:100])
     return value
@@ -100,6 +101,7 @@ def create_batch(*, owner: Any, input_file_id: Any, endpoint: Any, completion_wi
     input_file = get_file_for_user(owner=owner, file_id=input_file_id)
     if input_file.purpose != File.Purpose.BATCH:
         raise ServiceError("The input file must have purpose 'batch'.", param="input_file_id")
+    check_quota(owner=owner, batch_requests=input_file.line_count)
     now = timezone.now()
     batch = Batch.objects.create(
         owner=owner, endpoint=endpoint, input_file=input_file,
@@ -116,7 +118,8 @@ def create_batch(*, owner: Any, input_file_id: Any, endpoint: Any, completion_wi
 
 
 def get_batch_for_user(*, owner: Any, batch_id: str) -> Batch:
-    batch = with_progress(Batch.objects.filter(owner=owner, pk=batch_id)).first()
+    batch = (with_progress(Batch.objects.filter(owner=owner, pk=batch_id)).first()
+             if storable_id(batch_id) else None)
     if batch is None:
         raise not_found("batch", batch_id)
     return batch
@@ -419,5 +422,13 @@ class _bounded:
 
 
 def _notify_ended(batch_id: str) -> None:
-    """Hook for what happens when a batch ends (webhooks, in the operations work)."""
+    """A batch ended: record its webhook event and enqueue the delivery (an RQ job on the
+    control queue, ids only); the HTTP call never runs here. A failure to notify must not
+    fail the finalizer: the event, once recorded, is retried by the reconciler."""
     log.info("batch %s ended", batch_id)
+    try:
+        from jobs.services.webhooks import batch_ended
+
+        batch_ended(batch_id=batch_id)
+    except Exception:
+        log.exception("could not record the webhook event of batch %s", batch_id)

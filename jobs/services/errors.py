@@ -24,6 +24,12 @@ class ServiceError(Exception):
         self.type = type
 
 
+def storable_id(value: object) -> bool:
+    """Whether a client-sent id can be looked up at all: PostgreSQL text cannot hold NUL,
+    and the query would fail (a 500) instead of finding nothing (a 404)."""
+    return isinstance(value, str) and "\x00" not in value
+
+
 def not_found(what: str, object_id: str) -> ServiceError:
     # The same answer whether the object does not exist or belongs to someone else.
     return ServiceError(f"No such {what}: '{object_id}'", status=404, code="not_found",

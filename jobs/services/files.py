@@ -27,7 +27,9 @@ from django.db import transaction
 from django.utils import timezone
 
 from jobs.models import Batch, File
-from jobs.services.errors import ServiceError, not_found, wrong_state
+from jobs.services.errors import ServiceError, not_found, storable_id, wrong_state
+from jobs.services.quotas import check_quota
+from jobs.wire import loads_strict
 
 CHUNK = 1024 * 1024
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -121,7 +123,7 @@ def scan_jsonl(stream: IO[bytes]) -> ScanResult:
         if not line.content.strip():
             continue
         try:
-            obj = json.loads(line.content.decode("utf-8"))
+            obj = loads_strict(line.content.decode("utf-8"))
         except UnicodeDecodeError:
             raise ServiceError(f"The file is not UTF-8 text (line {line.number}).",
                                code="invalid_file", param="file") from None
@@ -244,6 +246,7 @@ def create_input_file(*, owner: Any, path: str | Path, filename: str, purpose: A
     if size > limits()["MAX_FILE_BYTES"]:
         raise ServiceError(f"File is larger than {limits()['MAX_FILE_BYTES']} bytes.",
                            status=413, code="file_too_large", param="file")
+    check_quota(owner=owner, file_bytes=size)
     with open(path, "rb") as handle:
         scan = scan_jsonl(handle)
     if scan.lines > limits()["MAX_REQUESTS_PER_BATCH"]:
@@ -258,7 +261,7 @@ def create_input_file(*, owner: Any, path: str | Path, filename: str, purpose: A
 
 
 def get_file_for_user(*, owner: Any, file_id: str) -> File:
-    file = File.objects.filter(owner=owner, pk=file_id).first()
+    file = File.objects.filter(owner=owner, pk=file_id).first() if storable_id(file_id) else None
     if file is None:
         raise not_found("file", file_id)
     return file

@@ -18,6 +18,7 @@ from jobs.services.batches import (
     expire_due_batches,
     request_finalize,
 )
+from jobs.services.health import periodic_operations
 from jobs.services.shards import fail_shard
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ def reconcile() -> dict[str, int]:
         if not queues.job_is_waiting(f"{batch_id}-finalize", queues.CONTROL_QUEUE):
             request_finalize(batch_id=batch_id)
             done["finalize"] += 1
+    # Cleanup and webhook retries ride on this pass: no scheduler process is needed.
+    done.update(periodic_operations())
     if any(done.values()):
         log.info("reconcile: %s", done)
     return done

@@ -16,7 +16,7 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from jobs.models import Upload, UploadPart
-from jobs.services.errors import ServiceError, not_found, wrong_state
+from jobs.services.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.services.files import (
     CHUNK,
     check_purpose,
@@ -26,6 +26,7 @@ from jobs.services.files import (
     local_temp,
     new_storage_name,
 )
+from jobs.services.quotas import check_quota
 
 JSONL_MIME_TYPES = {"application/jsonl", "application/x-ndjson", "application/json",
                     "text/jsonl", "text/plain", "application/octet-stream"}
@@ -42,6 +43,8 @@ def create_upload(*, owner: Any, filename: Any, purpose: Any, bytes: Any,
     if bytes > limit:
         raise ServiceError(f"bytes must be at most {limit}.", status=413,
                            code="file_too_large", param="bytes")
+    # Refused before any part is sent, not only when the parts are assembled.
+    check_quota(owner=owner, file_bytes=bytes)
     if mime_type not in JSONL_MIME_TYPES:
         raise ServiceError("mime_type must be a JSONL type such as application/jsonl.",
                            param="mime_type")
@@ -52,7 +55,8 @@ def create_upload(*, owner: Any, filename: Any, purpose: Any, bytes: Any,
 
 
 def get_upload_for_user(*, owner: Any, upload_id: str) -> Upload:
-    upload = Upload.objects.filter(owner=owner, pk=upload_id).first()
+    upload = (Upload.objects.filter(owner=owner, pk=upload_id).first()
+              if storable_id(upload_id) else None)
     if upload is None:
         raise not_found("upload", upload_id)
     return upload

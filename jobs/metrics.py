@@ -1,0 +1,159 @@
+"""`/metrics` in the Prometheus text format.
+
+Every value is read from the database and Redis at scrape time by a custom collector in a
+fresh registry: the numbers are the service's, not one web process's (gunicorn runs several,
+and workers run on other machines). Counters (`*_total`) are sums over the shards in the
+database, so they drop if an operator deletes batches; Prometheus' rate() treats a drop as
+a reset.
+
+Access: "Authorization: Bearer <BATCHWEB_METRICS_TOKEN>" (Prometheus' `authorization`
+setting), or a signed-in staff user.
+
+    batchweb_batches{status}                        batches by status
+    batchweb_queue_depth{queue,model,priority}      jobs waiting in each RQ queue
+    batchweb_shards_in_flight{model,state}          shards queued (in Redis or waiting their
+                                                    turn in the database) or running
+    batchweb_shards_stuck{model}                    running shards with a stale heartbeat
+    batchweb_requests_processed_total{model,outcome} requests of finished shards
+                                                    (outcome: completed | failed)
+    batchweb_tokens_processed_total{model,kind}     tokens of successful requests
+                                                    (kind: input | output)
+    batchweb_throughput_requests_per_second{model}  requests of shards finished in the last
+                                                    5 minutes, per second
+    batchweb_workers{model}                         live batchworkers serving a model
+    batchweb_workers_total                          live RQ workers
+    batchweb_webhook_events{status}                 webhook events by delivery status
+    batchweb_redis_up                               1 if Redis answered
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db.models import Count, F, Sum
+from django.http import HttpRequest, HttpResponse
+from django.utils import timezone
+from django.views.decorators.http import require_GET
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from jobs import queues
+from jobs.models import Batch, Shard, WebhookEvent
+from jobs.services.health import queue_health, shard_counts_by_model
+
+THROUGHPUT_WINDOW = timedelta(minutes=5)
+
+
+class ServiceCollector:
+    """Reads the service's state when Prometheus scrapes."""
+
+    def describe(self) -> list[Metric]:
+        # Nothing up front: registering must not query the database.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        batches = GaugeMetricFamily("batchweb_batches", "Batches by status.",
+                                    labels=["status"])
+        counts = dict(Batch.objects.order_by().values_list("status").annotate(n=Count("id")))
+        for status in Batch.Status.values:
+            batches.add_metric([status], counts.get(status, 0))
+        yield batches
+
+        health = queue_health()
+        up = GaugeMetricFamily("batchweb_redis_up", "1 if Redis answered the scrape.")
+        up.add_metric([], 1 if health.redis_ok else 0)
+        yield up
+        depth = GaugeMetricFamily("batchweb_queue_depth", "Jobs waiting in an RQ queue.",
+                                  labels=["queue", "model", "priority"])
+        workers = GaugeMetricFamily("batchweb_workers", "Live batchworkers serving a model.",
+                                    labels=["model"])
+        stuck = GaugeMetricFamily("batchweb_shards_stuck",
+                                  "Running shards whose heartbeat is stale.", labels=["model"])
+        if health.redis_ok:
+            depth.add_metric([queues.CONTROL_QUEUE, "", "control"], health.control_depth)
+        for model in health.models:
+            for priority, count in model.depth.items():
+                depth.add_metric([queues.shard_queue_name(model.model, priority), model.model,
+                                  priority], count)
+            workers.add_metric([model.model], len(model.workers))
+            stuck.add_metric([model.model], len(model.stuck))
+        yield depth
+        yield workers
+        yield stuck
+        total_workers = GaugeMetricFamily("batchweb_workers_total", "Live RQ workers.")
+        if health.redis_ok:
+            from rq import Worker
+
+            total_workers.add_metric([], Worker.count(connection=queues.connection()))
+        yield total_workers
+
+        in_flight = GaugeMetricFamily("batchweb_shards_in_flight",
+                                      "Shards queued or running.", labels=["model", "state"])
+        for (model, state), n in sorted(shard_counts_by_model().items()):
+            in_flight.add_metric([model, state], n)
+        yield in_flight
+
+        done = Shard.objects.filter(status=Shard.Status.DONE)
+        requests = CounterMetricFamily("batchweb_requests_processed",
+                                       "Requests of finished shards.",
+                                       labels=["model", "outcome"])
+        tokens = CounterMetricFamily("batchweb_tokens_processed",
+                                     "Tokens of successful requests.", labels=["model", "kind"])
+        for row in done.values(model=F("batch__model")).annotate(
+                completed=Sum("completed"), failed=Sum("failed"), input=Sum("input_tokens"),
+                output=Sum("output_tokens")).order_by("model"):
+            requests.add_metric([row["model"], "completed"], row["completed"] or 0)
+            requests.add_metric([row["model"], "failed"], row["failed"] or 0)
+            tokens.add_metric([row["model"], "input"], row["input"] or 0)
+            tokens.add_metric([row["model"], "output"], row["output"] or 0)
+        yield requests
+        yield tokens
+
+        throughput = GaugeMetricFamily(
+            "batchweb_throughput_requests_per_second",
+            "Requests of shards finished in the last 5 minutes, per second.", labels=["model"])
+        recent = done.filter(finished_at__gte=timezone.now() - THROUGHPUT_WINDOW).values(
+            model=F("batch__model")).annotate(n=Sum(F("completed") + F("failed")))
+        per_model = {row["model"]: row["n"] or 0 for row in recent}
+        for model in sorted({m.model for m in health.models} | set(per_model)):
+            throughput.add_metric([model], per_model.get(model, 0)
+                                  / THROUGHPUT_WINDOW.total_seconds())
+        yield throughput
+
+        events = GaugeMetricFamily("batchweb_webhook_events",
+                                   "Webhook events by delivery status.", labels=["status"])
+        event_counts = dict(WebhookEvent.objects.order_by().values_list("status").annotate(
+            n=Count("id")))
+        for status in WebhookEvent.Status.values:
+            events.add_metric([status], event_counts.get(status, 0))
+        yield events
+
+
+def render_metrics() -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServiceCollector())  # type: ignore[arg-type]
+    return generate_latest(registry)
+
+
+def _allowed(request: HttpRequest) -> bool:
+    token = settings.BATCHWEB.get("METRICS_TOKEN") or ""
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if token and scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode(), token.encode()):
+        return True
+    user: Any = getattr(request, "user", None)
+    return bool(user is not None and user.is_authenticated and user.is_staff)
+
+
+@require_GET
+def metrics_view(request: HttpRequest) -> HttpResponse:
+    if not _allowed(request):
+        response = HttpResponse("Send 'Authorization: Bearer <metrics token>' or sign in as "
+                                "staff.\n", status=401, content_type="text/plain")
+        response["WWW-Authenticate"] = 'Bearer realm="metrics"'
+        return response
+    return HttpResponse(render_metrics(), content_type=CONTENT_TYPE_LATEST)

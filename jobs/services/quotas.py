@@ -1,0 +1,174 @@
+"""Per-user quotas: one check, used by every path that stores a file or creates a batch
+(the API, the dashboard, reruns), so the rules cannot differ between them.
+
+Limits come from the user's Quota row, falling back limit by limit to the site-wide default
+row (see `Quota`). What counts:
+
+- max_file_bytes, max_requests_per_batch: the file or batch being submitted (400: a smaller
+  one is needed, waiting does not help).
+- max_stored_bytes: the sum of `File.bytes` over all of the user's files (input, output and
+  error files) plus the new file (429: delete files or wait for them to expire).
+- max_active_batches: the user's batches validating, in progress, finalizing or cancelling,
+  plus the new one (429).
+- tokens_per_day / tokens_per_month: input + output tokens of successful requests (what
+  shards record: failed requests and deduplicated copies cost nothing), counted by the time
+  their shard finished, in the current calendar day / month of TIME_ZONE (UTC). A batch is
+  refused once the period's usage has reached the budget; a batch already accepted runs to
+  the end even if it goes past (its tokens are not known in advance). The budget resets at
+  midnight / on the 1st.
+
+Concurrent submissions are not serialized: two requests at the same instant may both pass
+(a quota is a fair-use limit, not an accounting guarantee).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import F, Sum
+from django.utils import timezone
+
+from jobs.models import Batch, File, Quota, Shard
+from jobs.services.errors import ServiceError
+
+ACTIVE_STATUSES = (Batch.Status.VALIDATING, Batch.Status.IN_PROGRESS,
+                   Batch.Status.FINALIZING, Batch.Status.CANCELLING)
+
+LABELS = {
+    "max_file_bytes": "file size",
+    "max_requests_per_batch": "requests per batch",
+    "max_active_batches": "active batches",
+    "max_stored_bytes": "stored bytes",
+    "tokens_per_day": "tokens today",
+    "tokens_per_month": "tokens this month",
+}
+
+
+def default_quota() -> Quota:
+    """The site-wide default row, created (all limits blank) the first time it is needed."""
+    quota = Quota.objects.filter(user__isnull=True).first()
+    if quota is not None:
+        return quota
+    try:
+        with transaction.atomic():
+            return Quota.objects.create(user=None)
+    except IntegrityError:  # created meanwhile by another request
+        return Quota.objects.get(user__isnull=True)
+
+
+def limits_for(owner: Any) -> dict[str, int | None]:
+    """Each limit for this user: their own value, else the default's; None is no limit."""
+    default = default_quota()
+    own = Quota.objects.filter(user=owner).first()
+    values: dict[str, int | None] = {}
+    for name in Quota.LIMITS:
+        value = getattr(own, name) if own is not None else None
+        values[name] = value if value is not None else getattr(default, name)
+    return values
+
+
+def period_starts(now: datetime | None = None) -> tuple[datetime, datetime]:
+    """Start of the current day and month in TIME_ZONE: when the token budgets reset."""
+    local = timezone.localtime(now or timezone.now())
+    day = local.replace(hour=0, minute=0, second=0, microsecond=0)
+    return day, day.replace(day=1)
+
+
+def tokens_since(owner: Any, start: datetime) -> int:
+    # A shard finishes at most a completion window (plus retries of its last attempt)
+    # after its batch was created: bounding the batches by creation time lets the query
+    # use the (owner, created_at) index instead of scanning every batch of the user.
+    oldest_batch = start - timedelta(hours=settings.BATCHWEB["MAX_WINDOW_HOURS"] + 24)
+    total = Shard.objects.filter(
+        batch__owner=owner, batch__created_at__gte=oldest_batch, finished_at__gte=start,
+    ).aggregate(total=Sum(F("input_tokens") + F("output_tokens")))["total"]
+    return int(total or 0)
+
+
+def usage_for(owner: Any, *, now: datetime | None = None) -> dict[str, int]:
+    day, month = period_starts(now)
+    return {
+        "max_stored_bytes": int(File.objects.filter(owner=owner).aggregate(
+            total=Sum("bytes"))["total"] or 0),
+        "max_active_batches": Batch.objects.filter(owner=owner,
+                                                   status__in=ACTIVE_STATUSES).count(),
+        "tokens_per_day": tokens_since(owner, day),
+        "tokens_per_month": tokens_since(owner, month),
+    }
+
+
+def _refuse(limit: str, message: str) -> ServiceError:
+    usage_limit = limit in ("max_stored_bytes", "max_active_batches", "tokens_per_day",
+                            "tokens_per_month")
+    # Limits on the submission itself are a 400 (waiting does not help); limits on what the
+    # user has or has used are a 429 in OpenAI's quota shape.
+    return ServiceError(f"Quota exceeded ({LABELS[limit]}): {message}",
+                        status=429 if usage_limit else 400, code=f"{limit}_exceeded",
+                        type="insufficient_quota" if usage_limit else "invalid_request_error")
+
+
+def check_quota(*, owner: Any, file_bytes: int | None = None,
+                batch_requests: int | None = None) -> None:
+    """Refuse (ServiceError 400 or 429, saying which limit and the current usage) a new
+    file of `file_bytes` or a new batch of `batch_requests` requests beyond the user's
+    quota. Nothing else is checked: pass what is being submitted."""
+    limits = limits_for(owner)
+    if not any(v is not None for v in limits.values()):
+        return
+    usage = usage_for(owner)
+    if file_bytes is not None:
+        limit = limits["max_file_bytes"]
+        if limit is not None and file_bytes > limit:
+            raise _refuse("max_file_bytes", f"this file is {file_bytes:,} bytes; files may "
+                                            f"be at most {limit:,} bytes.")
+        limit = limits["max_stored_bytes"]
+        stored = usage["max_stored_bytes"]
+        if limit is not None and stored + file_bytes > limit:
+            raise _refuse("max_stored_bytes", f"you store {stored:,} of {limit:,} bytes "
+                                              f"allowed; this file adds {file_bytes:,}. "
+                                              "Delete files or wait for them to expire.")
+    if batch_requests is not None:
+        limit = limits["max_requests_per_batch"]
+        if limit is not None and batch_requests > limit:
+            raise _refuse("max_requests_per_batch",
+                          f"this batch has {batch_requests:,} requests; a batch may have at "
+                          f"most {limit:,}.")
+        limit = limits["max_active_batches"]
+        active = usage["max_active_batches"]
+        if limit is not None and active >= limit:
+            raise _refuse("max_active_batches",
+                          f"{active:,} of your batches are active and at most {limit:,} may "
+                          "be; wait for one to end.")
+        for name, period in (("tokens_per_day", "today (UTC)"),
+                             ("tokens_per_month", "this month")):
+            limit = limits[name]
+            used = usage[name]
+            if limit is not None and used >= limit:
+                raise _refuse(name, f"you have used {used:,} of {limit:,} tokens {period}; "
+                                    "new batches are accepted again when the period resets.")
+
+
+@dataclass
+class QuotaRow:
+    name: str
+    label: str
+    used: int | None  # None: a per-submission limit, nothing accumulates
+    limit: int | None
+
+    @property
+    def percent(self) -> float | None:
+        if self.used is None or not self.limit:
+            return None
+        return min(100.0, round(100.0 * self.used / self.limit, 1))
+
+
+def summary(owner: Any) -> list[QuotaRow]:
+    """Usage and limits for the dashboard's account page."""
+    limits = limits_for(owner)
+    usage = usage_for(owner)
+    return [QuotaRow(name, LABELS[name], usage.get(name), limits[name])
+            for name in Quota.LIMITS]

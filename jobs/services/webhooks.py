@@ -1,0 +1,353 @@
+"""Batch notifications: when a batch ends, POST an OpenAI-style event to its owner's webhook.
+
+The event, as OpenAI's batch webhooks:
+    {"id": "evt_...", "object": "event", "type": "batch.completed", "created_at": 1700000000,
+     "data": {"id": "batch_..."}}
+with type batch.completed, batch.failed, batch.expired or batch.cancelled.
+
+Signed the Standard Webhooks way (as OpenAI's own webhooks, so `openai`'s
+`client.webhooks.unwrap(body, headers, secret=...)` verifies it):
+    webhook-id:        the event id (the same on every retry: receivers dedupe on it)
+    webhook-timestamp: seconds since the epoch when this attempt was sent
+    webhook-signature: "v1," + base64(HMAC-SHA256(key, f"{id}.{timestamp}.{body}"))
+where key is the base64-decoded part of the user's secret after "whsec_". Signing the id and
+timestamp with the body lets receivers refuse replays of old deliveries.
+
+Delivery never runs in the finalizer: the batch's end inserts a WebhookEvent row and
+enqueues `deliver_event(event_id)` on the control queue. An attempt that fails (connection
+error, timeout, non-2xx; redirects are not followed) is retried after
+WEBHOOK_RETRY_BASE_SECONDS * 2**(attempt-1) by the reconciler's pass (`enqueue_due`), up to
+WEBHOOK_MAX_ATTEMPTS. Each attempt is a WebhookDelivery row (shown in the admin).
+
+Only allowed addresses are called (settings WEBHOOK_ALLOWED_HOSTS / _NETWORKS): the host is
+resolved, every address checked, and the connection made to the checked address (so a DNS
+answer that changes between check and connect cannot redirect the request).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import http.client
+import ipaddress
+import json
+import logging
+import socket
+import ssl
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from django.utils import timezone
+
+from jobs import queues
+from jobs.models import Batch, UserSettings, WebhookDelivery, WebhookEvent, new_webhook_secret
+from jobs.services.errors import ServiceError
+
+log = logging.getLogger(__name__)
+
+EVENT_TYPES = {
+    Batch.Status.COMPLETED: "batch.completed",
+    Batch.Status.FAILED: "batch.failed",
+    Batch.Status.EXPIRED: "batch.expired",
+    Batch.Status.CANCELLED: "batch.cancelled",
+}
+USER_AGENT = "batchweb-webhooks/1"
+EXCERPT = 500
+DUE_PER_PASS = 200
+
+
+# --- per-user settings ---
+
+
+def settings_for(user: Any) -> UserSettings:
+    row, _ = UserSettings.objects.get_or_create(user=user)
+    return row
+
+
+def set_webhook_url(*, user: Any, url: str) -> UserSettings:
+    """Set (or clear, with "") the user's webhook URL. Refused unless the operator allows
+    the address, so a user learns at once rather than from failed deliveries."""
+    url = (url or "").strip()
+    if url:
+        check_url(url)
+    row = settings_for(user)
+    row.webhook_url = url
+    row.save(update_fields=["webhook_url", "updated_at"])
+    return row
+
+
+def rotate_secret(*, user: Any) -> UserSettings:
+    row = settings_for(user)
+    row.webhook_secret = new_webhook_secret()
+    row.save(update_fields=["webhook_secret", "updated_at"])
+    return row
+
+
+# --- where we may connect ---
+
+
+class NotAllowed(ServiceError):
+    pass
+
+
+def _host_allowed(host: str) -> bool:
+    host = host.lower().rstrip(".")
+    for pattern in settings.BATCHWEB["WEBHOOK_ALLOWED_HOSTS"]:
+        pattern = pattern.lower().rstrip(".")
+        if pattern.startswith("."):
+            if host == pattern[1:] or host.endswith(pattern):
+                return True
+        elif host == pattern:
+            return True
+    return False
+
+
+def _address_allowed(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+        address = address.ipv4_mapped
+    for entry in settings.BATCHWEB["WEBHOOK_ALLOWED_NETWORKS"]:
+        if entry == "public":
+            if address.is_global:
+                return True
+            continue
+        try:
+            network = ipaddress.ip_network(entry, strict=False)
+        except ValueError:
+            log.warning("ignoring bad WEBHOOK_ALLOWED_NETWORKS entry %r", entry)
+            continue
+        if address.version == network.version and address in network:
+            return True
+    return False
+
+
+@dataclass
+class Target:
+    scheme: str
+    host: str
+    port: int
+    path: str
+    addresses: list[str]  # the checked IPs the connection may be made to, in order
+
+
+def check_url(url: str) -> Target:
+    """Parse, resolve and check a webhook URL. Raises NotAllowed (400)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise NotAllowed("The webhook URL is not a valid URL.", param="webhook_url") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise NotAllowed("The webhook URL must be an http:// or https:// URL.",
+                         param="webhook_url")
+    if parts.username or parts.password:
+        raise NotAllowed("The webhook URL must not contain credentials.", param="webhook_url")
+    host = parts.hostname
+    port = port or (443 if parts.scheme == "https" else 80)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise NotAllowed(f"The webhook host {host} could not be resolved ({exc}).",
+                         param="webhook_url") from None
+    addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+    if not addresses:
+        raise NotAllowed(f"The webhook host {host} has no address.", param="webhook_url")
+    if not _host_allowed(host) and not all(_address_allowed(a) for a in addresses):
+        raise NotAllowed(f"The webhook address {host} ({addresses[0]}) is not allowed by this "
+                         "service's operator (BATCHWEB_WEBHOOK_ALLOWED_HOSTS / "
+                         "_NETWORKS).", param="webhook_url")
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    unique = list(dict.fromkeys(str(a) for a in addresses))
+    return Target(parts.scheme, host, port, path, unique)
+
+
+def _connect(addresses: list[str], port: int, timeout: float) -> socket.socket:
+    """A connection to the first of the checked addresses that answers (as
+    socket.create_connection does for a name, without resolving it again)."""
+    error: OSError | None = None
+    for address in addresses:
+        try:
+            return socket.create_connection((address, port), timeout)
+        except OSError as exc:
+            error = exc
+    raise error or OSError("no address to connect to")
+
+
+# --- signing and sending ---
+
+
+def sign(*, secret: str, event_id: str, timestamp: int, body: bytes) -> str:
+    key = base64.b64decode(secret.removeprefix("whsec_")) if secret.startswith("whsec_") \
+        else secret.encode()
+    signed = f"{event_id}.{timestamp}.".encode() + body
+    return "v1," + base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
+
+
+class _PinnedHTTP(http.client.HTTPConnection):
+    """HTTP to a fixed, already checked address (the Host header keeps the name)."""
+
+    def __init__(self, target: Target, timeout: float) -> None:
+        super().__init__(target.host, target.port, timeout=timeout)
+        self._addresses = target.addresses
+
+    def connect(self) -> None:
+        self.sock = _connect(self._addresses, self.port, self.timeout)
+
+
+class _PinnedHTTPS(http.client.HTTPSConnection):
+    """HTTPS to a fixed, already checked address, verifying the certificate for the name."""
+
+    def __init__(self, target: Target, timeout: float) -> None:
+        context = ssl.create_default_context()
+        super().__init__(target.host, target.port, timeout=timeout, context=context)
+        self._addresses = target.addresses
+        self._ssl_context = context
+
+    def connect(self) -> None:
+        sock = _connect(self._addresses, self.port, self.timeout)
+        self.sock = self._ssl_context.wrap_socket(sock, server_hostname=self.host)
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    status_code: int | None = None
+    error: str = ""
+    excerpt: str = ""
+    permanent: bool = False  # retrying cannot help (address not allowed)
+
+
+def post(url: str, *, body: bytes, headers: dict[str, str]) -> Outcome:
+    try:
+        target = check_url(url)
+    except NotAllowed as exc:
+        return Outcome(ok=False, error=exc.message, permanent=True)
+    timeout = settings.BATCHWEB["WEBHOOK_TIMEOUT_SECONDS"]
+    connection_class = _PinnedHTTPS if target.scheme == "https" else _PinnedHTTP
+    conn = connection_class(target, timeout)
+    try:
+        conn.request("POST", target.path, body=body, headers={
+            **headers, "Content-Type": "application/json", "User-Agent": USER_AGENT})
+        response = conn.getresponse()
+        excerpt = response.read(EXCERPT).decode("utf-8", "replace")
+        ok = 200 <= response.status < 300
+        return Outcome(ok=ok, status_code=response.status, excerpt=excerpt,
+                       error="" if ok else f"HTTP {response.status}")
+    except (OSError, http.client.HTTPException) as exc:
+        return Outcome(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
+    finally:
+        conn.close()
+
+
+# --- events ---
+
+
+def batch_ended(*, batch_id: str) -> str | None:
+    """Record the event of a batch's end and enqueue its delivery; None when its owner has
+    no webhook. Cheap (a few queries and one enqueue): it runs in the finalizer."""
+    row = Batch.objects.filter(pk=batch_id).values("owner_id", "status").first()
+    if row is None or row["status"] not in EVENT_TYPES:
+        return None
+    if not UserSettings.objects.filter(user_id=row["owner_id"]).exclude(webhook_url="").exists():
+        return None
+    try:
+        with transaction.atomic():
+            event = WebhookEvent.objects.create(
+                owner_id=row["owner_id"], batch_id=batch_id, type=EVENT_TYPES[row["status"]],
+                next_attempt_at=timezone.now())
+    except IntegrityError:  # already recorded (a repeated finalizer call)
+        return None
+    event_id = event.pk
+    # If Redis is unavailable the event stays due and the reconciler enqueues it later.
+    transaction.on_commit(lambda: enqueue_delivery(event_id), robust=True)
+    return event_id
+
+
+def enqueue_delivery(event_id: str) -> None:
+    # A fixed job id: enqueuing a due event twice replaces the job instead of doubling it,
+    # and the claim in deliver_event makes a duplicate run a no-op anyway.
+    queues.queue(queues.CONTROL_QUEUE).enqueue(
+        "jobs.services.webhooks.deliver_event", event_id, job_id=f"{event_id}-webhook",
+        job_timeout=int(settings.BATCHWEB["WEBHOOK_TIMEOUT_SECONDS"] * 4 + 60),
+        result_ttl=600, failure_ttl=7 * 24 * 3600)
+
+
+def enqueue_due() -> int:
+    """Enqueue the deliveries that are due (new events whose job was lost, retries whose
+    backoff has passed). Called by the reconciler's pass."""
+    due = list(WebhookEvent.objects.filter(
+        status=WebhookEvent.Status.PENDING, next_attempt_at__lte=timezone.now()
+    ).order_by("next_attempt_at").values_list("pk", flat=True)[:DUE_PER_PASS])
+    for event_id in due:
+        enqueue_delivery(event_id)
+    return len(due)
+
+
+def retry_delay(attempt: int) -> timedelta:
+    return timedelta(seconds=settings.BATCHWEB["WEBHOOK_RETRY_BASE_SECONDS"] * 2 ** (attempt - 1))
+
+
+def deliver_event(event_id: str) -> str:
+    """One delivery attempt of a due event (the RQ job). Returns the event's status."""
+    conf = settings.BATCHWEB
+    now = timezone.now()
+    # Claim the attempt: push next_attempt_at past this attempt's longest run, so the
+    # reconciler does not enqueue it again meanwhile, and a second job finds nothing due.
+    lease = now + timedelta(seconds=conf["WEBHOOK_TIMEOUT_SECONDS"] * 4 + 60)
+    if not WebhookEvent.objects.filter(
+            pk=event_id, status=WebhookEvent.Status.PENDING, next_attempt_at__lte=now
+    ).update(next_attempt_at=lease, attempts=F("attempts") + 1):
+        event = WebhookEvent.objects.filter(pk=event_id).first()
+        return event.status if event else "missing"
+    event = WebhookEvent.objects.get(pk=event_id)
+    attempt = event.attempts
+    user_settings = UserSettings.objects.filter(user_id=event.owner_id).first()
+    url = user_settings.webhook_url if user_settings else ""
+    if not url:
+        outcome = Outcome(ok=False, error="The user has no webhook URL any more.",
+                          permanent=True)
+        elapsed = 0.0
+    else:
+        body = json.dumps(event.payload(), separators=(",", ":")).encode()
+        timestamp = int(time.time())
+        headers = {
+            "webhook-id": event.pk,
+            "webhook-timestamp": str(timestamp),
+            "webhook-signature": sign(secret=user_settings.webhook_secret, event_id=event.pk,
+                                      timestamp=timestamp, body=body),
+        }
+        started = time.monotonic()
+        outcome = post(url, body=body, headers=headers)
+        elapsed = time.monotonic() - started
+    WebhookDelivery.objects.create(
+        event=event, attempt=attempt, url=url[:500], duration_ms=int(elapsed * 1000),
+        status_code=outcome.status_code, ok=outcome.ok, error=outcome.error,
+        response_excerpt=outcome.excerpt[:EXCERPT])
+    mine = WebhookEvent.objects.filter(pk=event_id, attempts=attempt,
+                                       status=WebhookEvent.Status.PENDING)
+    if outcome.ok:
+        mine.update(status=WebhookEvent.Status.DELIVERED, delivered_at=timezone.now(),
+                    next_attempt_at=None, last_error="")
+        return WebhookEvent.Status.DELIVERED
+    if outcome.permanent or attempt >= conf["WEBHOOK_MAX_ATTEMPTS"]:
+        log.warning("webhook %s failed for good after %d attempt(s): %s", event_id, attempt,
+                    outcome.error)
+        mine.update(status=WebhookEvent.Status.FAILED, next_attempt_at=None,
+                    last_error=outcome.error)
+        return WebhookEvent.Status.FAILED
+    mine.update(next_attempt_at=timezone.now() + retry_delay(attempt), last_error=outcome.error)
+    return WebhookEvent.Status.PENDING
+
+
+def retry_now(*, events: Any) -> int:
+    """Make events due at once (the admin's action): failed ones get one more attempt."""
+    return events.exclude(status=WebhookEvent.Status.DELIVERED).update(
+        status=WebhookEvent.Status.PENDING, next_attempt_at=timezone.now())
