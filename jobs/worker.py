@@ -28,8 +28,9 @@ from django.core.files import File as DjangoFile
 from django.core.files.storage import default_storage
 from django.db import InterfaceError, OperationalError, close_old_connections, connection
 
-from engine.base import Engine, EngineRequest, EngineResult
+from engine.base import CHAT, Engine, EngineRequest, EngineResult
 from jobs.models import RequestCopy, Shard
+from jobs.quality import flags_for, json_problem, output_texts, wants_json
 from jobs.services import shards as shard_service
 from jobs.services.batches import STOP_MESSAGES, _bounded, _last_line
 from jobs.services.files import iter_lines, open_range, temp_dir
@@ -64,6 +65,13 @@ def with_db_retry(fn: Callable[[], T], *, attempts: int = 5) -> T:
     raise AssertionError("unreachable")
 
 
+@dataclass(frozen=True)
+class Pending:
+    custom_id: str
+    url: str
+    body: dict[str, Any]
+
+
 @dataclass
 class ShardWork:
     """One claimed shard while its requests are in the engine."""
@@ -79,8 +87,14 @@ class ShardWork:
     copies: dict[int, list[str]]
     # Lines in this shard's range that are copies answered by another line.
     skip: set[int]
-    pending: dict[str, str] = field(default_factory=dict)  # request_id -> custom_id
+    # Local file of quality flags: one {"custom_id", "flags"} line per flagged request.
+    flags_path: Path
+    flags: IO[bytes]
+    # request_id -> the request, while it is in the engine.
+    pending: dict[str, Pending] = field(default_factory=dict)
     progress: Progress = field(default_factory=Progress)
+    flag_counts: dict[str, int] = field(default_factory=dict)
+    json_retries: int = 0
     all_submitted: bool = False
     finishing: bool = False
     dead: bool = False
@@ -90,17 +104,22 @@ class ShardWork:
     def request_id(self, line: int) -> str:
         return f"{self.shard_id}:{self.attempt}:{line}"
 
-    def write_result(self, custom_id: str, line: int, result: EngineResult) -> None:
+    def write_result(self, request: Pending, line: int, result: EngineResult) -> None:
         # Called with the lock held. Copies get the same body under their own custom_id;
         # only the computed request's tokens are counted (the copies cost nothing).
         ok = result.status_code == 200
         target = self.out if ok else self.err
-        for cid in [custom_id, *self.copies.get(line, ())]:
+        flags = flags_for(request.url, request.body, result.body) if ok else []
+        for cid in [request.custom_id, *self.copies.get(line, ())]:
             target.write(response_line(cid, result.status_code, result.body))
             if ok:
                 self.progress.completed += 1
             else:
                 self.progress.failed += 1
+            if flags:
+                self.flags.write(json.dumps({"custom_id": cid, "flags": flags}).encode() + b"\n")
+                for flag in flags:
+                    self.flag_counts[flag] = self.flag_counts.get(flag, 0) + 1
         if ok:
             tokens_in, tokens_out = usage_of(result.body)
             self.progress.input_tokens += tokens_in
@@ -113,13 +132,20 @@ class ShardWork:
             self.progress.failed += 1
 
     def close_files(self) -> None:
-        for handle in (self.out, self.err):
+        for handle in (self.out, self.err, self.flags):
             if not handle.closed:
                 handle.close()
 
     def remove_files(self) -> None:
-        self.close_files()
-        for path in (self.out_path, self.err_path):
+        # The attempt's files are discarded: a last flush that fails (disk full) does not
+        # matter. A close that raises still closes its handle, so retrying closes the rest.
+        for _ in range(4):
+            try:
+                self.close_files()
+                break
+            except OSError:
+                continue
+        for path in (self.out_path, self.err_path, self.flags_path):
             path.unlink(missing_ok=True)
 
 
@@ -129,6 +155,7 @@ class Pipeline:
         self.engine = engine
         self.worker_name = worker_name
         self.inbox: queue.Queue[Any] = queue.Queue(maxsize=inbox_size)
+        self.retries: queue.SimpleQueue[EngineRequest] = queue.SimpleQueue()
         self.works: dict[str, ShardWork] = {}
         self.works_lock = threading.Lock()
         self.broken: BaseException | None = None
@@ -221,11 +248,14 @@ class Pipeline:
         ).values_list("line", flat=True))
         base = temp_dir() / f"{shard.id}-{shard.attempt}"
         out_path, err_path = base.with_suffix(".out"), base.with_suffix(".err")
+        flags_path = base.with_suffix(".flags")
         # Closed by ShardWork.close_files when the shard finishes or is dropped.
         work = ShardWork(shard_id=shard.id, attempt=shard.attempt, batch_id=shard.batch_id,
                          out_path=out_path, err_path=err_path,
                          out=open(out_path, "wb"),  # noqa: SIM115
                          err=open(err_path, "wb"),  # noqa: SIM115
+                         flags_path=flags_path,
+                         flags=open(flags_path, "wb"),  # noqa: SIM115
                          copies=copies, skip=skip)
         with self.works_lock:
             self.works[shard.id] = work
@@ -249,7 +279,8 @@ class Pipeline:
                 engine_request = EngineRequest(request_id=work.request_id(line.number),
                                                url=request["url"], body=request["body"])
                 with work.lock:
-                    work.pending[engine_request.request_id] = request["custom_id"]
+                    work.pending[engine_request.request_id] = Pending(
+                        request["custom_id"], request["url"], request["body"])
                 self._put(engine_request)
 
     def _put(self, request: EngineRequest) -> None:
@@ -268,8 +299,18 @@ class Pipeline:
     # --- the dispatcher thread ---
 
     def _requests(self) -> Iterator[EngineRequest]:
+        # Retries come first: they are what keeps a shard from finishing. They never wait
+        # for room in the inbox (the dispatcher that makes them also drains results).
         while True:
-            item = self.inbox.get()
+            try:
+                yield self.retries.get_nowait()
+                continue
+            except queue.Empty:
+                pass
+            try:
+                item = self.inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
             if item is _END:
                 return
             yield item
@@ -277,7 +318,10 @@ class Pipeline:
     def _dispatch(self) -> None:
         try:
             for result in self.engine.run(self._requests()):
-                self._on_result(result)
+                try:
+                    self._on_result(result)
+                except OSError as exc:
+                    self._write_failed(result, exc)
         except BaseException as exc:
             log.exception("engine failed")
             self.broken = exc
@@ -285,22 +329,47 @@ class Pipeline:
 
     def _on_result(self, result: EngineResult) -> None:
         self.idle.request_finished()
-        shard_id, attempt, line = result.request_id.rsplit(":", 2)
+        shard_id, attempt, line_part = result.request_id.rsplit(":", 2)
+        line = int(line_part.rstrip(RETRY_SUFFIX))
         work = self.works.get(shard_id)
         if work is None or work.attempt != int(attempt):
             return
         with work.lock:
-            custom_id = work.pending.pop(result.request_id, None)
-            if custom_id is None or work.dead:
+            request = work.pending.pop(result.request_id, None)
+            if request is None or work.dead:
                 return
             if result.aborted:
-                work.write_unrun(custom_id, int(line), work.stop_code or "request_aborted")
+                work.write_unrun(request.custom_id, line, work.stop_code or "request_aborted")
+            elif not line_part.endswith(RETRY_SUFFIX) and needs_json_retry(request, result):
+                # Seed 003: a structured output that does not parse is run once more (with
+                # a new seed); only the final attempt is written.
+                retry = EngineRequest(request_id=result.request_id + RETRY_SUFFIX,
+                                      url=request.url, body=reseeded(request.body))
+                work.pending[retry.request_id] = request
+                work.json_retries += 1
+                self.idle.request_started()
+                self.retries.put(retry)
             else:
-                work.write_result(custom_id, int(line), result)
+                work.write_result(request, line, result)
             finish_now = work.all_submitted and not work.pending and not work.finishing
             work.finishing = work.finishing or finish_now
         if finish_now:
             self._finish(work)
+
+    def _write_failed(self, result: EngineResult, exc: OSError) -> None:
+        """A shard's part file could not be written (disk full, I/O error): that attempt
+        fails and is retried; the engine and the other shards carry on."""
+        work = self.works.get(result.request_id.rsplit(":", 2)[0])
+        if work is None:
+            return
+        reason = f"writing results failed: {type(exc).__name__}: {exc}"
+        log.error("shard %s: %s", work.shard_id, reason)
+        self._drop(work)
+        try:
+            with_db_retry(lambda: shard_service.fail_shard(
+                shard_id=work.shard_id, attempt=work.attempt, reason=reason))
+        except Exception:
+            log.exception("could not record failure of shard %s", work.shard_id)
 
     def _finish(self, work: ShardWork) -> None:
         """Store the shard's parts and record it done, or fail the attempt if storing fails;
@@ -308,7 +377,8 @@ class Pipeline:
         stored: list[str] = []
         try:
             work.close_files()
-            for path, kind in ((work.out_path, "output"), (work.err_path, "error")):
+            for path, kind in ((work.out_path, "output"), (work.err_path, "error"),
+                               (work.flags_path, "flags")):
                 if path.stat().st_size == 0:
                     stored.append("")
                     continue
@@ -318,7 +388,8 @@ class Pipeline:
                         DjangoFile(handle)))
             finished = with_db_retry(lambda: shard_service.finish_shard(
                 shard_id=work.shard_id, attempt=work.attempt, output_part=stored[0],
-                error_part=stored[1], progress=work.progress))
+                error_part=stored[1], flags_part=stored[2], progress=work.progress,
+                flag_counts=work.flag_counts, json_retries=work.json_retries))
             if not finished:
                 log.warning("shard %s attempt %d was taken over; discarding its results",
                             work.shard_id, work.attempt)
@@ -433,6 +504,24 @@ class IdleMeter:
     def fraction(self) -> float:
         window = self.window()
         return self.idle_total / window if window > 0 else 0.0
+
+
+RETRY_SUFFIX = "r"
+
+
+def needs_json_retry(request: Pending, result: EngineResult) -> bool:
+    if result.status_code != 200 or request.url != CHAT:
+        return False
+    response_format = wants_json(request.body)
+    if response_format is None:
+        return False
+    return any(json_problem(text, response_format)
+               for text, _ in output_texts(request.url, result.body))
+
+
+def reseeded(body: dict[str, Any]) -> dict[str, Any]:
+    seed = body.get("seed")
+    return {**body, "seed": (seed + 1) if isinstance(seed, int) else 1}
 
 
 def _delete_all(names: list[str]) -> None:

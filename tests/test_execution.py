@@ -197,3 +197,27 @@ def test_small_batch_is_not_stuck_behind_a_big_one(openai_client, other_client, 
     # small one in after the big one's few shards already in the queue.
     assert big_before <= 3, big_before
     wait_status(openai_client, big.id, {"completed"}, timeout=180)
+
+
+def test_quality_flags_and_json_retry(openai_client, workers):
+    lines = [
+        chat_line("plain", "a normal question"),
+        chat_line("cut", "one two three four five", max_tokens=3),
+        chat_line("loop", "na " * 30),
+        chat_line("json", "give me json", response_format={"type": "json_object"}),
+    ]
+    batch = submit(openai_client, lines)
+    workers.start()
+    batch = wait_status(openai_client, batch.id, {"completed"})
+    out, _ = every_custom_id_once(openai_client, batch, {line["custom_id"] for line in lines})
+    shard = Shard.objects.get(batch_id=batch.id)
+    assert shard.flag_counts == {"length_limit": 1, "repetition": 1, "invalid_json": 1}
+    # The JSON request ran twice (the retry with a new seed); only one line was written.
+    assert shard.json_retries == 1
+    assert sum(1 for r in out if r["custom_id"] == "json") == 1
+    from django.core.files.storage import default_storage
+
+    with default_storage.open(shard.flags_part) as part:
+        flagged = {json.loads(line)["custom_id"]: json.loads(line)["flags"] for line in part}
+    assert flagged == {"cut": ["length_limit"], "loop": ["repetition"],
+                       "json": ["invalid_json"]}

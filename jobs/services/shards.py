@@ -69,7 +69,8 @@ def heartbeat(*, shard_id: str, attempt: int, progress: Progress) -> tuple[bool,
 
 
 def finish_shard(*, shard_id: str, attempt: int, output_part: str, error_part: str,
-                 progress: Progress) -> bool:
+                 progress: Progress, flags_part: str = "",
+                 flag_counts: dict[str, int] | None = None, json_retries: int = 0) -> bool:
     """Record a shard's results as complete. False when the attempt is no longer the
     current one (the caller must then discard its parts). Enqueues finalization when this
     was the batch's last shard."""
@@ -77,7 +78,8 @@ def finish_shard(*, shard_id: str, attempt: int, output_part: str, error_part: s
         done = Shard.objects.filter(pk=shard_id, attempt=attempt,
                                     status=Shard.Status.RUNNING).update(
             status=Shard.Status.DONE, finished_at=timezone.now(), output_part=output_part,
-            error_part=error_part, last_error="", **progress.as_fields())
+            error_part=error_part, flags_part=flags_part, flag_counts=flag_counts or {},
+            json_retries=json_retries, last_error="", **progress.as_fields())
         if done:
             batch_id = Shard.objects.values_list("batch_id", flat=True).get(pk=shard_id)
             transaction.on_commit(lambda: request_finalize(batch_id=batch_id), robust=True)
