@@ -16,6 +16,7 @@ from django.utils import timezone
 from jobs.models import (
     ApiKey,
     Batch,
+    ContentRule,
     File,
     Quota,
     Shard,
@@ -265,3 +266,11 @@ class WebhookDeliveryAdmin(admin.ModelAdmin):
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
+
+
+@admin.register(ContentRule)
+class ContentRuleAdmin(admin.ModelAdmin):
+    list_display = ["name", "kind", "action", "enabled", "reason", "created_at"]
+    list_filter = ["kind", "action", "enabled"]
+    search_fields = ["name", "pattern", "reason"]
+    list_editable = ["enabled"]

@@ -538,3 +538,50 @@ class WebhookDelivery(models.Model):
 
     def __str__(self) -> str:
         return f"{self.event_id} attempt {self.attempt}"
+
+
+class ContentRule(models.Model):
+    """An operator's rule on what batch inputs may contain, checked on every line while a
+    batch validates (jobs.policy)."""
+
+    class Kind(models.TextChoices):
+        TERM = "term", "Blocked term (case-insensitive, whole word)"
+        REGEX = "regex", "Regular expression"
+        MAX_PROMPT_TOKENS = "max_prompt_tokens", "Maximum prompt size in tokens"
+        MODERATION = "moderation", "Moderation model (similarity to example texts)"
+
+    class Action(models.TextChoices):
+        REJECT = "reject", "Reject the batch"
+        SKIP = "skip", "Skip the line (error file)"
+
+    name = models.CharField(max_length=100, unique=True)
+    kind = models.CharField(max_length=20, choices=Kind.choices)
+    # The term or the expression; for moderation, example texts to refuse, one per line.
+    pattern = models.TextField(blank=True)
+    max_tokens = models.PositiveIntegerField(null=True, blank=True)
+    # Moderation: a configured embeddings model and the cosine similarity that flags a line.
+    model = models.CharField(max_length=200, blank=True)
+    threshold = models.FloatField(null=True, blank=True)
+    action = models.CharField(max_length=10, choices=Action.choices, default=Action.REJECT)
+    reason = models.CharField(max_length=300, blank=True)
+    enabled = models.BooleanField(default=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ScreenedLine(models.Model):
+    """An input line that a `skip` content rule kept from running: its shard writes a
+    `content_policy_violation` error line for it instead."""
+
+    batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="screened")
+    line = models.PositiveIntegerField()
+    custom_id = models.CharField(max_length=512)
+    rule = models.CharField(max_length=100)
+
+    class Meta:
+        indexes = [models.Index(fields=["batch", "line"])]

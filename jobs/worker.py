@@ -29,7 +29,8 @@ from django.core.files.storage import default_storage
 from django.db import InterfaceError, OperationalError, close_old_connections, connection
 
 from engine.base import CHAT, Engine, EngineRequest, EngineResult
-from jobs.models import RequestCopy, Shard
+from jobs.models import ContentRule, RequestCopy, ScreenedLine, Shard
+from jobs.policy import VIOLATION, Violation
 from jobs.quality import flags_for, json_problem, output_texts, wants_json
 from jobs.services import shards as shard_service
 from jobs.services.batches import STOP_MESSAGES, _bounded, _last_line
@@ -87,6 +88,8 @@ class ShardWork:
     copies: dict[int, list[str]]
     # Lines in this shard's range that are copies answered by another line.
     skip: set[int]
+    # Lines a `skip` content rule kept from running -> the error message they get.
+    screened: dict[int, str]
     # Local file of quality flags: one {"custom_id", "flags"} line per flagged request.
     flags_path: Path
     flags: IO[bytes]
@@ -126,7 +129,10 @@ class ShardWork:
             self.progress.output_tokens += tokens_out
 
     def write_unrun(self, custom_id: str, line: int, code: str) -> None:
-        message = STOP_MESSAGES.get(code, "The request was not run.")
+        self.write_failure(custom_id, line, code,
+                           STOP_MESSAGES.get(code, "The request was not run."))
+
+    def write_failure(self, custom_id: str, line: int, code: str, message: str) -> None:
         for cid in [custom_id, *self.copies.get(line, ())]:
             self.err.write(failure_line(cid, code, message))
             self.progress.failed += 1
@@ -246,6 +252,12 @@ class Pipeline:
         skip = set(RequestCopy.objects.filter(
             batch_id=shard.batch_id, line__gte=shard.first_line, line__lte=last_line
         ).values_list("line", flat=True))
+        reasons = dict(ContentRule.objects.values_list("name", "reason"))
+        screened = {
+            line: Violation(rule=rule, action="skip", reason=reasons.get(rule, "")).message
+            for line, rule in ScreenedLine.objects.filter(
+                batch_id=shard.batch_id, line__gte=shard.first_line, line__lte=last_line
+            ).values_list("line", "rule")}
         base = temp_dir() / f"{shard.id}-{shard.attempt}"
         out_path, err_path = base.with_suffix(".out"), base.with_suffix(".err")
         flags_path = base.with_suffix(".flags")
@@ -256,7 +268,7 @@ class Pipeline:
                          err=open(err_path, "wb"),  # noqa: SIM115
                          flags_path=flags_path,
                          flags=open(flags_path, "wb"),  # noqa: SIM115
-                         copies=copies, skip=skip)
+                         copies=copies, skip=skip, screened=screened)
         with self.works_lock:
             self.works[shard.id] = work
         return work
@@ -275,6 +287,11 @@ class Pipeline:
                 if work.stop_code:
                     with work.lock:
                         work.write_unrun(request["custom_id"], line.number, work.stop_code)
+                    continue
+                if line.number in work.screened:
+                    with work.lock:
+                        work.write_failure(request["custom_id"], line.number, VIOLATION,
+                                           work.screened[line.number])
                     continue
                 engine_request = EngineRequest(request_id=work.request_id(line.number),
                                                url=request["url"], body=request["body"])

@@ -22,7 +22,8 @@ from django.utils import timezone
 
 from engine.base import ENDPOINTS
 from jobs import queues
-from jobs.models import PROGRESS_FIELDS, Batch, File, RequestCopy, Shard
+from jobs.models import PROGRESS_FIELDS, Batch, File, RequestCopy, ScreenedLine, Shard
+from jobs.policy import Screener
 from jobs.services.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.services.files import (
     get_file_for_user,
@@ -139,11 +140,14 @@ def run_validation(*, batch_id: str) -> None:
     batch = Batch.objects.select_related("input_file").filter(pk=batch_id).first()
     if batch is None or batch.status != Batch.Status.VALIDATING or batch.stop_code:
         return
-    with local_temp(".copies") as copies_path:
-        with open(copies_path, "w") as sink, open_file(batch.input_file) as stream:
+    with local_temp(".copies") as copies_path, local_temp(".screened") as screened_path:
+        with open(copies_path, "w") as copies, open(screened_path, "w") as screened, \
+                open_file(batch.input_file) as stream:
             report = check_input(
-                stream, endpoint=batch.endpoint,
-                on_copy=lambda p, line, cid: sink.write(json.dumps([p, line, cid]) + "\n"))
+                stream, endpoint=batch.endpoint, screener=Screener.load(),
+                on_copy=lambda p, line, cid: copies.write(json.dumps([p, line, cid]) + "\n"),
+                on_screened=lambda line, cid, rule: screened.write(
+                    json.dumps([line, cid, rule]) + "\n"))
         if not report.ok:
             errors = report.errors
             if report.error_count > len(errors):
@@ -171,7 +175,18 @@ def run_validation(*, batch_id: str) -> None:
                 for plan in report.shards
             ], batch_size=500)
             _save_copies(batch_id, copies_path)
+            _save_screened(batch_id, screened_path)
             transaction.on_commit(lambda: enqueue_next_shards(batch_id=batch_id), robust=True)
+
+
+def _save_screened(batch_id: str, path: Path) -> None:
+    rows = []
+    with open(path) as handle:
+        for row in handle:
+            line, custom_id, rule = json.loads(row)
+            rows.append(ScreenedLine(batch_id=batch_id, line=line, custom_id=custom_id,
+                                     rule=rule))
+    ScreenedLine.objects.bulk_create(rows, batch_size=2000)
 
 
 def _save_copies(batch_id: str, path: Path) -> None:

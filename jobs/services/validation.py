@@ -14,6 +14,7 @@ from typing import IO, Any
 
 from django.conf import settings
 
+from jobs.policy import VIOLATION, Screener, Violation
 from jobs.services.files import iter_lines
 from jobs.wire import Code, LineError, RequestLine, dedup_key, estimate_tokens, parse_line
 
@@ -39,6 +40,7 @@ class InputReport:
     error_count: int = 0
     shards: list[ShardPlan] = field(default_factory=list)
     dedup_saved: int = 0
+    screened: int = 0  # lines a `skip` content rule keeps from running
     input_tokens_estimate: int = 0
     output_tokens_ceiling: int = 0
 
@@ -49,6 +51,8 @@ class InputReport:
 
 # (primary line, copy line, copy custom_id), written out as they are found.
 CopySink = Callable[[int, int, str], None]
+# (line, custom_id, rule name) of a line a `skip` content rule keeps from running.
+ScreenSink = Callable[[int, str, str], None]
 
 
 def served_models() -> dict[str, tuple[str, ...]]:
@@ -57,13 +61,18 @@ def served_models() -> dict[str, tuple[str, ...]]:
 
 
 def check_input(stream: IO[bytes], *, endpoint: str | None,
-                on_copy: CopySink | None = None) -> InputReport:
+                on_copy: CopySink | None = None, screener: Screener | None = None,
+                on_screened: ScreenSink | None = None) -> InputReport:
     """Check every line of a batch input file and plan its shards.
 
     `endpoint` is the batch's; None (the dashboard's preflight) takes the first line's.
     Duplicate deterministic bodies are reported to `on_copy`; with no sink they are only
     counted. Memory is bounded: custom_ids are remembered as 8-byte digests and at most
     DEDUP_MAX_BODIES distinct bodies are remembered for dedup.
+
+    With a `screener`, every line is checked against the content rules: a `reject` rule's
+    violation is a line error; a `skip` rule's goes to `on_screened` and the line stays in
+    the batch (its shard writes the error line).
     """
     conf = settings.BATCHWEB
     models = served_models()
@@ -76,6 +85,14 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
         report.error_count += 1
         if len(report.errors) < conf["MAX_ERRORS_REPORTED"]:
             report.errors.append(error.entry(line_number))
+
+    def screened(line_number: int, custom_id: str, violation: Violation) -> None:
+        if violation.action == "reject":
+            problem(line_number, LineError(VIOLATION, violation.message, "body"))
+        else:
+            report.screened += 1
+            if on_screened:
+                on_screened(line_number, custom_id, violation.rule)
 
     for line in iter_lines(stream, max_line_bytes=conf["MAX_LINE_BYTES"]):
         if line.content is None:
@@ -98,6 +115,8 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
                 Code.TOO_MANY_REQUESTS,
                 f"A batch takes at most {conf['MAX_REQUESTS_PER_BATCH']} requests."))
             break
+        if screener is not None:
+            screener.check(line.number, parsed, screened)
         tokens_in, ceiling = estimate_tokens(parsed)
         report.input_tokens_estimate += tokens_in
         report.output_tokens_ceiling += ceiling
@@ -125,6 +144,9 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
         if on_copy:
             on_copy(primary_line, line.number, parsed.custom_id)
 
+    if screener is not None:
+        screener.flush(screened)
+        report.errors.sort(key=lambda entry: entry["line"] or 0)
     if report.requests == 0 and report.error_count == 0:
         problem(1, LineError(Code.EMPTY_FILE, "The file has no requests."))
     if report.error_count:
