@@ -1,0 +1,189 @@
+"""Benchmark 1: what batchweb costs around the engine.
+
+The same chat requests (mixed prompt lengths, temperature 0) through, in one run:
+  (a) raw `vllm.LLM.chat` on the whole list (engine already loaded; generation timed),
+  (b) vLLM's own batch runner `python -m vllm.entrypoints.openai.run_batch` (wall time,
+      which includes its engine start; its start time is measured and reported too),
+  (c) batchweb end to end with one worker already running: upload, create, run,
+      finalize, download (timed from the upload to the end of the download).
+Reports output tokens/s of each, the ratios, and the engine-idle fraction the worker
+measured across shard boundaries (--shard-size makes 4+ shards).
+
+    .venv/bin/python bench/engine_efficiency.py [-n 512] [--min-tokens 64 --max-tokens 256]
+
+One engine runs at a time. float32 by default (bf16 is slower on CPUs without AVX-512).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+MODEL = "SmolLM2-135M-Instruct"
+TOPICS = ["the history of Rome", "how vaccines work", "the water cycle", "sorting algorithms",
+          "the French revolution", "photosynthesis", "black holes", "the stock market",
+          "machine learning", "the Great Wall of China", "volcanoes", "jazz music"]
+
+
+def make_requests(count: int, min_tokens: int, max_tokens: int) -> list[dict]:
+    rng = random.Random(42)
+    requests = []
+    for i in range(count):
+        topic = rng.choice(TOPICS)
+        # Prompt lengths from one line to a few paragraphs.
+        context = " ".join(f"Note {k}: {rng.choice(TOPICS)} matters." for k in
+                           range(rng.choice([0, 2, 8, 30])))
+        requests.append({
+            "custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "temperature": 0,
+                     "max_tokens": rng.randint(min_tokens, max_tokens),
+                     "messages": [{"role": "user",
+                                   "content": f"{context}\nExplain {topic} briefly."}]}})
+    return requests
+
+
+def run_raw(requests: list[dict], model_path: str, dtype: str) -> dict:
+    from vllm import LLM, SamplingParams
+
+    started = time.monotonic()
+    llm = LLM(model=model_path, dtype=dtype, enforce_eager=True, max_model_len=2048)
+    load = time.monotonic() - started
+    params = [SamplingParams(temperature=0, max_tokens=r["body"]["max_tokens"])
+              for r in requests]
+    started = time.monotonic()
+    outputs = llm.chat([r["body"]["messages"] for r in requests], params, use_tqdm=False)
+    elapsed = time.monotonic() - started
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    del llm
+    return {"tokens": tokens, "seconds": elapsed, "start": load}
+
+
+def run_vllm_batch(requests: list[dict], model_path: str, dtype: str, scratch: Path) -> dict:
+    source, target = scratch / "in.jsonl", scratch / "out.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    env = dict(os.environ)
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i",
+                    str(source), "-o", str(target), "--model", model_path,
+                    "--served-model-name", MODEL, "--dtype", dtype, "--enforce-eager",
+                    "--max-model-len", "2048"], check=True, env=env,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    elapsed = time.monotonic() - started
+    tokens = sum(json.loads(line)["response"]["body"]["usage"]["completion_tokens"]
+                 for line in target.read_text().splitlines())
+    return {"tokens": tokens, "seconds": elapsed}
+
+
+def run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Path) -> dict:
+    import openai
+
+    from batchweb.embedded import ensure_redis
+
+    redis = ensure_redis(scratch)
+    env = {**os.environ, "BATCHWEB_VAR_DIR": str(scratch), "BATCHWEB_DTYPE": dtype,
+           "BATCHWEB_SHARD_SIZE": str(shard_size), "LOG_LEVEL": "INFO",
+           "BATCHWEB_MODELS_DIR": str(ROOT / "var" / "models")}
+    env.pop("DATABASE_URL", None)
+    py = sys.executable
+    subprocess.run([py, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True)
+    create_user = "from django.contrib.auth.models import User; User.objects.create(username='b')"
+    subprocess.run([py, "manage.py", "shell", "-c", create_user], cwd=ROOT, env=env, check=True)
+    key = subprocess.run([py, "manage.py", "createapikey", "b"], cwd=ROOT, env=env, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    log_path = scratch / "worker.log"
+    server = subprocess.Popen([py, "-m", "gunicorn", "batchweb.wsgi:application", "-b",
+                               "127.0.0.1:8767", "-w", "1", "--threads", "4"], cwd=ROOT,
+                              env=env, stderr=subprocess.DEVNULL)
+    with open(log_path, "wb") as log:
+        worker = subprocess.Popen([py, "manage.py", "batchworker", "--model", MODEL],
+                                  cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        started = time.monotonic()
+        while b"ready on" not in log_path.read_bytes():
+            if worker.poll() is not None:
+                raise RuntimeError(log_path.read_text()[-3000:])
+            time.sleep(0.5)
+        load = time.monotonic() - started
+        client = openai.OpenAI(base_url="http://127.0.0.1:8767/v1", api_key=key, max_retries=2)
+        source = scratch / "in.jsonl"
+        source.write_text("".join(json.dumps(r) + "\n" for r in requests))
+        started = time.monotonic()
+        file = client.files.create(file=source.open("rb"), purpose="batch")
+        batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        while (batch := client.batches.retrieve(batch.id)).status not in (
+                "completed", "failed", "expired", "cancelled"):
+            time.sleep(0.5)
+        assert batch.status == "completed", batch
+        lines = client.files.content(batch.output_file_id).text.splitlines()
+        elapsed = time.monotonic() - started
+        assert len(lines) + batch.request_counts.failed == len(requests)
+        tokens = sum(json.loads(line)["response"]["body"]["usage"]["completion_tokens"]
+                     for line in lines)
+        # Dedup would make batchweb look better than it is: the requests are all distinct.
+        assert tokens == batch.usage.output_tokens
+    finally:
+        worker.terminate()
+        worker.wait(timeout=120)
+        server.terminate()
+        server.wait()
+        if redis is not None:
+            redis.shutdown()  # type: ignore[attr-defined]
+    idle = re.search(r"engine idle ([\d.]+)%", log_path.read_text())
+    return {"tokens": tokens, "seconds": elapsed, "start": load,
+            "idle": float(idle.group(1)) if idle else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("-n", type=int, default=512)
+    parser.add_argument("--min-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--shard-size", type=int, default=128)
+    parser.add_argument("--skip", default="", help="comma list of a,b,c to leave out")
+    args = parser.parse_args()
+    from engine.vllm_engine import set_env_defaults
+
+    set_env_defaults()  # the same CPU settings (cores, KV cache) for all three paths
+    model_path = str(ROOT / "var" / "models" / MODEL)
+    requests = make_requests(args.n, args.min_tokens, args.max_tokens)
+    scratch = Path(tempfile.mkdtemp(prefix="bw-engine-bench-"))
+    results: dict[str, dict] = {}
+    skip = set(args.skip.split(","))
+    if "a" not in skip:
+        results["a raw LLM.chat"] = run_raw(requests, model_path, args.dtype)
+        print(results, flush=True)
+    if "b" not in skip:
+        results["b vllm run_batch"] = run_vllm_batch(requests, model_path, args.dtype, scratch)
+        print(results, flush=True)
+    if "c" not in skip:
+        results["c batchweb"] = run_batchweb(requests, args.dtype, args.shard_size, scratch)
+    print(f"\n{args.n} chat requests, max_tokens {args.min_tokens}-{args.max_tokens}, "
+          f"{args.dtype}, shards of {args.shard_size}")
+    print(f"{'path':<18} {'out tokens':>10} {'seconds':>8} {'tok/s':>7} {'start s':>8}")
+    for name, row in results.items():
+        start = f"{row['start']:.0f}" if "start" in row else "incl."
+        print(f"{name:<18} {row['tokens']:>10} {row['seconds']:>8.1f} "
+              f"{row['tokens'] / row['seconds']:>7.1f} {start:>8}")
+    rate = {k[0]: v["tokens"] / v["seconds"] for k, v in results.items()}
+    if "a" in rate and "c" in rate:
+        print(f"c/a = {rate['c'] / rate['a']:.3f}")
+    if "b" in rate and "c" in rate:
+        print(f"c/b = {rate['c'] / rate['b']:.3f}")
+    if "c batchweb" in results:
+        print(f"engine idle in the worker: {results['c batchweb']['idle']}%")
+
+
+if __name__ == "__main__":
+    main()
