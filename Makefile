@@ -33,5 +33,10 @@ run: models
 test: models
 	$(PY) -m batchweb.embedded $(PY) -m pytest $(PYTEST_ARGS)
 
+# Fault tests (minutes): workers SIGKILLed, Redis stopped and flushed, PostgreSQL backends
+# terminated, the web process killed mid-upload, a full disk. Needs root for the tmpfs.
+chaos: install
+	BATCHWEB_CHAOS=1 $(PY) -m batchweb.embedded $(PY) -m pytest tests/chaos -m chaos $(PYTEST_ARGS)
+
 lint: install
 	.venv/bin/ruff check .

@@ -15,8 +15,8 @@ from jobs.models import ApiKey, Batch, File, Shard, SpotCheck
 from jobs.services import dashboard, results
 from jobs.services.keys import create_api_key
 from jobs.templatetags.dashboard import clip
-from tests.helpers import chat_line, jsonl
 from tests.dashboard_support import lines_of, make_batch, make_file, run_batch, run_shard
+from tests.helpers import chat_line, jsonl
 
 pytestmark = pytest.mark.django_db
 

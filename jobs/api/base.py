@@ -149,7 +149,7 @@ def paginate(request: HttpRequest, objects: QuerySet[Any], *, default_limit: int
     else:
         objects = objects.order_by("-created_at", "-pk")
     if after:
-        anchor: Model | None = objects.filter(pk=after).first()
+        anchor: Model | None = objects.filter(pk=after).first() if "\x00" not in after else None
         if anchor is None:
             raise ServiceError("after must be the id of an object in this list.", param="after")
         stamp = anchor.created_at  # type: ignore[attr-defined]

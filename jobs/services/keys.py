@@ -30,7 +30,7 @@ def create_api_key(*, owner: Any, name: str) -> tuple[ApiKey, str]:
 def authenticate_key(secret: str) -> ApiKey | None:
     """The active key for this secret, or None. Looks the row up by its public prefix and
     compares hashes in constant time."""
-    if not secret.startswith(KEY_PREFIX) or len(secret) > 200:
+    if not secret.startswith(KEY_PREFIX) or len(secret) > 200 or not secret.isprintable():
         return None
     digest = _hash(secret)
     for key in ApiKey.objects.select_related("owner").filter(

@@ -1,0 +1,39 @@
+"""Refuse request bodies larger than anything the service accepts, before any of the body
+is read: the CSRF check and Django's multipart parser would otherwise stream a multi-GB
+upload to disk first (the API views check their own, smaller limits the same way)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, JsonResponse
+
+# Multipart framing and form fields around the file.
+SLACK = 1024 * 1024
+
+
+def max_body_bytes() -> int:
+    conf = settings.BATCHWEB
+    return max(conf["MAX_FILE_BYTES"], conf["MAX_UPLOAD_PART_BYTES"]) + SLACK
+
+
+class BodySizeLimitMiddleware:
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        try:
+            length = int(request.META.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            length = 0
+        limit = max_body_bytes()
+        if length > limit:
+            message = f"The request body is larger than {limit} bytes."
+            if request.path.startswith("/v1/"):
+                return JsonResponse({"error": {"message": message,
+                                               "type": "invalid_request_error",
+                                               "param": None, "code": "file_too_large"}},
+                                    status=413)
+            return HttpResponse(message, status=413, content_type="text/plain")
+        return self.get_response(request)

@@ -1,0 +1,327 @@
+"""Faults survived: nothing lost, nothing doubled. Run with `make chaos` (minutes)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core.files.storage import default_storage
+from django.db import connection
+from django.db.models import Sum
+from django.utils import timezone
+
+from jobs.models import Batch, File, Shard
+from jobs.services.batches import create_batch, run_validation
+from jobs.services.files import create_input_file
+from tests.chaos.conftest import PrivateRedis, assert_every_custom_id_once, free_port
+from tests.helpers import ROOT, Workers, chat_line, database_url, jsonl, wait_for
+from tests.reliability_support import storage_snapshot
+
+pytestmark = [pytest.mark.chaos, pytest.mark.django_db(transaction=True)]
+
+SEED = int(os.environ.get("BATCHWEB_CHAOS_SEED", "7"))
+
+
+def submit(user: Any, n: int, tmp_path: Path, settings: Any, *, shard_size: int,
+           prefix: str = "r") -> Batch:
+    settings.BATCHWEB = {**settings.BATCHWEB, "SHARD_SIZE": shard_size}
+    path = tmp_path / f"{prefix}-input.jsonl"
+    path.write_bytes(jsonl([chat_line(f"{prefix}{i}", f"question {i}", max_tokens=8)
+                            for i in range(n)]))
+    file = create_input_file(owner=user, path=path, filename="in.jsonl", purpose="batch")
+    batch = create_batch(owner=user, input_file_id=file.pk, endpoint="/v1/chat/completions",
+                         completion_window="24h")
+    run_validation(batch_id=batch.pk)
+    batch = Batch.objects.get(pk=batch.pk)
+    assert batch.status == "in_progress" and batch.total == n
+    return batch
+
+
+class Supervisor:
+    """Worker processes kept at a count, restarted when they exit (as `runservice` or a
+    process manager does)."""
+
+    def __init__(self, workers: Workers, env: dict[str, str], count: int) -> None:
+        self.workers = workers
+        self.env = env
+        self.procs = [workers.start(env=env) for _ in range(count)]
+        self.restarts = 0
+
+    def tick(self) -> None:
+        for i, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                self.procs[i] = self.workers.start(env=self.env)
+                self.restarts += 1
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        self.procs[self.procs.index(proc)] = self.workers.start(env=self.env)
+
+
+def unfinished(batch: Batch) -> bool:
+    return Shard.objects.filter(batch_id=batch.pk, status__in=("queued", "running")).exists()
+
+
+def wait_ended(batch: Batch, *, timeout: float, tick: Callable[[], None] = lambda: None
+               ) -> Batch:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        tick()
+        current = Batch.objects.get(pk=batch.pk)
+        if current.is_ended:
+            return current
+        time.sleep(0.5)
+    shards = list(Shard.objects.filter(batch_id=batch.pk).values_list(
+        "index", "status", "attempt", "failures", "last_error"))
+    raise AssertionError(f"batch still {Batch.objects.get(pk=batch.pk).status}: {shards}")
+
+
+def failures(batch: Batch) -> int:
+    return Shard.objects.filter(batch_id=batch.pk).aggregate(n=Sum("failures"))["n"] or 0
+
+
+# --- workers SIGKILLed ---
+
+
+def test_workers_sigkilled_20_times_lose_and_double_nothing(user, chaos_env, workers, settings,
+                                                            tmp_path):
+    n = 2400
+    batch = submit(user, n, tmp_path, settings, shard_size=100)
+    env = {**chaos_env, "BATCHWEB_ECHO_SECONDS": "0.12", "BATCHWEB_ECHO_MAX_IN_FLIGHT": "4",
+           "BATCHWEB_SHARD_MAX_ATTEMPTS": "100"}
+    pool = Supervisor(workers, env, 2)
+    rng = random.Random(SEED)
+    wait_for(lambda: Shard.objects.filter(batch_id=batch.pk, completed__gt=0).exists(),
+             timeout=60, message="first progress")
+    kills = 0
+    while kills < 24 and unfinished(batch):
+        time.sleep(rng.uniform(1.0, 4.0))
+        pool.kill(rng.choice(pool.procs))
+        kills += 1
+    print(f"chaos: {kills} SIGKILLs, seed {SEED}")
+    assert kills >= 20, f"the batch finished after only {kills} kills: make it longer"
+    batch = wait_ended(batch, timeout=600, tick=pool.tick)
+    assert batch.status == "completed"
+    out, err = assert_every_custom_id_once(batch, {f"r{i}" for i in range(n)})
+    assert len(out) == n and err == []
+    assert batch.to_openai()["request_counts"] == {"total": n, "completed": n, "failed": 0}
+    assert failures(batch) >= 10  # the kills did hit running shards
+    print(f"chaos: kills={kills} shard failures={failures(batch)} restarts={pool.restarts}")
+
+
+# --- Redis stopped, started, flushed ---
+
+
+def test_redis_stopped_and_started_mid_batch(user, chaos_env, workers, settings, tmp_path,
+                                             private_redis: PrivateRedis):
+    n = 2000
+    batch = submit(user, n, tmp_path, settings, shard_size=50)
+    env = {**chaos_env, "BATCHWEB_ECHO_SECONDS": "0.05", "BATCHWEB_ECHO_MAX_IN_FLIGHT": "4"}
+    pool = Supervisor(workers, env, 2)
+    for _ in range(2):
+        wait_for(lambda: Shard.objects.filter(batch_id=batch.pk, status="done").count() >= 3,
+                 timeout=120, message="some finished shards")
+        private_redis.stop()
+        time.sleep(5)  # workers, heartbeats and reconcilers run into a dead Redis
+        private_redis.start()  # empty: every queued job is gone
+        time.sleep(3)
+    batch = wait_ended(batch, timeout=300, tick=pool.tick)
+    assert batch.status == "completed"
+    out, err = assert_every_custom_id_once(batch, {f"r{i}" for i in range(n)})
+    assert len(out) == n
+    print(f"chaos: redis stopped twice; worker restarts={pool.restarts}")
+
+
+def test_redis_flushed_repeatedly_mid_batch(user, chaos_env, workers, settings, tmp_path,
+                                            private_redis: PrivateRedis):
+    n = 2000
+    batch = submit(user, n, tmp_path, settings, shard_size=50)
+    env = {**chaos_env, "BATCHWEB_ECHO_SECONDS": "0.05", "BATCHWEB_ECHO_MAX_IN_FLIGHT": "4"}
+    pool = Supervisor(workers, env, 2)
+    flushes = 0
+    while flushes < 6 and unfinished(batch):
+        time.sleep(2.5)
+        private_redis.client().flushall()
+        flushes += 1
+    assert flushes >= 4
+    batch = wait_ended(batch, timeout=300, tick=pool.tick)
+    assert batch.status == "completed"
+    out, _ = assert_every_custom_id_once(batch, {f"r{i}" for i in range(n)})
+    assert len(out) == n
+    print(f"chaos: {flushes} flushes; worker restarts={pool.restarts}")
+
+
+# --- PostgreSQL connections dropped ---
+
+
+def test_postgres_backends_terminated_mid_batch(user, chaos_env, workers, settings, tmp_path):
+    if connection.vendor != "postgresql":
+        pytest.skip("needs PostgreSQL (DATABASE_URL)")
+    n = 2000
+    batch = submit(user, n, tmp_path, settings, shard_size=50)
+    env = {**chaos_env, "BATCHWEB_ECHO_SECONDS": "0.05", "BATCHWEB_ECHO_MAX_IN_FLIGHT": "4",
+           "BATCHWEB_SHARD_MAX_ATTEMPTS": "50"}
+    pool = Supervisor(workers, env, 2)
+    wait_for(lambda: Shard.objects.filter(batch_id=batch.pk, status="done").exists(),
+             timeout=120, message="a finished shard")
+    terminated = 0
+    rounds = 0
+    while rounds < 8 and unfinished(batch):
+        time.sleep(2)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                           "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+            terminated += cursor.fetchone()[0]
+        rounds += 1
+    assert terminated >= 8, terminated
+    batch = wait_ended(batch, timeout=300, tick=pool.tick)
+    assert batch.status == "completed"
+    out, err = assert_every_custom_id_once(batch, {f"r{i}" for i in range(n)})
+    assert len(out) == n and err == []
+    # The workers reconnected: none had to be restarted.
+    assert pool.restarts == 0, workers.logs()
+    print(f"chaos: {terminated} backends terminated in {rounds} rounds")
+
+
+# --- the web process killed during uploads ---
+
+
+def _multipart(key: str, body: bytes, port: int) -> tuple[bytes, bytes]:
+    boundary = "chaosboundary"
+    payload = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\n"
+               f"batch\r\n--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+               f"filename=\"big.jsonl\"\r\nContent-Type: application/jsonl\r\n\r\n"
+               ).encode() + body + f"\r\n--{boundary}--\r\n".encode()
+    head = (f"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Authorization: Bearer {key}\r\nContent-Length: {len(payload)}\r\n"
+            f"Content-Type: multipart/form-data; boundary={boundary}\r\n\r\n").encode()
+    return head, payload
+
+
+def _gunicorn_worker(master: subprocess.Popen) -> int:
+    def child() -> int | None:
+        out = subprocess.run(["pgrep", "-P", str(master.pid)], capture_output=True, text=True)
+        pids = out.stdout.split()
+        return int(pids[0]) if pids else None
+
+    return wait_for(child, timeout=30, message="a gunicorn worker")
+
+
+def test_web_killed_during_uploads_leaves_no_half_file(user, chaos_env, tmp_path, settings):
+    from jobs.services.cleanup import run_cleanup
+    from jobs.services.keys import create_api_key
+
+    key = create_api_key(owner=user, name="k")[1]
+    port = free_port()
+    env = {**os.environ, **chaos_env, "DATABASE_URL": database_url(),
+           "DJANGO_SETTINGS_MODULE": "tests.settings"}
+    with open(tmp_path / "gunicorn.log", "wb") as log:
+        master = subprocess.Popen(
+            [sys.executable, "-m", "gunicorn", "batchweb.wsgi:application", "-b",
+             f"127.0.0.1:{port}", "-w", "1", "--timeout", "60"],
+            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, timeout=30,
+                 message="gunicorn")
+        body = jsonl([chat_line(f"u{i}", "x" * 200) for i in range(40_000)])  # ~12 MB
+        head, payload = _multipart(key, body, port)
+        rng = random.Random(SEED)
+        for round_ in range(10):
+            worker = _gunicorn_worker(master)
+            # Kill while the body arrives, or just after it all arrived (scan, store).
+            cut = rng.choice([0.05, 0.3, 0.6, 0.95, 1.0, 1.0])
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(head)
+                sent = 0
+                target = int(len(payload) * cut)
+                while sent < target:
+                    chunk = payload[sent:min(target, sent + 256 * 1024)]
+                    sock.sendall(chunk)
+                    sent += len(chunk)
+                if cut == 1.0:  # during the scan, the store, or after the File exists
+                    time.sleep(rng.choice([0.2, 0.8, 1.5, 3.0, 6.0]))
+                os.kill(worker, signal.SIGKILL)
+            wait_for(lambda w=worker: _gunicorn_worker(master) != w, timeout=30,
+                     message="gunicorn to replace its worker")
+            print(f"chaos: upload round {round_} killed at {cut:.0%}")
+        # The same upload, not interrupted, is stored whole (the control).
+        import httpx
+
+        control = httpx.post(f"http://127.0.0.1:{port}/v1/files", timeout=120,
+                             headers={"Authorization": f"Bearer {key}"},
+                             files={"file": ("big.jsonl", body)}, data={"purpose": "batch"})
+        assert control.status_code == 200, control.text
+        assert File.objects.filter(pk=control.json()["id"]).exists()
+        # Every File visible is whole: its content is all there and hashes right.
+        for file in File.objects.all():
+            with default_storage.open(file.storage_name, "rb") as handle:
+                data = handle.read()
+            assert len(data) == file.bytes and hashlib.sha256(data).hexdigest() == file.sha256
+            assert data == body  # only whole uploads ever became Files
+        rows = set(File.objects.values_list("storage_name", flat=True))
+        leftovers = {name for name in storage_snapshot(Path(default_storage.location))
+                     if name not in rows}
+        print(f"chaos: {File.objects.count()} whole files, storage leftovers {sorted(leftovers)}")
+        # Leftovers in storage are unreferenced objects under files/: cleanup's orphans.
+        assert all(name.startswith("files/") for name in leftovers), leftovers
+        report = run_cleanup(now=timezone.now() + timedelta(days=1))
+        assert set(report.orphans) >= leftovers
+        remaining = set(storage_snapshot(Path(default_storage.location)))
+        assert remaining == rows
+        scratch = list(Path(chaos_env["BATCHWEB_TMP_DIR"]).iterdir())
+        print(f"chaos: scratch leftovers (Django upload temp files): {len(scratch)}")
+    finally:
+        master.send_signal(signal.SIGTERM)
+        try:
+            master.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            master.kill()
+
+
+# --- the disk fills up while results are written ---
+
+
+def test_disk_full_while_writing_results_fails_and_retries_the_shard(user, chaos_env, workers,
+                                                                     settings, tmp_path):
+    disk = tmp_path / "tiny-disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs (needs root)")
+    try:
+        filler = disk / "filler"
+        with open(filler, "wb") as handle:  # leave ~8 kB free
+            handle.write(b"\0" * (1024 * 1024 - 8 * 1024))
+        n = 600
+        batch = submit(user, n, tmp_path, settings, shard_size=100)
+        env = {**chaos_env, "BATCHWEB_TMP_DIR": str(disk), "BATCHWEB_ECHO_SECONDS": "0.01",
+               "BATCHWEB_ECHO_MAX_IN_FLIGHT": "8", "BATCHWEB_SHARD_MAX_ATTEMPTS": "50"}
+        pool = Supervisor(workers, env, 1)
+        wait_for(lambda: failures(batch) >= 3, timeout=120, message="shards failing on ENOSPC")
+        errors = set(Shard.objects.filter(batch_id=batch.pk).exclude(last_error="")
+                     .values_list("last_error", flat=True))
+        assert any("No space left" in e for e in errors), errors
+        assert not Shard.objects.filter(batch_id=batch.pk, status="done").exclude(
+            output_part="").filter(failures=0, attempt__gt=1).exists()
+        filler.unlink()  # the operator frees space: the retries go through
+        batch = wait_ended(batch, timeout=300, tick=pool.tick)
+        assert batch.status == "completed"
+        out, err = assert_every_custom_id_once(batch, {f"r{i}" for i in range(n)})
+        assert len(out) == n and err == []
+        assert all(r["response"]["status_code"] == 200 for r in out)
+        assert pool.restarts == 0  # the worker itself survived the full disk
+        print(f"chaos: disk full -> {failures(batch)} shard failures, then completed")
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
