@@ -3,6 +3,7 @@ the database says what still has to run, so a lost job is re-created by the reco
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import django_rq
@@ -45,17 +46,26 @@ def enqueue_shard(shard_id: str, queue_name: str) -> None:
                               job_timeout=-1, result_ttl=600, failure_ttl=7 * 24 * 3600)
 
 
-def job_is_waiting(job_id: str, queue_name: str) -> bool:
-    """Whether the job still sits in its queue, or a worker is running it. A job popped by
-    a worker that died before it could mark the job started is in neither place: RQ would
-    only notice minutes later, the reconciler treats it as lost."""
+def job_is_waiting(job_id: str, queue_name: str, *,
+                   started_within: timedelta = timedelta(minutes=10)) -> bool:
+    """Whether the job still sits in its queue, or a worker started it recently. A job
+    popped by a worker that died (SIGKILL) stays "started" in RQ's eyes until RQ's own
+    cleanup, minutes later; past `started_within` the reconciler treats it as lost (the
+    control jobs it re-creates are idempotent)."""
     if queue(queue_name).get_job_position(job_id) is not None:
         return True
     try:
         job = Job.fetch(job_id, connection=connection())
     except Exception:
         return False
-    return job.get_status(refresh=False) == "started"
+    if job.get_status(refresh=False) != "started":
+        return False
+    started_at = job.started_at
+    if started_at is None:
+        return True
+    if started_at.tzinfo is None:
+        started_at = started_at.replace(tzinfo=UTC)
+    return datetime.now(UTC) - started_at < started_within
 
 
 def shard_job_is_queued(shard_id: str, queue_name: str) -> bool:
