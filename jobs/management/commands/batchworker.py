@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from typing import Any
 
+import redis
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from rq import SimpleWorker
@@ -50,12 +52,10 @@ class Command(BaseCommand):
         engine = load_engine(spec)
         pipeline = Pipeline(engine, worker_name=name)
         pipeline.start()
-        worker = SimpleWorker([queues.queue(q) for q in queue_names], name=name,
-                              connection=queues.connection())
         self.stdout.write(f"batchworker {name}: ready on {', '.join(queue_names)}")
         cold = False
         try:
-            worker.work(logging_level=settings.LOGGING["root"]["level"])
+            self.take_jobs(queue_names, name, pipeline)
             pipeline.drain(timeout=options["drain_seconds"])
         except (SystemExit, KeyboardInterrupt):
             cold = True
@@ -65,3 +65,25 @@ class Command(BaseCommand):
         if pipeline.broken is not None:
             sys.exit(f"batchworker {name}: engine failed: {pipeline.broken}")
         self.stdout.write(f"batchworker {name}: stopped{' (cold)' if cold else ''}")
+
+    def take_jobs(self, queue_names: list[str], name: str, pipeline: Pipeline) -> None:
+        """Run RQ's work loop until a stop is requested, riding out Redis outages: RQ's
+        loop returns when Redis goes away, and reloading the model would cost a minute, so
+        the engine stays loaded and a new loop starts once Redis answers again."""
+        loops = 0
+        while pipeline.broken is None:
+            worker = None
+            try:
+                # A fresh name per loop: the last loop's registration may still be in Redis.
+                worker = SimpleWorker([queues.queue(q) for q in queue_names],
+                                      name=f"{name}.{loops}" if loops else name,
+                                      connection=queues.connection())
+                worker.work(logging_level=settings.LOGGING["root"]["level"])
+            except redis.exceptions.RedisError as exc:
+                # Building the worker and RQ's own shutdown talk to Redis too.
+                self.stderr.write(f"batchworker {name}: Redis unavailable ({exc})")
+            loops += 1
+            if worker is not None and worker._shutdown_requested_date is not None:
+                return  # SIGTERM / SIGINT: stop
+            time.sleep(2)
+            self.stderr.write(f"batchworker {name}: reconnecting to Redis")
