@@ -18,6 +18,7 @@ from django.db.models import Max, Min, Sum
 from django.utils import timezone
 
 from jobs.models import Batch, Shard
+from jobs.quality import FLAG_LABELS, FLAGS
 
 # "Now" is the last two minutes: long enough to smooth shard boundaries, short enough to
 # follow a worker joining or leaving.
@@ -29,7 +30,8 @@ CHART_WIDTH = 600
 CHART_HEIGHT = 120
 
 SHARD_FIELDS = ("batch_id", "status", "started_at", "finished_at", "completed", "failed",
-                "attempt", "failures", "input_tokens", "output_tokens")
+                "attempt", "failures", "input_tokens", "output_tokens", "request_count",
+                "json_retries")
 
 
 @dataclass
@@ -44,6 +46,8 @@ class ShardRow:
     failures: int
     input_tokens: int
     output_tokens: int
+    request_count: int = 0
+    json_retries: int = 0
 
     @property
     def ran(self) -> bool:
@@ -84,12 +88,16 @@ class Report:
     """Seed 003's run report."""
 
     completions_per_minute: float | None
-    # Failed shard attempts over all shard claims: a shard that failed once and then ran
-    # counts 1 of 2. Requests are retried as whole shards, so this is the share of work
-    # that had to be redone.
+    # The share of request runs that were repeats: the requests of failed shard attempts
+    # (requests are retried as whole shards: a shard that failed once and then ran counts
+    # its requests 1 time of 2) plus the requests run a second time because their JSON
+    # output did not parse or match the schema, over every request run.
     retry_rate: float | None
-    claims: int
-    failures: int
+    claims: int  # shard runs
+    failures: int  # failed shard runs
+    json_retries: int
+    retried_requests: int
+    request_runs: int
     # Input tokens per completed request (prompt tokens actually computed; dedup copies
     # are not counted twice).
     mean_context_tokens: float | None
@@ -202,12 +210,16 @@ def batch_stats(batch: Batch, *, now: datetime | None = None) -> BatchStats:
     remaining = max(0, batch.total - progress["completed"] - progress["failed"])
     claims = sum(r.attempt for r in rows)
     failures = sum(r.failures for r in rows)
+    json_retries = sum(r.json_retries for r in rows)
+    retried = sum(r.failures * r.request_count for r in rows) + json_retries
+    runs = sum(r.attempt * r.request_count for r in rows) + json_retries
     durations = [(r.finished_at - r.started_at).total_seconds() for r in rows
                  if r.status == Shard.Status.DONE and r.started_at and r.finished_at]
     report = Report(
         completions_per_minute=(progress["completed"] / elapsed * 60) if elapsed else None,
-        retry_rate=(failures / claims) if claims else None,
-        claims=claims, failures=failures,
+        retry_rate=(retried / runs) if runs else None,
+        claims=claims, failures=failures, json_retries=json_retries,
+        retried_requests=retried, request_runs=runs,
         mean_context_tokens=(progress["input_tokens"] / progress["completed"]
                              if progress["completed"] else None),
         slowest_shard_seconds=max(durations) if durations else None,
@@ -277,6 +289,21 @@ def throughput_chart(batch: Batch, rows: list[ShardRow], now: datetime) -> Chart
     assert batch.in_progress_at is not None
     return Chart(line=line, area=area, max_per_minute=max(series),
                  span_seconds=(end - batch.in_progress_at).total_seconds())
+
+
+# --- quality flags ---
+
+
+def flag_counts(batch: Batch) -> list[tuple[str, str, int]]:
+    """(flag, label, requests) of every quality flag, in FLAGS order, summed over the
+    batch's finished shards in one query. Every flag is listed, zero or not."""
+    totals: dict[str, int] = {}
+    for counts in Shard.objects.filter(batch=batch, status=Shard.Status.DONE).values_list(
+            "flag_counts", flat=True):
+        for flag, n in (counts or {}).items():
+            if isinstance(n, int):
+                totals[flag] = totals.get(flag, 0) + n
+    return [(flag, FLAG_LABELS[flag], totals.get(flag, 0)) for flag in FLAGS]
 
 
 # --- preflight ---

@@ -9,7 +9,7 @@ from django.db.models import Count, Q
 
 from jobs.models import Batch, SpotCheck
 from jobs.services.errors import ServiceError
-from jobs.services.results import spot_sample
+from jobs.services.results import flagged_sample, spot_sample
 
 
 @dataclass
@@ -32,12 +32,18 @@ def marks(batch: Batch) -> dict[str, SpotCheck]:
     return {m.custom_id: m for m in SpotCheck.objects.filter(batch=batch)}
 
 
-def mark(*, batch: Batch, custom_id: str, verdict: str, note: str, user: Any) -> SpotCheck:
+def sample(batch: Batch, *, flagged: bool = False) -> list[Any]:
+    """The spot-check sample: of all finished requests, or of the flagged ones only."""
+    return flagged_sample(batch) if flagged else spot_sample(batch)
+
+
+def mark(*, batch: Batch, custom_id: str, verdict: str, note: str, user: Any,
+         flagged: bool = False) -> SpotCheck:
     """Record (or replace) the verdict on one sampled request. Only requests of the
-    batch's current sample can be marked."""
+    batch's current sample (the flagged-only one with `flagged`) can be marked."""
     if verdict not in SpotCheck.Verdict.values:
         raise ServiceError("verdict must be good or bad.", param="verdict")
-    if custom_id not in {item.custom_id for item in spot_sample(batch)}:
+    if custom_id not in {item.custom_id for item in sample(batch, flagged=flagged)}:
         raise ServiceError("That request is not in this batch's spot-check sample.",
                            param="custom_id")
     spot, _ = SpotCheck.objects.update_or_create(

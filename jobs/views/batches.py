@@ -25,6 +25,7 @@ from jobs.api.base import uploaded_path
 from jobs.api.files import download_response
 from jobs.forms import NewBatchForm, ResultFilterForm, SpotCheckForm
 from jobs.models import Batch, File
+from jobs.quality import FLAG_LABELS, FLAGS
 from jobs.services import dashboard, preflight, results, spotcheck
 from jobs.services.batches import cancel_batch, create_batch, get_batch_for_user, with_progress
 from jobs.services.errors import ServiceError
@@ -187,12 +188,16 @@ def _detail_context(batch: Batch, tab: str) -> dict[str, Any]:
     return {"batch": batch, "tab": tab, "spot": spotcheck.summary(batch)}
 
 
+def _overview_context(batch: Batch) -> dict[str, Any]:
+    return {**_detail_context(batch, "overview"), "stats": dashboard.batch_stats(batch),
+            "flag_counts": dashboard.flag_counts(batch)}
+
+
 @login_required
 @require_GET
 def batch_detail(request: HttpRequest, batch_id: str) -> HttpResponse:
     batch = _get_batch_for_user(request, batch_id)
-    context = {**_detail_context(batch, "overview"), "stats": dashboard.batch_stats(batch)}
-    return render(request, "jobs/batch_detail.html", context)
+    return render(request, "jobs/batch_detail.html", _overview_context(batch))
 
 
 @login_required
@@ -201,7 +206,7 @@ def batch_live(request: HttpRequest, batch_id: str) -> HttpResponse:
     """The live block of the batch page (progress, numbers, report, chart, actions), polled
     every 2 s; 286 once the batch has ended, so htmx shows the final state and stops."""
     batch = _get_batch_for_user(request, batch_id)
-    context = {**_detail_context(batch, "overview"), "stats": dashboard.batch_stats(batch)}
+    context = _overview_context(batch)
     if batch.is_ended:
         return HttpResponseStopPolling(
             render_to_string("jobs/batch_detail.html#live", context, request=request))
@@ -310,21 +315,52 @@ def batch_results(request: HttpRequest, batch_id: str) -> HttpResponse:
 
 
 @login_required
-def batch_spot_check(request: HttpRequest, batch_id: str) -> HttpResponse:
-    """GET: the sample with its marks. POST: mark one request (htmx swaps that item)."""
+@require_GET
+def batch_flags(request: HttpRequest, batch_id: str) -> HttpResponse:
+    """Quality flags: the count of each, and the flagged requests (of one flag with
+    ?flag=), each beside its input and output, paged by offset in the flags parts."""
     batch = _get_batch_for_user(request, batch_id)
+    flag = request.GET.get("flag") or ""
+    if flag and flag not in FLAGS:
+        raise Http404("Unknown flag.")
+    cursor = request.GET.get("cursor") or None
+    try:
+        page = results.read_flag_page(batch, flag=flag or None, cursor=cursor)
+    except ServiceError as exc:
+        raise Http404(exc.message) from None
+    outputs = results.find_outputs(batch, page.rows)
+    inputs = results.find_inputs(batch, {row.custom_id for row in page.rows})
+    context = {**_detail_context(batch, "flags"), "flag": flag, "page": page,
+               "paged": bool(cursor), "flag_counts": dashboard.flag_counts(batch),
+               "flag_label": FLAG_LABELS.get(flag, ""),
+               "rows": [(row, outputs.get(row.custom_id), inputs.get(row.custom_id))
+                        for row in page.rows]}
+    template = "jobs/batch_flags.html"
+    if request.htmx and not request.htmx.boosted:
+        template += "#flag-list"
+    return render(request, template, context)
+
+
+@login_required
+def batch_spot_check(request: HttpRequest, batch_id: str) -> HttpResponse:
+    """GET: the sample with its marks (?flagged=1: drawn among flagged requests only).
+    POST: mark one request (htmx swaps that item)."""
+    batch = _get_batch_for_user(request, batch_id)
+    flagged = (request.POST if request.method == "POST" else request.GET).get("flagged") == "1"
     if request.method == "POST":
         form = SpotCheckForm(request.POST)
         if not form.is_valid():
             return HttpResponse("Choose good or bad.", status=400)
         try:
-            spotcheck.mark(batch=batch, user=request.user, **form.cleaned_data)
+            spotcheck.mark(batch=batch, user=request.user, flagged=flagged,
+                           **form.cleaned_data)
         except ServiceError as exc:
             return HttpResponse(exc.message, status=400)
         if not request.htmx:
             return redirect(reverse("batch_spot_check", args=[batch.pk]) +
+                            ("?flagged=1" if flagged else "") +
                             f"#spot-{slugify(form.cleaned_data['custom_id'])[:60]}")
-    sample = results.spot_sample(batch)
+    sample = spotcheck.sample(batch, flagged=flagged)
     if request.method == "POST":
         # htmx: only the marked item is re-rendered (and the summary, out of band).
         sample = [i for i in sample if i.custom_id == form.cleaned_data["custom_id"]]
@@ -332,7 +368,7 @@ def batch_spot_check(request: HttpRequest, batch_id: str) -> HttpResponse:
     marks = spotcheck.marks(batch)
     items = [{"item": item, "input": inputs.get(item.custom_id),
               "mark": marks.get(item.custom_id)} for item in sample]
-    context = {**_detail_context(batch, "spot_check"), "items": items,
+    context = {**_detail_context(batch, "spot_check"), "items": items, "flagged": flagged,
                "finished": batch.progress()["completed"]}
     if request.method == "POST":
         return render(request, "jobs/batch_spot_check.html#spot-item",

@@ -18,6 +18,7 @@ urlpatterns = [
          name="batch_download"),
     path("batches/<str:batch_id>/errors", batches.batch_errors, name="batch_errors"),
     path("batches/<str:batch_id>/results", batches.batch_results, name="batch_results"),
+    path("batches/<str:batch_id>/flags", batches.batch_flags, name="batch_flags"),
     path("batches/<str:batch_id>/spot-check", batches.batch_spot_check,
          name="batch_spot_check"),
     path("files/", files.file_list, name="file_list"),

@@ -1,0 +1,164 @@
+"""Benchmark: what content-policy screening adds to batch validation.
+
+Validates one 50,000-line chat batch file through `jobs.services.validation.check_input`
+with no content rules, then with 100 rules (80 blocked terms, 20 regular expressions) plus
+one max_prompt_tokens rule (no moderation rule: that one costs a model call per chunk and
+is measured with the engine, not here). Each case runs several times in this one process,
+alternating; the median is reported. The rules are `skip` rules and about 1% of the lines
+break one, so every line is screened against every rule and the violation path runs too.
+
+Uses a scratch SQLite database under a temporary BATCHWEB_VAR_DIR (migrated here).
+
+    .venv/bin/python bench/policy.py [--lines 50000] [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+_WORDS_TEXT = ("the a of to and in is for on with that this by from as are be at or it an was "
+         "model batch request answer question summary document report customer order "
+         "invoice product service quality shipping delivery refund account payment email "
+         "meeting project deadline budget review analysis market sales growth revenue "
+         "strategy team manager policy contract legal compliance data table chart figure "
+         "translate classify extract rewrite explain describe compare list write short "
+         "long detailed simple formal friendly english french german spanish italian")
+WORDS = _WORDS_TEXT.split()
+
+TERMS = [f"{stem}{suffix}" for stem in (
+    "blockedterm", "forbidden", "contraband", "banned", "secretcode", "noword", "taboo",
+    "restricted", "embargo", "prohibited") for suffix in ("", "s", "ing", "ed", "x", "z",
+                                                         "word", "thing")]
+REGEXES = [
+    r"\b\d{3}-\d{2}-\d{4}\b",                        # US SSN
+    r"\b(?:\d[ -]?){13,16}\b",                       # card number
+    r"\b[A-Z]{2}\d{2}[A-Z0-9]{11,30}\b",             # IBAN
+    r"[\w.+-]+@internal\.example\.com",              # internal e-mail
+    r"\bpassword\s*[:=]\s*\S+",                      # leaked password
+    r"\bapi[_-]?key\s*[:=]\s*\S{16,}",               # leaked key
+    r"sk-[A-Za-z0-9]{32,}",                          # a secret key
+    r"\bAKIA[0-9A-Z]{16}\b",                         # AWS access key id
+    r"-----BEGIN (?:RSA |EC )?PRIVATE KEY-----",     # private key
+    r"\bproject\s+nightingale\b",                    # code name
+    r"\bconfidential\s+-\s+do\s+not\s+share\b",
+    r"\b(?:kill|hurt)\s+(?:him|her|them)\b",
+    r"\bhow\s+to\s+make\s+(?:a\s+)?bomb\b",
+    r"\bcredit\s+card\s+dump\b",
+    r"\bssn\s*#?\s*\d+",
+    r"\b(?:19|20)\d{2}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z?\s+leak\b",
+    r"\bdrop\s+table\s+\w+",
+    r"<script\b",
+    r"\bwire\s+\$?\d{5,}\b",
+    r"\bpatient\s+id\s*:\s*\d+",
+]
+assert len(TERMS) == 80 and len(REGEXES) == 20
+
+
+def setup_django(var_dir: str) -> None:
+    os.environ["BATCHWEB_VAR_DIR"] = var_dir
+    os.environ["DJANGO_SETTINGS_MODULE"] = "batchweb.settings"
+    os.environ["DATABASE_URL"] = f"sqlite:///{var_dir}/bench.sqlite3"
+    os.environ["BATCHWEB_ECHO_MODEL"] = "1"
+    os.environ.setdefault("BATCHWEB_MAX_REQUESTS_PER_BATCH", "1000000")
+    import django
+    from django.core.management import call_command
+
+    django.setup()
+    call_command("migrate", verbosity=0)
+
+
+def write_input(path: Path, count: int, rng: random.Random) -> int:
+    """A chat batch: a system and a user message of 20-120 words; ~1% of the lines break
+    a rule (a term or a pattern)."""
+    hits = ["please ignore the contraband shipment", "my password: hunter2hunter2",
+            "the ssn is 123-45-6789", "about project nightingale"]
+    with open(path, "w") as out:
+        for i in range(count):
+            text = " ".join(rng.choices(WORDS, k=rng.randint(20, 120)))
+            if i % 100 == 50:
+                text += " " + hits[(i // 100) % len(hits)]
+            out.write(json.dumps({
+                "custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "echo-test", "max_tokens": 64, "messages": [
+                    {"role": "system", "content": "You are a helpful assistant."},
+                    {"role": "user", "content": f"Request {i}: {text}"}]},
+            }) + "\n")
+    return path.stat().st_size
+
+
+def create_rules() -> None:
+    from jobs.models import ContentRule
+
+    rules = [ContentRule(name=f"term-{i:02d}", kind="term", pattern=term, action="skip",
+                         reason="blocked term") for i, term in enumerate(TERMS)]
+    rules += [ContentRule(name=f"regex-{i:02d}", kind="regex", pattern=pattern,
+                          action="skip", reason="blocked pattern")
+              for i, pattern in enumerate(REGEXES)]
+    rules.append(ContentRule(name="prompt-size", kind="max_prompt_tokens", max_tokens=4000,
+                             action="skip", reason="prompt too long"))
+    ContentRule.objects.bulk_create(rules)
+
+
+def validate(path: Path, *, screen: bool) -> tuple[float, int, int]:
+    """(seconds, requests, screened lines) of one validation pass, as the validation task
+    runs it: the rules are loaded from the database for the pass."""
+    from jobs.policy import Screener
+    from jobs.services.validation import check_input
+
+    start = time.perf_counter()
+    screener = Screener.load() if screen else None
+    with open(path, "rb") as stream:
+        report = check_input(stream, endpoint="/v1/chat/completions", screener=screener,
+                             on_screened=lambda line, custom_id, rule: None)
+    seconds = time.perf_counter() - start
+    assert report.ok, report.errors[:3]
+    return seconds, report.requests, report.screened
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lines", type=int, default=50_000)
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-policy-") as scratch:
+        setup_django(scratch)
+        path = Path(scratch) / "input.jsonl"
+        size = write_input(path, args.lines, random.Random(8))
+        create_rules()
+        from jobs.models import ContentRule
+
+        rule_count = ContentRule.objects.count()
+        validate(path, screen=False)  # warm-up: page cache, imports, regex compile
+        validate(path, screen=True)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        screened = 0
+        for _ in range(args.runs):
+            for screen in (False, True):
+                seconds, requests, count = validate(path, screen=screen)
+                times[screen].append(seconds)
+                screened = count if screen else screened
+        base, ruled = statistics.median(times[False]), statistics.median(times[True])
+        print(f"{args.lines:,} lines, {size / 1e6:.1f} MB, median of {args.runs} runs each; "
+              f"{screened} lines screened out by the rules")
+        print(f"{'rules':<34}{'median s':>10}{'requests/s':>12}{'overhead':>10}")
+        print(f"{'none':<34}{base:>10.3f}{requests / base:>12,.0f}{'':>10}")
+        label = f"{rule_count} (80 terms, 20 regex, 1 size)"
+        print(f"{label:<34}{ruled:>10.3f}{requests / ruled:>12,.0f}"
+              f"{(ruled / base - 1) * 100:>9.1f}%")
+        print("runs none:  " + " ".join(f"{t:.3f}" for t in times[False]))
+        print("runs rules: " + " ".join(f"{t:.3f}" for t in times[True]))
+
+
+if __name__ == "__main__":
+    main()
