@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from django.contrib.admin.utils import quote  # ids in admin URLs are quoted
 
 from jobs.models import ApiKey, Batch, Shard
 from jobs.services.batches import create_batch, run_validation
@@ -30,9 +31,10 @@ def running_batch(user, tmp_path):
 
 def test_every_admin_page_renders(staff, running_batch):
     shard = Shard.objects.filter(batch=running_batch).first()
-    for url in ["/admin/jobs/batch/", f"/admin/jobs/batch/{running_batch.pk}/change/",
-                "/admin/jobs/shard/", f"/admin/jobs/shard/{shard.pk}/change/",
-                "/admin/jobs/file/", f"/admin/jobs/file/{running_batch.input_file_id}/change/",
+    for url in ["/admin/jobs/batch/", f"/admin/jobs/batch/{quote(running_batch.pk)}/change/",
+                "/admin/jobs/shard/", f"/admin/jobs/shard/{quote(shard.pk)}/change/",
+                "/admin/jobs/file/",
+                f"/admin/jobs/file/{quote(running_batch.input_file_id)}/change/",
                 "/admin/jobs/upload/", "/admin/jobs/apikey/", "/admin/jobs/apikey/add/"]:
         assert staff.get(url).status_code == 200, url
 

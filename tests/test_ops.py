@@ -7,6 +7,7 @@ import io
 from datetime import timedelta
 
 import pytest
+from django.contrib.admin.utils import quote  # ids in admin URLs are quoted
 from django.core.files.storage import default_storage
 from django.urls import reverse
 from django.utils import timezone
@@ -42,7 +43,7 @@ def test_new_admin_pages_render(admin_client, user, tmp_path):
     quota = Quota.objects.create(user=user, max_active_batches=2)
     for url in ["/admin/", "/admin/jobs/quota/", "/admin/jobs/quota/add/",
                 f"/admin/jobs/quota/{quota.pk}/change/", "/admin/jobs/usersettings/",
-                "/admin/jobs/webhookevent/", f"/admin/jobs/webhookevent/{event.pk}/change/",
+                "/admin/jobs/webhookevent/", f"/admin/jobs/webhookevent/{quote(event.pk)}/change/",
                 "/admin/jobs/webhookdelivery/", "/admin/jobs/shard/health/",
                 "/admin/jobs/shard/"]:
         response = admin_client.get(url)

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from django.conf import settings as django_settings
+from django.contrib.admin.utils import quote  # ids in admin URLs are quoted
 from django.test import Client
 from django.urls import URLPattern, reverse
 
@@ -316,7 +317,8 @@ def test_hostile_content_is_escaped_everywhere(people: dict, tmp_path: Path,
         assert "<script>alert" not in page and "<img src=x" not in page, url
         escaped_somewhere |= "&lt;script&gt;alert" in page
     assert escaped_somewhere
-    for url in (f"/admin/jobs/batch/{batch.pk}/change/", f"/admin/jobs/batch/{failed.pk}/change/",
+    for url in (f"/admin/jobs/batch/{quote(batch.pk)}/change/",
+                f"/admin/jobs/batch/{quote(failed.pk)}/change/",
                 "/admin/jobs/file/", "/admin/jobs/apikey/", "/admin/jobs/batch/"):
         page = admin_client.get(url).content.decode()
         assert "<script>alert" not in page, url
