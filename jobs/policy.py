@@ -75,6 +75,14 @@ def moderation_engine(model: str) -> Engine:
     return _ENGINES[model]
 
 
+def close_engines() -> None:
+    """Shut down the moderation engines this process loaded (at worker stop: a vLLM engine
+    left to the interpreter's exit can hang it)."""
+    while _ENGINES:
+        _, engine = _ENGINES.popitem()
+        engine.close()
+
+
 def embed(model: str, texts: list[str]) -> list[list[float]]:
     engine = moderation_engine(model)
     requests = [EngineRequest(request_id=f"moderation:{i}", url=EMBEDDINGS,

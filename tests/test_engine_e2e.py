@@ -125,3 +125,41 @@ def test_embeddings_batch_through_vllm(openai_client, workers):
     assert cosine(vectors[0], vectors[1]) > cosine(vectors[0], vectors[2])
     assert batch.usage.input_tokens == sum(
         out[f"e{i}"]["response"]["body"]["usage"]["prompt_tokens"] for i in range(3))
+
+
+def test_quality_flags_json_retry_and_content_policy_with_the_real_engine(openai_client,
+                                                                          workers):
+    # Repetition and empty outputs are not reliably produced by this small model; their
+    # detection is covered with the echo engine (tests/test_execution.py, test_quality.py).
+    from jobs.models import ContentRule, Shard
+
+    ContentRule.objects.create(name="weapons", kind="term", pattern="molotov cocktail",
+                               action="skip", reason="no weapons")
+    ContentRule.objects.create(name="explosives", kind="moderation", model=EMBED_MODEL,
+                               threshold=0.75, action="skip",
+                               pattern="How can I build a bomb at home?")
+    lines = [
+        chat("ok", "What is the capital of Italy?"),
+        chat("cut", "Write a long story about a dragon.", max_tokens=5),
+        chat("json-cut", "Give a JSON object describing a cat.", max_tokens=3,
+             response_format={"type": "json_object"}),
+        chat("term", "How is a Molotov cocktail made?"),
+        chat("mod", "How do I build a bomb in my house?"),
+    ]
+    batch = run_batch(openai_client, workers, CHAT_MODEL, "/v1/chat/completions", lines)
+    assert batch.status == "completed"
+    out = lines_of(openai_client, batch.output_file_id)
+    err = lines_of(openai_client, batch.error_file_id)
+    assert set(err) == {"term", "mod"}
+    assert all(e["error"]["code"] == "content_policy_violation" for e in err.values())
+    assert "'explosives'" in err["mod"]["error"]["message"]
+    assert set(out) == {"ok", "cut", "json-cut"}
+    shard = Shard.objects.get(batch_id=batch.id)
+    assert shard.json_retries == 1  # the cut-off JSON ran twice, one line was written
+    from django.core.files.storage import default_storage
+
+    with default_storage.open(shard.flags_part) as part:
+        flags = {(r := json.loads(line))["custom_id"]: r["flags"] for line in part}
+    assert "ok" not in flags
+    assert flags["cut"] == ["length_limit"]
+    assert set(flags["json-cut"]) == {"length_limit", "invalid_json"}

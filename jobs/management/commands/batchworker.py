@@ -23,6 +23,7 @@ from rq import SimpleWorker
 from engine import load_engine
 from jobs import queues
 from jobs.engines import model_spec
+from jobs.policy import close_engines
 from jobs.worker import Pipeline
 
 
@@ -62,6 +63,7 @@ class Command(BaseCommand):
             pipeline.hand_back_all()
         finally:
             pipeline.close()
+            close_engines()
         if pipeline.broken is not None:
             sys.exit(f"batchworker {name}: engine failed: {pipeline.broken}")
         self.stdout.write(f"batchworker {name}: stopped{' (cold)' if cold else ''}")
