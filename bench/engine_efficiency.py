@@ -48,7 +48,8 @@ def make_requests(count: int, min_tokens: int, max_tokens: int) -> list[dict]:
             "body": {"model": MODEL, "temperature": 0,
                      "max_tokens": rng.randint(min_tokens, max_tokens),
                      "messages": [{"role": "user",
-                                   "content": f"{context}\nExplain {topic} briefly."}]}})
+                                   "content": f"{context}\nRequest {i}: explain {topic} "
+                                              "briefly."}]}})
     return requests
 
 
@@ -130,7 +131,8 @@ def run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Pat
         assert len(lines) + batch.request_counts.failed == len(requests)
         tokens = sum(json.loads(line)["response"]["body"]["usage"]["completion_tokens"]
                      for line in lines)
-        # Dedup would make batchweb look better than it is: the requests are all distinct.
+        # Every request is distinct ("Request {i}"), so dedup cannot make batchweb look
+        # better than it is: every output line was computed.
         assert tokens == batch.usage.output_tokens
     finally:
         worker.terminate()
