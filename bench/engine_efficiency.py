@@ -29,6 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.scratch import prepare  # noqa: E402
+
 MODEL = "SmolLM2-135M-Instruct"
 TOPICS = ["the history of Rome", "how vaccines work", "the water cycle", "sorting algorithms",
           "the French revolution", "photosynthesis", "black holes", "the stock market",
@@ -96,11 +98,7 @@ def run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Pat
            "BATCHWEB_MODELS_DIR": str(ROOT / "var" / "models")}
     env.pop("DATABASE_URL", None)
     py = sys.executable
-    subprocess.run([py, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True)
-    create_user = "from django.contrib.auth.models import User; User.objects.create(username='b')"
-    subprocess.run([py, "manage.py", "shell", "-c", create_user], cwd=ROOT, env=env, check=True)
-    key = subprocess.run([py, "manage.py", "createapikey", "b"], cwd=ROOT, env=env, check=True,
-                         capture_output=True, text=True).stdout.strip()
+    key = prepare(env)
     log_path = scratch / "worker.log"
     server = subprocess.Popen([py, "-m", "gunicorn", "batchweb.wsgi:application", "-b",
                                "127.0.0.1:8767", "-w", "1", "--threads", "4"], cwd=ROOT,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.scratch import prepare  # noqa: E402
 
 
 def write_input(path: Path, count: int) -> int:
@@ -129,12 +130,7 @@ def main() -> None:
            "BATCHWEB_MAX_FILE_BYTES": str(4 * 1024**3),
            "BATCHWEB_MAX_REQUESTS_PER_BATCH": str(10_000_000), "LOG_LEVEL": "WARNING"}
     env.pop("DATABASE_URL", None)
-    py = sys.executable
-    subprocess.run([py, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True)
-    create_user = "from django.contrib.auth.models import User; User.objects.create(username='b')"
-    subprocess.run([py, "manage.py", "shell", "-c", create_user], cwd=ROOT, env=env, check=True)
-    env["BENCH_KEY"] = subprocess.run([py, "manage.py", "createapikey", "b"], cwd=ROOT, env=env,
-                                      check=True, capture_output=True, text=True).stdout.strip()
+    env["BENCH_KEY"] = prepare(env)
     rows = []
     try:
         for size in (int(s) for s in args.sizes.split(",")):

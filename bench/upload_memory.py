@@ -21,6 +21,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.scratch import prepare  # noqa: E402
+
 LINE = {"custom_id": "", "method": "POST", "url": "/v1/chat/completions",
         "body": {"model": "SmolLM2-135M-Instruct", "max_tokens": 64,
                  "messages": [{"role": "user", "content": "x" * 300}]}}
@@ -66,11 +69,7 @@ def main() -> None:
            "BATCHWEB_MAX_REQUESTS_PER_BATCH": str(100_000_000)}
     env.pop("DATABASE_URL")
     py = sys.executable
-    subprocess.run([py, "manage.py", "migrate", "-v0"], cwd=ROOT, env=env, check=True)
-    create_user = "from django.contrib.auth.models import User; User.objects.create(username='b')"
-    subprocess.run([py, "manage.py", "shell", "-c", create_user], cwd=ROOT, env=env, check=True)
-    key = subprocess.run([py, "manage.py", "createapikey", "b"], cwd=ROOT, env=env, check=True,
-                         capture_output=True, text=True).stdout.strip()
+    key = prepare(env)
     server = subprocess.Popen([py, "-m", "gunicorn", "batchweb.wsgi:application", "-b",
                                "127.0.0.1:8765", "-w", "1", "--timeout", "900"],
                               cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
