@@ -33,8 +33,8 @@ from jobs.models import ContentRule, RequestCopy, ScreenedLine, Shard
 from jobs.policy import VIOLATION, Violation
 from jobs.quality import flags_for, json_problem, output_texts, wants_json
 from jobs.services import shards as shard_service
-from jobs.services.batches import STOP_MESSAGES, _bounded, _last_line
-from jobs.services.files import iter_lines, open_range, temp_dir
+from jobs.services.batches import STOP_MESSAGES, shard_last_line
+from jobs.services.files import open_range_lines, temp_dir
 from jobs.services.reconcile import reconcile
 from jobs.services.shards import Progress
 from jobs.wire import failure_line, response_line, usage_of
@@ -243,7 +243,7 @@ class Pipeline:
             self._finish(work)
 
     def _open_work(self, shard: Shard) -> ShardWork:
-        last_line = _last_line(shard)
+        last_line = shard_last_line(shard)
         copies: dict[int, list[str]] = {}
         for primary, custom_id in RequestCopy.objects.filter(
                 batch_id=shard.batch_id, primary_line__gte=shard.first_line,
@@ -275,10 +275,9 @@ class Pipeline:
 
     def _submit_lines(self, shard: Shard, work: ShardWork) -> None:
         storage_name = shard.batch.input_file.storage_name
-        with open_range(storage_name, shard.start_byte) as stream:
-            for line in iter_lines(_bounded(stream, shard.end_byte - shard.start_byte),
-                                   max_line_bytes=settings.BATCHWEB["MAX_LINE_BYTES"],
-                                   start=shard.start_byte, first_number=shard.first_line):
+        with open_range_lines(storage_name, start=shard.start_byte, end=shard.end_byte,
+                              first_number=shard.first_line) as lines:
+            for line in lines:
                 if line.content is None or not line.content.strip() or line.number in work.skip:
                     continue
                 request = json.loads(line.content)

@@ -27,10 +27,9 @@ from jobs.policy import Screener
 from jobs.services.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.services.files import (
     get_file_for_user,
-    iter_lines,
     local_temp,
     open_file,
-    open_range,
+    open_range_lines,
     parse_expires_after,
     store_file,
 )
@@ -398,14 +397,13 @@ def unrun_lines(shard: Shard, *, code: str, reason: str = "") -> Iterator[bytes]
 def shard_custom_ids(shard: Shard) -> Iterator[str]:
     """The custom_ids a shard answers for: its lines that are not copies, then the copies of
     its primaries."""
-    last_line = _last_line(shard)
+    last_line = shard_last_line(shard)
     skip = set(RequestCopy.objects.filter(batch_id=shard.batch_id, line__gte=shard.first_line,
                                           line__lte=last_line).values_list("line", flat=True))
     batch = Batch.objects.only("input_file").get(pk=shard.batch_id)
-    with open_range(batch.input_file.storage_name, shard.start_byte) as stream:
-        for line in iter_lines(_bounded(stream, shard.end_byte - shard.start_byte),
-                               max_line_bytes=settings.BATCHWEB["MAX_LINE_BYTES"],
-                               start=shard.start_byte, first_number=shard.first_line):
+    with open_range_lines(batch.input_file.storage_name, start=shard.start_byte,
+                          end=shard.end_byte, first_number=shard.first_line) as lines:
+        for line in lines:
             if line.content is None or not line.content.strip() or line.number in skip:
                 continue
             yield json.loads(line.content)["custom_id"]
@@ -414,26 +412,11 @@ def shard_custom_ids(shard: Shard) -> Iterator[str]:
         primary_line__lte=last_line).values_list("custom_id", flat=True).iterator()
 
 
-def _last_line(shard: Shard) -> int:
+def shard_last_line(shard: Shard) -> int:
+    """The number of a shard's last input line (the next shard's first line - 1)."""
     nxt = Shard.objects.filter(batch_id=shard.batch_id, index=shard.index + 1).values_list(
         "first_line", flat=True).first()
     return (nxt - 1) if nxt else 2**31 - 1
-
-
-class _bounded:
-    """Read at most `remaining` bytes of a stream through readline."""
-
-    def __init__(self, stream: IO[bytes], remaining: int) -> None:
-        self.stream = stream
-        self.remaining = remaining
-
-    def readline(self, limit: int = -1) -> bytes:
-        if self.remaining <= 0:
-            return b""
-        limit = self.remaining if limit < 0 else min(limit, self.remaining)
-        data = self.stream.readline(limit)
-        self.remaining -= len(data)
-        return data
 
 
 def _notify_ended(batch_id: str) -> None:

@@ -101,6 +101,33 @@ def open_range(storage_name: str, start: int) -> Iterator[IO[bytes]]:
         stream.close()
 
 
+@contextmanager
+def open_range_lines(storage_name: str, *, start: int, end: int,
+                     first_number: int) -> Iterator[Iterator[Line]]:
+    """The lines of bytes [start, end) of a stored file (a shard's part of its input),
+    numbered from `first_number`, streamed."""
+    with open_range(storage_name, start) as stream:
+        yield iter_lines(_Bounded(stream, end - start),
+                         max_line_bytes=settings.BATCHWEB["MAX_LINE_BYTES"],
+                         start=start, first_number=first_number)
+
+
+class _Bounded:
+    """Read at most `remaining` bytes of a stream through readline."""
+
+    def __init__(self, stream: IO[bytes], remaining: int) -> None:
+        self.stream = stream
+        self.remaining = remaining
+
+    def readline(self, limit: int = -1) -> bytes:
+        if self.remaining <= 0:
+            return b""
+        limit = self.remaining if limit < 0 else min(limit, self.remaining)
+        data = self.stream.readline(limit)
+        self.remaining -= len(data)
+        return data
+
+
 @dataclass
 class ScanResult:
     bytes: int
