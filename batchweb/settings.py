@@ -10,6 +10,8 @@ from pathlib import Path
 
 import dj_database_url
 
+from engine.vllm_engine import best_cpu_dtype
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("BATCHWEB_VAR_DIR", BASE_DIR / "var"))
 
@@ -166,9 +168,8 @@ BATCHWEB = {
 # tensor_parallel_size, max_model_len, max_num_seqs, enforce_eager, ...) and source.
 MODELS_DIR = Path(os.environ.get("BATCHWEB_MODELS_DIR", VAR_DIR / "models"))
 _CPU_OPTIONS = {
-    # float32: on CPUs without AVX-512 bf16 (like this project's machines) bf16 falls back to
-    # slow matmuls (~27 vs ~100 tok/s measured), and float32 greedy output is reproducible.
-    "dtype": os.environ.get("BATCHWEB_DTYPE", "float32"),
+    # bf16 only where the CPU has native bf16: elsewhere it falls back to slow kernels.
+    "dtype": os.environ.get("BATCHWEB_DTYPE") or best_cpu_dtype(),
     "enforce_eager": env_bool("BATCHWEB_ENFORCE_EAGER", True),
     "max_model_len": 2048,
 }

@@ -11,7 +11,8 @@ measured across shard boundaries (--shard-size makes 4+ shards).
 
     .venv/bin/python bench/engine_efficiency.py [-n 512] [--min-tokens 64 --max-tokens 256]
 
-One engine runs at a time. float32 by default (bf16 is slower on CPUs without AVX-512).
+One engine runs at a time. The dtype defaults to the service's CPU default (bfloat16 where
+the CPU has native bf16, else float32).
 """
 
 from __future__ import annotations
@@ -170,12 +171,13 @@ def main() -> None:
     parser.add_argument("-n", type=int, default=512)
     parser.add_argument("--min-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default=None, help="default: engine.best_cpu_dtype()")
     parser.add_argument("--shard-size", type=int, default=128)
     parser.add_argument("--skip", default="", help="comma list of a,b,c to leave out")
     args = parser.parse_args()
-    from engine.vllm_engine import set_env_defaults
+    from engine.vllm_engine import best_cpu_dtype, set_env_defaults
 
+    args.dtype = args.dtype or best_cpu_dtype()
     set_env_defaults()  # the same CPU settings (cores, KV cache) for all three paths
     model_path = str(ROOT / "var" / "models" / MODEL)
     requests = make_requests(args.n, args.min_tokens, args.max_tokens)
