@@ -14,6 +14,7 @@ from typing import IO, Any
 
 from django.conf import settings
 
+from jobs.digestset import DigestSet
 from jobs.policy import VIOLATION, Screener, Violation
 from jobs.services.files import iter_lines
 from jobs.wire import Code, LineError, RequestLine, dedup_key, estimate_tokens, parse_line
@@ -67,7 +68,7 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
 
     `endpoint` is the batch's; None (the dashboard's preflight) takes the first line's.
     Duplicate deterministic bodies are reported to `on_copy`; with no sink they are only
-    counted. Memory is bounded: custom_ids are remembered as 8-byte digests and at most
+    counted. Memory stays small: custom_ids are remembered as 8-byte digests and at most
     DEDUP_MAX_BODIES distinct bodies are remembered for dedup.
 
     With a `screener`, every line is checked against the content rules: a `reject` rule's
@@ -77,7 +78,7 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
     conf = settings.BATCHWEB
     models = served_models()
     report = InputReport(endpoint=endpoint)
-    seen_ids: set[int] = set()
+    seen_ids = DigestSet()
     primaries: dict[bytes, tuple[int, int]] = {}  # body digest -> (line, shard index)
     shard: ShardPlan | None = None
 
@@ -156,7 +157,7 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
 
 def _check_against_batch(line: RequestLine, report: InputReport,
                          models: dict[str, tuple[str, ...]],
-                         seen_ids: set[int]) -> LineError | None:
+                         seen_ids: DigestSet) -> LineError | None:
     """The rules that relate a line to the rest of the batch."""
     if report.endpoint is None:
         report.endpoint = line.url
