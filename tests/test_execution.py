@@ -154,7 +154,9 @@ def test_expiry_keeps_partial_results(openai_client, workers, settings):
 def test_sigkilled_worker_loses_nothing(openai_client, workers, settings):
     lines = [chat_line(f"k{i}", f"q {i}") for i in range(100)]
     batch = submit(openai_client, lines)
-    slow = {"BATCHWEB_ECHO_SECONDS": "0.05"}
+    # Two requests at a time, 0.1 s each: the batch takes ~5 s, so the kill lands mid-batch
+    # (with the default 64 at a time it could all finish before the kill).
+    slow = {"BATCHWEB_ECHO_SECONDS": "0.1", "BATCHWEB_ECHO_MAX_IN_FLIGHT": "2"}
     victim = workers.start(env={**slow, "BATCHWEB_SHARD_SIZE": "20"})
     wait_for(lambda: Shard.objects.filter(batch_id=batch.id, status="running").exists(),
              timeout=60, message="a running shard")
