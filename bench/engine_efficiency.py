@@ -11,6 +11,10 @@ measured across shard boundaries (--shard-size makes 4+ shards).
 
     .venv/bin/python bench/engine_efficiency.py [-n 512] [--min-tokens 64 --max-tokens 256]
 
+Another model or a GPU (see bench/gpu.md): --model-name, --model-path, --dtype, --no-eager
+(CUDA graphs / torch.compile), --tensor-parallel-size; the same engine settings for all three
+paths.
+
 One engine runs at a time. The dtype defaults to the service's CPU default (bfloat16 where
 the CPU has native bf16, else float32).
 """
@@ -38,7 +42,8 @@ TOPICS = ["the history of Rome", "how vaccines work", "the water cycle", "sortin
           "machine learning", "the Great Wall of China", "volcanoes", "jazz music"]
 
 
-def make_requests(count: int, min_tokens: int, max_tokens: int) -> list[dict]:
+def make_requests(count: int, min_tokens: int, max_tokens: int, model: str = MODEL
+                  ) -> list[dict]:
     rng = random.Random(42)
     requests = []
     for i in range(count):
@@ -48,7 +53,7 @@ def make_requests(count: int, min_tokens: int, max_tokens: int) -> list[dict]:
                            range(rng.choice([0, 2, 8, 30])))
         requests.append({
             "custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": MODEL, "temperature": 0,
+            "body": {"model": model, "temperature": 0,
                      "max_tokens": rng.randint(min_tokens, max_tokens),
                      "messages": [{"role": "user",
                                    "content": f"{context}\nRequest {i}: explain {topic} "
@@ -72,11 +77,13 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def run_raw(requests: list[dict], model_path: str, dtype: str) -> dict:
+def run_raw(requests: list[dict], model_path: str, dtype: str, eager: bool = True,
+            tp: int = 1) -> dict:
     from vllm import LLM, SamplingParams
 
     started = time.monotonic()
-    llm = LLM(model=model_path, dtype=dtype, enforce_eager=True, max_model_len=2048)
+    llm = LLM(model=model_path, dtype=dtype, enforce_eager=eager, max_model_len=2048,
+              tensor_parallel_size=tp)
     load = time.monotonic() - started
     params = [SamplingParams(temperature=0, max_tokens=r["body"]["max_tokens"])
               for r in requests]
@@ -90,14 +97,17 @@ def run_raw(requests: list[dict], model_path: str, dtype: str) -> dict:
     return {"tokens": tokens, "seconds": elapsed, "start": load, "cpu": cpu}
 
 
-def run_vllm_batch(requests: list[dict], model_path: str, dtype: str, scratch: Path) -> dict:
+def run_vllm_batch(requests: list[dict], model_path: str, dtype: str, scratch: Path,
+                   model_name: str = MODEL, eager: bool = True, tp: int = 1) -> dict:
     source, target = scratch / "in.jsonl", scratch / "out.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in requests))
     env = dict(os.environ)
     started = time.monotonic()
     subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i",
                     str(source), "-o", str(target), "--model", model_path,
-                    "--served-model-name", MODEL, "--dtype", dtype, "--enforce-eager",
+                    "--served-model-name", model_name, "--dtype", dtype,
+                    *(["--enforce-eager"] if eager else []),
+                    *(["--tensor-parallel-size", str(tp)] if tp != 1 else []),
                     "--max-model-len", "2048"], check=True, env=env,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     elapsed = time.monotonic() - started
@@ -106,7 +116,9 @@ def run_vllm_batch(requests: list[dict], model_path: str, dtype: str, scratch: P
     return {"tokens": tokens, "seconds": elapsed}
 
 
-def run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Path) -> dict:
+def run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Path,
+                 model_name: str = MODEL, model_path: str = "", eager: bool = True,
+                 tp: int = 1) -> dict:
     import openai
 
     from batchweb.embedded import ensure_redis
@@ -116,6 +128,17 @@ def run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Pat
            "BATCHWEB_SHARD_SIZE": str(shard_size), "LOG_LEVEL": "INFO",
            "BATCHWEB_MODELS_DIR": str(ROOT / "var" / "models")}
     env.pop("DATABASE_URL", None)
+    if model_name != MODEL or model_path or not eager or tp != 1:
+        # Not the default model as configured: declare it with the engine settings (a) and
+        # (b) use.
+        models = scratch / "models.json"
+        models.write_text(json.dumps([{
+            "name": model_name, "backend": "vllm",
+            "path": model_path or str(ROOT / "var" / "models" / model_name),
+            "endpoints": ["/v1/chat/completions", "/v1/completions"],
+            "options": {"dtype": dtype, "enforce_eager": eager, "max_model_len": 2048,
+                        "tensor_parallel_size": tp}}]))
+        env["BATCHWEB_MODELS_FILE"] = str(models)
     py = sys.executable
     key = prepare(env)
     log_path = scratch / "worker.log"
@@ -123,7 +146,7 @@ def run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Pat
                                "127.0.0.1:8767", "-w", "1", "--threads", "4"], cwd=ROOT,
                               env=env, stderr=subprocess.DEVNULL)
     with open(log_path, "wb") as log:
-        worker = subprocess.Popen([py, "manage.py", "batchworker", "--model", MODEL],
+        worker = subprocess.Popen([py, "manage.py", "batchworker", "--model", model_name],
                                   cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         started = time.monotonic()
@@ -174,26 +197,35 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="default: engine.best_cpu_dtype()")
     parser.add_argument("--shard-size", type=int, default=128)
     parser.add_argument("--skip", default="", help="comma list of a,b,c to leave out")
+    parser.add_argument("--model-name", default=MODEL)
+    parser.add_argument("--model-path", default="", help="default: var/models/<model-name>")
+    parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                        help="enforce_eager (--no-eager: CUDA graphs / compilation)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args()
     from engine.vllm_engine import best_cpu_dtype, set_env_defaults
 
     args.dtype = args.dtype or best_cpu_dtype()
     set_env_defaults()  # the same CPU settings (cores, KV cache) for all three paths
-    model_path = str(ROOT / "var" / "models" / MODEL)
-    requests = make_requests(args.n, args.min_tokens, args.max_tokens)
+    model_path = args.model_path or str(ROOT / "var" / "models" / args.model_name)
+    tp = args.tensor_parallel_size
+    requests = make_requests(args.n, args.min_tokens, args.max_tokens, args.model_name)
     scratch = Path(tempfile.mkdtemp(prefix="bw-engine-bench-"))
     results: dict[str, dict] = {}
     skip = set(args.skip.split(","))
     if "a" not in skip:
-        results["a raw LLM.chat"] = run_raw(requests, model_path, args.dtype)
+        results["a raw LLM.chat"] = run_raw(requests, model_path, args.dtype, args.eager, tp)
         print(results, flush=True)
     if "b" not in skip:
-        results["b vllm run_batch"] = run_vllm_batch(requests, model_path, args.dtype, scratch)
+        results["b vllm run_batch"] = run_vllm_batch(requests, model_path, args.dtype, scratch,
+                                                     args.model_name, args.eager, tp)
         print(results, flush=True)
     if "c" not in skip:
-        results["c batchweb"] = run_batchweb(requests, args.dtype, args.shard_size, scratch)
-    print(f"\n{args.n} chat requests, max_tokens {args.min_tokens}-{args.max_tokens}, "
-          f"{args.dtype}, shards of {args.shard_size}")
+        results["c batchweb"] = run_batchweb(requests, args.dtype, args.shard_size, scratch,
+                                             args.model_name, args.model_path, args.eager, tp)
+    print(f"\n{args.model_name}: {args.n} chat requests, max_tokens {args.min_tokens}-"
+          f"{args.max_tokens}, {args.dtype}, {'eager' if args.eager else 'compiled'}, "
+          f"tensor parallel {tp}, shards of {args.shard_size}")
     print(f"{'path':<18} {'out tokens':>10} {'seconds':>8} {'tok/s':>7} {'start s':>8} "
           f"{'cpu s':>7}")
     for name, row in results.items():
