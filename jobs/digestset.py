@@ -24,7 +24,9 @@ class DigestSet:
     def __contains__(self, digest: int) -> bool:
         if digest in self._recent:
             return True
-        index = int(np.searchsorted(self._sorted, digest))
+        if not len(self._sorted):
+            return False
+        index = int(self._sorted.searchsorted(digest))
         return index < len(self._sorted) and int(self._sorted[index]) == digest
 
     def add(self, digest: int) -> None:

@@ -78,10 +78,18 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+# One decoder for every line: json.loads with an option builds a new one per call.
+_STRICT_DECODER = json.JSONDecoder(parse_constant=_reject_constant)
+
+
 def loads_strict(text: str | bytes) -> Any:
     """json.loads without Python's extensions: NaN, Infinity and -Infinity are refused (no
     other JSON parser reads them back, and they would end up in the output files)."""
-    return json.loads(text, parse_constant=_reject_constant)
+    if isinstance(text, bytes | bytearray):
+        text = text.decode(json.detect_encoding(text), "surrogatepass")  # as json.loads
+    if text.startswith("\ufeff"):
+        raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+    return _STRICT_DECODER.decode(text)
 
 
 def _is_int(value: Any) -> bool:
