@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
@@ -179,26 +179,27 @@ def run_validation(*, batch_id: str) -> None:
 
 
 def _save_screened(batch_id: str, path: Path) -> None:
-    rows = []
-    with open(path) as handle:
-        for row in handle:
-            line, custom_id, rule = json.loads(row)
-            rows.append(ScreenedLine(batch_id=batch_id, line=line, custom_id=custom_id,
-                                     rule=rule))
-    ScreenedLine.objects.bulk_create(rows, batch_size=2000)
+    _bulk_save(path, lambda line, custom_id, rule: ScreenedLine(
+        batch_id=batch_id, line=line, custom_id=custom_id, rule=rule))
 
 
 def _save_copies(batch_id: str, path: Path) -> None:
-    chunk: list[RequestCopy] = []
+    _bulk_save(path, lambda primary_line, line, custom_id: RequestCopy(
+        batch_id=batch_id, primary_line=primary_line, line=line, custom_id=custom_id))
+
+
+def _bulk_save(path: Path, make_row: Callable[..., Any], chunk_size: int = 2000) -> None:
+    """Insert one row per line of a JSONL file of argument lists, a chunk at a time, so a
+    batch with a million copies or screened lines never holds them all in memory."""
+    chunk: list[Any] = []
     with open(path) as handle:
         for row in handle:
-            primary_line, line, custom_id = json.loads(row)
-            chunk.append(RequestCopy(batch_id=batch_id, primary_line=primary_line, line=line,
-                                     custom_id=custom_id))
-            if len(chunk) >= 2000:
-                RequestCopy.objects.bulk_create(chunk)
+            chunk.append(make_row(*json.loads(row)))
+            if len(chunk) >= chunk_size:
+                type(chunk[0]).objects.bulk_create(chunk)
                 chunk = []
-    RequestCopy.objects.bulk_create(chunk)
+    if chunk:
+        type(chunk[0]).objects.bulk_create(chunk)
 
 
 # --- scheduling (fair share) ---
