@@ -40,3 +40,13 @@ chaos: install
 
 lint: install
 	.venv/bin/ruff check .
+
+# The benchmarks that fit in ~15 minutes on a 2-core machine, at reduced sizes (the full
+# sizes and bench/scale_out.py run on their own; bench/RESULTS.md has the numbers).
+bench: models
+	$(PY) bench/policy.py --runs 3
+	$(PY) bench/upload_memory.py --file-mb 50 --upload-mb 256
+	$(PY) bench/orchestration.py --sizes 20000
+	$(PY) bench/dashboard_load.py --seconds 60
+	$(PY) bench/engine_efficiency.py -n 64 --min-tokens 16 --max-tokens 64 --shard-size 16
+	$(PY) bench/cold_start.py --modes eager

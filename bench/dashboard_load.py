@@ -1,0 +1,346 @@
+"""Benchmark 4: the dashboard and the API under load while a batch runs.
+
+A scratch deployment (its own SQLite database, storage and private Redis; or the database
+named by --database-url, which must be a scratch one: it is migrated and rows are added):
+  - one user with --history ended batches (2 shards each) so lists are not trivially empty,
+  - gunicorn as `make run` serves it (manage.py runservice: gthread, 2 workers = one per
+    core on this 2-core machine, 8 threads each; threads cover the database waits, the
+    processes the GIL), DEBUG off,
+  - --batchworkers echo workers running one big batch, slowed down (BATCHWEB_ECHO_SECONDS)
+    so that it is still running when the load ends,
+then for --seconds:
+  - --pollers clients alternately GET the batch page's live partial (what its htmx polls:
+    /batches/<id>/live with HX-Request, signed in with a session cookie from the login
+    form) and GET /v1/batches/<id> (API key),
+  - --listers clients alternately GET /v1/batches?limit=20 and the dashboard's batch list
+    partial (/ with HX-Request: the #batch-table partial, 20 rows),
+each client waiting --interval seconds after each answer (2 s: the page's own polling
+period; 0 = as fast as possible). Reports per endpoint: requests, p50, p99, max, errors
+(non-2xx answers or transport errors), and the web server's CPU time per request.
+
+    .venv/bin/python bench/dashboard_load.py [--seconds 60] [--pollers 50] [--listers 10]
+        [--database-url postgres://postgres@127.0.0.1:5432/batchweb_dashboard_bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+try:
+    import httpx
+except ImportError:  # openai 3 depends on httpx2: the same API under a new name
+    import httpx2 as httpx  # type: ignore[no-redef]
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+PY = sys.executable
+PASSWORD = "bench-dashboard-pw-1"
+ENDPOINTS = {
+    "live": "batch page live partial (htmx)",
+    "retrieve": "GET /v1/batches/{id}",
+    "list_partial": "batch list partial (htmx)",
+    "list_api": "GET /v1/batches?limit=20",
+}
+
+# Run inside the scratch deployment: the user, its key and the ended batches, made by the
+# same service calls the workers make (tests/dashboard_support.py), then Redis emptied of
+# the jobs those calls queued (they would be no-ops anyway).
+SETUP = """
+import json, sys, tempfile
+from pathlib import Path
+import django
+django.setup()
+from django.contrib.auth import get_user_model
+from jobs import queues
+from jobs.services.keys import create_api_key
+from tests.dashboard_support import make_batch, run_batch
+from tests.helpers import chat_line
+history, per_batch, password = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+user = get_user_model().objects.create_user("dash", password=password)
+key = create_api_key(owner=user, name="bench")[1]
+tmp = Path(tempfile.mkdtemp())
+for i in range(history):
+    lines = [chat_line(f"h{i}-{j}", f"earlier question {i} {j}", max_tokens=16)
+             for j in range(per_batch)]
+    run_batch(make_batch(user, lines, tmp), fails=lambda c: c.endswith("-3"))
+queues.connection().flushdb()
+print(json.dumps({"key": key}))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url, timeout=2)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} does not answer")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def cpu_seconds(pid: int) -> float:
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def login(base: str) -> dict[str, str]:
+    """Sign in through the login form, as a browser does; returns the cookies."""
+    with httpx.Client(base_url=base, timeout=30) as client:
+        page = client.get("/accounts/login/")
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page.text)
+        assert token, page.text[:500]
+        response = client.post("/accounts/login/", data={
+            "username": "dash", "password": PASSWORD,
+            "csrfmiddlewaretoken": token.group(1), "next": "/"})
+        assert response.status_code == 302, (response.status_code, response.text[:500])
+        cookies = dict(client.cookies.items())
+    assert "sessionid" in cookies, cookies
+    return cookies
+
+
+class Stats:
+    def __init__(self) -> None:
+        self.latency: dict[str, list[float]] = defaultdict(list)
+        self.errors: dict[str, int] = defaultdict(int)
+        self.samples: list[str] = []
+
+    def error(self, op: str, message: str) -> None:
+        self.errors[op] += 1
+        if len(self.samples) < 10:
+            self.samples.append(f"{op}: {message}")
+
+
+async def client_loop(ops: list[tuple[str, str, dict[str, str]]], base: str,
+                      cookies: dict[str, str], deadline: float, interval: float,
+                      stats: Stats, rng: random.Random) -> None:
+    limits = httpx.Limits(keepalive_expiry=10)
+    async with httpx.AsyncClient(base_url=base, cookies=cookies, timeout=30,
+                                 limits=limits) as client:
+        if interval:
+            await asyncio.sleep(rng.uniform(0, interval))  # spread the clients out
+        turn = rng.randrange(len(ops))
+        while time.monotonic() < deadline:
+            op, url, headers = ops[turn % len(ops)]
+            turn += 1
+            started = time.perf_counter()
+            try:
+                response = await client.get(url, headers=headers)
+                await response.aread()
+            except Exception as exc:  # transport errors and timeouts count as errors
+                stats.error(op, f"{type(exc).__name__}: {exc}")
+            else:
+                stats.latency[op].append(time.perf_counter() - started)
+                if not 200 <= response.status_code < 300:
+                    stats.error(op, f"{response.status_code} {response.text[:200]!r}")
+            if interval:
+                await asyncio.sleep(interval * rng.uniform(0.9, 1.1))
+
+
+async def warm_up(ops: list[tuple[str, str, dict[str, str]]], base: str,
+                  cookies: dict[str, str], stats: Stats) -> None:
+    await asyncio.gather(*(client_loop([op], base, cookies, time.monotonic() + 2, 0, stats,
+                                       random.Random(i)) for i, op in enumerate(ops * 4)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--pollers", type=int, default=50)
+    parser.add_argument("--listers", type=int, default=10)
+    parser.add_argument("--interval", type=float, default=2.0,
+                        help="seconds a client waits after each answer (0: none)")
+    parser.add_argument("--history", type=int, default=199,
+                        help="ended batches of the user besides the running one")
+    parser.add_argument("--batch-requests", type=int, default=2000)
+    parser.add_argument("--shard-size", type=int, default=50)
+    parser.add_argument("--gunicorn-workers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--batchworkers", type=int, default=1)
+    parser.add_argument("--database-url", default="",
+                        help="a scratch database (default: SQLite in a temporary directory)")
+    parser.add_argument("--json", type=Path, help="also write the report here")
+    args = parser.parse_args()
+
+    from batchweb.embedded import ensure_redis
+
+    scratch = Path(tempfile.mkdtemp(prefix="bw-dash-bench-"))
+    os.environ.pop("REDIS_URL", None)  # always a private Redis: no other worker sees the jobs
+    redis = ensure_redis(scratch)
+    in_flight = 64
+    # Long enough for the batch to outlast setup + load: each worker runs `in_flight`
+    # requests at a time, each taking `echo_seconds`.
+    run_for = args.seconds * 1.5 + 30
+    echo_seconds = round(run_for * args.batchworkers * in_flight / args.batch_requests, 2)
+    web_port = free_port()
+    env = {**os.environ, "BATCHWEB_VAR_DIR": str(scratch), "DEBUG": "0",
+           "DJANGO_SETTINGS_MODULE": "batchweb.settings", "ALLOWED_HOSTS": "127.0.0.1",
+           "BATCHWEB_ECHO_MODEL": "1", "BATCHWEB_ECHO_SECONDS": str(echo_seconds),
+           "BATCHWEB_ECHO_MAX_IN_FLIGHT": str(in_flight),
+           "BATCHWEB_SHARD_SIZE": str(args.shard_size), "BATCHWEB_CLEANUP_INTERVAL_SECONDS": "0",
+           "LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
+    env.pop("DATABASE_URL", None)
+    if args.database_url:
+        env["DATABASE_URL"] = args.database_url
+    database = args.database_url.split(":")[0] or "sqlite"
+    procs: list[subprocess.Popen] = []
+    log = open(scratch / "services.log", "wb")  # noqa: SIM115
+    try:
+        subprocess.run([PY, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env,
+                       check=True)
+        started = time.monotonic()
+        made = subprocess.run([PY, "-c", SETUP, str(args.history), "10", PASSWORD], cwd=ROOT,
+                              env=env, check=True, capture_output=True, text=True)
+        key = json.loads(made.stdout.strip().splitlines()[-1])["key"]
+        print(f"setup: {args.history} ended batches in {time.monotonic() - started:.0f} s",
+              flush=True)
+        server = subprocess.Popen(
+            [PY, "-m", "gunicorn", "batchweb.wsgi:application", "-b", f"127.0.0.1:{web_port}",
+             "-k", "gthread", "-w", str(args.gunicorn_workers), "--threads", str(args.threads),
+             "--timeout", "120", "--keep-alive", "30"],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        procs.append(server)
+        for _ in range(args.batchworkers):
+            procs.append(subprocess.Popen([PY, "manage.py", "batchworker", "--model",
+                                           "echo-test"], cwd=ROOT, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT))
+        base = f"http://127.0.0.1:{web_port}"
+        wait_http(base + "/accounts/login/")
+        api = {"Authorization": f"Bearer {key}"}
+        content = b"".join(json.dumps({
+            "custom_id": f"run-{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "echo-test", "max_tokens": 16,
+                     "messages": [{"role": "user", "content": f"question number {i}"}]},
+        }).encode() + b"\n" for i in range(args.batch_requests))
+        file = httpx.post(base + "/v1/files", headers=api, timeout=60, data={"purpose": "batch"},
+                          files={"file": ("run.jsonl", content)}).json()
+        batch = httpx.post(base + "/v1/batches", headers=api, timeout=60, json={
+            "input_file_id": file["id"], "endpoint": "/v1/chat/completions",
+            "completion_window": "24h"}).json()
+        batch_id = batch["id"]
+        deadline = time.monotonic() + 60
+        while batch["status"] == "validating" and time.monotonic() < deadline:
+            time.sleep(0.2)
+            batch = httpx.get(f"{base}/v1/batches/{batch_id}", headers=api).json()
+        assert batch["status"] == "in_progress", batch
+        cookies = login(base)
+        htmx = {"HX-Request": "true"}
+        pollers = [("live", f"/batches/{batch_id}/live", htmx),
+                   ("retrieve", f"/v1/batches/{batch_id}", api)]
+        listers = [("list_api", "/v1/batches?limit=20", api), ("list_partial", "/", htmx)]
+        print(f"load: {args.pollers} pollers + {args.listers} listers, every "
+              f"{args.interval:g} s, for {args.seconds:g} s against gunicorn "
+              f"{args.gunicorn_workers}x{args.threads} threads ({database}); batch {batch_id} "
+              f"of {args.batch_requests} requests in shards of {args.shard_size} on "
+              f"{args.batchworkers} echo worker(s) at {echo_seconds} s/request", flush=True)
+
+        # Warm up (not counted): each gunicorn process imports views and compiles
+        # templates on its first requests.
+        warm = Stats()
+        asyncio.run(warm_up(pollers + listers, base, cookies, warm))
+        stats = Stats()
+        cpu_before = cpu_seconds(server.pid)
+
+        async def run() -> None:
+            end = time.monotonic() + args.seconds
+            await asyncio.gather(
+                *(client_loop(pollers, base, cookies, end, args.interval, stats,
+                              random.Random(i)) for i in range(args.pollers)),
+                *(client_loop(listers, base, cookies, end, args.interval, stats,
+                              random.Random(1000 + i)) for i in range(args.listers)))
+
+        load_started = time.monotonic()
+        asyncio.run(run())
+        elapsed = time.monotonic() - load_started
+        cpu = cpu_seconds(server.pid) - cpu_before
+        after = httpx.get(f"{base}/v1/batches/{batch_id}", headers=api).json()
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                # Scratch deployment: the workers' shards in flight need not be handed back.
+                proc.wait(timeout=60 if proc is procs[0] else 3)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+        if redis is not None:
+            redis.shutdown()  # type: ignore[attr-defined]
+
+    rows = []
+    every: list[float] = []
+    for op, label in ENDPOINTS.items():
+        values = stats.latency[op]
+        every += values
+        rows.append((label, len(values) + stats.errors[op], values, stats.errors[op]))
+    rows.append(("all", len(every) + sum(stats.errors.values()), every,
+                 sum(stats.errors.values())))
+    print(f"\n{'endpoint':<32} {'requests':>8} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} "
+          f"{'errors':>6}")
+    report: dict[str, Any] = {"seconds": round(elapsed, 1), "pollers": args.pollers,
+                              "listers": args.listers, "interval": args.interval,
+                              "gunicorn": f"{args.gunicorn_workers}x{args.threads}",
+                              "database": database, "endpoints": {}}
+    for label, count, values, errors in rows:
+        p50, p99 = percentile(values, 0.5) * 1000, percentile(values, 0.99) * 1000
+        top = max(values, default=0) * 1000
+        print(f"{label:<32} {count:>8} {p50:>7.1f} {p99:>7.1f} {top:>7.1f} {errors:>6}")
+        report["endpoints"][label] = {"requests": count, "p50_ms": round(p50, 1),
+                                      "p99_ms": round(p99, 1), "max_ms": round(top, 1),
+                                      "errors": errors}
+    total = rows[-1][1]
+    print(f"{total / elapsed:.1f} requests/s; web server CPU {cpu:.1f} s "
+          f"({1000 * cpu / max(total, 1):.1f} ms a request)")
+    progress = after["request_counts"]
+    print(f"batch at the end: {after['status']}, {progress['completed']}/{progress['total']}")
+    if after["status"] != "in_progress":
+        print("WARNING: the batch ended before the load did (raise --batch-requests)")
+    for sample in stats.samples:
+        print("  ", sample)
+    met = rows[-1][3] == 0 and percentile(every, 0.99) < 0.1
+    print(f"targets (p99 < 100 ms, zero errors): {'met' if met else 'NOT met'}")
+    report.update(requests_per_second=round(total / elapsed, 1), web_cpu_seconds=round(cpu, 1),
+                  batch_at_end=after["status"], targets_met=met)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    subprocess.run(["rm", "-rf", str(scratch)])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,211 @@
+"""Benchmark 3: scale-out, 1 worker against 2 workers on the same batch.
+
+The same batch of distinct chat requests (bench/engine_efficiency.py's `make_requests`:
+mixed prompt lengths, temperature 0) is run twice on a scratch deployment (SQLite, private
+Redis, gunicorn unpinned):
+  1. by one `batchworker` pinned to core 0,
+  2. by two fresh `batchworker`s pinned to cores 0 and 1 (fresh, so that neither engine
+     has the first run's prompts in its prefix cache).
+Each worker runs under `taskset -c N` (its engine core process inherits the affinity) with
+VLLM_CPU_OMP_THREADS_BIND=N, so the engine's OpenMP threads bind to that core only, and
+VLLM_CPU_NUM_OF_RESERVED_CPU=0. Timed from the batch's creation to `completed` (validation,
+every shard, finalization) with the workers already loaded ("ready on" in their logs).
+Never more than 2 engines at once. Shards of n/8 requests by default, so both workers get
+shards; the table shows how many each ran. A worker takes shards until its engine holds
+max_in_flight requests (2 x max_num_seqs for vLLM) and 64 more wait in its inbox, so on a
+small batch one worker can hold most shards: --max-in-flight lowers that bound.
+
+    .venv/bin/python bench/scale_out.py [-n 256] [--min-tokens 32 --max-tokens 128]
+    .venv/bin/python bench/scale_out.py --model echo-test -n 64      # orchestration smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.engine_efficiency import make_requests  # noqa: E402
+from bench.scratch import prepare  # noqa: E402
+
+PY = sys.executable
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+
+class Worker:
+    """`manage.py batchworker` on one core."""
+
+    def __init__(self, model: str, core: int, env: dict[str, str], log: Path) -> None:
+        self.name = f"core{core}-{time.monotonic_ns()}"
+        self.log = log
+        env = {**env, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                ["taskset", "-c", str(core), PY, "manage.py", "batchworker", "--model", model,
+                 "--name", self.name], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.started = time.monotonic()
+
+    def wait_ready(self, timeout: float = 900) -> float:
+        deadline = self.started + timeout
+        while b"ready on" not in self.log.read_bytes():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"worker did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        return time.monotonic() - self.started
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_batch(client: object, file_id: str, poll: float) -> tuple[object, float]:
+    started = time.monotonic()
+    batch = client.batches.create(input_file_id=file_id,  # type: ignore[attr-defined]
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    while batch.status not in TERMINAL:
+        time.sleep(poll)
+        batch = client.batches.retrieve(batch.id)  # type: ignore[attr-defined]
+    return batch, time.monotonic() - started
+
+
+def shards_by_worker(database: Path, batch_id: str) -> dict[str, int]:
+    with sqlite3.connect(database) as db:
+        return dict(db.execute("SELECT worker, COUNT(*) FROM jobs_shard WHERE batch_id = ? "
+                               "GROUP BY worker ORDER BY worker", (batch_id,)).fetchall())
+
+
+def models_file(env: dict[str, str], model: str, options: dict, path: Path) -> None:
+    """Point env at a models file: the deployment's models (as its settings list them), with
+    `options` added to `model`'s."""
+    dump = subprocess.run([PY, "manage.py", "shell", "-c", "import json; from django.conf "
+                           "import settings; print(json.dumps(settings.BATCHWEB_MODELS))"],
+                          cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
+    models = json.loads(dump.strip().splitlines()[-1])
+    entry = next(m for m in models if m["name"] == model)
+    entry["options"] = {**entry.get("options", {}), **options}
+    path.write_text(json.dumps(models))
+    env.update(BATCHWEB_MODELS_FILE=str(path), BATCHWEB_ECHO_MODEL="0")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct",
+                        help="a model of the deployment (BATCHWEB_MODELS), or echo-test")
+    parser.add_argument("-n", type=int, default=256)
+    parser.add_argument("--min-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--shard-size", type=int, help="default n/8")
+    parser.add_argument("--dtype", default="",
+                        help="dtype of the default CPU models (BATCHWEB_DTYPE; default: theirs)")
+    parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
+                        help="enforce_eager of the default CPU models (BATCHWEB_ENFORCE_EAGER)")
+    parser.add_argument("--echo-seconds", type=float, default=0.05,
+                        help="echo-test only: seconds per request (64 at a time per worker)")
+    parser.add_argument("--max-in-flight", type=int,
+                        help="the model's max_in_flight option (default: the engine's own, "
+                             "2 x max_num_seqs for vLLM): with the worker's inbox of 64, how "
+                             "many requests a worker takes before it waits, hence how many "
+                             "shards it holds at a time")
+    args = parser.parse_args()
+    shard_size = args.shard_size or max(1, args.n // 8)
+    if (os.cpu_count() or 1) < 2:
+        sys.exit("needs 2 cores")
+
+    import openai
+
+    from batchweb.embedded import ensure_redis
+
+    scratch = Path(tempfile.mkdtemp(prefix="bw-scale-bench-"))
+    os.environ.pop("REDIS_URL", None)  # a private Redis: no other worker takes these shards
+    redis = ensure_redis(scratch)
+    env = {**os.environ, "BATCHWEB_VAR_DIR": str(scratch),
+           "BATCHWEB_ENFORCE_EAGER": "1" if args.eager else "0",
+           "BATCHWEB_SHARD_SIZE": str(shard_size), "BATCHWEB_ECHO_MODEL": "1",
+           "BATCHWEB_ECHO_SECONDS": str(args.echo_seconds), "LOG_LEVEL": "INFO",
+           "PYTHONUNBUFFERED": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    env.setdefault("BATCHWEB_MODELS_DIR", str(ROOT / "var" / "models"))
+    env.pop("DATABASE_URL", None)
+    if args.dtype:
+        env["BATCHWEB_DTYPE"] = args.dtype
+    if args.max_in_flight:
+        models_file(env, args.model, {"max_in_flight": args.max_in_flight},
+                    scratch / "models.json")
+    key = prepare(env)
+    port = free_port()
+    server = subprocess.Popen([PY, "-m", "gunicorn", "batchweb.wsgi:application", "-b",
+                               f"127.0.0.1:{port}", "-w", "1", "--threads", "4"], cwd=ROOT,
+                              env=env, stderr=subprocess.DEVNULL)
+    workers: list[Worker] = []
+    rows = []
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key,
+                               max_retries=5)
+        requests = make_requests(args.n, args.min_tokens, args.max_tokens, args.model)
+        source = scratch / "in.jsonl"
+        source.write_text("".join(json.dumps(r) + "\n" for r in requests))
+        file = client.files.create(file=source.open("rb"), purpose="batch")
+        for cores in ([0], [0, 1]):
+            for worker in workers:
+                worker.stop()
+            workers = [Worker(args.model, core, env, scratch / f"worker-{len(cores)}-{core}.log")
+                       for core in cores]
+            load = max(w.wait_ready() for w in workers)
+            time.sleep(1)  # "ready on" is printed just before the RQ loop starts
+            batch, seconds = run_batch(client, file.id, poll=0.2)
+            assert batch.status == "completed", batch
+            assert batch.request_counts.completed == args.n, batch.request_counts
+            shards = shards_by_worker(scratch / "batchweb.sqlite3", batch.id)
+            rows.append({"workers": len(cores), "cores": ",".join(map(str, cores)),
+                         "shards": "+".join(str(shards.get(w.name, 0)) for w in workers),
+                         "tokens": batch.usage.output_tokens, "seconds": seconds,
+                         "start": load})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        for worker in workers:
+            worker.stop()
+        server.terminate()
+        server.wait()
+        if redis is not None:
+            redis.shutdown()  # type: ignore[attr-defined]
+
+    print(f"\n{args.model}: {args.n} chat requests, max_tokens {args.min_tokens}-"
+          f"{args.max_tokens}, shards of {shard_size}, {args.dtype or 'default dtype'}, "
+          f"{'eager' if args.eager else 'compiled'}")
+    print(f"{'workers':>7} {'cores':>5} {'shards':>7} {'out tokens':>10} {'seconds':>8} "
+          f"{'tok/s':>8} {'ready s':>7}")
+    for row in rows:
+        print(f"{row['workers']:>7} {row['cores']:>5} {row['shards']:>7} {row['tokens']:>10} "
+              f"{row['seconds']:>8.1f} {row['tokens'] / row['seconds']:>8.1f} "
+              f"{row['start']:>7.0f}")
+    one, two = (r["tokens"] / r["seconds"] for r in rows)
+    print(f"speed-up 2 vs 1 worker: {two / one:.2f}x (target >= 1.8)")
+    counts = [int(c) for c in rows[-1]["shards"].split("+")]
+    if max(counts) > min(counts) + 1:
+        print("uneven shards: a worker takes the next shard as soon as the last one is all "
+              "handed in (to its engine, up to max_in_flight, and its inbox of 64 requests); "
+              "see --max-in-flight")
+    subprocess.run(["rm", "-rf", str(scratch)])
+
+
+if __name__ == "__main__":
+    main()
