@@ -168,7 +168,8 @@ async def client_loop(ops: list[tuple[str, str, dict[str, str]]], base: str,
                 if not 200 <= response.status_code < 300:
                     stats.error(op, f"{response.status_code} {response.text[:200]!r}")
             if interval:
-                await asyncio.sleep(interval * rng.uniform(0.9, 1.1))
+                pause = interval * rng.uniform(0.9, 1.1)
+                await asyncio.sleep(max(0.0, min(pause, deadline - time.monotonic())))
 
 
 async def warm_up(ops: list[tuple[str, str, dict[str, str]]], base: str,
