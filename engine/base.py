@@ -78,6 +78,12 @@ class Engine(ABC):
 
     max_in_flight: int
 
+    @property
+    def batch_size(self) -> int:
+        """How many requests the engine computes at once (vLLM's max_num_seqs). A worker
+        holding this many takes no more work, so idle workers get the next shards."""
+        return self.max_in_flight
+
     @abstractmethod
     def run(self, requests: Iterable[EngineRequest]) -> Iterator[EngineResult]: ...
 

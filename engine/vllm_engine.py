@@ -110,6 +110,11 @@ class VllmEngine(Engine):
         # Twice the batch size: the scheduler always has the next requests queued (prompt
         # rendering/tokenizing them overlaps the forward passes), yet memory stays flat.
         self.max_in_flight = int(max_in_flight or 2 * max_num_seqs)
+        self._batch_size = max_num_seqs
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
 
     # -- start / stop -----------------------------------------------------------------
 

@@ -241,6 +241,16 @@ class Pipeline:
             work.finishing = work.finishing or finish_now
         if finish_now:
             self._finish(work)
+        self._wait_for_room()
+
+    def _wait_for_room(self) -> None:
+        # The RQ job returns, and this worker takes its next shard, only once the engine's
+        # batch has room: a worker with a full batch leaves the next shard to an idle
+        # worker (measured by bench/scale_out.py), yet its own next shard arrives while the
+        # batch is still nearly full, so the engine does not run dry between shards.
+        while (self.idle.in_flight >= self.engine.batch_size and self.broken is None
+               and not self.closing.is_set()):
+            time.sleep(0.02)
 
     def _open_work(self, shard: Shard) -> ShardWork:
         last_line = shard_last_line(shard)

@@ -223,3 +223,26 @@ def test_quality_flags_and_json_retry(openai_client, workers):
         flagged = {json.loads(line)["custom_id"]: json.loads(line)["flags"] for line in part}
     assert flagged == {"cut": ["length_limit"], "loop": ["repetition"],
                        "json": ["invalid_json"]}
+
+
+def test_a_worker_with_a_full_batch_leaves_shards_to_an_idle_one(openai_client, workers,
+                                                                   settings):
+    # Each echo engine computes 4 requests at a time (0.1 s each) and a shard is 8 requests,
+    # so one shard fills a worker's batch: it takes its next shard only once that batch has
+    # room, and never holds more than 2 shards at once (without the rule it held up to 8,
+    # its inbox's worth). The idle worker gets the rest.
+    slow = {"BATCHWEB_ECHO_SECONDS": "0.1", "BATCHWEB_ECHO_MAX_IN_FLIGHT": "4",
+            "BATCHWEB_SHARD_SIZE": "8"}
+    workers.start(env=slow)
+    workers.start(env=slow)
+    wait_for(lambda: workers.logs().count("ready on") == 2, message="two ready workers")
+    batch = submit(openai_client, [chat_line(f"w{i}", f"q {i}") for i in range(96)])
+    batch = wait_status(openai_client, batch.id, {"completed"}, timeout=120)
+    every_custom_id_once(openai_client, batch, {f"w{i}" for i in range(96)})
+    shards = list(Shard.objects.filter(batch_id=batch.id).values_list(
+        "worker", "started_at", "finished_at"))
+    assert len({worker for worker, _, _ in shards}) == 2
+    held_at_once = max(
+        sum(1 for other, start, end in shards if other == worker and start <= moment < end)
+        for worker, moment, _ in shards)
+    assert held_at_once <= 2, held_at_once
