@@ -66,7 +66,7 @@ def _row(batch: Batch, eta: float | None) -> dict[str, Any]:
 @require_GET
 def batch_list(request: HttpRequest) -> HttpResponse:
     status = request.GET.get("status", "")
-    # Explicit order: Meta.ordering is not applied to the GROUP BY query of with_progress.
+    # Explicit order, the one the API's lists use (newest first, ties by id).
     batches = with_progress(Batch.objects.filter(owner=request.user)).order_by(
         "-created_at", "-pk")
     if status == "active":
