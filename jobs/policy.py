@@ -1,11 +1,10 @@
 """Content policy: the operator's rules (ContentRule, edited in the admin) checked on every
 input line while a batch validates.
 
-Terms and regular expressions are compiled one by one, each with a cheap necessary condition
-(a word, a substring, a word length, a digit run: see `_Need`), and only the rules whose
-condition a line meets are searched, so the common line costs a split and a few set lookups
-rather than a regex search per rule (bench/policy.py measures it). The prompt-size rule
-uses the same estimate as the cost preview. A moderation rule embeds each prompt with a
+Terms and regular expressions (RE2 syntax) are compiled together into one RE2 set, which
+finds in one pass in C which of them a text matches, whatever their number (see "terms
+and regular expressions" below; bench/policy.py measures it). The prompt-size rule uses
+the same estimate as the cost preview. A moderation rule embeds each prompt with a
 configured embeddings model, through the same engine code as inference, and flags it when
 it is close (cosine similarity) to one of the rule's example texts; lines are embedded in
 chunks.
@@ -13,17 +12,23 @@ chunks.
 
 from __future__ import annotations
 
+import bisect
+import logging
 import math
-import re
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import re2
 
 from engine.base import EMBEDDINGS, Engine, EngineRequest
 from jobs.wire import RequestLine, estimate_tokens
 
 VIOLATION = "content_policy_violation"
 MODERATION_CHUNK = 256
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,10 @@ def prompt_text(line: RequestLine) -> str:
     """All the text a request sends to the model, joined."""
     body = line.body
     if "messages" in body:
+        try:  # the common case, every content a string
+            return "\n".join([m["content"] for m in body["messages"]])
+        except (KeyError, TypeError):
+            pass
         values: list[Any] = [m.get("content") for m in body["messages"]]
     else:
         values = [body.get("prompt", body.get("input"))]
@@ -102,213 +111,224 @@ def _unit(vector: list[float]) -> list[float]:
     return [x / norm for x in vector]
 
 
-# --- screening terms and regexes fast ---
+# --- terms and regular expressions: one RE2 set ---
 #
-# Each term or regex rule gets a necessary condition ("need") that is cheap to test on an
-# ASCII line: a whole word the line must contain (one set lookup in the line's words) or a
-# substring its lowercased text must contain. Only rules whose need is met are searched
-# for real, so the common line (no rule matches) costs a translate, a split and a few
-# lookups whatever the number of terms. A rule without a usable need is always searched;
-# a non-ASCII line searches every rule (case-insensitive matching beyond ASCII has
-# equivalences a lowercased copy does not reproduce).
+# All term and regex rules are compiled into one RE2 set, which tells in one pass over a
+# text (a DFA in C, linear in the text whatever the number of rules) which rules match it.
+# Lines are scanned a chunk at a time, their texts joined by "\n": one call into RE2 per
+# chunk rather than per line. In the rare chunk where some rules match, each of them is
+# searched on its own to find the lines where it matches, and only those lines are
+# checked one by one: which rules match there, and, when several do, whose match is
+# leftmost.
+#
+# Joining texts loses no match of a rule that cannot tell where a text starts or ends: a
+# match inside a line's text is still there in the chunk (RE2 has no lookarounds, and "\n"
+# is a non-word character, as the start and end of a text are for \b), and a match that
+# spans two lines only costs a look at them. Rules that use ^, $, \A or \z are set apart
+# and checked line by line.
 
-# ASCII letters lowercased, every other ASCII non-word character a space: split() then
-# yields the maximal \w runs of an ASCII text, lowercased.
-_WORDS_TABLE = bytes(
-    (c + 32 if 65 <= c <= 90 else c if (48 <= c <= 57 or 97 <= c <= 122 or c == 95) else 32)
-    if c < 128 else c for c in range(256))
-_WORD = re.compile(r"\w+", re.ASCII)
-_DIGITS = re.compile(r"[0-9]")  # not [0-9]+: a leading class lets re skip to candidates fast
-_WORD_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_")
-_ASCII_WORD_CHARS = frozenset(ord(ch) for ch in _WORD_CHARS)
-
-
-@dataclass(frozen=True)
-class _Need:
-    words: frozenset[bytes] = frozenset()  # one of these whole words (lowercase)
-    texts: tuple[str, ...] = ()  # or one of these substrings of the lowercased text
-    # or a whole word at least this long (a pattern that is one word between \b's)
-    min_word: int = 0
-    # or a match starting where a run of digits starts (a pattern that starts with \b
-    # and a digit): tried at those places only
-    digit_start: bool = False
-    always: bool = False  # no usable condition: always search
+# A word character, for whole-word terms: a letter, mark or digit in any script, or "_"
+# (RE2's \b and \w are ASCII only). Terms are scanned with ASCII edges, which accept more
+# (an é next to a term is not a word character to them) and compile a hundred times
+# faster; a line they flag is then checked with the real edges.
+_NOT_WORD = r"[^\p{L}\p{M}\p{N}_]"
+_NOT_ASCII_WORD = "[^0-9A-Za-z_]"
+# Lines screened per call into RE2: enough that the call costs little, few enough that a
+# chunk where a rule matches is cheap to look into.
+CHUNK_LINES = 16
+# Memory for each set (RE2's default, 8 MiB, is too small for a hundred rules).
+_MAX_MEM = 64 << 20
 
 
-_ALWAYS = _Need(always=True)
-_MIN_SUBSTRING = 3
-_MAX_ALTERNATIVES = 16
+def _options() -> re2.Options:
+    options = re2.Options()
+    options.case_sensitive = False
+    options.log_errors = False
+    options.max_mem = _MAX_MEM
+    return options
 
 
-def _term_need(term: str) -> _Need:
-    if not term.isascii():
-        return _ALWAYS
-    if _WORD.fullmatch(term):
-        return _Need(words=frozenset({term.lower().encode()}))
-    return _Need(texts=(term.lower(),))
+def _error_text(exc: Exception) -> str:
+    detail = exc.args[0] if exc.args else ""
+    return detail.decode(errors="replace") if isinstance(detail, bytes) else str(detail)
 
 
-def _regex_need(pattern: str) -> _Need:
-    """A necessary condition of `pattern` (compiled case-insensitively) matching an ASCII
-    text, from its parsed form: the best run of required literal characters (a branch of
-    literals gives alternatives), as a whole word when word boundaries or spaces surround
-    it."""
-    from re import _constants as c  # type: ignore[attr-defined]
-    from re import _parser  # type: ignore[attr-defined]
-
+def regex_problem(pattern: str) -> str | None:
+    """Why `pattern` cannot be a regex rule (RE2 syntax), or None when it can."""
     try:
-        items = list(_parser.parse(pattern, re.IGNORECASE))
-    except (re.error, RecursionError, OverflowError):
-        return _ALWAYS
+        re2.compile(pattern, _options())
+        alone = re2.Set.SearchSet(_options())
+        alone.Add(pattern)
+        alone.Compile()
+    except re2.error as exc:
+        detail = _error_text(exc)
+        if detail.startswith("failed to compile"):
+            detail = "the expression is too large"
+        return (f"Not a regular expression RE2 accepts ({detail}). RE2 has no "
+                "backreferences (\\1, (?P=name)) and no lookarounds ((?=…), (?!…), (?<=…), "
+                "(?<!…)); write \\z, not \\Z, for the end of the text.")
+    return None
 
-    def literals(item: Any) -> list[str] | None:
-        """The strings a literal or a branch of pure literal sequences can match."""
-        op, arg = item
-        if op is c.LITERAL:
-            return [chr(arg)]
-        if op is c.BRANCH:
-            options = []
-            for branch in arg[1]:
-                if not branch or any(o is not c.LITERAL for o, _ in branch):
-                    return None
-                options.append("".join(chr(a) for _, a in branch))
-            return options
-        return None
 
-    def is_edge(item: Any) -> bool:
-        """A word boundary, or a required whitespace character."""
-        op, arg = item
-        if op is c.AT:
-            return arg is c.AT_BOUNDARY
-        if op in (c.MAX_REPEAT, c.MIN_REPEAT) and arg[0] >= 1 and len(arg[2]) == 1:
-            op, arg = arg[2][0]
-        return op is c.IN and arg == [(c.CATEGORY, c.CATEGORY_SPACE)]
+def _is_word_char(ch: str) -> bool:
+    return ch == "_" or unicodedata.category(ch)[0] in "LMN"
 
-    def flat(seq: list[Any]) -> list[Any]:
-        out = []
-        for op, arg in seq:
-            if op is c.SUBPATTERN and not arg[1] and not arg[2]:
-                out.extend(flat(list(arg[3])))
-            else:
-                out.append((op, arg))
-        return out
 
-    def wordy(seq: Any) -> bool:
-        """Whether every character the items can match is an ASCII word character (on
-        ASCII text)."""
-        for op, arg in seq:
-            if op is c.LITERAL:
-                ok = arg in _ASCII_WORD_CHARS
-            elif op is c.IN:
-                ok = all((o is c.LITERAL and a in _ASCII_WORD_CHARS) or
-                         (o is c.RANGE and all(x in _ASCII_WORD_CHARS
-                                               for x in range(a[0], a[1] + 1))) or
-                         (o is c.CATEGORY and a in (c.CATEGORY_DIGIT, c.CATEGORY_WORD))
-                         for o, a in arg)
-            elif op in (c.MAX_REPEAT, c.MIN_REPEAT):
-                ok = wordy(arg[2])
-            elif op is c.SUBPATTERN:
-                ok = wordy(arg[3])
-            elif op is c.BRANCH:
-                ok = all(wordy(b) for b in arg[1])
-            else:
-                ok = False
-            if not ok:
-                return False
-        return True
+def _term_pattern(term: str, not_word: str = _NOT_WORD) -> str:
+    """`term` as a whole word: not glued to a word character at an end where the term
+    itself has one. The term is group 1 (the edges consume a character)."""
+    return ((f"(?:^|{not_word})" if _is_word_char(term[0]) else "") +
+            f"({re2.escape(term)})" +
+            (f"(?:$|{not_word})" if _is_word_char(term[-1]) else ""))
 
-    def starts_with_digit(seq: Any) -> bool:
-        if not seq:
-            return False
-        op, arg = seq[0]
-        if op is c.IN:
-            return all((o is c.CATEGORY and a is c.CATEGORY_DIGIT) or
-                       (o is c.RANGE and 48 <= a[0] <= a[1] <= 57) or
-                       (o is c.LITERAL and 48 <= a <= 57) for o, a in arg)
-        if op is c.LITERAL:
-            return 48 <= arg <= 57
-        if op in (c.MAX_REPEAT, c.MIN_REPEAT):
-            return arg[0] >= 1 and starts_with_digit(arg[2])
-        if op is c.SUBPATTERN:
-            return starts_with_digit(arg[3])
-        return False
 
-    items = flat(items)
-    shape: _Need = _ALWAYS
-    if items and items[0] == (c.AT, c.AT_BOUNDARY):
-        body = items[1:-1] if items[-1] == (c.AT, c.AT_BOUNDARY) else None
-        if body and wordy(body) and _parser.SubPattern(
-                _parser.State(), body).getwidth()[0] >= 1:
-            shape = _Need(min_word=_parser.SubPattern(_parser.State(), body).getwidth()[0])
-        elif starts_with_digit(items[1:]):
-            shape = _Need(digit_start=True)
-    best: _Need = shape
-    best_score = 0
-    i = 0
-    while i < len(items):
-        options = literals(items[i])
-        if options is None:
-            i += 1
-            continue
-        start = i
-        runs = [""]
-        while i < len(items) and (options := literals(items[i])) is not None:
-            runs = [r + o for r in runs for o in options]
-            i += 1
-            if len(runs) > _MAX_ALTERNATIVES:
-                break
-        if len(runs) > _MAX_ALTERNATIVES or not all(r.isascii() for r in runs):
-            continue
-        bounded = (start > 0 and is_edge(items[start - 1]) and i < len(items)
-                   and is_edge(items[i]))
-        if bounded and all(_WORD.fullmatch(r) for r in runs):
-            need, score = _Need(words=frozenset(r.lower().encode() for r in runs)), 1000
-        else:
-            need = _Need(texts=tuple(sorted({r.lower() for r in runs})))
-            score = min(len(r) for r in runs)
-            # A single punctuation character ("-", "@", "$") is still rare in text; a
-            # short run of letters is not.
-            if score < _MIN_SUBSTRING and not all(
-                    len(r) == 1 and not r.isalnum() and not r.isspace() for r in runs):
+def _uses_text_edges(pattern: str) -> bool:
+    """Whether an RE2 pattern may use ^, $, \\A or \\z (an over-approximation: any of them
+    outside a character class or a \\Q…\\E quote)."""
+    i, n = 0, len(pattern)
+    in_class = False
+    while i < n:
+        ch = pattern[i]
+        if ch == "\\":
+            following = pattern[i + 1:i + 2]
+            if following == "Q":
+                end = pattern.find("\\E", i + 2)
+                i = n if end < 0 else end + 2
                 continue
-        # A short substring is a weaker test than the pattern's shape.
-        if score > best_score and (shape.always or score >= _MIN_SUBSTRING):
-            best, best_score = need, score
-    return best
+            if not in_class and following in ("A", "z"):
+                return True
+            i += 2
+            continue
+        if in_class:
+            if ch == "[" and pattern.startswith("[:", i):
+                end = pattern.find(":]", i + 2)
+                i = n if end < 0 else end + 2
+                continue
+            if ch == "]":
+                in_class = False
+        elif ch == "[":
+            in_class = True
+            i += 1
+            if pattern.startswith("^", i):
+                i += 1
+            if pattern.startswith("]", i):  # a leading ] is a literal
+                i += 1
+            continue
+        elif ch in "^$":
+            return True
+        i += 1
+    return False
+
+
+@dataclass
+class _TextRule:
+    rule: Any
+    scan: str  # its pattern in the sets
+    exact: str  # the pattern that decides whether, and where, the rule matches
+    group: int  # the group of `exact` that is the match (terms consume edge characters)
+    edges: bool  # uses the start or end of the text: not scanned in joined chunks
+    # A pattern that matches where `scan` does, starting where its text does (a term's
+    # edges would start a character before): finds the lines of a chunk `scan` matches.
+    locate: str
+    compiled: Any = None
+    locator: Any = None
+
+    def locating(self) -> Any:
+        if self.locator is None:
+            options = _options()
+            options.never_capture = True  # only where matches start: RE2's DFAs find that
+            self.locator = re2.compile(self.locate, options)
+        return self.locator
+
+    def search(self, text: str) -> int | None:
+        """Where the rule's leftmost match in `text` starts, None if it does not match."""
+        if self.compiled is None:
+            self.compiled = re2.compile(self.exact, _options())
+        match = self.compiled.search(text)
+        return None if match is None else match.start(self.group)
+
+
+def _compile_sets(patterns: list[tuple[int, str]]) -> list[tuple[Any, list[int]]]:
+    """RE2 sets of (rule index, pattern), each with the rule index of each of its patterns:
+    one set, or more if the rules together are too large for one."""
+    if not patterns:
+        return []
+    matcher = re2.Set.SearchSet(_options())
+    try:
+        for _, pattern in patterns:
+            matcher.Add(pattern)
+        matcher.Compile()
+    except re2.error:
+        if len(patterns) == 1:
+            logger.error("content rule pattern %r is too large for RE2; ignored",
+                         patterns[0][1])
+            return []
+        half = len(patterns) // 2
+        return _compile_sets(patterns[:half]) + _compile_sets(patterns[half:])
+    return [(matcher, [index for index, _ in patterns])]
+
+
+def _matching(sets: list[tuple[Any, list[int]]], data: bytes) -> list[int]:
+    """The rule indexes of the patterns in `sets` that match `data` (UTF-8)."""
+    found: list[int] = []
+    for matcher, indexes in sets:
+        found.extend([indexes[i] for i in matcher.Match(data) or ()])
+    return found
+
+
+class _TextRules:
+    """The term and regex rules of a rule list, compiled."""
+
+    def __init__(self, rules: list[Any]) -> None:
+        # In rule (name) order: a line is refused by the leftmost match of any of them, the
+        # first such rule when several match at the same place.
+        self.rules: list[_TextRule] = []
+        for rule in rules:
+            if rule.kind == "term" and rule.pattern.strip():
+                term = rule.pattern.strip()
+                self.rules.append(_TextRule(rule, _term_pattern(term, _NOT_ASCII_WORD),
+                                            _term_pattern(term), 1, False, re2.escape(term)))
+            elif rule.kind == "regex" and rule.pattern:
+                try:
+                    re2.compile(rule.pattern, _options())
+                except re2.error as exc:  # saved without the admin's check
+                    logger.error("content rule %r ignored: %s", rule.name, _error_text(exc))
+                    continue
+                self.rules.append(_TextRule(rule, rule.pattern, rule.pattern, 0,
+                                            _uses_text_edges(rule.pattern), rule.pattern))
+        self.chunk_sets = _compile_sets([(i, t.scan) for i, t in enumerate(self.rules)
+                                         if not t.edges])
+        self.line_sets = _compile_sets([(i, t.scan) for i, t in enumerate(self.rules)
+                                        if t.edges])
+
+
+# The last rule list compiled, kept while the rules do not change: a worker validating
+# batch after batch compiles them once (and RE2's DFA stays built).
+_COMPILED: dict[tuple[Any, ...], _TextRules] = {}
+
+
+def _text_rules(rules: list[Any]) -> _TextRules:
+    key = tuple((r.name, r.kind, r.pattern, r.action, r.reason) for r in rules
+                if r.kind in ("term", "regex"))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = _TextRules(rules)
+        _COMPILED.clear()
+        _COMPILED[key] = compiled
+    return compiled
 
 
 class Screener:
     def __init__(self, rules: list[Any]) -> None:
         self.rules = {rule.name: rule for rule in rules}
-        # Terms and regexes, in rule order: a line is refused by the leftmost match of any
-        # of them, the first such rule when several match at the same place (what one
-        # alternation of them all would find, but without making the regex engine try
-        # every rule at every position of every line).
-        self.text_rules: list[tuple[Any, re.Pattern[str], _Need]] = []
-        for rule in rules:
-            if rule.kind == "term" and rule.pattern.strip():
-                term = rule.pattern.strip()
-                compiled = re.compile(f"\\b{re.escape(term)}\\b", re.IGNORECASE)
-                self.text_rules.append((rule, compiled, _term_need(term)))
-            elif rule.kind == "regex" and rule.pattern:
-                compiled = re.compile(rule.pattern, re.IGNORECASE)
-                self.text_rules.append((rule, compiled, _regex_need(rule.pattern)))
-        # Where each rule's need is looked up: by whole word, by substring, or always.
-        self.by_word: dict[bytes, list[int]] = {}
-        self.by_text: list[tuple[str, int]] = []
-        self.always: list[int] = []
-        for i, (_, _, need) in enumerate(self.text_rules):
-            if need.always:
-                self.always.append(i)
-            for word in need.words:
-                self.by_word.setdefault(word, []).append(i)
-            self.by_text.extend((t, i) for t in need.texts)
-        self.needed_words = frozenset(self.by_word)
-        self.by_length = [(n.min_word, i) for i, (_, _, n) in enumerate(self.text_rules)
-                          if n.min_word]
-        self.by_digit_start = [i for i, (_, _, n) in enumerate(self.text_rules)
-                               if n.digit_start]
+        compiled = _text_rules(rules)
+        self.text_rules = compiled.rules
+        self.chunk_sets = compiled.chunk_sets
+        self.line_sets = compiled.line_sets
+        # Lines waiting for their chunk to be screened: (line number, line, tokens).
+        self.chunk: list[tuple[int, RequestLine, int | None]] = []
         self.size_rules = [r for r in rules if r.kind == "max_prompt_tokens" and r.max_tokens]
+        self.size_floor = min((r.max_tokens for r in self.size_rules), default=0)
         self.moderation = [r for r in rules if r.kind == "moderation" and r.model]
         self.examples: dict[str, list[list[float]]] = {}
         self.pending: list[tuple[int, str, str]] = []  # (line, custom_id, text)
@@ -327,59 +347,124 @@ class Screener:
     def text_match(self, text: str) -> Any | None:
         """The term or regex rule refusing `text`: the leftmost match, the first rule when
         several match at the same place. None when none matches."""
-        if text.isascii():
-            all_words = text.encode().translate(_WORDS_TABLE).split()
-            candidates = set(self.always)
-            for word in self.needed_words.intersection(all_words):
-                candidates.update(self.by_word[word])
-            if self.by_length and all_words:
-                longest = max(map(len, all_words))
-                candidates.update(i for n, i in self.by_length if longest >= n)
-            if self.by_digit_start:
-                starts = [m.start() for m in _DIGITS.finditer(text)
-                          if not m.start() or text[m.start() - 1] not in _WORD_CHARS]
-                if starts:
-                    candidates.update(
-                        i for i in self.by_digit_start
-                        if any(self.text_rules[i][1].match(text, p) for p in starts))
-            if self.by_text:
-                lowered = text.lower()
-                candidates.update(i for t, i in self.by_text if i not in candidates
-                                  and t in lowered)
-            if not candidates:
-                return None
-            entries = [self.text_rules[i] for i in sorted(candidates)]
-        else:
-            entries = self.text_rules
+        data = text.encode()
+        return self._refusing(text, _matching(self.chunk_sets, data) +
+                              _matching(self.line_sets, data))
+
+    def _refusing(self, text: str, indexes: list[int]) -> Any | None:
+        """Of the text rules at `indexes` (those that match `text`), the one whose match
+        is leftmost."""
+        indexes = sorted(set(indexes))
+        if len(indexes) == 1 and self.text_rules[indexes[0]].scan == \
+                self.text_rules[indexes[0]].exact:
+            return self.text_rules[indexes[0]].rule
         found: Any | None = None
         first = -1
-        for rule, compiled, _ in entries:
-            match = compiled.search(text)
-            if match is not None and (found is None or match.start() < first):
-                found, first = rule, match.start()
+        for i in indexes:
+            start = self.text_rules[i].search(text)
+            if start is not None and (found is None or start < first):
+                found, first = self.text_rules[i].rule, start
         return found
 
-    def check(self, number: int, line: RequestLine, sink: ViolationSink) -> None:
-        """Screen one line; violations go to `sink` (moderation ones when their chunk is
-        embedded, so call `flush` at the end)."""
-        text = prompt_text(line)
+    def check(self, number: int, line: RequestLine, sink: ViolationSink, *,
+              tokens: int | None = None) -> None:
+        """Screen one line; `tokens` is its prompt-size estimate when the caller has it.
+        Lines are screened a chunk at a time, and moderation ones when their chunk is
+        embedded: violations go to `sink` then, so call `flush` at the end."""
+        chunk = self.chunk
+        chunk.append((number, line, tokens))
+        if len(chunk) >= CHUNK_LINES:
+            self._screen_chunk(sink)
+
+    def _screen_chunk(self, sink: ViolationSink) -> None:
+        chunk, self.chunk = self.chunk, []
+        if not chunk:
+            return
+        refused: dict[int, Any] = {}  # position in the chunk -> term or regex rule
+        texts: list[str] | None = None
         if self.text_rules:
-            rule = self.text_match(text)
-            if rule is not None:
-                sink(number, line.custom_id, self.violation(rule))
-                return
-        if self.size_rules:
+            try:  # the common case: chat lines, every content a string
+                joined = "\n".join([m["content"] for _, line, _ in chunk
+                                    for m in line.body["messages"]])
+            except (KeyError, TypeError):
+                texts = [prompt_text(line) for _, line, _ in chunk]
+                joined = "\n".join(texts)
+            # One scan of the whole chunk. Only when a rule matches there are its lines
+            # found, and checked one by one; the rules that use the text's edges are
+            # always checked line by line.
+            data = joined.encode()
+            flagged = _matching(self.chunk_sets, data) if self.chunk_sets else []
+            if flagged or self.line_sets:
+                if texts is None:
+                    texts = [prompt_text(line) for _, line, _ in chunk]
+                suspects = self._suspects(texts, joined, data, flagged) if flagged else ()
+                for i, text in enumerate(texts):
+                    if i in suspects:
+                        rule = self.text_match(text)
+                    elif self.line_sets:
+                        rule = self._refusing(text, _matching(self.line_sets, text.encode()))
+                    else:
+                        continue
+                    if rule is not None:
+                        refused[i] = rule
+        if not (refused or self.moderation):  # the common case again
+            if self.size_rules:
+                floor = self.size_floor
+                for number, line, tokens in chunk:
+                    if tokens is None or tokens > floor:
+                        self._check_size(number, line, tokens, sink)
+            return
+        for i, (number, line, tokens) in enumerate(chunk):
+            if i in refused:
+                sink(number, line.custom_id, self.violation(refused[i]))
+            elif not self._check_size(number, line, tokens, sink) and self.moderation:
+                self.pending.append((number, line.custom_id,
+                                     prompt_text(line) if texts is None else texts[i]))
+        if len(self.pending) >= MODERATION_CHUNK:
+            self._moderate(sink)
+
+    def _check_size(self, number: int, line: RequestLine, tokens: int | None,
+                    sink: ViolationSink) -> bool:
+        """Whether a prompt-size rule refuses the line (then told to `sink`)."""
+        if not self.size_rules:
+            return False
+        if tokens is None:
             tokens, _ = estimate_tokens(line)
-            for rule in self.size_rules:
-                if tokens > rule.max_tokens:
-                    sink(number, line.custom_id, self.violation(rule))
-                    return
-        if self.moderation:
-            self.pending.append((number, line.custom_id, text))
-            if len(self.pending) >= MODERATION_CHUNK:
-                self.flush(sink)
+        for rule in self.size_rules:
+            if tokens > rule.max_tokens:
+                sink(number, line.custom_id, self.violation(rule))
+                return True
+        return False
+
+    def _suspects(self, texts: list[str], joined: str, data: bytes,
+                  flagged: list[int]) -> set[int]:
+        """The positions of the texts (joined by "\n" in `joined`, encoded in `data`) where
+        the rules at `flagged` match, or may: each rule is searched on its own in the
+        joined text, and a line where a match starts (even one that runs on into the next
+        line) is a suspect; the search goes on from the next line."""
+        sizes = map(len, texts) if joined.isascii() else (len(t.encode()) for t in texts)
+        bounds = [0]  # where each text starts in `data`, and one past the end
+        for size in sizes:
+            bounds.append(bounds[-1] + size + 1)
+        suspects: set[int] = set()
+        for index in set(flagged):
+            locator = self.text_rules[index].locating()
+            start = 0
+            while start <= len(data):
+                match = locator.search(data, start)
+                if match is None:
+                    break
+                line = min(bisect.bisect_right(bounds, match.start()) - 1, len(texts) - 1)
+                suspects.add(line)
+                start = bounds[line + 1]
+        return suspects
 
     def flush(self, sink: ViolationSink) -> None:
+        """Screen the lines still waiting."""
+        self._screen_chunk(sink)
+        self._moderate(sink)
+
+    def _moderate(self, sink: ViolationSink) -> None:
         if not self.pending:
             return
         chunk, self.pending = self.pending, []

@@ -116,9 +116,9 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
                 Code.TOO_MANY_REQUESTS,
                 f"A batch takes at most {conf['MAX_REQUESTS_PER_BATCH']} requests."))
             break
-        if screener is not None:
-            screener.check(line.number, parsed, screened)
         tokens_in, ceiling = estimate_tokens(parsed)
+        if screener is not None:
+            screener.check(line.number, parsed, screened, tokens=tokens_in)
         report.input_tokens_estimate += tokens_in
         report.output_tokens_ceiling += ceiling
 
