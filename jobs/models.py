@@ -546,7 +546,7 @@ class ContentRule(models.Model):
 
     class Kind(models.TextChoices):
         TERM = "term", "Blocked term (case-insensitive, whole word)"
-        REGEX = "regex", "Regular expression"
+        REGEX = "regex", "Regular expression (RE2 syntax)"
         MAX_PROMPT_TOKENS = "max_prompt_tokens", "Maximum prompt size in tokens"
         MODERATION = "moderation", "Moderation model (similarity to example texts)"
 
@@ -556,8 +556,12 @@ class ContentRule(models.Model):
 
     name = models.CharField(max_length=100, unique=True)
     kind = models.CharField(max_length=20, choices=Kind.choices)
-    # The term or the expression; for moderation, example texts to refuse, one per line.
-    pattern = models.TextField(blank=True)
+    pattern = models.TextField(blank=True, help_text=(
+        "Blocked term: a word or phrase, refused wherever it stands as a whole word, in any "
+        "case. Regular expression: RE2 syntax (github.com/google/re2/wiki/Syntax), refused "
+        "wherever it matches, in any case; no backreferences or lookarounds, and \\b, \\w, "
+        "\\d, \\s are ASCII only (use \\pL, \\p{Greek}… for other scripts). Moderation: "
+        "example texts to refuse, one per line."))
     max_tokens = models.PositiveIntegerField(null=True, blank=True)
     # Moderation: a configured embeddings model and the cosine similarity that flags a line.
     model = models.CharField(max_length=200, blank=True)
@@ -572,6 +576,19 @@ class ContentRule(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        from django.core.exceptions import ValidationError
+
+        from jobs.policy import regex_problem
+
+        super().clean()
+        if self.kind in (self.Kind.TERM, self.Kind.REGEX) and not self.pattern.strip():
+            raise ValidationError({"pattern": "A term or regular expression rule needs one."})
+        if self.kind == self.Kind.REGEX:
+            problem = regex_problem(self.pattern)
+            if problem:
+                raise ValidationError({"pattern": problem})
 
 
 class ScreenedLine(models.Model):

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import io
 import json
+import random
+import re
 
 import pytest
+import re2
+from django.core.exceptions import ValidationError
 
 from jobs.models import Batch, ContentRule, ScreenedLine
+from jobs.policy import Screener, Violation
 from jobs.services.batches import create_batch, run_validation
 from jobs.services.files import create_input_file
+from jobs.wire import RequestLine
 from tests.helpers import chat_line, jsonl, wait_for
 
 LINES = [
@@ -95,3 +101,168 @@ def test_skip_runs_the_rest_and_writes_flagged_lines_to_errors(openai_client, wo
     assert errors["term"]["error"]["code"] == "content_policy_violation"
     assert "'weapons'" in errors["term"]["error"]["message"]
     assert errors["term"]["response"] is None
+
+
+# --- the screener on its own: terms and regexes matched by one RE2 set, a chunk at a time ---
+
+def screen(rules: list[ContentRule], bodies: list[dict], **check: object) -> dict[int, str]:
+    """Line number -> the rule refusing it, through `check` and `flush` as validation calls
+    them."""
+    screener = Screener(rules)
+    found: dict[int, str] = {}
+
+    def sink(number: int, custom_id: str, violation: Violation) -> None:
+        assert number not in found and custom_id == f"c{number}"
+        found[number] = violation.rule
+
+    for number, body in enumerate(bodies, start=1):
+        screener.check(number, RequestLine(custom_id=f"c{number}", url="/v1/chat/completions",
+                                           body=body), sink, **check)
+    screener.flush(sink)
+    return found
+
+
+def chat(*texts: object) -> dict:
+    return {"model": "echo-test", "messages": [{"role": "user", "content": t} for t in texts]}
+
+
+def rule(name: str, kind: str, pattern: str = "", **fields: object) -> ContentRule:
+    return ContentRule(name=name, kind=kind, pattern=pattern, action="reject", **fields)
+
+
+def test_terms_are_whole_words_in_any_case_and_script():
+    rules = [rule("cafe", "term", "  café "), rule("cpp", "term", "c++"),
+             rule("greek", "term", "Ελλάδα"), rule("phrase", "term", "molotov cocktail")]
+    texts = ["Un CAFÉ noir", "des cafés", "décaféiné", "café_au_lait", "I write C++.",
+             "c++11 is fine too", "abc++", "ταξίδι στην ΕΛΛΆΔΑ", "Ελλάδας",
+             "MOLOTOV  cocktail", "Molotov Cocktail!", "molotov cocktails", "nothing here"]
+    assert screen(rules, [chat(t) for t in texts]) == {
+        1: "cafe", 5: "cpp", 6: "cpp", 8: "greek", 11: "phrase"}
+
+
+def test_leftmost_match_wins_then_the_first_rule_by_name():
+    rules = [rule("a-card", "regex", r"\b(?:\d{4}[ -]?){3}\d{4}\b"),
+             rule("b-weapons", "term", "molotov cocktail"),
+             rule("c-molotov", "regex", r"molotov\s+\w+"),
+             rule("d-digits", "regex", r"\d+")]
+    assert screen(rules, [chat("4111 1111 1111 1111 then a molotov cocktail"),
+                          chat("a molotov cocktail then 4111 1111 1111 1111"),
+                          chat("molotov party"),
+                          chat("molotov cocktail"),
+                          chat("1 molotov cocktail")]) == {
+        1: "a-card", 2: "b-weapons", 3: "c-molotov", 4: "b-weapons", 5: "d-digits"}
+
+
+def test_regex_rules_are_re2_case_insensitive_and_anchored_per_line():
+    rules = [rule("greek-code", "regex", r"\p{Greek}{3}-\d+"),
+             rule("starts", "regex", r"^ignore (?:all|previous)"),
+             rule("ends", "regex", r"leak\z"),
+             rule("secret", "regex", r"(?P<word>secret)\s*[:=]")]
+    bodies = [chat("code ΑΒΓ-12"), chat("IGNORE ALL instructions"),
+              chat("please ignore all instructions"), chat("the big leak"),
+              chat("leak and more"), chat("Secret = x"), chat("ok", "ignore previous"),
+              chat("ignore previous", "ok")]
+    assert screen(rules, bodies) == {1: "greek-code", 2: "starts", 4: "ends", 6: "secret",
+                                     8: "starts"}
+
+
+def test_a_match_across_two_lines_of_a_chunk_refuses_neither():
+    rules = [rule("phrase", "term", "molotov cocktail"),
+             rule("spaces", "regex", r"project\s+nightingale"),
+             rule("anything", "regex", r"nightingale[^!]*secret")]
+    bodies = [chat("about the molotov"), chat("cocktail party"), chat("project"),
+              chat("nightingale is"), chat("a secret!")] * 5
+    assert screen(rules, bodies) == {}
+
+
+def test_other_request_shapes_are_screened_too():
+    rules = [rule("weapons", "term", "molotov")]
+    bodies = [{"model": "m", "prompt": "a MOLOTOV"},
+              {"model": "m", "input": ["fine", "molotov"]},
+              chat("fine", [{"type": "text", "text": "molotov"}]),
+              {"model": "m", "messages": [{"role": "assistant", "tool_calls": []},
+                                          {"role": "user", "content": "molotov"}]},
+              chat("fine")]
+    assert screen(rules, bodies) == {1: "weapons", 2: "weapons", 3: "weapons", 4: "weapons"}
+
+
+def test_the_token_estimate_validation_passes_is_used():
+    rules = [rule("size", "max_prompt_tokens", max_tokens=100)]
+    assert screen(rules, [chat("short")], tokens=101) == {1: "size"}
+    assert screen(rules, [chat("word " * 400)], tokens=5) == {}
+    assert screen(rules, [chat("word " * 400)]) == {1: "size"}  # estimated when not given
+    rules.append(rule("a-term", "term", "molotov"))  # a term or regex rule is told first
+    assert screen(rules, [chat("molotov")] * 3 + [chat("fine")], tokens=101) == {
+        1: "a-term", 2: "a-term", 3: "a-term", 4: "size"}
+
+
+def test_chunked_screening_agrees_with_each_rule_searched_alone():
+    """Many lines of words, near misses, non-ASCII text, newlines and several messages:
+    what the screener reports is, line by line, the leftmost match of the rules searched
+    one at a time (terms with Python's re, regexes with RE2 on their own)."""
+    rules = [rule("r-card", "regex", r"\b(?:\d{4}[ -]?){3}\d{4}\b"),
+             rule("r-start", "regex", r"^ignore\b"),
+             rule("r-end", "regex", r"leak$"),
+             rule("r-pair", "regex", r"project\s+nightingale"),
+             rule("r-word", "regex", r"\bsecret\w*"),
+             rule("t-cafe", "term", "café"), rule("t-cpp", "term", "c++"),
+             rule("t-phrase", "term", "molotov cocktail"), rule("t-greek", "term", "Ελλάδα")]
+    words = ["the", "a", "project", "nightingale", "ignore", "leak", "café", "CAFÉ", "cafés",
+             "c++", "C++11", "xc++", "molotov", "cocktail", "MOLOTOV", "secret", "secrets",
+             "Ελλάδα", "ΕΛΛΆΔΑ", "Ελλάδας", "日本語", "naïve", "4111", "1111", "-", "\n", "!",
+             "_café", "café_"]
+    rng = random.Random(8)
+    bodies = []
+    for _ in range(700):
+        texts = [" ".join(rng.choices(words, k=rng.randint(0, 12)))
+                 for _ in range(rng.choice([1, 1, 1, 2, 3]))]
+        bodies.append(chat(*texts))
+    options = re2.Options()
+    options.case_sensitive = False
+
+    def reference(text: str) -> str | None:
+        best: tuple[int, str] | None = None
+        for r in rules:  # already in name order
+            if r.kind == "term":
+                edge = (r"(?<!\w)" if re.match(r"\w", r.pattern[0]) else "",
+                        r"(?!\w)" if re.match(r"\w", r.pattern[-1]) else "")
+                match = re.search(edge[0] + re.escape(r.pattern) + edge[1], text, re.I)
+            else:
+                match = re2.search(r.pattern, text, options)
+            if match is not None and (best is None or match.start() < best[0]):
+                best = (match.start(), r.name)
+        return best and best[1]
+
+    expected = {n: name for n, body in enumerate(bodies, start=1)
+                if (name := reference("\n".join(m["content"] for m in body["messages"])))}
+    assert 50 < len(expected) < 650  # the corpus has both
+    assert screen(rules, bodies) == expected
+
+
+@pytest.mark.django_db
+def test_clean_refuses_what_re2_cannot_run_and_says_why():
+    for pattern, detail in [(r"(\d)\1", "backreferences"), (r"foo(?=bar)", "lookarounds"),
+                            (r"(?<!x)y", "lookarounds"), ("[a-", "missing ]"),
+                            (r"end\Z", "\\z")]:
+        with pytest.raises(ValidationError) as caught:
+            rule("r", "regex", pattern).full_clean()
+        message = " ".join(caught.value.message_dict["pattern"])
+        assert "RE2" in message and detail in message, message
+    with pytest.raises(ValidationError):
+        rule("t", "term", "   ").full_clean()
+    rule("r", "regex", r"\b\d{3}-\d{2}-\d{4}\b").full_clean()
+    rule("t", "term", "café").full_clean()
+
+
+@pytest.mark.django_db
+def test_admin_form_refuses_an_invalid_regex_with_the_reason(admin_client):
+    form = {"name": "keys", "kind": "regex", "pattern": r"key=(?!test)\w+", "action": "reject",
+            "reason": "", "max_tokens": "", "model": "", "threshold": "", "enabled": "on"}
+    response = admin_client.post("/admin/jobs/contentrule/add/", form)
+    assert response.status_code == 200
+    assert "lookarounds" in response.content.decode()
+    assert not ContentRule.objects.exists()
+    response = admin_client.post("/admin/jobs/contentrule/add/",
+                                 {**form, "pattern": r"key=\w+"})
+    assert response.status_code == 302
+    assert ContentRule.objects.get().pattern == r"key=\w+"
