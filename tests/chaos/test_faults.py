@@ -69,6 +69,17 @@ class Supervisor:
         proc.wait()
         self.procs[self.procs.index(proc)] = self.workers.start(env=self.env)
 
+    def taking_jobs(self) -> list[subprocess.Popen]:
+        """The workers up and registered with RQ. A replacement spends seconds starting
+        Python, Django and its engine (many more on a busy machine): killing it then would
+        only interrupt an import, never a shard."""
+        from rq import Worker
+
+        from jobs import queues
+
+        pids = {w.pid for w in Worker.all(connection=queues.connection())}
+        return [p for p in self.procs if p.poll() is None and p.pid in pids]
+
 
 def unfinished(batch: Batch) -> bool:
     return Shard.objects.filter(batch_id=batch.pk, status__in=("queued", "running")).exists()
@@ -106,11 +117,17 @@ def test_workers_sigkilled_20_times_lose_and_double_nothing(user, chaos_env, wor
     wait_for(lambda: Shard.objects.filter(batch_id=batch.pk, completed__gt=0).exists(),
              timeout=60, message="first progress")
     kills = 0
+    started = time.monotonic()
     while kills < 24 and unfinished(batch):
+        # A random moment of a working worker's life: 1-4 s after it was taking jobs.
+        up = wait_for(pool.taking_jobs, timeout=120, message="a worker taking jobs")
         time.sleep(rng.uniform(1.0, 4.0))
-        pool.kill(rng.choice(pool.procs))
+        pool.kill(rng.choice(up))
         kills += 1
-    print(f"chaos: {kills} SIGKILLs, seed {SEED}")
+    killing = time.monotonic() - started
+    shards = Shard.objects.filter(batch_id=batch.pk)
+    done = f"{shards.filter(status='done').count()}/{shards.count()} shards done"
+    print(f"chaos: {kills} SIGKILLs in {killing:.0f}s ({done}), seed {SEED}")
     assert kills >= 20, f"the batch finished after only {kills} kills: make it longer"
     batch = wait_ended(batch, timeout=600, tick=pool.tick)
     assert batch.status == "completed"
@@ -118,7 +135,8 @@ def test_workers_sigkilled_20_times_lose_and_double_nothing(user, chaos_env, wor
     assert len(out) == n and err == []
     assert batch.to_openai()["request_counts"] == {"total": n, "completed": n, "failed": 0}
     assert failures(batch) >= 10  # the kills did hit running shards
-    print(f"chaos: kills={kills} shard failures={failures(batch)} restarts={pool.restarts}")
+    print(f"chaos: kills={kills} shard failures={failures(batch)} restarts={pool.restarts} "
+          f"batch ended {time.monotonic() - started:.0f}s after the kills began")
 
 
 # --- Redis stopped, started, flushed ---
