@@ -18,6 +18,7 @@ import math
 import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import re2
@@ -138,6 +139,7 @@ _NOT_ASCII_WORD = "[^0-9A-Za-z_]"
 CHUNK_LINES = 16
 # Memory for each set (RE2's default, 8 MiB, is too small for a hundred rules).
 _MAX_MEM = 64 << 20
+_TOKENS = itemgetter(2)  # of a chunk's (line number, line, tokens)
 
 
 def _options() -> re2.Options:
@@ -240,11 +242,12 @@ class _TextRule:
             self.locator = re2.compile(self.locate, options)
         return self.locator
 
-    def search(self, text: str) -> int | None:
-        """Where the rule's leftmost match in `text` starts, None if it does not match."""
+    def search(self, data: bytes) -> int | None:
+        """Where (in bytes) the rule's leftmost match in the UTF-8 text `data` starts, None
+        if it does not match."""
         if self.compiled is None:
             self.compiled = re2.compile(self.exact, _options())
-        match = self.compiled.search(text)
+        match = self.compiled.search(data)
         return None if match is None else match.start(self.group)
 
 
@@ -326,7 +329,7 @@ class Screener:
         self.chunk_sets = compiled.chunk_sets
         self.line_sets = compiled.line_sets
         # Lines waiting for their chunk to be screened: (line number, line, tokens).
-        self.chunk: list[tuple[int, RequestLine, int | None]] = []
+        self.chunk: list[tuple[int, RequestLine, int]] = []
         self.size_rules = [r for r in rules if r.kind == "max_prompt_tokens" and r.max_tokens]
         self.size_floor = min((r.max_tokens for r in self.size_rules), default=0)
         self.moderation = [r for r in rules if r.kind == "moderation" and r.model]
@@ -348,12 +351,12 @@ class Screener:
         """The term or regex rule refusing `text`: the leftmost match, the first rule when
         several match at the same place. None when none matches."""
         data = text.encode()
-        return self._refusing(text, _matching(self.chunk_sets, data) +
+        return self._refusing(data, _matching(self.chunk_sets, data) +
                               _matching(self.line_sets, data))
 
-    def _refusing(self, text: str, indexes: list[int]) -> Any | None:
-        """Of the text rules at `indexes` (those that match `text`), the one whose match
-        is leftmost."""
+    def _refusing(self, data: bytes, indexes: list[int]) -> Any | None:
+        """Of the text rules at `indexes` (those that match the UTF-8 text `data`), the one
+        whose match is leftmost."""
         indexes = sorted(set(indexes))
         if len(indexes) == 1 and self.text_rules[indexes[0]].scan == \
                 self.text_rules[indexes[0]].exact:
@@ -361,7 +364,7 @@ class Screener:
         found: Any | None = None
         first = -1
         for i in indexes:
-            start = self.text_rules[i].search(text)
+            start = self.text_rules[i].search(data)
             if start is not None and (found is None or start < first):
                 found, first = self.text_rules[i].rule, start
         return found
@@ -371,6 +374,8 @@ class Screener:
         """Screen one line; `tokens` is its prompt-size estimate when the caller has it.
         Lines are screened a chunk at a time, and moderation ones when their chunk is
         embedded: violations go to `sink` then, so call `flush` at the end."""
+        if tokens is None:
+            tokens = estimate_tokens(line)[0] if self.size_rules else 0
         chunk = self.chunk
         chunk.append((number, line, tokens))
         if len(chunk) >= CHUNK_LINES:
@@ -402,34 +407,32 @@ class Screener:
                     if i in suspects:
                         rule = self.text_match(text)
                     elif self.line_sets:
-                        rule = self._refusing(text, _matching(self.line_sets, text.encode()))
+                        data = text.encode()
+                        rule = self._refusing(data, _matching(self.line_sets, data))
                     else:
                         continue
                     if rule is not None:
                         refused[i] = rule
+        floor = self.size_floor
         if not (refused or self.moderation):  # the common case again
-            if self.size_rules:
-                floor = self.size_floor
+            if self.size_rules and max(map(_TOKENS, chunk)) > floor:
                 for number, line, tokens in chunk:
-                    if tokens is None or tokens > floor:
+                    if tokens > floor:
                         self._check_size(number, line, tokens, sink)
             return
         for i, (number, line, tokens) in enumerate(chunk):
             if i in refused:
                 sink(number, line.custom_id, self.violation(refused[i]))
-            elif not self._check_size(number, line, tokens, sink) and self.moderation:
+            elif (not self.size_rules or tokens <= floor or
+                  not self._check_size(number, line, tokens, sink)) and self.moderation:
                 self.pending.append((number, line.custom_id,
                                      prompt_text(line) if texts is None else texts[i]))
         if len(self.pending) >= MODERATION_CHUNK:
             self._moderate(sink)
 
-    def _check_size(self, number: int, line: RequestLine, tokens: int | None,
+    def _check_size(self, number: int, line: RequestLine, tokens: int,
                     sink: ViolationSink) -> bool:
         """Whether a prompt-size rule refuses the line (then told to `sink`)."""
-        if not self.size_rules:
-            return False
-        if tokens is None:
-            tokens, _ = estimate_tokens(line)
         for rule in self.size_rules:
             if tokens > rule.max_tokens:
                 sink(number, line.custom_id, self.violation(rule))
