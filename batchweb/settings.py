@@ -127,6 +127,7 @@ STORAGES = {
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
 }
 # Scratch space for streaming (assembling uploads, writing shard parts before they are stored).
+# Local to each machine and to one deployment: workers sweep it of what killed processes left.
 TMP_DIR = Path(os.environ.get("BATCHWEB_TMP_DIR", VAR_DIR / "tmp"))
 TMP_DIR.mkdir(parents=True, exist_ok=True)
 FILE_UPLOAD_TEMP_DIR = str(TMP_DIR)
@@ -264,4 +265,7 @@ BATCHWEB.update({
     # Storage objects no row refers to are deleted only once older than this: a file is
     # saved a moment before its row is created, and that moment must not look orphaned.
     "ORPHAN_GRACE_SECONDS": env_int("BATCHWEB_ORPHAN_GRACE_SECONDS", 3600),
+    # A scratch file in TMP_DIR (an upload being received, a validation's lists) that was not
+    # written to for this long belongs to a process that was killed: the sweep removes it.
+    "STALE_TEMP_SECONDS": env_int("BATCHWEB_STALE_TEMP_SECONDS", 6 * 3600),
 })

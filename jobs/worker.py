@@ -34,6 +34,7 @@ from jobs.policy import VIOLATION, Violation
 from jobs.quality import flags_for, json_problem, output_texts, wants_json
 from jobs.services import shards as shard_service
 from jobs.services.batches import STOP_MESSAGES, shard_last_line
+from jobs.services.cleanup import sweep_temp_dir
 from jobs.services.files import open_range_lines, temp_dir
 from jobs.services.reconcile import reconcile
 from jobs.services.shards import Progress
@@ -458,6 +459,8 @@ class Pipeline:
 
     def _heartbeat(self) -> None:
         last_reconcile = 0.0
+        last_sweep = time.monotonic()  # the worker swept TMP_DIR as it started
+        sweep_every = settings.BATCHWEB["CLEANUP_INTERVAL_SECONDS"]
         while not self.closing.wait(self.heartbeat_every):
             try:
                 self._beat()
@@ -465,6 +468,9 @@ class Pipeline:
                         self.reconcile_every:
                     last_reconcile = time.monotonic()
                     reconcile()
+                if sweep_every > 0 and time.monotonic() - last_sweep > sweep_every:
+                    last_sweep = time.monotonic()
+                    sweep_temp_dir()  # TMP_DIR is this machine's: every worker sweeps it
             except (OperationalError, InterfaceError):
                 log.warning("heartbeat: database unavailable; will retry", exc_info=True)
                 connection.close()

@@ -4,6 +4,7 @@ of the tests' own. Worker processes started by tests inherit this module through
 DJANGO_SETTINGS_MODULE."""
 
 import os
+import tempfile
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -16,6 +17,10 @@ for _name, _value in {
     "BATCHWEB_RECONCILE_SECONDS": "2",
     "BATCHWEB_SHARD_RETRY_BASE_SECONDS": "1",
     "BATCHWEB_STORAGE_DIR": str(_ROOT / "var" / "test-storage"),
+    # Scratch of this test session only (its worker processes inherit it): workers sweep
+    # TMP_DIR of parts whose shard is not running in *their* database, so a session must
+    # not share it with `make run` or another session.
+    "BATCHWEB_TMP_DIR": os.path.join(tempfile.gettempdir(), f"batchweb-tests-{os.getpid()}"),
 }.items():
     os.environ.setdefault(_name, _value)
 

@@ -15,7 +15,10 @@ One pass (`run_cleanup`) does, in order:
    than ORPHAN_GRACE_SECONDS (a file is saved a moment before its row exists, and a worker
    saves a part a moment before it records it: young objects are left alone). Objects
    under the prefix of a batch still running or an upload still pending are skipped
-   whatever their age.
+   whatever their age;
+5. this machine's scratch files (`sweep_temp_dir`): what killed processes left in TMP_DIR.
+   TMP_DIR is local to each machine, so every worker also sweeps its own when it starts and
+   once per CLEANUP_INTERVAL_SECONDS.
 
 `manage.py cleanup [--dry-run]` runs it; so does the schedule: the reconciler pass that
 every worker already runs calls `enqueue_if_due`, which enqueues one `scheduled_cleanup`
@@ -28,6 +31,7 @@ expiry is the lock), so no scheduler process is needed. (rq 3's `rq.cron` and dj
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -41,7 +45,7 @@ from django.utils import timezone
 from jobs import queues
 from jobs.models import Batch, File, Shard, Upload, UploadPart
 from jobs.services.errors import ServiceError
-from jobs.services.files import delete_file
+from jobs.services.files import delete_file, temp_dir
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +64,14 @@ class CleanupReport:
     upload_parts: list[str] = field(default_factory=list)  # storage names
     merged_parts: list[str] = field(default_factory=list)
     orphans: list[str] = field(default_factory=list)
+    temp_files: list[str] = field(default_factory=list)  # local paths
 
     def counts(self) -> dict[str, int]:
         return {"expired_files": len(self.expired_files), "expired_bytes": self.expired_bytes,
                 "kept_in_use": len(self.kept_in_use),
                 "expired_uploads": len(self.expired_uploads),
                 "upload_parts": len(self.upload_parts), "merged_parts": len(self.merged_parts),
-                "orphans": len(self.orphans)}
+                "orphans": len(self.orphans), "temp_files": len(self.temp_files)}
 
 
 def grace() -> timedelta:
@@ -80,6 +85,7 @@ def run_cleanup(*, dry_run: bool = False, now: datetime | None = None) -> Cleanu
     _expired_uploads(report, now=now)
     _merged_parts(report, now=now)
     _orphans(report, now=now)
+    report.temp_files = sweep_temp_dir(dry_run=dry_run, now=now)
     log.info("cleanup%s: %s", " (dry run)" if dry_run else "", report.counts())
     return report
 
@@ -230,6 +236,44 @@ def _orphans(report: CleanupReport, *, now: datetime) -> None:
 
 
 # --- the schedule ---
+
+
+# --- 5. this machine's scratch files ---
+
+# A shard attempt's part files, as jobs.worker names them: <shard id>-<attempt>.<kind>
+_SHARD_PART = re.compile(r"^(?P<shard>[\w-]+)-(?P<attempt>\d+)\.(?:out|err|flags)$")
+
+
+def sweep_temp_dir(*, dry_run: bool = False, now: datetime | None = None) -> list[str]:
+    """Remove what killed processes left in this machine's TMP_DIR. A shard attempt's part
+    files go once that attempt is no longer the shard's running one: the shard is fenced,
+    so they can never be published. Any other file (an upload being received, a
+    validation's scratch lists) goes once not written to for STALE_TEMP_SECONDS: its
+    process keeps writing it while alive. Returns the paths removed."""
+    now = now or timezone.now()
+    stale_before = now.timestamp() - settings.BATCHWEB["STALE_TEMP_SECONDS"]
+    removed = []
+    for path in sorted(temp_dir().iterdir()):
+        try:
+            modified = path.stat().st_mtime
+        except FileNotFoundError:  # its process finished with it meanwhile
+            continue
+        if not path.is_file():
+            continue
+        part = _SHARD_PART.match(path.name)
+        if part:
+            garbage = not Shard.objects.filter(
+                pk=part["shard"], attempt=int(part["attempt"]),
+                status=Shard.Status.RUNNING).exists()
+        else:
+            garbage = modified < stale_before
+        if garbage:
+            if not dry_run:
+                path.unlink(missing_ok=True)
+            removed.append(str(path))
+    if removed:
+        log.info("temp sweep%s: %d files", " (dry run)" if dry_run else "", len(removed))
+    return removed
 
 
 def enqueue_if_due() -> bool:

@@ -24,6 +24,7 @@ from engine import load_engine
 from jobs import queues
 from jobs.engines import model_spec
 from jobs.policy import close_engines
+from jobs.services.cleanup import sweep_temp_dir
 from jobs.worker import Pipeline
 
 
@@ -49,6 +50,8 @@ class Command(BaseCommand):
             # Control jobs first: they are short, and a new batch should not wait for
             # a long queue of shards to be validated.
             queue_names = [queues.CONTROL_QUEUE, *queue_names]
+        # What a killed predecessor on this machine left in TMP_DIR.
+        sweep_temp_dir()
         self.stdout.write(f"batchworker {name}: loading {spec.name} ({spec.backend})")
         engine = load_engine(spec)
         pipeline = Pipeline(engine, worker_name=name)
