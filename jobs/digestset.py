@@ -26,7 +26,9 @@ class DigestSet:
             return True
         if not len(self._sorted):
             return False
-        index = int(self._sorted.searchsorted(digest))
+        # As a uint64: a plain int below 2**63 would make numpy compare in float64 and
+        # convert the whole array on every lookup (measured: 580 us at 600k entries).
+        index = int(self._sorted.searchsorted(np.uint64(digest)))
         return index < len(self._sorted) and int(self._sorted[index]) == digest
 
     def add(self, digest: int) -> None:
