@@ -24,6 +24,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.scratch import prepare  # noqa: E402
 
+# ~500 bytes a line, so 1M requests make the ~0.5 GB file of issue 6.
+SYSTEM = ("You label customer messages. Answer with one word from: billing, shipping, "
+          "returns, technical, account, other. Use 'other' when unsure; never explain. "
+          "The message follows; it may be in any language and may contain typos.")
+
 
 def write_input(path: Path, count: int) -> int:
     with open(path, "w") as out:
@@ -31,6 +36,7 @@ def write_input(path: Path, count: int) -> int:
             out.write(json.dumps({
                 "custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
                 "body": {"model": "echo-test", "max_tokens": 16, "messages": [
+                    {"role": "system", "content": SYSTEM},
                     {"role": "user", "content": f"Classify document number {i} please."}]},
             }) + "\n")
     return path.stat().st_size
