@@ -12,7 +12,6 @@ chunks.
 
 from __future__ import annotations
 
-import bisect
 import logging
 import math
 import unicodedata
@@ -134,9 +133,14 @@ def _unit(vector: list[float]) -> list[float]:
 # faster; a line they flag is then checked with the real edges.
 _NOT_WORD = r"[^\p{L}\p{M}\p{N}_]"
 _NOT_ASCII_WORD = "[^0-9A-Za-z_]"
-# Lines screened per call into RE2: enough that the call costs little, few enough that a
-# chunk where a rule matches is cheap to look into.
-CHUNK_LINES = 16
+# Lines screened per call into RE2 (enough that the call costs little; the prompt-size
+# estimate bounds the text held), their texts joined by a character that texts hardly ever
+# hold (an ASCII non-word character, as "\n" is).
+CHUNK_LINES = 64
+CHUNK_TOKENS = 65_536
+_SEP = "\x1e"
+_SEP_BYTES = _SEP.encode()
+_END = {"content": _SEP}  # a message ending each line of a chunk
 # Memory for each set (RE2's default, 8 MiB, is too small for a hundred rules).
 _MAX_MEM = 64 << 20
 _TOKENS = itemgetter(2)  # of a chunk's (line number, line, tokens)
@@ -229,18 +233,7 @@ class _TextRule:
     exact: str  # the pattern that decides whether, and where, the rule matches
     group: int  # the group of `exact` that is the match (terms consume edge characters)
     edges: bool  # uses the start or end of the text: not scanned in joined chunks
-    # A pattern that matches where `scan` does, starting where its text does (a term's
-    # edges would start a character before): finds the lines of a chunk `scan` matches.
-    locate: str
     compiled: Any = None
-    locator: Any = None
-
-    def locating(self) -> Any:
-        if self.locator is None:
-            options = _options()
-            options.never_capture = True  # only where matches start: RE2's DFAs find that
-            self.locator = re2.compile(self.locate, options)
-        return self.locator
 
     def search(self, data: bytes) -> int | None:
         """Where (in bytes) the rule's leftmost match in the UTF-8 text `data` starts, None
@@ -279,6 +272,27 @@ def _matching(sets: list[tuple[Any, list[int]]], data: bytes) -> list[int]:
     return found
 
 
+def _compile_scanners(patterns: list[str]) -> list[Any]:
+    """RE2 regexes that together match where any of `patterns` does: one alternation of
+    them all, or more if they do not compile as one."""
+    if not patterns:
+        return []
+    options = _options()
+    options.never_capture = True  # only where matches start: RE2's DFAs find that
+    try:
+        return [re2.compile("|".join(f"(?:{p})" for p in patterns), options)]
+    except re2.error:
+        if len(patterns) == 1:  # (a \Q without \E cannot be put in a group)
+            try:
+                return [re2.compile(patterns[0], options)]
+            except re2.error:
+                logger.error("content rule pattern %r is too large for RE2; ignored",
+                             patterns[0])
+                return []
+        half = len(patterns) // 2
+        return _compile_scanners(patterns[:half]) + _compile_scanners(patterns[half:])
+
+
 class _TextRules:
     """The term and regex rules of a rule list, compiled."""
 
@@ -290,7 +304,7 @@ class _TextRules:
             if rule.kind == "term" and rule.pattern.strip():
                 term = rule.pattern.strip()
                 self.rules.append(_TextRule(rule, _term_pattern(term, _NOT_ASCII_WORD),
-                                            _term_pattern(term), 1, False, re2.escape(term)))
+                                            _term_pattern(term), 1, False))
             elif rule.kind == "regex" and rule.pattern:
                 try:
                     re2.compile(rule.pattern, _options())
@@ -298,9 +312,10 @@ class _TextRules:
                     logger.error("content rule %r ignored: %s", rule.name, _error_text(exc))
                     continue
                 self.rules.append(_TextRule(rule, rule.pattern, rule.pattern, 0,
-                                            _uses_text_edges(rule.pattern), rule.pattern))
+                                            _uses_text_edges(rule.pattern)))
         self.chunk_sets = _compile_sets([(i, t.scan) for i, t in enumerate(self.rules)
                                          if not t.edges])
+        self.scanners = _compile_scanners([t.scan for t in self.rules if not t.edges])
         self.line_sets = _compile_sets([(i, t.scan) for i, t in enumerate(self.rules)
                                         if t.edges])
 
@@ -328,8 +343,10 @@ class Screener:
         self.text_rules = compiled.rules
         self.chunk_sets = compiled.chunk_sets
         self.line_sets = compiled.line_sets
+        self.scanners = compiled.scanners
         # Lines waiting for their chunk to be screened: (line number, line, tokens).
         self.chunk: list[tuple[int, RequestLine, int]] = []
+        self.chunk_tokens = 0
         self.size_rules = [r for r in rules if r.kind == "max_prompt_tokens" and r.max_tokens]
         self.size_floor = min((r.max_tokens for r in self.size_rules), default=0)
         self.moderation = [r for r in rules if r.kind == "moderation" and r.model]
@@ -347,10 +364,10 @@ class Screener:
     def violation(self, rule: Any) -> Violation:
         return Violation(rule=rule.name, action=rule.action, reason=rule.reason)
 
-    def text_match(self, text: str) -> Any | None:
-        """The term or regex rule refusing `text`: the leftmost match, the first rule when
-        several match at the same place. None when none matches."""
-        data = text.encode()
+    def text_match(self, text: str | bytes) -> Any | None:
+        """The term or regex rule refusing `text` (or its UTF-8 bytes): the leftmost match,
+        the first rule when several match at the same place. None when none matches."""
+        data = text.encode() if isinstance(text, str) else text
         return self._refusing(data, _matching(self.chunk_sets, data) +
                               _matching(self.line_sets, data))
 
@@ -378,11 +395,12 @@ class Screener:
             tokens = estimate_tokens(line)[0] if self.size_rules else 0
         chunk = self.chunk
         chunk.append((number, line, tokens))
-        if len(chunk) >= CHUNK_LINES:
+        self.chunk_tokens += tokens
+        if len(chunk) >= CHUNK_LINES or self.chunk_tokens >= CHUNK_TOKENS:
             self._screen_chunk(sink)
 
     def _screen_chunk(self, sink: ViolationSink) -> None:
-        chunk, self.chunk = self.chunk, []
+        chunk, self.chunk, self.chunk_tokens = self.chunk, [], 0
         if not chunk:
             return
         refused: dict[int, Any] = {}  # position in the chunk -> term or regex rule
@@ -390,29 +408,26 @@ class Screener:
         if self.text_rules:
             try:  # the common case: chat lines, every content a string
                 joined = "\n".join([m["content"] for _, line, _ in chunk
-                                    for m in line.body["messages"]])
+                                    for m in (*line.body["messages"], _END)])
             except (KeyError, TypeError):
                 texts = [prompt_text(line) for _, line, _ in chunk]
-                joined = "\n".join(texts)
-            # One scan of the whole chunk. Only when a rule matches there are its lines
-            # found, and checked one by one; the rules that use the text's edges are
-            # always checked line by line.
+                joined = "\n".join([part for text in texts for part in (text, _SEP)])
             data = joined.encode()
-            flagged = _matching(self.chunk_sets, data) if self.chunk_sets else []
-            if flagged or self.line_sets:
-                if texts is None:
-                    texts = [prompt_text(line) for _, line, _ in chunk]
-                suspects = self._suspects(texts, joined, data, flagged) if flagged else ()
-                for i, text in enumerate(texts):
-                    if i in suspects:
-                        rule = self.text_match(text)
-                    elif self.line_sets:
-                        data = text.encode()
-                        rule = self._refusing(data, _matching(self.line_sets, data))
-                    else:
-                        continue
-                    if rule is not None:
-                        refused[i] = rule
+            # One search of the whole chunk: the lines where a term or regex may match,
+            # each then checked on its own. A text holding the separator (or a rule using
+            # the text's edges) has every line checked on its own.
+            whole = not self.scanners or data.count(_SEP_BYTES) == len(chunk)
+            suspects = self._suspects(data) if whole else {}
+            for i in (range(len(chunk)) if self.line_sets or not whole else suspects):
+                if i in suspects:
+                    start, end = suspects[i]
+                    rule = self.text_match(data[start:end])
+                else:
+                    text = (prompt_text(chunk[i][1]) if texts is None else texts[i]).encode()
+                    rule = (self._refusing(text, _matching(self.line_sets, text)) if whole
+                            else self.text_match(text))
+                if rule is not None:
+                    refused[i] = rule
         floor = self.size_floor
         if not (refused or self.moderation):  # the common case again
             if self.size_rules and max(map(_TOKENS, chunk)) > floor:
@@ -439,27 +454,24 @@ class Screener:
                 return True
         return False
 
-    def _suspects(self, texts: list[str], joined: str, data: bytes,
-                  flagged: list[int]) -> set[int]:
-        """The positions of the texts (joined by "\n" in `joined`, encoded in `data`) where
-        the rules at `flagged` match, or may: each rule is searched on its own in the
-        joined text, and a line where a match starts (even one that runs on into the next
-        line) is a suspect; the search goes on from the next line."""
-        sizes = map(len, texts) if joined.isascii() else (len(t.encode()) for t in texts)
-        bounds = [0]  # where each text starts in `data`, and one past the end
-        for size in sizes:
-            bounds.append(bounds[-1] + size + 1)
-        suspects: set[int] = set()
-        for index in set(flagged):
-            locator = self.text_rules[index].locating()
-            start = 0
-            while start <= len(data):
-                match = locator.search(data, start)
-                if match is None:
+    def _suspects(self, data: bytes) -> dict[int, tuple[int, int]]:
+        """The lines of a chunk (each text followed by "\n", _SEP, "\n" in `data`) where a
+        term or regex may match, with where each text starts and ends in `data`. A
+        scanner's leftmost match names the line it starts in (the "\n" after a separator
+        is the next line's: a term's edge may be that character); the search goes on from
+        there."""
+        suspects: dict[int, tuple[int, int]] = {}
+        for scanner in self.scanners:
+            position = 0
+            while (match := scanner.search(data, position)) is not None:
+                found = match.start()
+                line = data.count(_SEP_BYTES, 0, found)
+                end = data.find(_SEP_BYTES, found)
+                if end < 0:  # (an empty match at the very end)
                     break
-                line = min(bisect.bisect_right(bounds, match.start()) - 1, len(texts) - 1)
-                suspects.add(line)
-                start = bounds[line + 1]
+                start = data.rfind(_SEP_BYTES, 0, found) + 2 if line else 0
+                suspects[line] = (start, end - 1)
+                position = end + 1
         return suspects
 
     def flush(self, sink: ViolationSink) -> None:

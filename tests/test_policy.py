@@ -217,6 +217,9 @@ def test_chunked_screening_agrees_with_each_rule_searched_alone():
         texts = [" ".join(rng.choices(words, k=rng.randint(0, 12)))
                  for _ in range(rng.choice([1, 1, 1, 2, 3]))]
         bodies.append(chat(*texts))
+    # The character that joins a chunk's texts, in a text: that chunk is checked line by line.
+    bodies[100] = chat("a \x1e molotov cocktail")
+    bodies[400] = chat("\x1ecafé")
     options = re2.Options()
     options.case_sensitive = False
 
