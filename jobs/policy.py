@@ -12,6 +12,7 @@ chunks.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import unicodedata
@@ -416,8 +417,9 @@ class Screener:
             # One search of the whole chunk: the lines where a term or regex may match,
             # each then checked on its own. A text holding the separator (or a rule using
             # the text's edges) has every line checked on its own.
-            whole = not self.scanners or data.count(_SEP_BYTES) == len(chunk)
-            suspects = self._suspects(data) if whole else {}
+            found = self._suspects(data, len(chunk)) if self.scanners else {}
+            whole = found is not None
+            suspects = found or {}
             for i in (range(len(chunk)) if self.line_sets or not whole else suspects):
                 if i in suspects:
                     start, end = suspects[i]
@@ -454,24 +456,29 @@ class Screener:
                 return True
         return False
 
-    def _suspects(self, data: bytes) -> dict[int, tuple[int, int]]:
+    def _suspects(self, data: bytes, lines: int) -> dict[int, tuple[int, int]] | None:
         """The lines of a chunk (each text followed by "\n", _SEP, "\n" in `data`) where a
-        term or regex may match, with where each text starts and ends in `data`. A
-        scanner's leftmost match names the line it starts in (the "\n" after a separator
-        is the next line's: a term's edge may be that character); the search goes on from
-        there."""
+        term or regex may match, with where each text starts and ends in `data`; None when
+        a text holds _SEP itself. A scanner's leftmost match names the line it starts in
+        (the "\n" after a separator is the next line's: a term's edge may be that
+        character); the search goes on from there."""
         suspects: dict[int, tuple[int, int]] = {}
+        ends: list[int] = []  # where each line's separator is, found at the first match
         for scanner in self.scanners:
             position = 0
             while (match := scanner.search(data, position)) is not None:
-                found = match.start()
-                line = data.count(_SEP_BYTES, 0, found)
-                end = data.find(_SEP_BYTES, found)
-                if end < 0:  # (an empty match at the very end)
+                if not ends:
+                    end = -1
+                    for _ in range(lines):
+                        end = data.find(_SEP_BYTES, end + 1)
+                        ends.append(end)
+                    if end != len(data) - 1:
+                        return None
+                line = bisect.bisect_left(ends, match.start())
+                if line >= lines:  # (an empty match at the very end)
                     break
-                start = data.rfind(_SEP_BYTES, 0, found) + 2 if line else 0
-                suspects[line] = (start, end - 1)
-                position = end + 1
+                suspects[line] = (ends[line - 1] + 2 if line else 0, ends[line] - 1)
+                position = ends[line] + 1
         return suspects
 
     def flush(self, sink: ViolationSink) -> None:
