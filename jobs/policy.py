@@ -1,9 +1,9 @@
 """Content policy: the operator's rules (ContentRule, edited in the admin) checked on every
 input line while a batch validates.
 
-Terms and regular expressions (RE2 syntax) are compiled together into one RE2 set, which
-finds in one pass in C which of them a text matches, whatever their number (see "terms
-and regular expressions" below; bench/policy.py measures it). The prompt-size rule uses
+Terms and regular expressions (RE2 syntax) are compiled with RE2 and searched all at once,
+in one pass in C over a chunk of lines whatever their number (see "terms and regular
+expressions" below; bench/policy.py measures it). The prompt-size rule uses
 the same estimate as the cost preview. A moderation rule embeds each prompt with a
 configured embeddings model, through the same engine code as inference, and flags it when
 it is close (cosine similarity) to one of the rule's example texts; lines are embedded in
@@ -112,21 +112,20 @@ def _unit(vector: list[float]) -> list[float]:
     return [x / norm for x in vector]
 
 
-# --- terms and regular expressions: one RE2 set ---
+# --- terms and regular expressions, with RE2 ---
 #
-# All term and regex rules are compiled into one RE2 set, which tells in one pass over a
-# text (a DFA in C, linear in the text whatever the number of rules) which rules match it.
-# Lines are scanned a chunk at a time, their texts joined by "\n": one call into RE2 per
-# chunk rather than per line. In the rare chunk where some rules match, each of them is
-# searched on its own to find the lines where it matches, and only those lines are
-# checked one by one: which rules match there, and, when several do, whose match is
-# leftmost.
+# Lines are screened a chunk at a time: their texts joined with a separator, one search
+# (a DFA in C, linear in the text whatever the number of rules) of an alternation of all
+# the term and regex rules. A clean chunk costs that one pass. Each match found names the
+# line it starts in, which is then checked on its own with an RE2 set of the same rules
+# (which of them match it, and, when several do, whose match is leftmost); the search goes
+# on from the next line.
 #
 # Joining texts loses no match of a rule that cannot tell where a text starts or ends: a
-# match inside a line's text is still there in the chunk (RE2 has no lookarounds, and "\n"
-# is a non-word character, as the start and end of a text are for \b), and a match that
-# spans two lines only costs a look at them. Rules that use ^, $, \A or \z are set apart
-# and checked line by line.
+# match inside a line's text is still there in the chunk (RE2 has no lookarounds, and the
+# separator is a non-word character, as the start and end of a text are for \b), and a
+# match that spans two lines only costs a look at them. Rules that use ^, $, \A or \z are
+# set apart and checked line by line.
 
 # A word character, for whole-word terms: a letter, mark or digit in any script, or "_"
 # (RE2's \b and \w are ASCII only). Terms are scanned with ASCII edges, which accept more
