@@ -38,12 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import openai
-
-try:
-    import httpx
-except ImportError:  # openai 3 depends on httpx2: the same API under a new name
-    import httpx2 as httpx  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

@@ -39,14 +39,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-try:
-    import httpx
-except ImportError:  # openai 3 depends on httpx2: the same API under a new name
-    import httpx2 as httpx  # type: ignore[no-redef]
-import psutil
+import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.scratch import cpu_seconds  # noqa: E402
+
 PY = sys.executable
 PASSWORD = "bench-dashboard-pw-1"
 ENDPOINTS = {
@@ -104,18 +102,6 @@ def percentile(values: list[float], q: float) -> float:
         return 0.0
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
-def cpu_seconds(pid: int) -> float:
-    root = psutil.Process(pid)
-    total = 0.0
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            times = proc.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
 
 
 def login(base: str) -> dict[str, str]:

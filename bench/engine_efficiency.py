@@ -34,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench.scratch import prepare  # noqa: E402
+from bench.scratch import cpu_seconds, prepare  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 TOPICS = ["the history of Rome", "how vaccines work", "the water cycle", "sorting algorithms",
@@ -59,22 +59,6 @@ def make_requests(count: int, min_tokens: int, max_tokens: int, model: str = MOD
                                    "content": f"{context}\nRequest {i}: explain {topic} "
                                               "briefly."}]}})
     return requests
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU time (user + system) of a process and all its children so far: the engine core
-    runs in a child process. Less sensitive to other load on the machine than wall time."""
-    import psutil
-
-    root = psutil.Process(pid)
-    total = 0.0
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            times = proc.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
 
 
 def run_raw(requests: list[dict], model_path: str, dtype: str, eager: bool = True,

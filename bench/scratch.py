@@ -1,5 +1,6 @@
-"""A scratch deployment for benchmarks: migrate the database named by `env` (SQLite under
-its BATCHWEB_VAR_DIR unless DATABASE_URL is set), add one user, return an API key."""
+"""What the benchmarks share: a scratch deployment (migrate the database named by `env`,
+SQLite under its BATCHWEB_VAR_DIR unless DATABASE_URL is set, add one user, return an API
+key) and the CPU time of a process tree."""
 
 from __future__ import annotations
 
@@ -19,3 +20,20 @@ def prepare(env: dict[str, str]) -> str:
     manage("shell", "-c",
            "from django.contrib.auth.models import User; User.objects.create(username='b')")
     return manage("createapikey", "b").strip()
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of a process and all its children so far (a vLLM engine
+    core runs in a child process). Less sensitive to other load on the machine than wall
+    time."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
