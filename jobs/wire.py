@@ -100,6 +100,14 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _is_unicode(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def parse_line(raw: bytes, *, max_tokens_cap: int) -> RequestLine | LineError:
     """Check one input line on its own (uniqueness and the batch's endpoint/model are the
     caller's). `raw` has its line ending stripped."""
@@ -113,6 +121,12 @@ def parse_line(raw: bytes, *, max_tokens_cap: int) -> RequestLine | LineError:
         return LineError(Code.INVALID_JSON, f"Line is not valid JSON: {str(exc)[:200]}")
     if not isinstance(obj, dict):
         return LineError(Code.INVALID_JSON, "Each line must be a JSON object.")
+    if ("\\ud" in text or "\\uD" in text) and not _is_unicode(obj):
+        # An unpaired surrogate escape such as "\ud800" is valid JSON but not Unicode text:
+        # it could not be stored, tokenized or written back as UTF-8.
+        return LineError(Code.INVALID_ENCODING,
+                         "Line has an unpaired surrogate escape (\\ud800-\\udfff), which is "
+                         "not valid Unicode.")
 
     custom_id = obj.get("custom_id")
     if custom_id is None:

@@ -5,6 +5,7 @@ test client with a Bearer key."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 from pathlib import Path
@@ -84,10 +85,13 @@ class Api:
 
     def upload(self, content: bytes, *, filename: str = "in.jsonl", purpose: Any = "batch",
                **fields: Any) -> Any:
-        from django.core.files.uploadedfile import SimpleUploadedFile
-
-        data: dict[str, Any] = {"file": SimpleUploadedFile(filename, content,
-                                                           content_type="application/jsonl")}
+        # A plain stream rather than SimpleUploadedFile, which refuses names such as "/"
+        # on the client side: any name must reach the server (the test client sends the
+        # name's last path component, as browsers do).
+        file = io.BytesIO(content)
+        file.name = filename  # type: ignore[attr-defined]
+        file.content_type = "application/jsonl"  # type: ignore[attr-defined]
+        data: dict[str, Any] = {"file": file}
         if purpose is not None:
             data["purpose"] = purpose
         data.update(fields)

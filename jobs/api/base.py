@@ -13,6 +13,7 @@ from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
 from django.db.models import Model, Q, QuerySet
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http.multipartparser import MultiPartParserError
 from django.views.decorators.csrf import csrf_exempt
 
 from jobs.services.errors import ServiceError
@@ -103,7 +104,10 @@ def check_upload_size(request: HttpRequest, limit: int) -> None:
 def multipart_file(request: HttpRequest, field: str) -> UploadedFile:
     if not (request.content_type or "").startswith("multipart/form-data"):
         raise ServiceError("Send the file as multipart/form-data.", param=field)
-    uploaded = request.FILES.get(field)
+    try:
+        uploaded = request.FILES.get(field)
+    except MultiPartParserError as exc:  # e.g. a part's headers over Django's 1 kB limit
+        raise ServiceError(f"The multipart body could not be read: {exc}", param=field) from None
     if uploaded is None:
         raise ServiceError(f"Missing the '{field}' file field.", param=field)
     return uploaded

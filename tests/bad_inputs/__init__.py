@@ -121,6 +121,10 @@ FILE_CASES = [
              fields={"expires_after[anchor]": "created_at", "expires_after[seconds]": "soon"}),
     FileCase("expires_after not JSON", GOOD, code=None, param="expires_after",
              fields={"expires_after": "{oops"}),
+    # A real client sends the whole name in the part's headers, over Django's 1 kB limit
+    # for them: refused with a clear error rather than a 500.
+    FileCase("1,000-character filename", GOOD, code=None, filename="a" * 995 + ".json",
+             fragment="multipart body could not be read"),
 ]
 
 
@@ -147,8 +151,8 @@ LENIENT_CASES = [
                 shown_name="passwd"),
     LenientCase("windows path filename", GOOD, 2, filename="..\\..\\boot.ini",
                 shown_name="boot.ini"),
-    LenientCase("1,000-character filename", GOOD, 2, filename="a" * 995 + ".json",
-                shown_name=None),
+    LenientCase("300-character filename", GOOD, 2, filename="a" * 295 + ".json",
+                shown_name="a" * 250 + ".json"),  # Django keeps 255 characters
     LenientCase("control characters in filename", GOOD, 2, filename="in\x07\x1b[31m\x7f.jsonl",
                 shown_name=None),
     LenientCase("script tag filename", GOOD, 2, filename="<script>alert(1)</script>.jsonl",
