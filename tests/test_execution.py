@@ -154,14 +154,14 @@ def test_expiry_keeps_partial_results(openai_client, workers, settings):
 def test_sigkilled_worker_loses_nothing(openai_client, workers, settings):
     lines = [chat_line(f"k{i}", f"q {i}") for i in range(100)]
     batch = submit(openai_client, lines)
-    # Two requests at a time, 0.1 s each: the batch takes ~5 s, so the kill lands mid-batch
-    # (with the default 64 at a time it could all finish before the kill).
-    slow = {"BATCHWEB_ECHO_SECONDS": "0.1", "BATCHWEB_ECHO_MAX_IN_FLIGHT": "2"}
+    # Two requests at a time, 0.2 s each: a shard takes ~2 s and the batch ~10 s. The kill
+    # lands while a shard is running with progress (between shards the worker may be
+    # running a control job, holding no shard, and the kill would prove nothing).
+    slow = {"BATCHWEB_ECHO_SECONDS": "0.2", "BATCHWEB_ECHO_MAX_IN_FLIGHT": "2"}
     victim = workers.start(env={**slow, "BATCHWEB_SHARD_SIZE": "20"})
-    wait_for(lambda: Shard.objects.filter(batch_id=batch.id, status="running").exists(),
-             timeout=60, message="a running shard")
-    wait_for(lambda: Shard.objects.filter(batch_id=batch.id, completed__gt=0).exists(),
-             timeout=30, message="progress")
+    wait_for(lambda: Shard.objects.filter(batch_id=batch.id, status="running",
+                                          completed__gt=0).exists(),
+             timeout=60, every=0.05, message="a running shard with progress")
     victim.send_signal(signal.SIGKILL)
     victim.wait()
     workers.start(env={**slow, "BATCHWEB_SHARD_SIZE": "20"})
