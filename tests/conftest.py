@@ -29,6 +29,13 @@ def user(django_user_model: Any) -> Any:
 
 
 @pytest.fixture
+def site(client: Any, user: Any) -> Any:
+    """The Django test client signed in as `user` (the dashboard's tests)."""
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
 def other_user(django_user_model: Any) -> Any:
     return django_user_model.objects.create_user("bob", password="pw-bob-123")
 

@@ -24,12 +24,6 @@ HTMX = {"HTTP_HX_REQUEST": "true"}
 
 
 @pytest.fixture
-def site(client, user):
-    client.force_login(user)
-    return client
-
-
-@pytest.fixture
 def other_site(client, other_user):
     client.force_login(other_user)
     return client

@@ -27,12 +27,6 @@ pytestmark = pytest.mark.django_db
 HTMX = {"HTTP_HX_REQUEST": "true"}
 
 
-@pytest.fixture
-def site(client, user):
-    client.force_login(user)
-    return client
-
-
 def lines(n: int, prefix: str = "r") -> list[dict]:
     return [chat_line(f"{prefix}{i}", f"question {i}", max_tokens=10) for i in range(n)]
 

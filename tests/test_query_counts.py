@@ -45,32 +45,20 @@ def count(get: Callable[[], Any]) -> int:
 
 
 @pytest.fixture
-def site(client, user):
-    client.force_login(user)
-    return client
-
-
-@pytest.fixture
 def api(client, api_key):
     def get(url: str, **params: Any) -> Any:
         return client.get(url, params, HTTP_AUTHORIZATION=f"Bearer {api_key}")
     return get
 
 
-def test_batch_live_partial_queries_do_not_grow_with_shards(site, user, tmp_path, settings):
+@pytest.mark.parametrize(("view", "bound"), [("batch_live", 8), ("batch_row", 5)])
+def test_batch_partial_queries_do_not_grow_with_shards(site, user, tmp_path, settings, view,
+                                                       bound):
     small = running(user, tmp_path, settings, requests=4, shard_size=2, done=1)
     big = running(user, tmp_path, settings, requests=80, shard_size=2, done=25, prefix="b")
-    counts = [count(lambda b=b: site.get(reverse("batch_live", args=[b.pk]), **HTMX))
+    counts = [count(lambda b=b: site.get(reverse(view, args=[b.pk]), **HTMX))
               for b in (small, big)]
-    assert counts[0] == counts[1] <= 8, counts
-
-
-def test_batch_row_queries_do_not_grow_with_shards(site, user, tmp_path, settings):
-    small = running(user, tmp_path, settings, requests=4, shard_size=2, done=1)
-    big = running(user, tmp_path, settings, requests=80, shard_size=2, done=25, prefix="b")
-    counts = [count(lambda b=b: site.get(reverse("batch_row", args=[b.pk]), **HTMX))
-              for b in (small, big)]
-    assert counts[0] == counts[1] <= 5, counts
+    assert counts[0] == counts[1] <= bound, counts
 
 
 def test_batch_list_partial_queries_do_not_grow_with_batches(site, user, tmp_path, settings):

@@ -180,12 +180,6 @@ def test_tokens_of_other_users_and_running_shards_do_not_count(user, other_user,
 # --- the dashboard: the same service, the same messages ---
 
 
-@pytest.fixture
-def site(client, user):
-    client.force_login(user)
-    return client
-
-
 def dashboard_upload(site, content: bytes):
     return site.post(reverse("batch_new"), {
         "upload": SimpleUploadedFile("in.jsonl", content, content_type="application/jsonl"),
