@@ -26,7 +26,7 @@ from jobs.models import (
     WebhookEvent,
 )
 from jobs.services import ServiceError
-from jobs.services.batches import cancel_batch, with_progress
+from jobs.services.batches import cancel_batch
 from jobs.services.cleanup import delete_expired_files
 from jobs.services.health import queue_health, requeue_shards
 from jobs.services.keys import create_api_key, revoke_api_key
@@ -126,15 +126,7 @@ class BatchAdmin(admin.ModelAdmin):
     actions = ["cancel", "requeue_shards"]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Batch]:
-        return with_progress(super().get_queryset(request).select_related("owner"))
-
-    @admin.display(description="completed")
-    def completed(self, obj: Batch) -> int:
-        return obj.progress()["completed"]
-
-    @admin.display(description="failed")
-    def failed(self, obj: Batch) -> int:
-        return obj.progress()["failed"]
+        return super().get_queryset(request).select_related("owner")
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

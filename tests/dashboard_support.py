@@ -15,7 +15,13 @@ from django.core.files.storage import default_storage
 from django.utils import timezone
 
 from jobs.models import Batch, File, Shard
-from jobs.services.batches import create_batch, finalize_batch, run_validation, shard_custom_ids
+from jobs.services.batches import (
+    create_batch,
+    finalize_batch,
+    refresh_progress,
+    run_validation,
+    shard_custom_ids,
+)
 from jobs.services.files import create_input_file, new_storage_name
 from jobs.wire import response_line
 from tests.helpers import jsonl
@@ -75,6 +81,7 @@ def run_shard(shard: Shard, *, fails: Callable[[str], bool] = lambda c: False,
         finished_at=started + timedelta(seconds=seconds), completed=completed, failed=failed,
         input_tokens=5 * completed, output_tokens=3 * completed, output_part=names["out"],
         error_part=names["err"], worker="test")
+    refresh_progress(batch_id=shard.batch_id)
 
 
 def run_batch(batch: Batch, *, only: int | None = None, **kwargs: Any) -> Batch:

@@ -4,6 +4,7 @@ partials and polling stops, query counts on lists, streamed downloads, hostile c
 from __future__ import annotations
 
 import json
+import random
 from datetime import timedelta
 
 import pytest
@@ -13,6 +14,7 @@ from django.utils import timezone
 
 from jobs.models import ApiKey, Batch, File, Shard, SpotCheck
 from jobs.services import dashboard, results
+from jobs.services.batches import refresh_progress
 from jobs.services.keys import create_api_key
 from jobs.templatetags.dashboard import clip
 from tests.dashboard_support import lines_of, make_batch, make_file, run_batch, run_shard
@@ -245,6 +247,7 @@ def test_batch_page_running_and_live_partial(site, user, tmp_path, settings):
     Shard.objects.filter(batch=batch, index=1).update(
         status="running", attempt=2, failures=1, started_at=now - timedelta(seconds=5),
         completed=4, failed=1, input_tokens=20, output_tokens=12, heartbeat_at=now)
+    refresh_progress(batch_id=batch.pk)  # as the worker's heartbeat does
     page = site.get(reverse("batch_detail", args=[batch.pk])).content.decode()
     assert "15</strong> of 30 requests" in page
     assert f'hx-get="{reverse("batch_live", args=[batch.pk])}"' in page
@@ -270,8 +273,7 @@ def test_live_partial_stops_polling_when_ended(site, user, tmp_path):
 def test_batch_stats_report():
     start = timezone.now() - timedelta(minutes=10)
     batch = Batch(status=Batch.Status.IN_PROGRESS, total=100, in_progress_at=start)
-    batch.done_completed, batch.done_failed = 45, 5
-    batch.done_input_tokens, batch.done_output_tokens = 900, 100
+    batch.completed, batch.failed, batch.input_tokens, batch.output_tokens = 45, 5, 900, 100
     now = start + timedelta(minutes=5)
     rows = [
         dashboard.ShardRow("b", "done", start, start + timedelta(minutes=2), 25, 0, 1, 0, 500,
@@ -288,6 +290,39 @@ def test_batch_stats_report():
     assert dashboard.eta_seconds(batch, rows, 50, now) == pytest.approx(50 / (25 / 120))
     series = dashboard.throughput_series(batch, rows, now, buckets=5)
     assert sum(series) / 60 * 60 == pytest.approx(50, rel=0.01)  # 1-minute buckets
+
+
+def test_throughput_series_matches_its_definition_bucket_by_bucket():
+    """The series is computed in one pass over the shards; each bucket must still hold
+    what the shards finished within it (`ShardRow.done_between`), ended or running."""
+    rng = random.Random(7)
+    start = timezone.now() - timedelta(minutes=30)
+    for ended in (False, True):
+        now = start + timedelta(minutes=30)
+        batch = Batch(status=Batch.Status.COMPLETED if ended else Batch.Status.IN_PROGRESS,
+                      total=10_000, in_progress_at=start,
+                      completed_at=now - timedelta(minutes=1) if ended else None)
+        rows = []
+        for _ in range(200):
+            began = start + timedelta(seconds=rng.uniform(0, 1700))
+            length = rng.choice([0, 0.5, 3, 60, 400])
+            finished = began + timedelta(seconds=length)
+            running = not ended and rng.random() < 0.2
+            rows.append(dashboard.ShardRow(
+                "b", "running" if running else rng.choice(["done", "done", "abandoned"]),
+                began, None if running else finished, rng.randrange(50), rng.randrange(5),
+                1, 0, 0, 0))
+        buckets = 7
+        end = dashboard.ended_at(batch) or now
+        step = (end - start) / buckets
+        expected = []
+        for i in range(buckets):
+            b_end = start + step * (i + 1) + (timedelta(seconds=1) if i == buckets - 1
+                                              else timedelta(0))
+            count = sum(r.done_between(start + step * i, b_end, now) for r in rows)
+            expected.append(count / step.total_seconds() * 60)
+        assert dashboard.throughput_series(batch, rows, now, buckets=buckets) == \
+            pytest.approx(expected)
 
 
 def test_cancel_confirm_page_and_post(site, user, tmp_path):

@@ -129,3 +129,48 @@ def test_sigterm_hands_back_and_another_worker_finishes(openai_client, workers):
     out = openai_client.files.content(batch.output_file_id).text.splitlines()
     assert sorted(json.loads(line)["custom_id"] for line in out) == sorted(
         f"t{i}" for i in range(40))
+
+
+def test_batch_row_keeps_the_shards_sums_through_every_transition(batch):
+    """The polled pages and GET /v1/batches read the counts from the batch row; each
+    change to a shard's counters (progress, retry, hand-back, abandon, finish, a stale
+    worker's fenced writes) must leave it equal to the sums over the shards."""
+    from django.db.models import Sum
+
+    from jobs.models import PROGRESS_FIELDS
+
+    def sums_agree() -> dict[str, int]:
+        summed = Shard.objects.filter(batch=batch).aggregate(**{k: Sum(k) for k in
+                                                                 PROGRESS_FIELDS})
+        row = Batch.objects.get(pk=batch.pk).progress()
+        assert row == {k: v or 0 for k, v in summed.items()}
+        return row
+
+    first, second = Shard.objects.filter(batch=batch).order_by("index")
+    shard_service.claim_shard(shard_id=first.pk, worker="w1")
+    shard_service.heartbeat(shard_id=first.pk, attempt=1,
+                            progress=Progress(completed=1, input_tokens=7, output_tokens=3))
+    assert sums_agree() == {"completed": 1, "failed": 0, "input_tokens": 7,
+                            "output_tokens": 3}
+    shard_service.fail_shard(shard_id=first.pk, attempt=1, reason="lost")  # retried: reset
+    assert sums_agree()["completed"] == 0
+    Shard.objects.filter(pk=first.pk).update(not_before=None)
+    shard_service.claim_shard(shard_id=first.pk, worker="w2")
+    shard_service.heartbeat(shard_id=first.pk, attempt=2, progress=Progress(completed=1))
+    shard_service.release_shard(shard_id=first.pk, attempt=2)  # handed back: reset
+    assert sums_agree()["completed"] == 0
+    shard_service.claim_shard(shard_id=first.pk, worker="w3")
+    # The stale worker of attempt 1 writes nothing, the batch row neither.
+    shard_service.heartbeat(shard_id=first.pk, attempt=1, progress=Progress(completed=2))
+    assert sums_agree()["completed"] == 0
+    shard_service.finish_shard(shard_id=first.pk, attempt=3, output_part="", error_part="",
+                               progress=Progress(completed=1, failed=1, input_tokens=9,
+                                                 output_tokens=4))
+    for attempt in (1, 2, 3):  # the other shard runs out of attempts: all failed
+        Shard.objects.filter(pk=second.pk).update(not_before=None)
+        shard_service.claim_shard(shard_id=second.pk, worker="w")
+        shard_service.heartbeat(shard_id=second.pk, attempt=attempt,
+                                progress=Progress(completed=1))
+        shard_service.fail_shard(shard_id=second.pk, attempt=attempt, reason="boom")
+    assert sums_agree() == {"completed": 1, "failed": 3, "input_tokens": 9,
+                            "output_tokens": 4}

@@ -23,7 +23,7 @@ def create(request: HttpRequest, user: Any) -> HttpResponse:
 
 
 def list_batches(request: HttpRequest, user: Any) -> HttpResponse:
-    objects = batches.with_progress(Batch.objects.filter(owner=user))
+    objects = Batch.objects.filter(owner=user)
     return paginate(request, objects, default_limit=20, max_limit=100)
 
 

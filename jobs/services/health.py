@@ -17,7 +17,7 @@ from rq import Worker
 from jobs import queues
 from jobs.models import Batch, Shard
 from jobs.services import cleanup, webhooks
-from jobs.services.batches import enqueue_next_shards
+from jobs.services.batches import enqueue_next_shards, refresh_progress
 from jobs.services.shards import fail_shard
 from jobs.wire import Code
 
@@ -140,6 +140,7 @@ def requeue_shards(*, batch: Batch) -> int:
                              end_code=Code.SHARD_FAILED).update(
             status=Shard.Status.QUEUED, failures=0, end_code="", finished_at=None,
             failed=0, not_before=None, enqueued_at=None)
+        refresh_progress(batch_id=batch.pk)
     # Waiting for a retry's backoff, or their job was lost: a job now.
     count = Shard.objects.filter(batch=batch, status=Shard.Status.QUEUED).update(
         not_before=None, enqueued_at=None)

@@ -17,7 +17,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from jobs.models import Batch, Shard
-from jobs.services.batches import enqueue_next_shards, request_finalize
+from jobs.services.batches import enqueue_next_shards, refresh_progress, request_finalize
 from jobs.wire import Code
 
 log = logging.getLogger(__name__)
@@ -60,9 +60,12 @@ def claim_shard(*, shard_id: str, worker: str) -> Shard | None:
 def heartbeat(*, shard_id: str, attempt: int, progress: Progress) -> tuple[bool, str]:
     """Record that the worker is alive and how far it got. Returns (still ours, the batch's
     stop code: non-empty when the shard must stop)."""
-    mine = Shard.objects.filter(pk=shard_id, attempt=attempt,
-                                status=Shard.Status.RUNNING).update(
-        heartbeat_at=timezone.now(), **progress.as_fields())
+    with transaction.atomic():
+        mine = Shard.objects.filter(pk=shard_id, attempt=attempt,
+                                    status=Shard.Status.RUNNING).update(
+            heartbeat_at=timezone.now(), **progress.as_fields())
+        if mine:
+            _refresh_batch_progress(shard_id)
     stop_code = (Batch.objects.filter(shards__pk=shard_id).values_list("stop_code", flat=True)
                  .first() or "")
     return bool(mine), stop_code
@@ -81,7 +84,7 @@ def finish_shard(*, shard_id: str, attempt: int, output_part: str, error_part: s
             error_part=error_part, flags_part=flags_part, flag_counts=flag_counts or {},
             json_retries=json_retries, last_error="", **progress.as_fields())
         if done:
-            batch_id = Shard.objects.values_list("batch_id", flat=True).get(pk=shard_id)
+            batch_id = _refresh_batch_progress(shard_id)
             transaction.on_commit(lambda: request_finalize(batch_id=batch_id), robust=True)
     return bool(done)
 
@@ -100,21 +103,40 @@ def fail_shard(*, shard_id: str, attempt: int, reason: str) -> None:
     fenced = Shard.objects.filter(pk=shard_id, attempt=attempt, status=Shard.Status.RUNNING)
     if failures >= conf["SHARD_MAX_ATTEMPTS"]:
         log.warning("shard %s abandoned after %d failures: %s", shard_id, failures, reason)
-        if fenced.update(status=Shard.Status.ABANDONED, failures=failures, last_error=reason,
-                         end_code=Code.SHARD_FAILED, finished_at=timezone.now(), completed=0,
-                         failed=F("request_count"), input_tokens=0, output_tokens=0):
+        with transaction.atomic():
+            abandoned = fenced.update(
+                status=Shard.Status.ABANDONED, failures=failures, last_error=reason,
+                end_code=Code.SHARD_FAILED, finished_at=timezone.now(), completed=0,
+                failed=F("request_count"), input_tokens=0, output_tokens=0)
+            if abandoned:
+                refresh_progress(batch_id=shard.batch_id)
+        if abandoned:
             request_finalize(batch_id=shard.batch_id)
         return
     delay = timedelta(seconds=conf["SHARD_RETRY_BASE_SECONDS"] * 2 ** (failures - 1))
     log.warning("shard %s failed (%s); retry %d in %s", shard_id, reason, failures, delay)
-    fenced.update(status=Shard.Status.QUEUED, failures=failures, last_error=reason,
-                  not_before=timezone.now() + delay, worker="", **Progress().as_fields())
+    with transaction.atomic():
+        if fenced.update(status=Shard.Status.QUEUED, failures=failures, last_error=reason,
+                         not_before=timezone.now() + delay, worker="",
+                         **Progress().as_fields()):
+            refresh_progress(batch_id=shard.batch_id)
 
 
 def release_shard(*, shard_id: str, attempt: int) -> None:
     """Hand a running shard back untouched (a worker shutting down): it is queued again at
     once and does not count as a failure."""
-    if Shard.objects.filter(pk=shard_id, attempt=attempt, status=Shard.Status.RUNNING).update(
-            status=Shard.Status.QUEUED, worker="", not_before=None, **Progress().as_fields()):
-        batch_id = Shard.objects.values_list("batch_id", flat=True).get(pk=shard_id)
+    with transaction.atomic():
+        released = Shard.objects.filter(
+            pk=shard_id, attempt=attempt, status=Shard.Status.RUNNING).update(
+            status=Shard.Status.QUEUED, worker="", not_before=None, **Progress().as_fields())
+        batch_id = _refresh_batch_progress(shard_id) if released else ""
+    if released:
         enqueue_next_shards(batch_id=batch_id)
+
+
+def _refresh_batch_progress(shard_id: str) -> str:
+    """After a write to a shard's counters, in the same transaction (a retried call then
+    redoes both): the batch's sums follow. Returns the batch id."""
+    batch_id = Shard.objects.values_list("batch_id", flat=True).get(pk=shard_id)
+    refresh_progress(batch_id=batch_id)
+    return batch_id

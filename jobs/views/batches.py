@@ -27,7 +27,7 @@ from jobs.forms import NewBatchForm, ResultFilterForm, SpotCheckForm
 from jobs.models import Batch, File
 from jobs.quality import FLAG_LABELS, FLAGS
 from jobs.services import dashboard, preflight, results, spotcheck
-from jobs.services.batches import cancel_batch, create_batch, get_batch_for_user, with_progress
+from jobs.services.batches import cancel_batch, create_batch, get_batch_for_user
 from jobs.services.errors import ServiceError
 from jobs.services.files import create_input_file, get_file_for_user
 from jobs.services.rerun import rerun_failed
@@ -67,7 +67,7 @@ def _row(batch: Batch, eta: float | None) -> dict[str, Any]:
 def batch_list(request: HttpRequest) -> HttpResponse:
     status = request.GET.get("status", "")
     # Explicit order, the one the API's lists use (newest first, ties by id).
-    batches = with_progress(Batch.objects.filter(owner=request.user)).order_by(
+    batches = Batch.objects.filter(owner=request.user).order_by(
         "-created_at", "-pk")
     if status == "active":
         batches = batches.exclude(status__in=Batch.ENDED)
