@@ -8,7 +8,11 @@ plus `max_in_flight` (ours).
 
 Why the serving layer instead of calling `generate` directly: response bodies, usage,
 parameter validation and error bodies are then exactly what `vllm serve` and vLLM's own
-`run_batch` produce, and stay so when vLLM changes.
+`run_batch` produce, and stay so when vLLM changes. One exception: vLLM's request models
+keep fields they do not know and its serving layer ignores them, so an OpenAI parameter
+that changes what the answer should be (legacy `functions`, audio output, `best_of`...)
+would silently run as if it were not set; such a request is answered with a 400 naming
+the parameter instead (see `_IGNORED_PARAMETERS`).
 
 Threads: vLLM is asyncio-based, the worker is not. The engine owns one event loop in a
 background thread; `run` feeds it from a second thread (the input iterable may block, and
@@ -44,6 +48,31 @@ from engine.base import (
 ABORTED_STATUS = 499
 
 T = TypeVar("T")
+
+# OpenAI request parameters that change what the answer should be. Those the installed
+# vLLM's request model lacks as a field would be dropped silently: refused instead (a
+# parameter vLLM comes to support is passed through again). Parameters that do not change
+# the answer (metadata, store, service_tier, prediction, prompt_cache_key, user...) stay
+# ignored, as the OpenAI API itself may.
+_IGNORED_PARAMETERS = {
+    CHAT: ("functions", "function_call", "modalities", "audio", "web_search_options"),
+    COMPLETIONS: ("best_of",),
+}
+
+
+def _changes_the_answer(name: str, value: Any, body: dict[str, Any]) -> bool:
+    """Whether honouring `name` = `value` could give another answer than ignoring it."""
+    if value is None:
+        return False
+    if name == "functions":  # an empty list: no function to call
+        return value != []
+    if name == "modalities":  # text is what every request gets
+        return not (isinstance(value, list) and set(value) <= {"text"})
+    if name == "function_call":  # "none": no function is called, as when ignored
+        return value != "none"
+    if name == "best_of":  # as many candidates as choices: nothing to pick from
+        return value != (body.get("n") or 1)
+    return True
 
 
 def best_cpu_dtype(cpuinfo: str = "/proc/cpuinfo") -> str:
@@ -169,6 +198,11 @@ class VllmEngine(Engine):
         self._completion_request = CompletionRequest
         self._embedding_request = TypeAdapter(EmbeddingRequest)
         self._error_response = ErrorResponse
+        # Per endpoint, the parameters of _IGNORED_PARAMETERS this vLLM would drop.
+        fields = {CHAT: ChatCompletionRequest.model_fields,
+                  COMPLETIONS: CompletionRequest.model_fields}
+        self._ignored = {url: tuple(n for n in names if n not in fields[url])
+                         for url, names in _IGNORED_PARAMETERS.items()}
         self._json_response = Response
         self._create_error_response = create_error_response
 
@@ -207,9 +241,16 @@ class VllmEngine(Engine):
         create_error_response = self._create_error_response
         body = req.body
         try:
+            ignored = next((name for name in self._ignored.get(req.url, ())
+                            if _changes_the_answer(name, body.get(name), body)), None)
             if body.get("stream"):
                 response: Any = create_error_response(
                     "stream is not supported in batch requests", param="stream"
+                )
+            elif ignored is not None:
+                response = create_error_response(
+                    f"{ignored} is not supported by this model's engine (vLLM would run "
+                    "the request as if it were not set)", param=ignored
                 )
             elif req.url == CHAT and self._chat is not None:
                 parsed = self._chat_request.model_validate(body)

@@ -183,6 +183,45 @@ def test_too_long_prompt_and_bad_params_are_400_while_others_succeed(
     assert results["neg"].body["error"]["param"] == "max_tokens"
 
 
+
+def test_parameters_vllm_would_silently_ignore_are_400(engine: VllmEngine) -> None:
+    """OpenAI parameters that change the answer and that vLLM's request models do not know
+    would run as if unset: each is a 400 naming it. Set to what running without them
+    gives anyway, or when they do not change the answer, the request runs."""
+    function = {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+
+    def completion(rid: str, **body: Any) -> EngineRequest:
+        return EngineRequest(rid, COMPLETIONS, {"model": NAME, "prompt": "The sky is",
+                                                "max_tokens": 2, "temperature": 0, **body})
+
+    refused = {
+        "functions": chat("functions", "Weather in Paris?", functions=[function]),
+        "function_call": chat("function_call", "Weather?", function_call="auto"),
+        "modalities": chat("modalities", "Hi", modalities=["text", "audio"],
+                           audio={"voice": "alloy", "format": "wav"}),
+        "audio": chat("audio", "Hi", audio={"voice": "alloy", "format": "wav"}),
+        "web_search_options": chat("web_search_options", "News?", web_search_options={}),
+        "best_of": completion("best_of", best_of=3),
+    }
+    allowed = [
+        chat("text-only", "Hi", max_tokens=2, modalities=["text"], function_call="none",
+             functions=[], metadata={"team": "a"}, store=False, service_tier="auto",
+             prediction={"type": "content", "content": "Hello"}, user="u1"),
+        completion("best-of-n", best_of=2, n=2, temperature=0.8, seed=1),
+        chat("penalties", "Hi", max_tokens=2, presence_penalty=-1.5,
+             frequency_penalty=1.0, logit_bias={"2": -100}),
+    ]
+    results = run_all(engine, [*refused.values(), *allowed])
+    for rid in refused:
+        r = results[rid]
+        assert r.status_code == 400, (rid, r.body)
+        error = r.body["error"]
+        assert error["type"] == "BadRequestError" and error["param"] == rid, error
+        assert "not supported" in error["message"]
+    for req in allowed:
+        assert results[req.request_id].status_code == 200, results[req.request_id].body
+    assert len(results["best-of-n"].body["choices"]) == 2
+
 def test_abort(engine: VllmEngine) -> None:
     # "long" would generate 400 tokens (~10 s here); abort it once the quick one is back.
     reqs = [
