@@ -223,7 +223,8 @@ class Pipeline:
                                                                 worker=self.worker_name))
         if shard is None:
             return
-        work = self._open_work(shard)
+        # Only reads before it opens the part files: safe to repeat on a dropped connection.
+        work = with_db_retry(lambda: self._open_work(shard))
         try:
             self._submit_lines(shard, work)
         except BaseException as exc:

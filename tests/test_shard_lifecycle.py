@@ -174,3 +174,29 @@ def test_batch_row_keeps_the_shards_sums_through_every_transition(batch):
         shard_service.fail_shard(shard_id=second.pk, attempt=attempt, reason="boom")
     assert sums_agree() == {"completed": 1, "failed": 3, "input_tokens": 9,
                             "output_tokens": 4}
+
+
+@pytest.mark.django_db(transaction=True)  # the retry closes the connection
+def test_a_claim_whose_read_back_fails_is_undone_and_retried(batch, monkeypatch):
+    """The connection drops right after the claiming UPDATE (a backend terminated): the
+    worker's retry must get the shard, not find it running and leave it to the heartbeat
+    timeout."""
+    from django.db import OperationalError
+
+    from jobs.worker import with_db_retry
+
+    real = shard_service._read_claimed
+    calls = []
+
+    def drops_once(shard_id: str) -> Shard:
+        calls.append(shard_id)
+        if len(calls) == 1:
+            raise OperationalError("terminating connection due to administrator command")
+        return real(shard_id)
+
+    monkeypatch.setattr(shard_service, "_read_claimed", drops_once)
+    monkeypatch.setattr("jobs.worker.time.sleep", lambda seconds: None)
+    shard = first_shard(batch)
+    claimed = with_db_retry(lambda: shard_service.claim_shard(shard_id=shard.pk, worker="w"))
+    assert claimed is not None and len(calls) == 2
+    assert (claimed.status, claimed.attempt, claimed.worker) == ("running", 1, "w")

@@ -45,15 +45,23 @@ def claim_shard(*, shard_id: str, worker: str) -> Shard | None:
     if batch.status != Batch.Status.IN_PROGRESS or batch.stop_code:
         return None
     now = timezone.now()
-    claimed = Shard.objects.filter(pk=shard_id, status=Shard.Status.QUEUED,
-                                   attempt=shard.attempt).update(
-        status=Shard.Status.RUNNING, attempt=shard.attempt + 1, worker=worker,
-        heartbeat_at=now, started_at=now, finished_at=None, enqueued_at=None,
-        **Progress().as_fields())
-    if not claimed:
-        return None
-    batch_id = shard.batch_id
-    transaction.on_commit(lambda: enqueue_next_shards(batch_id=batch_id), robust=True)
+    # One transaction with the read-back: if the connection drops after the UPDATE, the
+    # claim is undone and the caller's retry claims again, instead of finding the shard
+    # already running and leaving it to the heartbeat timeout.
+    with transaction.atomic():
+        claimed = Shard.objects.filter(pk=shard_id, status=Shard.Status.QUEUED,
+                                       attempt=shard.attempt).update(
+            status=Shard.Status.RUNNING, attempt=shard.attempt + 1, worker=worker,
+            heartbeat_at=now, started_at=now, finished_at=None, enqueued_at=None,
+            **Progress().as_fields())
+        if not claimed:
+            return None
+        batch_id = shard.batch_id
+        transaction.on_commit(lambda: enqueue_next_shards(batch_id=batch_id), robust=True)
+        return _read_claimed(shard_id)
+
+
+def _read_claimed(shard_id: str) -> Shard:
     return Shard.objects.select_related("batch", "batch__input_file").get(pk=shard_id)
 
 
