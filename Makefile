@@ -35,7 +35,7 @@ test: models
 
 # Fault tests (minutes): workers SIGKILLed, Redis stopped and flushed, PostgreSQL backends
 # terminated, the web process killed mid-upload, a full disk. Needs root for the tmpfs.
-chaos: install
+chaos: models
 	BATCHWEB_CHAOS=1 $(PY) -m batchweb.embedded $(PY) -m pytest tests/chaos -m chaos $(PYTEST_ARGS)
 
 lint: install

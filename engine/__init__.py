@@ -35,9 +35,12 @@ __all__ = [
 def load_engine(spec: ModelSpec) -> Engine:
     """Start the engine for `spec` (blocks until it is ready; vLLM takes ~30 s on CPU)."""
     if spec.backend == "vllm":
+        from engine.reaper import reap_children_on_exit
         from engine.vllm_engine import VllmEngine
 
-        return VllmEngine(spec)
+        engine = VllmEngine(spec)
+        reap_children_on_exit()  # its engine core must not outlive this process
+        return engine
     if spec.backend == "echo":
         from engine.echo import EchoEngine
 

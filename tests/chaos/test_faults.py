@@ -139,6 +139,51 @@ def test_workers_sigkilled_20_times_lose_and_double_nothing(user, chaos_env, wor
           f"batch ended {time.monotonic() - started:.0f}s after the kills began")
 
 
+def test_vllm_worker_sigkilled_mid_shard_loses_nothing_and_leaves_no_engine(
+        user, chaos_env, workers, settings, tmp_path):
+    """The same fault with the real engine: a worker whose vLLM engine core (a child
+    process holding the model and KV cache) is generating is SIGKILLed. Its engine core
+    must not outlive it, holding memory, and a new worker must finish the batch with
+    every request once."""
+    import psutil
+
+    model = "SmolLM2-135M-Instruct"
+    settings.BATCHWEB = {**settings.BATCHWEB, "SHARD_SIZE": 8}
+    n = 48
+    path = tmp_path / "input.jsonl"
+    path.write_bytes(jsonl([chat_line(f"r{i}", f"Write a short poem about the number {i}.",
+                                      model=model, max_tokens=48, temperature=0)
+                            for i in range(n)]))
+    file = create_input_file(owner=user, path=path, filename="in.jsonl", purpose="batch")
+    batch = create_batch(owner=user, input_file_id=file.pk, endpoint="/v1/chat/completions",
+                         completion_window="24h")
+    run_validation(batch_id=batch.pk)
+    env = {**chaos_env, "BATCHWEB_DTYPE": "float32", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "BATCHWEB_HEARTBEAT_TIMEOUT_SECONDS": "10"}
+    worker = workers.start(model, env=env)
+    wait_for(lambda: Shard.objects.filter(batch_id=batch.pk, status="running",
+                                          completed__gt=0).exists(),
+             timeout=600, every=0.5, message="the vLLM worker generating")
+    tree = [worker.pid, *(c.pid for c in psutil.Process(worker.pid).children(recursive=True))]
+    assert len(tree) > 1, "the engine core runs in a child process"
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+
+    def engine_gone() -> bool:
+        return not any(psutil.pid_exists(pid) and psutil.Process(pid).status() !=
+                       psutil.STATUS_ZOMBIE for pid in tree)
+
+    wait_for(engine_gone, timeout=60, every=0.5, message="the orphaned engine core to exit")
+    workers.start(model, env=env)
+    batch = wait_ended(Batch.objects.get(pk=batch.pk), timeout=900)
+    assert batch.status == "completed"
+    out, err = assert_every_custom_id_once(batch, {f"r{i}" for i in range(n)})
+    assert len(out) == n and err == []
+    assert failures(batch) >= 1  # the kill hit a running shard, which ran again
+    assert all(r["response"]["status_code"] == 200 and
+               r["response"]["body"]["choices"][0]["message"]["content"] for r in out)
+
+
 # --- Redis stopped, started, flushed ---
 
 
