@@ -18,13 +18,14 @@ import math
 import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
-from operator import itemgetter
+from itertools import accumulate, chain, count
+from operator import add, attrgetter, itemgetter
 from typing import Any
 
 import re2
 
 from engine.base import EMBEDDINGS, Engine, EngineRequest
-from jobs.wire import RequestLine, estimate_tokens
+from jobs.wire import RequestLine
 
 VIOLATION = "content_policy_violation"
 MODERATION_CHUNK = 256
@@ -114,18 +115,20 @@ def _unit(vector: list[float]) -> list[float]:
 
 # --- terms and regular expressions, with RE2 ---
 #
-# Lines are screened a chunk at a time: their texts joined with a separator, one search
-# (a DFA in C, linear in the text whatever the number of rules) of an alternation of all
-# the term and regex rules. A clean chunk costs that one pass. Each match found names the
-# line it starts in, which is then checked on its own with an RE2 set of the same rules
-# (which of them match it, and, when several do, whose match is leftmost); the search goes
-# on from the next line.
+# Lines are screened a chunk at a time (validation hands over a chunk of parsed lines): the
+# texts of all their messages joined with "\n", one search (a DFA in C, linear in the text
+# whatever the number of rules) of an alternation of all the term and regex rules. A clean
+# chunk costs that one pass, and gathering its texts is done by C iterators, with no Python
+# code run per line. Each match found names the line it starts in, which is then checked on
+# its own with an RE2 set of the same rules (which of them match it, and, when several do,
+# whose match is leftmost); the search goes on from the next line.
 #
-# Joining texts loses no match of a rule that cannot tell where a text starts or ends: a
-# match inside a line's text is still there in the chunk (RE2 has no lookarounds, and the
-# separator is a non-word character, as the start and end of a text are for \b), and a
-# match that spans two lines only costs a look at them. Rules that use ^, $, \A or \z are
-# set apart and checked line by line.
+# A line's text is its messages joined with "\n", so the chunk's text is its lines' texts
+# joined with "\n" too. That loses no match of a rule that cannot tell where a text starts
+# or ends: a match inside a line's text is still there in the chunk (RE2 has no
+# lookarounds, and "\n" is a non-word character, as the start and end of a text are for
+# \b), and a match that spans two lines only costs a look at them. Rules that use ^, $, \A
+# or \z are set apart and checked line by line.
 
 # A word character, for whole-word terms: a letter, mark or digit in any script, or "_"
 # (RE2's \b and \w are ASCII only). Terms are scanned with ASCII edges, which accept more
@@ -133,17 +136,22 @@ def _unit(vector: list[float]) -> list[float]:
 # faster; a line they flag is then checked with the real edges.
 _NOT_WORD = r"[^\p{L}\p{M}\p{N}_]"
 _NOT_ASCII_WORD = "[^0-9A-Za-z_]"
-# Lines screened per call into RE2 (enough that the call costs little; the prompt-size
-# estimate bounds the text held), their texts joined by a character that texts hardly ever
-# hold (an ASCII non-word character, as "\n" is).
-CHUNK_LINES = 64
+# Validation hands lines over a chunk at a time: a chunk ends when its lines' prompt-size
+# estimates, each line counting LINE_TOKENS more, reach CHUNK_TOKENS (one sum per line). So
+# a chunk is at most CHUNK_TOKENS / LINE_TOKENS lines (enough that the calls into RE2 and
+# the chunk's bookkeeping cost little per line, few enough that the lines are still in the
+# CPU's caches when their texts are gathered: bench/policy.py) and holds about CHUNK_TOKENS
+# tokens of text at most.
 CHUNK_TOKENS = 65_536
-_SEP = "\x1e"
-_SEP_BYTES = _SEP.encode()
-_END = {"content": _SEP}  # a message ending each line of a chunk
+LINE_TOKENS = 1_024
 # Memory for each set (RE2's default, 8 MiB, is too small for a hundred rules).
 _MAX_MEM = 64 << 20
-_TOKENS = itemgetter(2)  # of a chunk's (line number, line, tokens)
+# Of a chunk's (line number, line, tokens), and of a chat body and its messages.
+_LINE = itemgetter(1)
+_TOKENS = itemgetter(2)
+_BODY = attrgetter("body")
+_MESSAGES = itemgetter("messages")
+_CONTENT = itemgetter("content")
 
 
 def _options() -> re2.Options:
@@ -336,7 +344,56 @@ def _text_rules(rules: list[Any]) -> _TextRules:
     return compiled
 
 
+class _ChunkText:
+    """The text of a chunk of lines as RE2 reads it: the lines' texts joined with "\n", in
+    UTF-8."""
+
+    def __init__(self, lines: list[RequestLine]) -> None:
+        # The parts joined: each message's content when every line is chat with string
+        # contents (the common case, gathered by C iterators: no Python code per line),
+        # with each line's messages to tell whose parts they are; else each line's text.
+        self.messages: list[Any] | None = None
+        try:
+            messages = list(map(_MESSAGES, map(_BODY, lines)))
+            if all(messages):  # (a line with no message would have no part of its own)
+                self.parts = list(map(_CONTENT, chain.from_iterable(messages)))
+                text = "\n".join(self.parts)  # a TypeError if a content is not a string
+                self.messages = messages
+        except (KeyError, TypeError):
+            pass
+        if self.messages is None:
+            self.parts = [prompt_text(line) for line in lines]
+            text = "\n".join(self.parts)
+        self.data = text.encode()
+        self.ascii = len(self.data) == len(text)
+        self._ends: list[int] | None = None
+
+    def ends(self) -> list[int]:
+        """Where each line's text ends in `data` (where the "\n" after it is, or the end):
+        computed only for a chunk where something matched, by C iterators."""
+        if self._ends is None:
+            lengths = (map(len, self.parts) if self.ascii else
+                       map(len, map(str.encode, self.parts)))
+            # The end of each part: its length and those of the parts and "\n"s before it.
+            part_ends = list(map(add, accumulate(lengths), count()))
+            if self.messages is None:
+                self._ends = part_ends
+            else:  # the end of each line's last part
+                last_parts = accumulate(map(len, self.messages), initial=-1)
+                next(last_parts)
+                self._ends = list(map(part_ends.__getitem__, last_parts))
+        return self._ends
+
+    def text(self, i: int) -> bytes:
+        """The text of line `i`, in UTF-8."""
+        ends = self.ends()
+        return self.data[ends[i - 1] + 1 if i else 0:ends[i]]
+
+
 class Screener:
+    """The enabled rules, checked on lines that validation hands over a chunk at a time
+    (`screen`), then `flush` at the end."""
+
     def __init__(self, rules: list[Any]) -> None:
         self.rules = {rule.name: rule for rule in rules}
         compiled = _text_rules(rules)
@@ -344,9 +401,6 @@ class Screener:
         self.chunk_sets = compiled.chunk_sets
         self.line_sets = compiled.line_sets
         self.scanners = compiled.scanners
-        # Lines waiting for their chunk to be screened: (line number, line, tokens).
-        self.chunk: list[tuple[int, RequestLine, int]] = []
-        self.chunk_tokens = 0
         self.size_rules = [r for r in rules if r.kind == "max_prompt_tokens" and r.max_tokens]
         self.size_floor = min((r.max_tokens for r in self.size_rules), default=0)
         self.moderation = [r for r in rules if r.kind == "moderation" and r.model]
@@ -375,8 +429,10 @@ class Screener:
         """Of the text rules at `indexes` (those that match the UTF-8 text `data`), the one
         whose match is leftmost."""
         indexes = sorted(set(indexes))
-        if len(indexes) == 1 and self.text_rules[indexes[0]].scan == \
-                self.text_rules[indexes[0]].exact:
+        # One rule matching decides, unless it is a term scanned with ASCII edges and the
+        # text is not ASCII (on ASCII text those edges are the real ones).
+        if len(indexes) == 1 and (self.text_rules[indexes[0]].scan ==
+                                  self.text_rules[indexes[0]].exact or data.isascii()):
             return self.text_rules[indexes[0]].rule
         found: Any | None = None
         first = -1
@@ -386,65 +442,48 @@ class Screener:
                 found, first = self.text_rules[i].rule, start
         return found
 
-    def check(self, number: int, line: RequestLine, sink: ViolationSink, *,
-              tokens: int | None = None) -> None:
-        """Screen one line; `tokens` is its prompt-size estimate when the caller has it.
-        Lines are screened a chunk at a time, and moderation ones when their chunk is
-        embedded: violations go to `sink` then, so call `flush` at the end."""
-        if tokens is None:
-            tokens = estimate_tokens(line)[0] if self.size_rules else 0
-        chunk = self.chunk
-        chunk.append((number, line, tokens))
-        self.chunk_tokens += tokens
-        if len(chunk) >= CHUNK_LINES or self.chunk_tokens >= CHUNK_TOKENS:
-            self._screen_chunk(sink)
-
-    def _screen_chunk(self, sink: ViolationSink) -> None:
-        chunk, self.chunk, self.chunk_tokens = self.chunk, [], 0
+    def screen(self, chunk: list[tuple[int, RequestLine, int]], sink: ViolationSink) -> None:
+        """Screen a chunk of lines, each as (line number, line, its prompt-size estimate),
+        in one RE2 pass (see CHUNK_TOKENS for its size). Violations go to `sink`, a
+        moderation rule's when its lines are embedded: call `flush` at the end."""
         if not chunk:
             return
-        refused: dict[int, Any] = {}  # position in the chunk -> term or regex rule
-        texts: list[str] | None = None
-        if self.text_rules:
-            try:  # the common case: chat lines, every content a string
-                joined = "\n".join([m["content"] for _, line, _ in chunk
-                                    for m in (*line.body["messages"], _END)])
-            except (KeyError, TypeError):
-                texts = [prompt_text(line) for _, line, _ in chunk]
-                joined = "\n".join([part for text in texts for part in (text, _SEP)])
-            data = joined.encode()
-            # One search of the whole chunk: the lines where a term or regex may match,
-            # each then checked on its own. A text holding the separator (or a rule using
-            # the text's edges) has every line checked on its own.
-            found = self._suspects(data, len(chunk)) if self.scanners else {}
-            whole = found is not None
-            suspects = found or {}
-            for i in (range(len(chunk)) if self.line_sets or not whole else suspects):
-                if i in suspects:
-                    start, end = suspects[i]
-                    rule = self.text_match(data[start:end])
-                else:
-                    text = (prompt_text(chunk[i][1]) if texts is None else texts[i]).encode()
-                    rule = (self._refusing(text, _matching(self.line_sets, text)) if whole
-                            else self.text_match(text))
-                if rule is not None:
-                    refused[i] = rule
-        floor = self.size_floor
-        if not (refused or self.moderation):  # the common case again
-            if self.size_rules and max(map(_TOKENS, chunk)) > floor:
-                for number, line, tokens in chunk:
-                    if tokens > floor:
-                        self._check_size(number, line, tokens, sink)
+        refused = self._text_refused(list(map(_LINE, chunk))) if self.text_rules else {}
+        if self.moderation:  # every line not refused yet waits for its embedding
+            for i, (number, line, tokens) in enumerate(chunk):
+                if i in refused:
+                    sink(number, line.custom_id, self.violation(refused[i]))
+                elif not self._check_size(number, line, tokens, sink):
+                    self.pending.append((number, line.custom_id, prompt_text(line)))
+            if len(self.pending) >= MODERATION_CHUNK:
+                self._moderate(sink)
             return
-        for i, (number, line, tokens) in enumerate(chunk):
+        # Else only the lines refused and those over a size limit are looked at, in order.
+        oversized: list[int] = []
+        if self.size_rules and max(map(_TOKENS, chunk)) > self.size_floor:
+            oversized = [i for i, (_, _, tokens) in enumerate(chunk)
+                         if tokens > self.size_floor]
+        for i in sorted({*refused, *oversized}) if oversized else sorted(refused):
+            number, line, tokens = chunk[i]
             if i in refused:
                 sink(number, line.custom_id, self.violation(refused[i]))
-            elif (not self.size_rules or tokens <= floor or
-                  not self._check_size(number, line, tokens, sink)) and self.moderation:
-                self.pending.append((number, line.custom_id,
-                                     prompt_text(line) if texts is None else texts[i]))
-        if len(self.pending) >= MODERATION_CHUNK:
-            self._moderate(sink)
+            else:
+                self._check_size(number, line, tokens, sink)
+
+    def _text_refused(self, lines: list[RequestLine]) -> dict[int, Any]:
+        """Position in `lines` -> the term or regex rule refusing that line."""
+        chunk = _ChunkText(lines)
+        # One search of the whole chunk: the lines where a term or regex may match, each
+        # then checked on its own; every line is, when a rule uses the text's edges.
+        suspects = self._suspects(chunk)
+        refused: dict[int, Any] = {}
+        for i in range(len(lines)) if self.line_sets else suspects:
+            text = chunk.text(i)
+            rule = (self.text_match(text) if i in suspects else
+                    self._refusing(text, _matching(self.line_sets, text)))
+            if rule is not None:
+                refused[i] = rule
+        return refused
 
     def _check_size(self, number: int, line: RequestLine, tokens: int,
                     sink: ViolationSink) -> bool:
@@ -455,34 +494,26 @@ class Screener:
                 return True
         return False
 
-    def _suspects(self, data: bytes, lines: int) -> dict[int, tuple[int, int]] | None:
-        """The lines of a chunk (each text followed by "\n", _SEP, "\n" in `data`) where a
-        term or regex may match, with where each text starts and ends in `data`; None when
-        a text holds _SEP itself. A scanner's leftmost match names the line it starts in
-        (the "\n" after a separator is the next line's: a term's edge may be that
-        character); the search goes on from there."""
-        suspects: dict[int, tuple[int, int]] = {}
-        ends: list[int] = []  # where each line's separator is, found at the first match
+    def _suspects(self, chunk: _ChunkText) -> set[int]:
+        """The lines of a chunk where a term or regex may match. A scanner's leftmost match
+        names the line it starts in, and the next line too when it starts at the "\n"
+        between them (a term's edge may be that character); the search goes on from the
+        "\n" after the line named."""
+        suspects: set[int] = set()
         for scanner in self.scanners:
-            position = 0
-            while (match := scanner.search(data, position)) is not None:
-                if not ends:
-                    end = -1
-                    for _ in range(lines):
-                        end = data.find(_SEP_BYTES, end + 1)
-                        ends.append(end)
-                    if end != len(data) - 1:
-                        return None
-                line = bisect.bisect_left(ends, match.start())
-                if line >= lines:  # (an empty match at the very end)
+            line = position = 0
+            while (match := scanner.search(chunk.data, position)) is not None:
+                ends = chunk.ends()
+                line = max(line, bisect.bisect_left(ends, match.start()))
+                if line == len(ends):
                     break
-                suspects[line] = (ends[line - 1] + 2 if line else 0, ends[line] - 1)
-                position = ends[line] + 1
+                suspects.add(line)
+                position = ends[line]
+                line += 1
         return suspects
 
     def flush(self, sink: ViolationSink) -> None:
-        """Screen the lines still waiting."""
-        self._screen_chunk(sink)
+        """Embed the lines still waiting for a moderation rule."""
         self._moderate(sink)
 
     def _moderate(self, sink: ViolationSink) -> None:

@@ -12,10 +12,10 @@ import re2
 from django.core.exceptions import ValidationError
 
 from jobs.models import Batch, ContentRule, ScreenedLine
-from jobs.policy import Screener, Violation
+from jobs.policy import CHUNK_TOKENS, LINE_TOKENS, Screener, Violation
 from jobs.services.batches import create_batch, run_validation
 from jobs.services.files import create_input_file
-from jobs.wire import RequestLine
+from jobs.wire import RequestLine, estimate_tokens
 from tests.helpers import chat_line, jsonl, wait_for
 
 LINES = [
@@ -105,9 +105,11 @@ def test_skip_runs_the_rest_and_writes_flagged_lines_to_errors(openai_client, wo
 
 # --- the screener on its own: terms and regexes matched by one RE2 set, a chunk at a time ---
 
-def screen(rules: list[ContentRule], bodies: list[dict], **check: object) -> dict[int, str]:
-    """Line number -> the rule refusing it, through `check` and `flush` as validation calls
-    them."""
+def screen(rules: list[ContentRule], bodies: list[dict], tokens: int | None = None,
+           chunk_lines: int = CHUNK_TOKENS // LINE_TOKENS) -> dict[int, str]:
+    """Line number -> the rule refusing it, through `screen` and `flush` as validation calls
+    them, `chunk_lines` lines at a time; each line's prompt size is `tokens`, or
+    validation's estimate."""
     screener = Screener(rules)
     found: dict[int, str] = {}
 
@@ -115,9 +117,15 @@ def screen(rules: list[ContentRule], bodies: list[dict], **check: object) -> dic
         assert number not in found and custom_id == f"c{number}"
         found[number] = violation.rule
 
-    for number, body in enumerate(bodies, start=1):
-        screener.check(number, RequestLine(custom_id=f"c{number}", url="/v1/chat/completions",
-                                           body=body), sink, **check)
+    urls = {"messages": "/v1/chat/completions", "prompt": "/v1/completions",
+            "input": "/v1/embeddings"}
+    lines = [RequestLine(custom_id=f"c{number}", body=body,
+                         url=next(url for key, url in urls.items() if key in body))
+             for number, body in enumerate(bodies, start=1)]
+    chunk = [(number, line, estimate_tokens(line)[0] if tokens is None else tokens)
+             for number, line in enumerate(lines, start=1)]
+    for start in range(0, len(chunk), chunk_lines):
+        screener.screen(chunk[start:start + chunk_lines], sink)
     screener.flush(sink)
     return found
 
@@ -196,10 +204,12 @@ def test_the_token_estimate_validation_passes_is_used():
         1: "a-term", 2: "a-term", 3: "a-term", 4: "size"}
 
 
-def test_chunked_screening_agrees_with_each_rule_searched_alone():
-    """Many lines of words, near misses, non-ASCII text, newlines and several messages:
-    what the screener reports is, line by line, the leftmost match of the rules searched
-    one at a time (terms with Python's re, regexes with RE2 on their own)."""
+@pytest.mark.parametrize("chunk_lines", [CHUNK_TOKENS // LINE_TOKENS, 7])
+def test_chunked_screening_agrees_with_each_rule_searched_alone(chunk_lines: int):
+    """Many lines of words, near misses, non-ASCII text, newlines and several messages (some
+    as text parts, some lines with none): what the screener reports is, line by line, the
+    leftmost match of the rules searched one at a time (terms with Python's re, regexes with
+    RE2 on their own), whatever the chunks."""
     rules = [rule("r-card", "regex", r"\b(?:\d{4}[ -]?){3}\d{4}\b"),
              rule("r-start", "regex", r"^ignore\b"),
              rule("r-end", "regex", r"leak$"),
@@ -213,11 +223,15 @@ def test_chunked_screening_agrees_with_each_rule_searched_alone():
              "_café", "café_"]
     rng = random.Random(8)
     bodies = []
-    for _ in range(700):
-        texts = [" ".join(rng.choices(words, k=rng.randint(0, 12)))
-                 for _ in range(rng.choice([1, 1, 1, 2, 3]))]
-        bodies.append(chat(*texts))
-    # The character that joins a chunk's texts, in a text: that chunk is checked line by line.
+    for n in range(700):
+        # Every other stretch of 100 lines is ASCII only (its chunks are located by str
+        # lengths, the others by UTF-8 lengths).
+        pool = [w for w in words if w.isascii()] if n // 100 % 2 else words
+        texts: list[object] = [" ".join(rng.choices(pool, k=rng.randint(0, 12)))
+                               for _ in range(rng.choice([1, 1, 1, 2, 3]))]
+        if rng.random() < 0.02:  # content as text parts: that chunk takes the slow path
+            texts[-1] = [{"type": "text", "text": t} for t in str(texts[-1]).split(" ", 1)]
+        bodies.append(chat(*texts) if rng.random() > 0.005 else chat())
     bodies[100] = chat("a \x1e molotov cocktail")
     bodies[400] = chat("\x1ecafé")
     options = re2.Options()
@@ -236,10 +250,18 @@ def test_chunked_screening_agrees_with_each_rule_searched_alone():
                 best = (match.start(), r.name)
         return best and best[1]
 
+    def text_of(body: dict) -> str:
+        parts: list[str] = []
+        for message in body["messages"]:
+            content = message["content"]
+            parts.extend([content] if isinstance(content, str) else
+                         [part["text"] for part in content])
+        return "\n".join(parts)
+
     expected = {n: name for n, body in enumerate(bodies, start=1)
-                if (name := reference("\n".join(m["content"] for m in body["messages"])))}
+                if (name := reference(text_of(body)))}
     assert 50 < len(expected) < 650  # the corpus has both
-    assert screen(rules, bodies) == expected
+    assert screen(rules, bodies, chunk_lines=chunk_lines) == expected
 
 
 @pytest.mark.django_db

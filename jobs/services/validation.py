@@ -15,7 +15,7 @@ from typing import IO, Any
 from django.conf import settings
 
 from jobs.digestset import DigestSet
-from jobs.policy import VIOLATION, Screener, Violation
+from jobs.policy import CHUNK_TOKENS, LINE_TOKENS, VIOLATION, Screener, Violation
 from jobs.services.files import iter_lines
 from jobs.wire import Code, LineError, RequestLine, dedup_key, estimate_tokens, parse_line
 
@@ -81,6 +81,10 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
     seen_ids = DigestSet()
     primaries: dict[bytes, tuple[int, int]] = {}  # body digest -> (line, shard index)
     shard: ShardPlan | None = None
+    # Lines waiting to be screened, a chunk at a time: (line number, line, tokens), and the
+    # chunk's size as CHUNK_TOKENS counts it.
+    to_screen: list[tuple[int, RequestLine, int]] = []
+    to_screen_size = 0
 
     def problem(line_number: int, error: LineError) -> None:
         report.error_count += 1
@@ -118,7 +122,11 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
             break
         tokens_in, ceiling = estimate_tokens(parsed)
         if screener is not None:
-            screener.check(line.number, parsed, screened, tokens=tokens_in)
+            to_screen.append((line.number, parsed, tokens_in))
+            to_screen_size += tokens_in + LINE_TOKENS
+            if to_screen_size >= CHUNK_TOKENS:
+                screener.screen(to_screen, screened)
+                to_screen, to_screen_size = [], 0
         report.input_tokens_estimate += tokens_in
         report.output_tokens_ceiling += ceiling
 
@@ -146,6 +154,7 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
             on_copy(primary_line, line.number, parsed.custom_id)
 
     if screener is not None:
+        screener.screen(to_screen, screened)
         screener.flush(screened)
         report.errors.sort(key=lambda entry: entry["line"] or 0)
     if report.requests == 0 and report.error_count == 0:
