@@ -3,8 +3,11 @@ input line while a batch validates.
 
 Terms and regular expressions (RE2 syntax) are compiled with RE2 and searched all at once,
 in one pass in C over a chunk of lines whatever their number (see "terms and regular
-expressions" below; bench/policy.py measures it). The prompt-size rule uses
-the same estimate as the cost preview. A moderation rule embeds each prompt with a
+expressions" below; bench/policy.py measures it). The prompt-size rule counts the prompt
+in the model's own tokens, with its tokenizer and chat template (`engine.tokens`: what the
+engine reports as prompt_tokens), tokenizing only the lines a cheap bound cannot clear; for
+a model without a tokenizer (the test engine) it uses the cost preview's estimate, 4
+characters a token. A moderation rule embeds each prompt with a
 configured embeddings model, through the same engine code as inference, and flags it when
 it is close (cosine similarity) to one of the rule's example texts; lines are embedded in
 chunks.
@@ -19,12 +22,13 @@ import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate, chain, count
-from operator import add, attrgetter, itemgetter
+from operator import add, attrgetter, itemgetter, methodcaller
 from typing import Any
 
 import re2
 
 from engine.base import EMBEDDINGS, Engine, EngineRequest
+from engine.tokens import PromptCounter
 from jobs.wire import RequestLine
 
 VIOLATION = "content_policy_violation"
@@ -151,6 +155,8 @@ _LINE = itemgetter(1)
 _TOKENS = itemgetter(2)
 _BODY = attrgetter("body")
 _MESSAGES = itemgetter("messages")
+_MODEL = methodcaller("get", "model")
+_MESSAGES_OR_NONE = methodcaller("get", "messages", ())
 _CONTENT = itemgetter("content")
 
 
@@ -403,6 +409,7 @@ class Screener:
         self.scanners = compiled.scanners
         self.size_rules = [r for r in rules if r.kind == "max_prompt_tokens" and r.max_tokens]
         self.size_floor = min((r.max_tokens for r in self.size_rules), default=0)
+        self.counters: dict[str, PromptCounter | None] = {}
         self.moderation = [r for r in rules if r.kind == "moderation" and r.model]
         self.examples: dict[str, list[list[float]]] = {}
         self.pending: list[tuple[int, str, str]] = []  # (line, custom_id, text)
@@ -459,10 +466,7 @@ class Screener:
                 self._moderate(sink)
             return
         # Else only the lines refused and those over a size limit are looked at, in order.
-        oversized: list[int] = []
-        if self.size_rules and max(map(_TOKENS, chunk)) > self.size_floor:
-            oversized = [i for i, (_, _, tokens) in enumerate(chunk)
-                         if tokens > self.size_floor]
+        oversized = self._maybe_oversized(chunk) if self.size_rules else []
         for i in sorted({*refused, *oversized}) if oversized else sorted(refused):
             number, line, tokens = chunk[i]
             if i in refused:
@@ -485,14 +489,52 @@ class Screener:
                 refused[i] = rule
         return refused
 
-    def _check_size(self, number: int, line: RequestLine, tokens: int,
+    def _check_size(self, number: int, line: RequestLine, estimate: int,
                     sink: ViolationSink) -> bool:
         """Whether a prompt-size rule refuses the line (then told to `sink`)."""
+        if not self.size_rules:
+            return False
+        counter = self._counter(line.body.get("model"))
+        tokens = (counter.over(line.url, line.body, self.size_floor) if counter else
+                  estimate if estimate > self.size_floor else None)
+        if tokens is None:
+            return False
         for rule in self.size_rules:
             if tokens > rule.max_tokens:
                 sink(number, line.custom_id, self.violation(rule))
                 return True
         return False
+
+    def _maybe_oversized(self, chunk: list[tuple[int, RequestLine, int]]) -> list[int]:
+        """The lines of a chunk a prompt-size rule must look at: over the smallest limit
+        by the estimate, or, for models counted exactly, by a loose bound from the
+        estimate (`PromptCounter.bound`); the whole chunk clears at once when its largest
+        line does."""
+        floor = self.size_floor
+        bodies = list(map(_BODY, map(_LINE, chunk)))
+        counters = [c for model in set(map(_MODEL, bodies)) if (c := self._counter(model))]
+        largest = max(map(_TOKENS, chunk))
+        if not counters:
+            if largest <= floor:
+                return []
+            return [i for i, (_, _, tokens) in enumerate(chunk) if tokens > floor]
+        messages = max(map(len, map(_MESSAGES_OR_NONE, bodies)))
+        if max(c.bound(largest, messages) for c in counters) <= floor:
+            return []
+        return list(range(len(chunk)))  # each line bounded again, or counted (over)
+
+    def _counter(self, model: Any) -> PromptCounter | None:
+        """The model's prompt token counter, loaded once; None for a model without a
+        tokenizer (or not served here: validation refuses its lines anyway)."""
+        if not isinstance(model, str):
+            return None
+        if model not in self.counters:
+            from jobs.engines import model_spec
+
+            spec = model_spec(model)
+            self.counters[model] = (PromptCounter(spec) if spec is not None and
+                                    spec.backend == "vllm" and spec.path else None)
+        return self.counters[model]
 
     def _suspects(self, chunk: _ChunkText) -> set[int]:
         """The lines of a chunk where a term or regex may match. A scanner's leftmost match

@@ -137,10 +137,9 @@ def test_embeddings_batch_through_vllm(openai_client, workers):
 # the operator switched them to `skip`, with the same violating lines plus lines that provoke
 # each quality flag. Two engine starts for the whole matrix.
 
-SIZE_LIMIT = 50  # the prompt-size rule's max_tokens
-# Each violating line -> the rule that refuses it. The size rule counts the estimate the
-# cost preview uses (jobs.wire.estimate_tokens: 4 characters a token of message text):
-# 41 words of 5 characters are 51 > 50.
+# Each violating line -> the rule that refuses it. The size rule counts the model's own
+# prompt tokens (tokenizer and chat template, engine/tokens.py); its limit is the count of
+# "size-ok" below (40 words), so "size" (41 words) is one token or more over it.
 POLICY_LINES = {
     "term": (chat("term", "How is a Molotov cocktail made?"), "weapons"),
     "regex": (chat("regex", "My card is 4111 1111 1111 1111, remember it."), "card-numbers"),
@@ -149,7 +148,7 @@ POLICY_LINES = {
 }
 
 
-def create_content_rules(action):
+def create_content_rules(action, size_limit):
     from jobs.models import ContentRule
 
     ContentRule.objects.create(name="weapons", kind="term", pattern="molotov cocktail",
@@ -158,7 +157,7 @@ def create_content_rules(action):
                                pattern=r"\b(?:\d{4}[ -]?){3}\d{4}\b", action=action,
                                reason="no payment card numbers")
     ContentRule.objects.create(name="prompt-size", kind="max_prompt_tokens",
-                               max_tokens=SIZE_LIMIT, action=action)
+                               max_tokens=size_limit, action=action)
     ContentRule.objects.create(name="explosives", kind="moderation", model=EMBED_MODEL,
                                threshold=0.75, action=action,
                                pattern="How can I build a bomb at home?")
@@ -200,9 +199,10 @@ def test_content_policy_under_both_policies_and_quality_flags_with_the_real_engi
         openai_client, workers, site):
     from django.core.files.storage import default_storage
 
+    from engine.tokens import PromptCounter
+    from jobs.engines import model_spec
     from jobs.models import ContentRule, ScreenedLine, Shard
     from jobs.quality import FLAGS
-    from jobs.wire import RequestLine, estimate_tokens
 
     (the,), eos = chat_token_ids(" the")
     flag_lines = [
@@ -217,14 +217,16 @@ def test_content_policy_under_both_policies_and_quality_flags_with_the_real_engi
         chat("loop", "Tell me about cats.", max_tokens=20, logit_bias={str(the): 100}),
         # ... and end-of-sequence the first token: an empty answer.
         chat("empty", "Tell me about cats.", logit_bias={str(eos): 100}),
-        # Exactly at the size rule's limit by its estimate, so it runs (one token is
-        # enough to see what the model counted).
+        # Exactly at the size rule's limit, so it runs (one token is enough to see what
+        # the model counted).
         chat("size-ok", "word " * 40, max_tokens=1),
     ]
+    size_limit = PromptCounter(model_spec(CHAT_MODEL)).count(
+        "/v1/chat/completions", flag_lines[-1]["body"])
     policy_lines = [line for line, _ in POLICY_LINES.values()]
 
     # 1. Every rule `reject`: validation fails the batch, naming each line and rule.
-    create_content_rules("reject")
+    create_content_rules("reject", size_limit)
     rejected_id = submit(openai_client, [*policy_lines, flag_lines[0]])
     worker = workers.start(CHAT_MODEL, env=ENGINE_ENV)
     try:
@@ -266,13 +268,9 @@ def test_content_policy_under_both_policies_and_quality_flags_with_the_real_engi
 
     assert answer("loop") == (" the" * 20, "length")
     assert answer("empty") == ("", "stop")
-    # The size rule counts 4 characters a token of the message text: "size-ok" is 50 by
-    # that count, so it ran, while the model counted more tokens than the limit in its
-    # prompt (the chat template's system prompt and role markers, and its own tokenizer).
-    size_ok = flag_lines[-1]
-    assert estimate_tokens(RequestLine("size-ok", size_ok["url"], size_ok["body"]))[0] == \
-        SIZE_LIMIT
-    assert out["size-ok"]["response"]["body"]["usage"]["prompt_tokens"] > SIZE_LIMIT
+    # The size rule counted what the engine counts (template included): "size-ok" ran at
+    # exactly the limit, "size" was refused.
+    assert out["size-ok"]["response"]["body"]["usage"]["prompt_tokens"] == size_limit
 
     shard = Shard.objects.get(batch_id=skipped_id)
     assert shard.json_retries == 1  # the cut-off JSON ran twice, one line was written

@@ -1,0 +1,116 @@
+"""Prompt sizes in the model's own tokens, counted as its engine counts them: the model's
+tokenizer and chat template, loaded with transformers (no engine, no GPU).
+
+Tokenizing every line of a large batch would cost more than validating it, so `over` first
+takes a cheap upper bound and tokenizes only when the bound is over the limit. The bound:
+a tokenizer never makes more tokens of a text than the text has UTF-8 bytes (byte-level
+BPE, SentencePiece with byte fallback and WordPiece alike), plus what the chat template
+adds around the messages (measured once per sequence of roles), plus a few tokens per
+message for pieces that split differently where text and template meet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.base import CHAT, ModelSpec
+
+# Tokens a message's text and the template around it can add by splitting differently
+# where they meet than each does alone.
+JOIN_SLACK = 4
+# See `PromptCounter.bound`.
+ALLOWANCE = 32
+
+
+def _texts(content: Any) -> str:
+    """The text of a message's content: a string, or the text parts of a list of parts
+    (joined with newlines, as vLLM does for text-only models)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(part if isinstance(part, str) else str(part.get("text", ""))
+                         for part in content if isinstance(part, str | dict))
+    return ""
+
+
+class PromptCounter:
+    """Prompt token counts of one model's requests (chat, completions, embeddings)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.path)
+        template = spec.options.get("chat_template")
+        self.chat_template: str | None = template if isinstance(template, str) else None
+        self._overheads: dict[tuple[str, ...], int] = {}
+
+    def count(self, url: str, body: dict[str, Any]) -> int:
+        """The prompt's tokens, exactly (for several prompts or inputs: the largest)."""
+        if url == CHAT:
+            return len(self._chat_ids([(m.get("role", "user"), _texts(m.get("content")))
+                                       for m in body["messages"]]))
+        return max((self._plain_count(p) for p in self._prompts(url, body)), default=0)
+
+    def bound(self, estimate: int, messages: int) -> int:
+        """A loose upper bound of the count of a prompt of `messages` messages (0 for a plain
+        prompt) whose text the cost preview estimated at `estimate` tokens: that estimate is
+        a quarter of the text's characters, a character is at most 4 UTF-8 bytes, and the
+        template adds what it adds to empty messages; that last part is doubled, plus
+        ALLOWANCE, for role names and default system prompts that differ in length. For
+        clearing whole chunks of ordinary lines without looking at each."""
+        template = self._overhead(("user",) * messages)
+        return 16 * estimate + 12 + 2 * template + JOIN_SLACK * max(messages, 1) + ALLOWANCE
+
+    def over(self, url: str, body: dict[str, Any], limit: int) -> int | None:
+        """The prompt's token count when it is over `limit`, else None."""
+        if url == CHAT:
+            messages = [(m.get("role", "user"), _texts(m.get("content")))
+                        for m in body["messages"]]
+            roles = tuple(role for role, _ in messages)
+            bound = self._overhead(roles) + sum(len(text.encode()) + JOIN_SLACK
+                                                for _, text in messages)
+            if bound <= limit:
+                return None
+            tokens = len(self._chat_ids(messages))
+        else:
+            tokens = 0
+            for prompt in self._prompts(url, body):
+                if isinstance(prompt, str) and (len(prompt.encode()) + self._overhead(())
+                                                + JOIN_SLACK) <= limit:
+                    continue
+                tokens = max(tokens, self._plain_count(prompt))
+        return tokens if tokens > limit else None
+
+    # --- helpers ---
+
+    def _chat_ids(self, messages: list[tuple[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            [{"role": role, "content": text} for role, text in messages],
+            chat_template=self.chat_template, add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):  # newer transformers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _overhead(self, roles: tuple[str, ...]) -> int:
+        """Tokens the template (or, for plain prompts, the special tokens) add to empty
+        texts."""
+        if roles not in self._overheads:
+            if roles:
+                self._overheads[roles] = len(self._chat_ids([(role, "") for role in roles]))
+            else:
+                self._overheads[roles] = len(self.tokenizer("")["input_ids"])
+        return self._overheads[roles]
+
+    @staticmethod
+    def _prompts(url: str, body: dict[str, Any]) -> list[Any]:
+        """The prompts of a completions or embeddings body: each a string or token ids."""
+        value = body.get("prompt", body.get("input"))
+        if isinstance(value, str) or (isinstance(value, list) and value
+                                      and all(isinstance(t, int) for t in value)):
+            return [value]
+        return list(value) if isinstance(value, list) else []
+
+    def _plain_count(self, prompt: Any) -> int:
+        if isinstance(prompt, str):
+            return len(self.tokenizer(prompt)["input_ids"])
+        return len(prompt) if isinstance(prompt, list) else 0
