@@ -155,7 +155,6 @@ _LINE = itemgetter(1)
 _TOKENS = itemgetter(2)
 _BODY = attrgetter("body")
 _MESSAGES = itemgetter("messages")
-_MODEL = methodcaller("get", "model")
 _MESSAGES_OR_NONE = methodcaller("get", "messages", ())
 _CONTENT = itemgetter("content")
 
@@ -511,15 +510,15 @@ class Screener:
         estimate (`PromptCounter.bound`); the whole chunk clears at once when its largest
         line does."""
         floor = self.size_floor
-        bodies = list(map(_BODY, map(_LINE, chunk)))
-        counters = [c for model in set(map(_MODEL, bodies)) if (c := self._counter(model))]
         largest = max(map(_TOKENS, chunk))
-        if not counters:
+        # Validation lets one model through per batch.
+        counter = self._counter(chunk[0][1].model)
+        if counter is None:
             if largest <= floor:
                 return []
             return [i for i, (_, _, tokens) in enumerate(chunk) if tokens > floor]
-        messages = max(map(len, map(_MESSAGES_OR_NONE, bodies)))
-        if max(c.bound(largest, messages) for c in counters) <= floor:
+        messages = max(map(len, map(_MESSAGES_OR_NONE, map(_BODY, map(_LINE, chunk)))))
+        if counter.bound(largest, messages) <= floor:
             return []
         return list(range(len(chunk)))  # each line bounded again, or counted (over)
 
