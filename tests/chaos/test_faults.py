@@ -148,18 +148,20 @@ def test_vllm_worker_sigkilled_mid_shard_loses_nothing_and_leaves_no_engine(
     import psutil
 
     model = "SmolLM2-135M-Instruct"
-    settings.BATCHWEB = {**settings.BATCHWEB, "SHARD_SIZE": 8}
-    n = 48
+    # Shards of a few seconds each, their progress written every second: the kill lands
+    # while one is generating (a shard shorter than a heartbeat never shows progress).
+    settings.BATCHWEB = {**settings.BATCHWEB, "SHARD_SIZE": 16}
+    n = 64
     path = tmp_path / "input.jsonl"
     path.write_bytes(jsonl([chat_line(f"r{i}", f"Write a short poem about the number {i}.",
-                                      model=model, max_tokens=48, temperature=0)
+                                      model=model, max_tokens=64, temperature=0)
                             for i in range(n)]))
     file = create_input_file(owner=user, path=path, filename="in.jsonl", purpose="batch")
     batch = create_batch(owner=user, input_file_id=file.pk, endpoint="/v1/chat/completions",
                          completion_window="24h")
     run_validation(batch_id=batch.pk)
     env = {**chaos_env, "BATCHWEB_DTYPE": "float32", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "BATCHWEB_HEARTBEAT_TIMEOUT_SECONDS": "10"}
+           "BATCHWEB_HEARTBEAT_SECONDS": "1", "BATCHWEB_HEARTBEAT_TIMEOUT_SECONDS": "10"}
     worker = workers.start(model, env=env)
     wait_for(lambda: Shard.objects.filter(batch_id=batch.pk, status="running",
                                           completed__gt=0).exists(),
