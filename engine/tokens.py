@@ -33,6 +33,11 @@ def _texts(content: Any) -> str:
     return ""
 
 
+def _messages(body: dict[str, Any]) -> list[tuple[str, str]]:
+    """(role, text) of each message of a chat body."""
+    return [(m.get("role", "user"), _texts(m.get("content"))) for m in body["messages"]]
+
+
 class PromptCounter:
     """Prompt token counts of one model's requests (chat, completions, embeddings)."""
 
@@ -47,8 +52,7 @@ class PromptCounter:
     def count(self, url: str, body: dict[str, Any]) -> int:
         """The prompt's tokens, exactly (for several prompts or inputs: the largest)."""
         if url == CHAT:
-            return len(self._chat_ids([(m.get("role", "user"), _texts(m.get("content")))
-                                       for m in body["messages"]]))
+            return len(self._chat_ids(_messages(body)))
         return max((self._plain_count(p) for p in self._prompts(url, body)), default=0)
 
     def bound(self, estimate: int, messages: int) -> int:
@@ -64,8 +68,7 @@ class PromptCounter:
     def over(self, url: str, body: dict[str, Any], limit: int) -> int | None:
         """The prompt's token count when it is over `limit`, else None."""
         if url == CHAT:
-            messages = [(m.get("role", "user"), _texts(m.get("content")))
-                        for m in body["messages"]]
+            messages = _messages(body)
             roles = tuple(role for role, _ in messages)
             bound = self._overhead(roles) + sum(len(text.encode()) + JOIN_SLACK
                                                 for _, text in messages)

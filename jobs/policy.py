@@ -493,7 +493,7 @@ class Screener:
         """Whether a prompt-size rule refuses the line (then told to `sink`)."""
         if not self.size_rules:
             return False
-        counter = self._counter(line.body.get("model"))
+        counter = self._counter(line.model)
         tokens = (counter.over(line.url, line.body, self.size_floor) if counter else
                   estimate if estimate > self.size_floor else None)
         if tokens is None:

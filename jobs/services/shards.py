@@ -68,13 +68,14 @@ def _read_claimed(shard_id: str) -> Shard:
 def heartbeat(*, shard_id: str, attempt: int, progress: Progress) -> tuple[bool, str]:
     """Record that the worker is alive and how far it got. Returns (still ours, the batch's
     stop code: non-empty when the shard must stop)."""
+    batch_id = Shard.objects.filter(pk=shard_id).values_list("batch_id", flat=True).first()
     with transaction.atomic():
         mine = Shard.objects.filter(pk=shard_id, attempt=attempt,
                                     status=Shard.Status.RUNNING).update(
             heartbeat_at=timezone.now(), **progress.as_fields())
         if mine:
-            _refresh_batch_progress(shard_id)
-    stop_code = (Batch.objects.filter(shards__pk=shard_id).values_list("stop_code", flat=True)
+            refresh_progress(batch_id=batch_id)
+    stop_code = (Batch.objects.filter(pk=batch_id).values_list("stop_code", flat=True)
                  .first() or "")
     return bool(mine), stop_code
 
