@@ -1,9 +1,10 @@
 """Content policy: the operator's rules (ContentRule, edited in the admin) checked on every
 input line while a batch validates.
 
-Terms and regular expressions (RE2 syntax) are compiled with RE2 and searched all at once,
-in one pass in C over a chunk of lines whatever their number (see "terms and regular
-expressions" below; bench/policy.py measures it). The prompt-size rule counts the prompt
+Terms and regular expressions (RE2 syntax) are decided by RE2. A chunk of lines is searched
+for all of them at once: by a Hyperscan prefilter naming the lines and rules to check, on
+ASCII text, else by one RE2 pass ("terms and regular expressions" and "the fast path"
+below; bench/policy.py measures it). The prompt-size rule counts the prompt
 in the model's own tokens, with its tokenizer and chat template (`engine.tokens`: what the
 engine reports as prompt_tokens), tokenizing only the lines a cheap bound cannot clear; for
 a model without a tokenizer (the test engine) it uses the cost preview's estimate, 4
@@ -19,13 +20,18 @@ import bisect
 import logging
 import math
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from itertools import accumulate, chain, count
+from itertools import accumulate, count
 from operator import add, attrgetter, itemgetter, methodcaller
 from typing import Any
 
 import re2
+
+try:
+    import hyperscan
+except ImportError:  # no wheel for this platform: every chunk takes RE2's path
+    hyperscan = None
 
 from engine.base import EMBEDDINGS, Engine, EngineRequest
 from engine.tokens import PromptCounter
@@ -51,27 +57,6 @@ class Violation:
 
 # (line number, custom_id, violation)
 ViolationSink = Callable[[int, str, Violation], None]
-
-
-def prompt_text(line: RequestLine) -> str:
-    """All the text a request sends to the model, joined."""
-    body = line.body
-    if "messages" in body:
-        try:  # the common case, every content a string
-            return "\n".join([m["content"] for m in body["messages"]])
-        except (KeyError, TypeError):
-            pass
-        values: list[Any] = [m.get("content") for m in body["messages"]]
-    else:
-        values = [body.get("prompt", body.get("input"))]
-    parts: list[str] = []
-    for value in values:
-        if isinstance(value, str):
-            parts.append(value)
-        elif isinstance(value, list):
-            parts.extend(v if isinstance(v, str) else str(v.get("text", ""))
-                         for v in value if isinstance(v, str | dict))
-    return "\n".join(parts)
 
 
 _ENGINES: dict[str, Engine] = {}
@@ -150,13 +135,11 @@ CHUNK_TOKENS = 65_536
 LINE_TOKENS = 1_024
 # Memory for each set (RE2's default, 8 MiB, is too small for a hundred rules).
 _MAX_MEM = 64 << 20
-# Of a chunk's (line number, line, tokens), and of a chat body and its messages.
-_LINE = itemgetter(1)
+# Of a chunk's (line number, custom_id, tokens, text), and of a chat body.
 _TOKENS = itemgetter(2)
+_TEXT = itemgetter(3)
 _BODY = attrgetter("body")
-_MESSAGES = itemgetter("messages")
 _MESSAGES_OR_NONE = methodcaller("get", "messages", ())
-_CONTENT = itemgetter("content")
 
 
 def _options() -> re2.Options:
@@ -201,21 +184,20 @@ def _term_pattern(term: str, not_word: str = _NOT_WORD) -> str:
             (f"(?:$|{not_word})" if _is_word_char(term[-1]) else ""))
 
 
-def _uses_text_edges(pattern: str) -> bool:
-    """Whether an RE2 pattern may use ^, $, \\A or \\z (an over-approximation: any of them
-    outside a character class or a \\Q…\\E quote)."""
+def _tokens_outside_classes(pattern: str) -> Iterator[tuple[int, int]]:
+    """The (start, end) of each token of an RE2 pattern outside character classes and
+    \\Q…\\E quotes: an escape (a backslash and the character after it) or one character."""
     i, n = 0, len(pattern)
     in_class = False
     while i < n:
         ch = pattern[i]
         if ch == "\\":
-            following = pattern[i + 1:i + 2]
-            if following == "Q":
+            if pattern[i + 1:i + 2] == "Q":
                 end = pattern.find("\\E", i + 2)
                 i = n if end < 0 else end + 2
                 continue
-            if not in_class and following in ("A", "z"):
-                return True
+            if not in_class:
+                yield i, i + 2
             i += 2
             continue
         if in_class:
@@ -233,10 +215,28 @@ def _uses_text_edges(pattern: str) -> bool:
             if pattern.startswith("]", i):  # a leading ] is a literal
                 i += 1
             continue
-        elif ch in "^$":
-            return True
+        else:
+            yield i, i + 1
         i += 1
-    return False
+
+
+def _uses_text_edges(pattern: str) -> bool:
+    """Whether an RE2 pattern may use ^, $, \\A or \\z (an over-approximation: any of them
+    outside a character class or a \\Q…\\E quote)."""
+    return any(pattern[start:end] in ("^", "$", "\\A", "\\z")
+               for start, end in _tokens_outside_classes(pattern))
+
+
+def _without_word_boundaries(pattern: str) -> str:
+    """`pattern` with each \\b and \\B made an empty group: it matches wherever the pattern
+    does, and more (a prefilter's pattern)."""
+    pieces: list[str] = []
+    last = 0
+    for start, end in _tokens_outside_classes(pattern):
+        if pattern[start:end] in ("\\b", "\\B"):
+            pieces += [pattern[last:start], "(?:)"]
+            last = end
+    return "".join(pieces) + pattern[last:]
 
 
 @dataclass
@@ -244,16 +244,23 @@ class _TextRule:
     rule: Any
     scan: str  # its pattern in the sets
     exact: str  # the pattern that decides whether, and where, the rule matches
+    loose: str  # its pattern in the prefilter: matches at least where `exact` does
     group: int  # the group of `exact` that is the match (terms consume edge characters)
     edges: bool  # uses the start or end of the text: not scanned in joined chunks
     compiled: Any = None
+    compiled_scan: Any = None
 
     def search(self, data: bytes) -> int | None:
         """Where (in bytes) the rule's leftmost match in the UTF-8 text `data` starts, None
         if it does not match."""
-        if self.compiled is None:
-            self.compiled = re2.compile(self.exact, _options())
-        match = self.compiled.search(data)
+        if data.isascii():  # `scan` decides there too, and its DFA is smaller (ASCII edges)
+            if self.compiled_scan is None:
+                self.compiled_scan = re2.compile(self.scan, _options())
+            match = self.compiled_scan.search(data)
+        else:
+            if self.compiled is None:
+                self.compiled = re2.compile(self.exact, _options())
+            match = self.compiled.search(data)
         return None if match is None else match.start(self.group)
 
 
@@ -306,6 +313,106 @@ def _compile_scanners(patterns: list[str]) -> list[Any]:
         return _compile_scanners(patterns[:half]) + _compile_scanners(patterns[half:])
 
 
+# --- the fast path: Hyperscan's prefilter on ASCII chunks ---
+#
+# RE2's DFA reads a byte at a time, about 1.8 ns a byte here whatever the rules (bench/
+# policy.py): that alone was most of screening's cost. Hyperscan (Intel's SIMD regex
+# library) finds where any of many patterns may match about twice as fast, and reports
+# every match's end with its pattern. It decides nothing here: it only names, for each line
+# of a chunk, the rules that may match it, and RE2 then searches that line for those rules
+# alone. So it must never miss a match RE2 would find, and it is used only where its
+# patterns are known to accept at least what RE2's do:
+# - on chunks that are ASCII only, read as bytes, case-insensitive, in prefilter mode (it
+#   may report more). There, an ASCII pattern means the same to both: their differences
+#   are in Unicode (tables of different Unicode versions, and reading UTF-8 made Hyperscan
+#   ten times slower), so RE2 reads every other chunk;
+# - on chunks without a vertical tab, the one ASCII character the two disagree on (it is
+#   \s to Hyperscan, \S to RE2);
+# - when every rule is ASCII, or is a term that cannot match ASCII text (none of its
+#   characters folds to an ASCII one: it is left out), and compiles (patterns that can
+#   match an empty text do not): else RE2 reads every chunk.
+# Its patterns are looser than the rules, which only adds lines to check: a term without
+# its word edges, a regex with each \b and \B made an empty group (Hyperscan runs a third
+# faster without them).
+# tests/test_policy.py checks both paths against each rule searched alone.
+_PREFILTER_FLAGS = (0 if hyperscan is None else
+                    hyperscan.HS_FLAG_CASELESS | hyperscan.HS_FLAG_PREFILTER)
+# Matches reported in a chunk before the prefilter gives the chunk up to RE2 (a rule such
+# as "\d+" on a table of numbers would otherwise call back for every digit).
+_PREFILTER_MAX_HITS = 256
+# Off in tests that check RE2's own path.
+USE_PREFILTER = True
+_ASCII = "".join(map(chr, range(128)))
+
+
+def _matches_ascii(term: str) -> bool:
+    """Whether a term could match ASCII text: every character of it matches an ASCII one,
+    case-insensitively as RE2 folds (K, the Kelvin sign, is k)."""
+    return all(ch.isascii() or re2.search(re2.escape(ch), _ASCII, _options()) is not None
+               for ch in term)
+
+
+class _Prefilter:
+    """A Hyperscan database of the chunk-scanned rules: which rules may match which lines
+    of an ASCII chunk (`candidates`)."""
+
+    def __init__(self, patterns: list[tuple[int, str]]) -> None:
+        # None when no rule can match ASCII text (non-ASCII terms only): nothing to scan.
+        self.database = hyperscan.Database() if patterns else None
+        if self.database is not None:
+            self.database.compile(expressions=[p.encode() for _, p in patterns],
+                                  ids=[index for index, _ in patterns], elements=len(patterns),
+                                  flags=[_PREFILTER_FLAGS] * len(patterns))
+
+    @classmethod
+    def build(cls, rules: list[_TextRule]) -> _Prefilter | None:
+        """The prefilter of the rules scanned a chunk at a time; None when one of them
+        cannot be in it."""
+        if hyperscan is None:
+            return None
+        patterns: list[tuple[int, str]] = []
+        for index, rule in enumerate(rules):
+            if rule.edges:
+                continue
+            if rule.loose.isascii():
+                patterns.append((index, rule.loose))
+            elif rule.rule.kind != "term" or _matches_ascii(rule.rule.pattern.strip()):
+                return None
+        try:
+            return cls(patterns)
+        except hyperscan.error as exc:
+            logger.info("content rules screened by RE2 alone: %s", exc)
+            return None
+
+    def candidates(self, chunk: _ChunkText) -> dict[int, set[int]] | None:
+        """Line position in the chunk -> the rules that may match that line; None when the
+        chunk is not one this prefilter may read, or when it matches too often."""
+        if not chunk.ascii or b"\v" in chunk.data:
+            return None
+        if self.database is None:
+            return {}
+        hits: list[tuple[int, int]] = []
+
+        def on_match(rule: int, start: int, end: int, flags: int, context: Any) -> bool:
+            hits.append((rule, end))
+            return len(hits) > _PREFILTER_MAX_HITS  # True stops the scan
+
+        try:
+            self.database.scan(chunk.data, match_event_handler=on_match)
+        except hyperscan.error:  # stopped (too many matches), or scratch space in use
+            return None
+        found: dict[int, set[int]] = {}
+        if hits:
+            ends = chunk.ends()
+            for rule, end in hits:
+                # A match ending at `end` covers the byte before it, which is in the line
+                # named (a "\n" after a line counts as that line's). No match is empty: a
+                # pattern that could match an empty text does not compile.
+                line = bisect.bisect_left(ends, end - 1)
+                found.setdefault(line, set()).add(rule)
+        return found
+
+
 class _TextRules:
     """The term and regex rules of a rule list, compiled."""
 
@@ -317,20 +424,22 @@ class _TextRules:
             if rule.kind == "term" and rule.pattern.strip():
                 term = rule.pattern.strip()
                 self.rules.append(_TextRule(rule, _term_pattern(term, _NOT_ASCII_WORD),
-                                            _term_pattern(term), 1, False))
+                                            _term_pattern(term), re2.escape(term), 1, False))
             elif rule.kind == "regex" and rule.pattern:
                 try:
                     re2.compile(rule.pattern, _options())
                 except re2.error as exc:  # saved without the admin's check
                     logger.error("content rule %r ignored: %s", rule.name, _error_text(exc))
                     continue
-                self.rules.append(_TextRule(rule, rule.pattern, rule.pattern, 0,
+                self.rules.append(_TextRule(rule, rule.pattern, rule.pattern,
+                                            _without_word_boundaries(rule.pattern), 0,
                                             _uses_text_edges(rule.pattern)))
         self.chunk_sets = _compile_sets([(i, t.scan) for i, t in enumerate(self.rules)
                                          if not t.edges])
         self.scanners = _compile_scanners([t.scan for t in self.rules if not t.edges])
         self.line_sets = _compile_sets([(i, t.scan) for i, t in enumerate(self.rules)
                                         if t.edges])
+        self.prefilter = _Prefilter.build(self.rules)
 
 
 # The last rule list compiled, kept while the rules do not change: a worker validating
@@ -353,22 +462,9 @@ class _ChunkText:
     """The text of a chunk of lines as RE2 reads it: the lines' texts joined with "\n", in
     UTF-8."""
 
-    def __init__(self, lines: list[RequestLine]) -> None:
-        # The parts joined: each message's content when every line is chat with string
-        # contents (the common case, gathered by C iterators: no Python code per line),
-        # with each line's messages to tell whose parts they are; else each line's text.
-        self.messages: list[Any] | None = None
-        try:
-            messages = list(map(_MESSAGES, map(_BODY, lines)))
-            if all(messages):  # (a line with no message would have no part of its own)
-                self.parts = list(map(_CONTENT, chain.from_iterable(messages)))
-                text = "\n".join(self.parts)  # a TypeError if a content is not a string
-                self.messages = messages
-        except (KeyError, TypeError):
-            pass
-        if self.messages is None:
-            self.parts = [prompt_text(line) for line in lines]
-            text = "\n".join(self.parts)
+    def __init__(self, texts: list[str]) -> None:
+        self.texts = texts
+        text = "\n".join(texts)
         self.data = text.encode()
         self.ascii = len(self.data) == len(text)
         self._ends: list[int] | None = None
@@ -377,16 +473,10 @@ class _ChunkText:
         """Where each line's text ends in `data` (where the "\n" after it is, or the end):
         computed only for a chunk where something matched, by C iterators."""
         if self._ends is None:
-            lengths = (map(len, self.parts) if self.ascii else
-                       map(len, map(str.encode, self.parts)))
-            # The end of each part: its length and those of the parts and "\n"s before it.
-            part_ends = list(map(add, accumulate(lengths), count()))
-            if self.messages is None:
-                self._ends = part_ends
-            else:  # the end of each line's last part
-                last_parts = accumulate(map(len, self.messages), initial=-1)
-                next(last_parts)
-                self._ends = list(map(part_ends.__getitem__, last_parts))
+            lengths = (map(len, self.texts) if self.ascii else
+                       map(len, map(str.encode, self.texts)))
+            # The end of each text: its length and those of the texts and "\n"s before it.
+            self._ends = list(map(add, accumulate(lengths), count()))
         return self._ends
 
     def text(self, i: int) -> bytes:
@@ -406,9 +496,11 @@ class Screener:
         self.chunk_sets = compiled.chunk_sets
         self.line_sets = compiled.line_sets
         self.scanners = compiled.scanners
+        self.prefilter = compiled.prefilter if USE_PREFILTER else None
         self.size_rules = [r for r in rules if r.kind == "max_prompt_tokens" and r.max_tokens]
         self.size_floor = min((r.max_tokens for r in self.size_rules), default=0)
         self.counters: dict[str, PromptCounter | None] = {}
+        self.counter: PromptCounter | None = None  # the batch model's (`needs_requests`)
         self.moderation = [r for r in rules if r.kind == "moderation" and r.model]
         self.examples: dict[str, list[list[float]]] = {}
         self.pending: list[tuple[int, str, str]] = []  # (line, custom_id, text)
@@ -440,47 +532,79 @@ class Screener:
         if len(indexes) == 1 and (self.text_rules[indexes[0]].scan ==
                                   self.text_rules[indexes[0]].exact or data.isascii()):
             return self.text_rules[indexes[0]].rule
+        return self._leftmost(data, indexes)
+
+    def _leftmost(self, data: bytes, indexes: list[int]) -> Any | None:
+        """Of the text rules at `indexes`, the one whose match in `data` is leftmost (the
+        first by name on a tie); None when none matches."""
         found: Any | None = None
         first = -1
-        for i in indexes:
+        for i in sorted(set(indexes)):
             start = self.text_rules[i].search(data)
             if start is not None and (found is None or start < first):
                 found, first = self.text_rules[i].rule, start
         return found
 
-    def screen(self, chunk: list[tuple[int, RequestLine, int]], sink: ViolationSink) -> None:
-        """Screen a chunk of lines, each as (line number, line, its prompt-size estimate),
-        in one RE2 pass (see CHUNK_TOKENS for its size). Violations go to `sink`, a
-        moderation rule's when its lines are embedded: call `flush` at the end."""
+    def needs_requests(self, model: str) -> bool:
+        """Whether `screen` needs each line's request, for a batch of `model` (validation
+        lets one model through): when a prompt-size rule counts that model's own tokens.
+        Else a line is only its number, custom_id, estimate and text, and validation lets
+        go of the rest of it at once (holding every parsed request of a chunk cost more
+        than the search itself: bench/policy.py)."""
+        self.counter = self._counter(model) if self.size_rules else None
+        return self.counter is not None
+
+    def screen(self, chunk: list[tuple[int, str, int, str]], sink: ViolationSink,
+               requests: list[RequestLine] | None = None) -> None:
+        """Screen a chunk of lines, each as (line number, custom_id, its prompt-size
+        estimate, its `wire.prompt_text`), in one pass (see CHUNK_TOKENS for its size);
+        `requests` are the lines' requests when `needs_requests` said so. Violations go to
+        `sink`, a moderation rule's when its lines are embedded: call `flush` at the
+        end."""
         if not chunk:
             return
-        refused = self._text_refused(list(map(_LINE, chunk))) if self.text_rules else {}
+        if self.counter is not None and (requests is None or len(requests) != len(chunk)):
+            raise ValueError("a prompt-size rule counts tokens: pass the lines' requests")
+        refused = self._text_refused(list(map(_TEXT, chunk))) if self.text_rules else {}
         if self.moderation:  # every line not refused yet waits for its embedding
-            for i, (number, line, tokens) in enumerate(chunk):
+            for i, line in enumerate(chunk):
+                number, custom_id, _, text = line
                 if i in refused:
-                    sink(number, line.custom_id, self.violation(refused[i]))
-                elif not self._check_size(number, line, tokens, sink):
-                    self.pending.append((number, line.custom_id, prompt_text(line)))
+                    sink(number, custom_id, self.violation(refused[i]))
+                elif not self._check_size(line, requests[i] if requests else None, sink):
+                    self.pending.append((number, custom_id, text))
             if len(self.pending) >= MODERATION_CHUNK:
                 self._moderate(sink)
             return
         # Else only the lines refused and those over a size limit are looked at, in order.
-        oversized = self._maybe_oversized(chunk) if self.size_rules else []
+        oversized = self._maybe_oversized(chunk, requests) if self.size_rules else []
         for i in sorted({*refused, *oversized}) if oversized else sorted(refused):
-            number, line, tokens = chunk[i]
             if i in refused:
-                sink(number, line.custom_id, self.violation(refused[i]))
+                sink(chunk[i][0], chunk[i][1], self.violation(refused[i]))
             else:
-                self._check_size(number, line, tokens, sink)
+                self._check_size(chunk[i], requests[i] if requests else None, sink)
 
-    def _text_refused(self, lines: list[RequestLine]) -> dict[int, Any]:
-        """Position in `lines` -> the term or regex rule refusing that line."""
-        chunk = _ChunkText(lines)
-        # One search of the whole chunk: the lines where a term or regex may match, each
-        # then checked on its own; every line is, when a rule uses the text's edges.
-        suspects = self._suspects(chunk)
+    def _text_refused(self, texts: list[str]) -> dict[int, Any]:
+        """Position in `texts` (lines' prompt texts) -> the term or regex rule refusing
+        that line."""
+        chunk = _ChunkText(texts)
+        every_line = range(len(texts)) if self.line_sets else None
         refused: dict[int, Any] = {}
-        for i in range(len(lines)) if self.line_sets else suspects:
+        candidates = self.prefilter.candidates(chunk) if self.prefilter else None
+        if candidates is not None:
+            # The lines Hyperscan names, each searched by RE2 for the rules named; every
+            # line, when a rule uses the text's edges.
+            for i in every_line or sorted(candidates):
+                text = chunk.text(i)
+                rule = self._leftmost(text, [*candidates.get(i, ()),
+                                             *_matching(self.line_sets, text)])
+                if rule is not None:
+                    refused[i] = rule
+            return refused
+        # One RE2 search of the whole chunk: the lines where a term or regex may match,
+        # each then checked on its own; every line, when a rule uses the text's edges.
+        suspects = self._suspects(chunk)
+        for i in every_line or suspects:
             text = chunk.text(i)
             rule = (self.text_match(text) if i in suspects else
                     self._refusing(text, _matching(self.line_sets, text)))
@@ -488,37 +612,37 @@ class Screener:
                 refused[i] = rule
         return refused
 
-    def _check_size(self, number: int, line: RequestLine, estimate: int,
+    def _check_size(self, line: tuple[int, str, int, str], request: RequestLine | None,
                     sink: ViolationSink) -> bool:
         """Whether a prompt-size rule refuses the line (then told to `sink`)."""
         if not self.size_rules:
             return False
-        counter = self._counter(line.model)
-        tokens = (counter.over(line.url, line.body, self.size_floor) if counter else
+        number, custom_id, estimate, _ = line
+        tokens = (self.counter.over(request.url, request.body, self.size_floor)
+                  if self.counter is not None and request is not None else
                   estimate if estimate > self.size_floor else None)
         if tokens is None:
             return False
         for rule in self.size_rules:
             if tokens > rule.max_tokens:
-                sink(number, line.custom_id, self.violation(rule))
+                sink(number, custom_id, self.violation(rule))
                 return True
         return False
 
-    def _maybe_oversized(self, chunk: list[tuple[int, RequestLine, int]]) -> list[int]:
+    def _maybe_oversized(self, chunk: list[tuple[int, str, int, str]],
+                         requests: list[RequestLine] | None) -> list[int]:
         """The lines of a chunk a prompt-size rule must look at: over the smallest limit
         by the estimate, or, for models counted exactly, by a loose bound from the
         estimate (`PromptCounter.bound`); the whole chunk clears at once when its largest
         line does."""
         floor = self.size_floor
         largest = max(map(_TOKENS, chunk))
-        # Validation lets one model through per batch.
-        counter = self._counter(chunk[0][1].model)
-        if counter is None:
+        if self.counter is None or not requests:
             if largest <= floor:
                 return []
-            return [i for i, (_, _, tokens) in enumerate(chunk) if tokens > floor]
-        messages = max(map(len, map(_MESSAGES_OR_NONE, map(_BODY, map(_LINE, chunk)))))
-        if counter.bound(largest, messages) <= floor:
+            return [i for i, (_, _, tokens, _) in enumerate(chunk) if tokens > floor]
+        messages = max(map(len, map(_MESSAGES_OR_NONE, map(_BODY, requests))))
+        if self.counter.bound(largest, messages) <= floor:
             return []
         return list(range(len(chunk)))  # each line bounded again, or counted (over)
 

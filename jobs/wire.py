@@ -234,39 +234,52 @@ def dedup_key(line: RequestLine) -> bytes | None:
     return hashlib.blake2b(canonical.encode(), digest_size=16).digest()
 
 
-def _text_length(value: Any) -> int:
-    """Characters of text in a message content, prompt or input (strings, or lists of
-    strings / text parts)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, list):
-        total = 0
-        for item in value:
-            if isinstance(item, str):
-                total += len(item)
-            elif isinstance(item, dict):
-                total += len(item.get("text") or "")
-            else:
-                total += 4  # token ids
-        return total
-    return 0
+def prompt_text(line: RequestLine) -> tuple[str, int]:
+    """(text, characters) of what a request sends to the model: the texts of its messages'
+    contents (or of its prompt, or of its inputs) joined with "\n", and the characters the
+    token estimate counts (the texts' own, and 4 for each token id or token array).
 
-
-def estimate_tokens(line: RequestLine) -> tuple[int, int]:
-    """(input tokens, output-token ceiling) estimated without a tokenizer: ~4 characters a
-    token, which is close for English with BPE tokenizers."""
+    Validation computes it once per line, for the estimate and for the content rules."""
     body = line.body
     if line.url == CHAT:
-        text_chars = sum(_text_length(m.get("content")) for m in body["messages"])
-    elif line.url == COMPLETIONS:
-        text_chars = _text_length(body["prompt"])
+        messages = body["messages"]
+        try:  # the common case, every content a string
+            text = "\n".join([message["content"] for message in messages])
+            return text, len(text) - len(messages) + 1
+        except (KeyError, TypeError):
+            values = [message.get("content") for message in messages]
     else:
-        text_chars = _text_length(body["input"])
+        values = [body.get("prompt") if line.url == COMPLETIONS else body.get("input")]
+    parts: list[str] = []
+    token_ids = 0
+    for value in values:
+        if isinstance(value, str):
+            parts.append(value)
+        elif isinstance(value, list):
+            for item in value:
+                if isinstance(item, str):
+                    parts.append(item)
+                elif isinstance(item, dict):  # a content part: text, or an image...
+                    text = item.get("text")
+                    if isinstance(text, str):
+                        parts.append(text)
+                else:
+                    token_ids += 1
+    return "\n".join(parts), sum(map(len, parts)) + 4 * token_ids
+
+
+def estimate_tokens(line: RequestLine, chars: int | None = None) -> tuple[int, int]:
+    """(input tokens, output-token ceiling) estimated without a tokenizer: ~4 characters a
+    token, which is close for English with BPE tokenizers. `chars` is `prompt_text`'s
+    count, when the caller has it."""
+    if chars is None:
+        chars = prompt_text(line)[1]
+    body = line.body
     ceiling = 0
     if line.url != EMBEDDINGS:
         ceiling = body.get("max_completion_tokens") or body.get("max_tokens") or 0
         ceiling *= body.get("n") or 1
-    return max(1, text_chars // 4), ceiling
+    return max(1, chars // 4), ceiling
 
 
 def new_request_id() -> str:

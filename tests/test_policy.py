@@ -11,11 +11,12 @@ import pytest
 import re2
 from django.core.exceptions import ValidationError
 
+from jobs import policy
 from jobs.models import Batch, ContentRule, ScreenedLine
 from jobs.policy import CHUNK_TOKENS, LINE_TOKENS, Screener, Violation
 from jobs.services.batches import create_batch, run_validation
 from jobs.services.files import create_input_file
-from jobs.wire import RequestLine, estimate_tokens
+from jobs.wire import RequestLine, estimate_tokens, prompt_text
 from tests.helpers import chat_line, jsonl, wait_for
 
 LINES = [
@@ -122,12 +123,31 @@ def screen(rules: list[ContentRule], bodies: list[dict], tokens: int | None = No
     lines = [RequestLine(custom_id=f"c{number}", body=body,
                          url=next(url for key, url in urls.items() if key in body))
              for number, body in enumerate(bodies, start=1)]
-    chunk = [(number, line, estimate_tokens(line)[0] if tokens is None else tokens)
-             for number, line in enumerate(lines, start=1)]
+    chunk = [(number, line.custom_id, estimate_tokens(line)[0] if tokens is None else tokens,
+              prompt_text(line)[0]) for number, line in enumerate(lines, start=1)]
+    keep = screener.needs_requests(lines[0].body["model"])
     for start in range(0, len(chunk), chunk_lines):
-        screener.screen(chunk[start:start + chunk_lines], sink)
+        screener.screen(chunk[start:start + chunk_lines], sink,
+                        lines[start:start + chunk_lines] if keep else None)
     screener.flush(sink)
     return found
+
+
+@pytest.fixture(params=[True, False], ids=["prefilter", "re2-only"])
+def prefilter(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Screen with Hyperscan's prefilter on the chunks it may read (the default), or with
+    RE2 alone. Yields, for each chunk the prefilter was asked about, whether it read it."""
+    monkeypatch.setattr(policy, "USE_PREFILTER", request.param)
+    read: list[bool] = []
+    candidates = policy._Prefilter.candidates
+
+    def spy(self: policy._Prefilter, chunk: policy._ChunkText) -> dict | None:
+        found = candidates(self, chunk)
+        read.append(found is not None)
+        return found
+
+    monkeypatch.setattr(policy._Prefilter, "candidates", spy)
+    return read
 
 
 def chat(*texts: object) -> dict:
@@ -205,7 +225,8 @@ def test_the_token_estimate_validation_passes_is_used():
 
 
 @pytest.mark.parametrize("chunk_lines", [CHUNK_TOKENS // LINE_TOKENS, 7])
-def test_chunked_screening_agrees_with_each_rule_searched_alone(chunk_lines: int):
+def test_chunked_screening_agrees_with_each_rule_searched_alone(chunk_lines: int,
+                                                                prefilter: list[bool]):
     """Many lines of words, near misses, non-ASCII text, newlines and several messages (some
     as text parts, some lines with none): what the screener reports is, line by line, the
     leftmost match of the rules searched one at a time (terms with Python's re, regexes with
@@ -262,6 +283,50 @@ def test_chunked_screening_agrees_with_each_rule_searched_alone(chunk_lines: int
                 if (name := reference(text_of(body)))}
     assert 50 < len(expected) < 650  # the corpus has both
     assert screen(rules, bodies, chunk_lines=chunk_lines) == expected
+    # With the prefilter, it read the ASCII chunks (the non-ASCII terms cannot match them).
+    assert (any(prefilter) and not all(prefilter)) if policy.USE_PREFILTER else not prefilter
+
+
+def test_prefilter_gives_re2_the_chunks_it_cannot_read(prefilter: list[bool]):
+    r"""A vertical tab (\S to RE2, \s to Hyperscan), non-ASCII text, and a chunk matching
+    too often are read by RE2; a non-ASCII term is left out of the prefilter and still
+    found in non-ASCII text."""
+    rules = [rule("a-key", "regex", r"key:\S+"), rule("b-bomb", "term", "bomb"),
+             rule("c-cafe", "term", "café"), rule("d-digit", "regex", r"\d")]
+    bodies = [chat("key:\v"), chat("a bomb"), chat("un café"), chat("cafe"),
+              chat("1" * 300), chat("no match")]
+    assert screen(rules, bodies, chunk_lines=1) == {1: "a-key", 2: "b-bomb", 3: "c-cafe",
+                                                    5: "d-digit"}
+    if policy.USE_PREFILTER:
+        assert prefilter == [False, True, False, True, False, True]
+
+
+def test_prefilter_names_the_lines_its_matches_end_in(prefilter: list[bool]):
+    r"""Terms at either end of a line (their edge may be the "\n" between two lines), a
+    match across two lines that neither line has alone, and what the prefilter's looser
+    patterns find (a term inside a word, \b left out) but RE2's do not, in one chunk."""
+    rules = [rule("a-bomb", "term", "bomb"), rule("b-pair", "regex", r"left\s+right"),
+             rule("c-mb", "regex", r"\bmb\b")]
+    bodies = [chat("!!!", "bomb"), chat("bomb"), chat("?"), chat("!! left"),
+              chat("right !!"), chat("x mb"), chat("xmb", "bombs")]
+    assert screen(rules, bodies) == {1: "a-bomb", 2: "a-bomb", 6: "c-mb"}
+    if policy.USE_PREFILTER:
+        assert prefilter == [True]
+
+
+def test_prefilter_is_left_out_when_a_rule_could_escape_it():
+    """Rules Hyperscan cannot hold exactly as RE2 means them on ASCII text: RE2 alone."""
+    kelvin = "\u212a"  # folds to k
+    for rules in ([rule("r", "regex", r"\x{212a}elvin")], [rule("t", "term", kelvin + "ill")],
+                  [rule("r", "regex", r"\p{Greek}+")], [rule("r", "regex", r"a*")],
+                  [rule("r", "regex", r"\b(?:zz)?")],
+                  [rule("r", "regex", "naïve")]):
+        assert Screener(rules).prefilter is None, rules[0].pattern
+    assert screen([rule("t", "term", kelvin + "ill")], [chat("kill"), chat("skill")]) == {
+        1: "t"}
+    for rules in ([rule("t", "term", "bomb")], [rule("t", "term", "café")],
+                  [rule("r", "regex", r"\bpassword\s*[:=]\s*\S+")]):
+        assert Screener(rules).prefilter is not None, rules[0].pattern
 
 
 @pytest.mark.django_db

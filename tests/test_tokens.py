@@ -93,7 +93,7 @@ def test_the_prompt_size_rule_counts_the_models_tokens(chat_counter):
     by the estimate is refused by its real count."""
     from jobs.models import ContentRule
     from jobs.policy import Screener
-    from jobs.wire import RequestLine, estimate_tokens
+    from jobs.wire import RequestLine, estimate_tokens, prompt_text
 
     def line(custom_id: str, text: str) -> RequestLine:
         return RequestLine(custom_id, CHAT, {"model": "SmolLM2-135M-Instruct",
@@ -108,8 +108,10 @@ def test_the_prompt_size_rule_counts_the_models_tokens(chat_counter):
     screener = Screener([ContentRule(name="prompt-size", kind="max_prompt_tokens",
                                      max_tokens=limit, action="reject")])
     refused: dict[str, str] = {}
-    chunk = [(n, x, estimate_tokens(x)[0]) for n, x in enumerate(lines, 1)]
+    chunk = [(n, x.custom_id, estimate_tokens(x)[0], prompt_text(x)[0])
+             for n, x in enumerate(lines, 1)]
+    assert screener.needs_requests("SmolLM2-135M-Instruct")
     screener.screen(chunk, lambda n, custom_id, violation: refused.update(
-        {custom_id: violation.rule}))
+        {custom_id: violation.rule}), lines)
     screener.flush(lambda *args: None)
     assert refused == {"one-more": "prompt-size", "japanese": "prompt-size"}

@@ -17,7 +17,15 @@ from django.conf import settings
 from jobs.digestset import DigestSet
 from jobs.policy import CHUNK_TOKENS, LINE_TOKENS, VIOLATION, Screener, Violation
 from jobs.services.files import iter_lines
-from jobs.wire import Code, LineError, RequestLine, dedup_key, estimate_tokens, parse_line
+from jobs.wire import (
+    Code,
+    LineError,
+    RequestLine,
+    dedup_key,
+    estimate_tokens,
+    parse_line,
+    prompt_text,
+)
 
 
 @dataclass
@@ -81,10 +89,13 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
     seen_ids = DigestSet()
     primaries: dict[bytes, tuple[int, int]] = {}  # body digest -> (line, shard index)
     shard: ShardPlan | None = None
-    # Lines waiting to be screened, a chunk at a time: (line number, line, tokens), and the
-    # chunk's size as CHUNK_TOKENS counts it.
-    to_screen: list[tuple[int, RequestLine, int]] = []
+    # Lines waiting to be screened, a chunk at a time: (line number, custom_id, tokens,
+    # text), their requests too when the screener counts tokens (`needs_requests`, asked at
+    # the first line), and the chunk's size as CHUNK_TOKENS counts it.
+    to_screen: list[tuple[int, str, int, str]] = []
+    to_screen_requests: list[RequestLine] = []
     to_screen_size = 0
+    keep_requests: bool | None = None
 
     def problem(line_number: int, error: LineError) -> None:
         report.error_count += 1
@@ -120,13 +131,18 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
                 Code.TOO_MANY_REQUESTS,
                 f"A batch takes at most {conf['MAX_REQUESTS_PER_BATCH']} requests."))
             break
-        tokens_in, ceiling = estimate_tokens(parsed)
+        text, chars = prompt_text(parsed)
+        tokens_in, ceiling = estimate_tokens(parsed, chars)
         if screener is not None:
-            to_screen.append((line.number, parsed, tokens_in))
+            if keep_requests is None:
+                keep_requests = screener.needs_requests(parsed.model)
+            to_screen.append((line.number, parsed.custom_id, tokens_in, text))
+            if keep_requests:
+                to_screen_requests.append(parsed)
             to_screen_size += tokens_in + LINE_TOKENS
             if to_screen_size >= CHUNK_TOKENS:
-                screener.screen(to_screen, screened)
-                to_screen, to_screen_size = [], 0
+                screener.screen(to_screen, screened, to_screen_requests)
+                to_screen, to_screen_requests, to_screen_size = [], [], 0
         report.input_tokens_estimate += tokens_in
         report.output_tokens_ceiling += ceiling
 
@@ -154,7 +170,7 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
             on_copy(primary_line, line.number, parsed.custom_id)
 
     if screener is not None:
-        screener.screen(to_screen, screened)
+        screener.screen(to_screen, screened, to_screen_requests)
         screener.flush(screened)
         report.errors.sort(key=lambda entry: entry["line"] or 0)
     if report.requests == 0 and report.error_count == 0:
