@@ -14,6 +14,7 @@ from django.core.exceptions import ValidationError
 from jobs import policy
 from jobs.models import Batch, ContentRule, ScreenedLine
 from jobs.policy import CHUNK_TOKENS, LINE_TOKENS, Screener, Violation
+from jobs.policy import _term_pattern as term_pattern
 from jobs.services.batches import create_batch, run_validation
 from jobs.services.files import create_input_file
 from jobs.wire import RequestLine, estimate_tokens, prompt_text
@@ -356,3 +357,53 @@ def test_admin_form_refuses_an_invalid_regex_with_the_reason(admin_client):
                                  {**form, "pattern": r"key=\w+"})
     assert response.status_code == 302
     assert ContentRule.objects.get().pattern == r"key=\w+"
+
+
+def test_random_rules_on_both_paths_agree_with_each_rule_searched_alone():
+    """Random regexes (classes, \\b and \\B, repeats, alternations, quotes) and terms against
+    random short lines, ASCII (the prefilter reads them) and not, in chunks of 5: the
+    prefilter and RE2's own pass each refuse exactly what the rules searched alone do."""
+    rng = random.Random(4)
+    atoms = ["a", "b", "ab", "x", r"\d", r"\w", r"\s", r"\S", r"\W", ".", "[a-c]", "[^a]",
+             "[[:digit:]]", r"\b", r"\B", "-", " ", "K", r"\pL", r"\PN", r"[\d-]", r"\.",
+             r"\Qa.\E"]
+
+    def pattern(depth: int = 0) -> str:
+        roll = rng.random()
+        if depth > 2 or roll < 0.4:
+            return rng.choice(atoms)
+        if roll < 0.6:
+            return pattern(depth + 1) + pattern(depth + 1)
+        if roll < 0.75:
+            return f"(?:{pattern(depth + 1)}|{pattern(depth + 1)})"
+        return f"(?:{pattern(depth + 1)})" + rng.choice(["*", "+", "?", "{2}", "{1,3}"])
+
+    options = re2.Options()
+    options.case_sensitive = False
+    read = 0
+    for trial in range(150):
+        rules = [rule(f"r{i}", "regex", pattern()) for i in range(rng.randint(1, 4))]
+        rules += [rule(f"t{i}", "term", rng.choice(["ab", "a b", "k", "x-1", "c++", "é"]))
+                  for i in range(rng.randint(0, 2))]
+        chars = "abcxkK _-.+0123\n\t!" + ("" if trial % 2 else "\x0bé")
+        texts = ["".join(rng.choices(chars, k=rng.randint(0, 12))) for _ in range(20)]
+        expected = {}
+        for number, text in enumerate(texts, start=1):
+            starts = []
+            for r in rules:
+                exact = (term_pattern(r.pattern) if r.kind == "term" else r.pattern)
+                match = re2.compile(exact, options).search(text)
+                if match is not None:
+                    starts.append((match.start(1 if r.kind == "term" else 0), r.name))
+            if starts:
+                expected[number] = min(starts)[1]
+        for use in (True, False):
+            policy.USE_PREFILTER = use
+            try:
+                bodies = [chat(text) for text in texts]
+                assert screen(rules, bodies, chunk_lines=5) == expected, (
+                    [r.pattern for r in rules], use)
+                read += use and Screener(rules).prefilter is not None
+            finally:
+                policy.USE_PREFILTER = True
+    assert read > 50  # most trials ran the prefilter
