@@ -242,7 +242,7 @@ def _without_word_boundaries(pattern: str) -> str:
 @dataclass
 class _TextRule:
     rule: Any
-    scan: str  # its pattern in the sets
+    scan: str  # its pattern in the sets; on ASCII text it decides as `exact` does
     exact: str  # the pattern that decides whether, and where, the rule matches
     loose: str  # its pattern in the prefilter: matches at least where `exact` does
     group: int  # the group of `exact` that is the match (terms consume edge characters)
@@ -526,12 +526,12 @@ class Screener:
     def _refusing(self, data: bytes, indexes: list[int]) -> Any | None:
         """Of the text rules at `indexes` (those that match the UTF-8 text `data`), the one
         whose match is leftmost."""
-        indexes = sorted(set(indexes))
         # One rule matching decides, unless it is a term scanned with ASCII edges and the
         # text is not ASCII (on ASCII text those edges are the real ones).
-        if len(indexes) == 1 and (self.text_rules[indexes[0]].scan ==
-                                  self.text_rules[indexes[0]].exact or data.isascii()):
-            return self.text_rules[indexes[0]].rule
+        if len(set(indexes)) == 1:
+            only = self.text_rules[indexes[0]]
+            if only.scan == only.exact or data.isascii():
+                return only.rule
         return self._leftmost(data, indexes)
 
     def _leftmost(self, data: bytes, indexes: list[int]) -> Any | None:
