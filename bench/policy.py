@@ -10,6 +10,9 @@ virtual machine's does, by tens of percent within a minute) disturbs least. The 
 `skip` rules and about 1% of the lines break one, so every line is screened against every
 rule and the violation path runs too.
 
+Then the same for the validation task itself (`run_validation`: the pass, plus reading the
+file from storage and saving the shards and the screened-out lines), in CPU time.
+
 Uses a scratch SQLite database under a temporary BATCHWEB_VAR_DIR (migrated here).
 
     .venv/bin/python bench/policy.py [--lines 50000] [--runs 5]
@@ -129,6 +132,33 @@ def validate(path: Path, *, screen: bool) -> tuple[float, float, int, int]:
     return seconds, cpu, report.requests, report.screened
 
 
+def validate_task(path: Path, *, screen: bool) -> float:
+    """CPU seconds of one run of the validation task (`run_validation`) on a new batch of
+    the file: the pass above, plus reading the file from storage and saving the shards and
+    the lines screened out. Rolled back, so that nothing is enqueued and each run starts
+    from the same database."""
+    from django.contrib.auth import get_user_model
+    from django.db import transaction
+
+    from jobs.models import Batch, ContentRule
+    from jobs.services.batches import create_batch, run_validation
+    from jobs.services.files import create_input_file
+
+    with transaction.atomic():
+        ContentRule.objects.update(enabled=screen)
+        user = get_user_model().objects.create_user("bench")
+        file = create_input_file(owner=user, path=path, filename="input.jsonl",
+                                 purpose="batch")
+        batch = create_batch(owner=user, input_file_id=file.pk,
+                             endpoint="/v1/chat/completions", completion_window="24h")
+        cpu = time.process_time()
+        run_validation(batch_id=batch.pk)
+        cpu = time.process_time() - cpu
+        assert Batch.objects.get(pk=batch.pk).status == Batch.Status.IN_PROGRESS
+        transaction.set_rollback(True)
+    return cpu
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lines", type=int, default=50_000)
@@ -173,6 +203,16 @@ def main() -> None:
               f"CPU {(cpu_paired - 1) * 100:.1f}%")
         print("runs none:  " + " ".join(f"{t:.3f}" for t in times[False]))
         print("runs rules: " + " ".join(f"{t:.3f}" for t in times[True]))
+        task: dict[bool, list[float]] = {False: [], True: []}
+        for run in range(args.runs):
+            for screen in (False, True) if run % 2 == 0 else (True, False):
+                task[screen].append(validate_task(path, screen=screen))
+        task_paired = statistics.median(r / b for b, r in zip(task[False], task[True],
+                                                              strict=True))
+        print(f"the validation task (run_validation, SQLite), CPU time median: none "
+              f"{statistics.median(task[False]):.3f} s, rules "
+              f"{statistics.median(task[True]):.3f} s; median of the pairs' ratios "
+              f"{(task_paired - 1) * 100:.1f}%")
 
 
 if __name__ == "__main__":
