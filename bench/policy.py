@@ -165,6 +165,18 @@ def validate_task(file: Any, *, screen: bool) -> float:
     return cpu
 
 
+def alternating(runs: int) -> list[bool]:
+    """`runs` pairs of cases, without rules (False) and with them (True), back to back;
+    which goes first alternates."""
+    return [screen for run in range(runs)
+            for screen in ((False, True) if run % 2 == 0 else (True, False))]
+
+
+def paired_overhead(base: list[float], ruled: list[float]) -> float:
+    """The median of the pairs' ratios, as a percentage added."""
+    return (statistics.median(r / b for b, r in zip(base, ruled, strict=True)) - 1) * 100
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lines", type=int, default=50_000)
@@ -183,19 +195,14 @@ def main() -> None:
         times: dict[bool, list[float]] = {False: [], True: []}
         cpu_times: dict[bool, list[float]] = {False: [], True: []}
         screened = 0
-        for run in range(args.runs):
-            for screen in (False, True) if run % 2 == 0 else (True, False):
-                seconds, cpu, requests, count = validate(path, screen=screen)
-                times[screen].append(seconds)
-                cpu_times[screen].append(cpu)
-                screened = count if screen else screened
+        for screen in alternating(args.runs):
+            seconds, cpu, requests, count = validate(path, screen=screen)
+            times[screen].append(seconds)
+            cpu_times[screen].append(cpu)
+            screened = count if screen else screened
         base, ruled = statistics.median(times[False]), statistics.median(times[True])
         cpu_base, cpu_ruled = (statistics.median(cpu_times[False]),
                                statistics.median(cpu_times[True]))
-        paired = statistics.median(r / b for b, r in zip(times[False], times[True],
-                                                         strict=True))
-        cpu_paired = statistics.median(r / b for b, r in zip(cpu_times[False], cpu_times[True],
-                                                             strict=True))
         print(f"{args.lines:,} lines, {size / 1e6:.1f} MB, median of {args.runs} runs each; "
               f"{screened} lines screened out by the rules")
         print(f"{'rules':<34}{'median s':>10}{'requests/s':>12}{'overhead':>10}")
@@ -205,21 +212,19 @@ def main() -> None:
               f"{(ruled / base - 1) * 100:>9.1f}%")
         print(f"CPU time of the process (median): none {cpu_base:.3f} s, rules "
               f"{cpu_ruled:.3f} s, overhead {(cpu_ruled / cpu_base - 1) * 100:.1f}%")
-        print(f"median of the pairs' ratios: wall {(paired - 1) * 100:.1f}%, "
-              f"CPU {(cpu_paired - 1) * 100:.1f}%")
+        print(f"median of the pairs' ratios: wall "
+              f"{paired_overhead(times[False], times[True]):.1f}%, "
+              f"CPU {paired_overhead(cpu_times[False], cpu_times[True]):.1f}%")
         print("runs none:  " + " ".join(f"{t:.3f}" for t in times[False]))
         print("runs rules: " + " ".join(f"{t:.3f}" for t in times[True]))
         task: dict[bool, list[float]] = {False: [], True: []}
         file = stored_input(path)
-        for run in range(args.runs):
-            for screen in (False, True) if run % 2 == 0 else (True, False):
-                task[screen].append(validate_task(file, screen=screen))
-        task_paired = statistics.median(r / b for b, r in zip(task[False], task[True],
-                                                              strict=True))
+        for screen in alternating(args.runs):
+            task[screen].append(validate_task(file, screen=screen))
         print(f"the validation task (run_validation, SQLite), CPU time median: none "
               f"{statistics.median(task[False]):.3f} s, rules "
               f"{statistics.median(task[True]):.3f} s; median of the pairs' ratios "
-              f"{(task_paired - 1) * 100:.1f}%")
+              f"{paired_overhead(task[False], task[True]):.1f}%")
 
 
 if __name__ == "__main__":
