@@ -9,19 +9,47 @@ import os
 from pathlib import Path
 
 import dj_database_url
-
-from engine.vllm_engine import best_cpu_dtype
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("BATCHWEB_VAR_DIR", BASE_DIR / "var"))
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
 
 def env_bool(name: str, default: bool = False) -> bool:
-    return os.environ.get(name, str(default)).lower() in ("1", "true", "yes", "on")
+    # A typo must not silently read as false: an operator who writes DEBUG=flase or
+    # BATCHWEB_HTTPS=ture gets told at start, not a service configured otherwise.
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if value.strip().lower() in _TRUE:
+        return True
+    if value.strip().lower() in _FALSE:
+        return False
+    raise ImproperlyConfigured(
+        f"{name}={value!r} is not a boolean: use one of {', '.join(_TRUE + _FALSE[:-1])}.")
 
 
 def env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={value!r} is not an integer.") from None
+
+
+def env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise ImproperlyConfigured(f"{name}={value!r} is not a number.") from None
 
 
 SECRET_KEY = os.environ.get("SECRET_KEY", "dev-only-insecure-key-change-me")
@@ -128,8 +156,8 @@ STORAGES = {
 }
 # Scratch space for streaming (assembling uploads, writing shard parts before they are stored).
 # Local to each machine and to one deployment: workers sweep it of what killed processes left.
+# Created where it is first used (jobs.services.files.temp_dir), not on import.
 TMP_DIR = Path(os.environ.get("BATCHWEB_TMP_DIR", VAR_DIR / "tmp"))
-TMP_DIR.mkdir(parents=True, exist_ok=True)
 FILE_UPLOAD_TEMP_DIR = str(TMP_DIR)
 # Uploads bigger than this go to a temporary file while they arrive, never into memory.
 FILE_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
@@ -169,8 +197,9 @@ BATCHWEB = {
 # tensor_parallel_size, max_model_len, max_num_seqs, enforce_eager, ...) and source.
 MODELS_DIR = Path(os.environ.get("BATCHWEB_MODELS_DIR", VAR_DIR / "models"))
 _CPU_OPTIONS = {
-    # bf16 only where the CPU has native bf16: elsewhere it falls back to slow kernels.
-    "dtype": os.environ.get("BATCHWEB_DTYPE") or best_cpu_dtype(),
+    # Empty: the model registry (jobs.engines) picks bf16 only where the CPU has native
+    # bf16 (elsewhere it falls back to slow kernels), float32 otherwise.
+    "dtype": os.environ.get("BATCHWEB_DTYPE", ""),
     "enforce_eager": env_bool("BATCHWEB_ENFORCE_EAGER", True),
     "max_model_len": 2048,
 }
@@ -196,11 +225,15 @@ ECHO_MODEL = {
     "name": "echo-test",
     "backend": "echo",
     "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"],
-    "options": {"seconds_per_request": float(os.environ.get("BATCHWEB_ECHO_SECONDS", "0")),
+    "options": {"seconds_per_request": env_float("BATCHWEB_ECHO_SECONDS", 0.0),
                 "max_in_flight": env_int("BATCHWEB_ECHO_MAX_IN_FLIGHT", 64)},
 }
 if os.environ.get("BATCHWEB_MODELS_FILE"):
-    BATCHWEB_MODELS = json.loads(Path(os.environ["BATCHWEB_MODELS_FILE"]).read_text())
+    try:
+        BATCHWEB_MODELS = json.loads(Path(os.environ["BATCHWEB_MODELS_FILE"]).read_text())
+    except (OSError, ValueError) as exc:
+        raise ImproperlyConfigured(
+            f"BATCHWEB_MODELS_FILE={os.environ['BATCHWEB_MODELS_FILE']!r}: {exc}") from None
 else:
     BATCHWEB_MODELS = list(DEFAULT_MODELS)
 # The echo engine has no model: it exists for pipeline tests and orchestration benchmarks only.
@@ -255,7 +288,7 @@ BATCHWEB.update({
     # ranges are never implied; list them explicitly (tests allow 127.0.0.1/32).
     "WEBHOOK_ALLOWED_HOSTS": env_list("BATCHWEB_WEBHOOK_ALLOWED_HOSTS"),
     "WEBHOOK_ALLOWED_NETWORKS": env_list("BATCHWEB_WEBHOOK_ALLOWED_NETWORKS"),
-    "WEBHOOK_TIMEOUT_SECONDS": float(os.environ.get("BATCHWEB_WEBHOOK_TIMEOUT_SECONDS", "5")),
+    "WEBHOOK_TIMEOUT_SECONDS": env_float("BATCHWEB_WEBHOOK_TIMEOUT_SECONDS", 5.0),
     "WEBHOOK_MAX_ATTEMPTS": env_int("BATCHWEB_WEBHOOK_MAX_ATTEMPTS", 8),
     # Attempt n+1 waits base * 2**(n-1) seconds (30 s, 1 min, 2 min, ... ~1 h).
     "WEBHOOK_RETRY_BASE_SECONDS": env_int("BATCHWEB_WEBHOOK_RETRY_BASE_SECONDS", 30),
@@ -268,4 +301,8 @@ BATCHWEB.update({
     # A scratch file in TMP_DIR (an upload being received, a validation's lists) that was not
     # written to for this long belongs to a process that was killed: the sweep removes it.
     "STALE_TEMP_SECONDS": env_int("BATCHWEB_STALE_TEMP_SECONDS", 6 * 3600),
+    # How long a control job (validating or finalizing a batch, a cleanup pass) may run
+    # before RQ stops it; the reconciler enqueues it again. A 1M-line validation takes
+    # about a minute here, so an hour leaves room for slow storage.
+    "CONTROL_JOB_TIMEOUT": env_int("BATCHWEB_CONTROL_JOB_TIMEOUT", 3600),
 })

@@ -1,16 +1,42 @@
-"""The models this deployment serves (settings.BATCHWEB_MODELS) as engine specs."""
+"""The model registry: the models this deployment serves, typed.
+
+`settings.BATCHWEB_MODELS` is the operator's raw declaration (JSON from
+`BATCHWEB_MODELS_FILE`, or the CPU defaults); everything else reads models through the
+functions here, so a default is filled in, and a model is looked up, in one place.
+"""
 
 from __future__ import annotations
+
+import functools
 
 from django.conf import settings
 
 from engine.base import ModelSpec
 
 
+@functools.cache
+def _cpu_dtype() -> str:
+    # Read /proc/cpuinfo once per process. Imported here, not in settings: settings must
+    # not import the engine package.
+    from engine.vllm_engine import best_cpu_dtype
+
+    return best_cpu_dtype()
+
+
+def _options(entry: dict) -> dict:
+    options = dict(entry.get("options", {}))
+    # An empty dtype (the CPU defaults without BATCHWEB_DTYPE) means: what this CPU
+    # computes natively.
+    if entry.get("backend") == "vllm" and options.get("dtype") == "":
+        options["dtype"] = _cpu_dtype()
+    return options
+
+
 def model_specs() -> list[ModelSpec]:
+    """Every model this deployment serves, in the declared order."""
     return [
         ModelSpec(name=entry["name"], backend=entry["backend"], path=entry.get("path", ""),
-                  endpoints=tuple(entry.get("endpoints", ())), options=entry.get("options", {}),
+                  endpoints=tuple(entry.get("endpoints", ())), options=_options(entry),
                   source=entry.get("source", ""))
         for entry in settings.BATCHWEB_MODELS
     ]
@@ -18,3 +44,12 @@ def model_specs() -> list[ModelSpec]:
 
 def model_spec(name: str) -> ModelSpec | None:
     return next((spec for spec in model_specs() if spec.name == name), None)
+
+
+def model_names() -> list[str]:
+    return [spec.name for spec in model_specs()]
+
+
+def served_endpoints() -> dict[str, tuple[str, ...]]:
+    """Model name -> the endpoints it serves (what validation and the forms offer)."""
+    return {spec.name: spec.endpoints for spec in model_specs()}

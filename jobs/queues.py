@@ -36,7 +36,7 @@ def model_queue_names(model: str) -> list[str]:
 def enqueue_control(func: str, batch_id: str, *, suffix: str) -> None:
     # A fixed job id per batch and step: enqueuing twice replaces, never doubles, the job.
     queue(CONTROL_QUEUE).enqueue(func, batch_id, job_id=f"{batch_id}-{suffix}",
-                                 job_timeout=settings.BATCHWEB.get("CONTROL_JOB_TIMEOUT", 3600),
+                                 job_timeout=settings.BATCHWEB["CONTROL_JOB_TIMEOUT"],
                                  result_ttl=600, failure_ttl=7 * 24 * 3600)
 
 

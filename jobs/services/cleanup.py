@@ -287,7 +287,7 @@ def enqueue_if_due() -> bool:
         return False
     queues.queue(queues.CONTROL_QUEUE).enqueue(
         "jobs.services.cleanup.scheduled_cleanup", job_id="batchweb-cleanup",
-        job_timeout=settings.BATCHWEB.get("CONTROL_JOB_TIMEOUT", 3600), result_ttl=24 * 3600,
+        job_timeout=settings.BATCHWEB["CONTROL_JOB_TIMEOUT"], result_ttl=24 * 3600,
         failure_ttl=7 * 24 * 3600)
     return True
 
