@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := .venv/bin/python
 STAMP := .venv/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: install engine models run test lint chaos bench
+.PHONY: install engine models run test check lint typecheck chaos bench
 
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv .venv
@@ -40,6 +40,14 @@ chaos: models
 
 lint: install
 	.venv/bin/ruff check .
+
+typecheck: install
+	.venv/bin/mypy
+
+# The fast tier (about 2 minutes, no engine installed): lint, types, and every test that
+# needs neither vLLM nor the prepared models.
+check: lint typecheck
+	$(PY) -m batchweb.embedded $(PY) -m pytest -q -m "not engine and not models and not chaos" $(PYTEST_ARGS)
 
 # The benchmarks that fit in ~15 minutes on a 2-core machine, at reduced sizes (the full
 # sizes and bench/scale_out.py run on their own; bench/RESULTS.md has the numbers).

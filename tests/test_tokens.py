@@ -11,6 +11,8 @@ from engine.base import CHAT, COMPLETIONS, EMBEDDINGS
 from engine.tokens import PromptCounter
 from jobs.engines import model_spec
 
+pytestmark = pytest.mark.models
+
 SAMPLES = [
     "word " * 40,
     "こんにちは世界、今日はいい天気ですね。" * 6,
