@@ -6,12 +6,13 @@ Workflows live in `jobs/services/`; nothing here changes state beyond a single s
 from __future__ import annotations
 
 import secrets
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import models
 from django.db.models.functions import Coalesce
+from django.utils import timezone
 
 PROGRESS_FIELDS = ("completed", "failed", "input_tokens", "output_tokens")
 
@@ -163,6 +164,19 @@ class UploadPart(models.Model):
         }
 
 
+class BatchQuerySet(models.QuerySet["Batch"]):
+    def active(self) -> BatchQuerySet:
+        """Batches that have not ended: they count against the active-batch quota, and
+        their input file cannot be deleted."""
+        return self.filter(status__in=Batch.ACTIVE)
+
+    def accepting_work(self) -> BatchQuerySet:
+        """Batches whose shards may still be scheduled and run: validating or in progress,
+        and not being stopped (cancel or expiry sets `stop_code` first)."""
+        return self.filter(status__in=(Batch.Status.VALIDATING, Batch.Status.IN_PROGRESS),
+                           stop_code="")
+
+
 class Batch(models.Model):
     class Status(models.TextChoices):
         VALIDATING = "validating"
@@ -175,11 +189,14 @@ class Batch(models.Model):
         CANCELLED = "cancelled"
 
     ENDED = (Status.FAILED, Status.COMPLETED, Status.EXPIRED, Status.CANCELLED)
+    ACTIVE = (Status.VALIDATING, Status.IN_PROGRESS, Status.FINALIZING, Status.CANCELLING)
 
     class Priority(models.TextChoices):
         HIGH = "high"
         DEFAULT = "default"
         LOW = "low"
+
+    objects = BatchQuerySet.as_manager()
 
     id = models.CharField(primary_key=True, max_length=40, default=new_batch_id, editable=False)
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
@@ -291,6 +308,21 @@ class Batch(models.Model):
         }
 
 
+class ShardQuerySet(models.QuerySet["Shard"]):
+    def in_line(self) -> ShardQuerySet:
+        """Shards still to run: waiting for a worker or running."""
+        return self.filter(status__in=(Shard.Status.QUEUED, Shard.Status.RUNNING))
+
+    def stale(self, now: datetime | None = None) -> ShardQuerySet:
+        """Running shards whose worker has not been heard of for HEARTBEAT_TIMEOUT_SECONDS
+        (or never was): the reconciler retries them, and queue health and /metrics count
+        them as stuck."""
+        stale_before = (now or timezone.now()) - timedelta(
+            seconds=settings.BATCHWEB["HEARTBEAT_TIMEOUT_SECONDS"])
+        return self.filter(status=Shard.Status.RUNNING).filter(
+            models.Q(heartbeat_at__lt=stale_before) | models.Q(heartbeat_at__isnull=True))
+
+
 class Shard(models.Model):
     """A slice of a batch's input (a byte range of whole lines) that one worker runs.
 
@@ -306,6 +338,8 @@ class Shard(models.Model):
         # Ended without running to completion: retries exhausted, cancelled or expired.
         # Its requests were written as error lines.
         ABANDONED = "abandoned"
+
+    objects = ShardQuerySet.as_manager()
 
     id = models.CharField(primary_key=True, max_length=40, default=new_shard_id, editable=False)
     batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="shards")
