@@ -18,6 +18,24 @@ EMBEDDINGS = "/v1/embeddings"
 ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
 
 
+def text_parts(value: Any) -> list[str]:
+    """The texts of a message's `content`, a `prompt` or an `input`: a string itself; in a
+    list, its strings and the `text` of its content parts. Token ids, images and anything
+    else carry no text. The one definition of "the text of a prompt", used by validation
+    (estimates, content rules), token counting, the echo engine and the dashboard."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        return []
+    parts = []
+    for item in value:
+        if isinstance(item, str):
+            parts.append(item)
+        elif isinstance(item, dict) and isinstance(item.get("text"), str):
+            parts.append(item["text"])
+    return parts
+
+
 class EngineError(Exception):
     """The engine itself failed (could not start, crashed): the whole shard is retried.
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.base import CHAT, ModelSpec
+from engine.base import CHAT, ModelSpec, text_parts
 
 # Tokens a message's text and the template around it can add by splitting differently
 # where they meet than each does alone.
@@ -22,20 +22,11 @@ JOIN_SLACK = 4
 ALLOWANCE = 32
 
 
-def _texts(content: Any) -> str:
-    """The text of a message's content: a string, or the text parts of a list of parts
-    (joined with newlines, as vLLM does for text-only models)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(part if isinstance(part, str) else str(part.get("text", ""))
-                         for part in content if isinstance(part, str | dict))
-    return ""
-
-
 def _messages(body: dict[str, Any]) -> list[tuple[str, str]]:
     """(role, text) of each message of a chat body."""
-    return [(m.get("role", "user"), _texts(m.get("content"))) for m in body["messages"]]
+    # Text parts joined with newlines, as vLLM does for text-only models.
+    return [(m.get("role", "user"), "\n".join(text_parts(m.get("content"))))
+            for m in body["messages"]]
 
 
 class PromptCounter:

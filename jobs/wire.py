@@ -20,7 +20,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS
+from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS, text_parts
 
 MAX_CUSTOM_ID_CHARS = 512
 
@@ -48,6 +48,25 @@ class Code:
     SHARD_FAILED = "shard_failed"
     BATCH_CANCELLED = "batch_cancelled"
     BATCH_EXPIRED = "batch_expired"
+    # The engine aborted the request without the batch being stopped (its worker's
+    # shard was taken over, or the engine was shut down under it).
+    REQUEST_ABORTED = "request_aborted"
+    # Read side only: a stored output or error line the dashboard cannot parse.
+    UNREADABLE_LINE = "unreadable_line"
+
+
+# The messages of error lines for requests that never got an HTTP response.
+_UNRUN_MESSAGES = {
+    Code.BATCH_CANCELLED: "The batch was cancelled before this request ran.",
+    Code.BATCH_EXPIRED: "The batch expired before this request ran.",
+    Code.REQUEST_ABORTED: "The request was aborted before it finished.",
+}
+
+
+def unrun_message(code: str, reason: str = "") -> str:
+    """The message of an error line for a request that was not run, by its code; codes
+    without a fixed message (shard_failed) carry the reason the shard gave."""
+    return _UNRUN_MESSAGES.get(code) or f"The request could not be run: {reason or code}"
 
 
 @dataclass(frozen=True)
@@ -250,21 +269,10 @@ def prompt_text(line: RequestLine) -> tuple[str, int]:
             values = [message.get("content") for message in messages]
     else:
         values = [body.get("prompt") if line.url == COMPLETIONS else body.get("input")]
-    parts: list[str] = []
-    token_ids = 0
-    for value in values:
-        if isinstance(value, str):
-            parts.append(value)
-        elif isinstance(value, list):
-            for item in value:
-                if isinstance(item, str):
-                    parts.append(item)
-                elif isinstance(item, dict):  # a content part: text, or an image...
-                    text = item.get("text")
-                    if isinstance(text, str):
-                        parts.append(text)
-                else:
-                    token_ids += 1
+    parts = [part for value in values for part in text_parts(value)]
+    # Token ids (in a completions prompt or an embeddings input) have no text.
+    token_ids = sum(1 for value in values if isinstance(value, list)
+                    for item in value if not isinstance(item, str | dict))
     return "\n".join(parts), sum(map(len, parts)) + 4 * token_ids
 
 
@@ -307,6 +315,47 @@ def failure_line(custom_id: str, code: str, message: str) -> bytes:
         "error": {"code": code, "message": message},
     }
     return json.dumps(line, ensure_ascii=False).encode() + b"\n"
+
+
+@dataclass(frozen=True)
+class ResultLine:
+    """An output or error file line, read back (the dashboard's browsing, spot checks)."""
+
+    custom_id: str | None
+    status_code: int | None
+    # error.code for a request that got no response, http_<status> for an HTTP error,
+    # None for a success.
+    code: str | None
+    message: str
+    body: Any
+
+
+def read_result_line(content: bytes) -> ResultLine:
+    """Parse one line written by `response_line` or `failure_line`; anything else (a line
+    changed by hand, cut short) is an `unreadable_line`, never an exception."""
+    unreadable = ResultLine(None, None, Code.UNREADABLE_LINE, "", None)
+    try:
+        obj = json.loads(content)
+    except (ValueError, RecursionError):
+        return unreadable
+    if not isinstance(obj, dict):
+        return unreadable
+    custom_id = obj.get("custom_id") if isinstance(obj.get("custom_id"), str) else None
+    error = obj.get("error")
+    response = obj.get("response")
+    if isinstance(error, dict):
+        return ResultLine(custom_id, None, str(error.get("code") or "error"),
+                          str(error.get("message") or ""), None)
+    if not isinstance(response, dict):
+        return ResultLine(custom_id, None, Code.UNREADABLE_LINE, "", None)
+    status = response.get("status_code")
+    body = response.get("body")
+    if isinstance(status, int) and status >= 400:
+        message = ""
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            message = str(body["error"].get("message") or "")
+        return ResultLine(custom_id, status, f"http_{status}", message, body)
+    return ResultLine(custom_id, status if isinstance(status, int) else None, None, "", body)
 
 
 def usage_of(body: dict[str, Any]) -> tuple[int, int]:
