@@ -16,6 +16,7 @@ from jobs.models import Batch, ContentRule, ScreenedLine
 from jobs.policy import CHUNK_TOKENS, LINE_TOKENS, Screener, Violation
 from jobs.policy.prefilter import Prefilter
 from jobs.policy.re2rules import ChunkText, term_pattern
+from jobs.services import preflight
 from jobs.services.batches import create_batch
 from jobs.services.files import create_input_file
 from jobs.services.validation import run_validation
@@ -64,6 +65,24 @@ def test_reject_fails_validation_naming_line_and_rule(user, tmp_path):
     assert "'weapons'" in messages[0] and "no weapons" in messages[0]
     assert "'card-numbers'" in messages[1]
     assert "'prompt-size'" in messages[2]
+
+
+@pytest.mark.django_db
+def test_preflight_reports_the_content_rules_as_validation_does(user, tmp_path):
+    """The new-batch page checks a file with validation's own check: lines a `reject`
+    content rule refuses are shown before any batch exists, exactly as validation fails the
+    batch with them."""
+    rules("reject")
+    path = tmp_path / "preflight.jsonl"
+    path.write_bytes(jsonl(LINES))
+    file = create_input_file(owner=user, path=path, filename="in.jsonl", purpose="batch")
+    batch = validate(user, tmp_path)
+    for checked in (preflight.check_path(path), preflight.check_file(file)):
+        assert not checked.ok
+        assert [(e["line"], e["code"]) for e in checked.report.errors] == [
+            (2, "content_policy_violation"), (3, "content_policy_violation"),
+            (4, "content_policy_violation")]
+        assert checked.report.errors == batch.errors
 
 
 @pytest.mark.django_db
