@@ -151,7 +151,8 @@ def validate_task(file: Any, *, screen: bool) -> float:
     from django.db import transaction
 
     from jobs.models import Batch, ContentRule
-    from jobs.services.batches import create_batch, run_validation
+    from jobs.services.batches import create_batch
+    from jobs.services.validation import run_validation
 
     with transaction.atomic():
         ContentRule.objects.update(enabled=screen)

@@ -14,6 +14,8 @@ from django.db import models
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from jobs.re2check import regex_problem
+
 PROGRESS_FIELDS = ("completed", "failed", "input_tokens", "output_tokens")
 
 
@@ -613,8 +615,6 @@ class ContentRule(models.Model):
 
     def clean(self) -> None:
         from django.core.exceptions import ValidationError
-
-        from jobs.policy import regex_problem
 
         super().clean()
         if self.kind in (self.Kind.TERM, self.Kind.REGEX) and not self.pattern.strip():

@@ -3,12 +3,12 @@ payload never carries user data, and replaying a job is harmless."""
 
 from __future__ import annotations
 
-from jobs.services import batches
+from jobs.services import batches, validation
 from jobs.services import reconcile as reconcile_service
 
 
 def validate_batch(batch_id: str) -> None:
-    batches.run_validation(batch_id=batch_id)
+    validation.run_validation(batch_id=batch_id)
 
 
 def finalize_batch(batch_id: str) -> None:

@@ -19,10 +19,10 @@ from jobs.services.batches import (
     create_batch,
     finalize_batch,
     refresh_progress,
-    run_validation,
     shard_custom_ids,
 )
 from jobs.services.files import create_input_file, new_storage_name
+from jobs.services.validation import run_validation
 from jobs.wire import response_line
 from tests.helpers import jsonl
 

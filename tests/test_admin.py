@@ -6,8 +6,9 @@ import pytest
 from django.contrib.admin.utils import quote  # ids in admin URLs are quoted
 
 from jobs.models import ApiKey, Batch, Shard
-from jobs.services.batches import create_batch, run_validation
+from jobs.services.batches import create_batch
 from jobs.services.files import create_input_file
+from jobs.services.validation import run_validation
 from tests.helpers import chat_line, jsonl
 
 pytestmark = pytest.mark.django_db

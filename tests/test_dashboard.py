@@ -416,7 +416,8 @@ def test_errors_tab_counts_filter_search_and_paging(site, user, tmp_path, settin
 
 def test_errors_tab_for_failed_validation(site, user, tmp_path):
     file = make_file(user, [chat_line("a", "x"), chat_line("a", "y")], tmp_path)
-    from jobs.services.batches import create_batch, run_validation
+    from jobs.services.batches import create_batch
+    from jobs.services.validation import run_validation
 
     batch = create_batch(owner=user, input_file_id=file.pk, endpoint="/v1/chat/completions",
                          completion_window="24h")

@@ -6,17 +6,20 @@ import io
 import json
 import random
 import re
+from dataclasses import dataclass
 
 import pytest
 import re2
 from django.core.exceptions import ValidationError
 
-from jobs import policy
 from jobs.models import Batch, ContentRule, ScreenedLine
 from jobs.policy import CHUNK_TOKENS, LINE_TOKENS, Screener, Violation
-from jobs.policy import _term_pattern as term_pattern
-from jobs.services.batches import create_batch, run_validation
+from jobs.policy.prefilter import Prefilter
+from jobs.policy.re2rules import ChunkText, term_pattern
+from jobs.services import preflight
+from jobs.services.batches import create_batch
 from jobs.services.files import create_input_file
+from jobs.services.validation import run_validation
 from jobs.wire import RequestLine, estimate_tokens, prompt_text
 from tests.helpers import chat_line, jsonl, wait_for
 
@@ -65,6 +68,24 @@ def test_reject_fails_validation_naming_line_and_rule(user, tmp_path):
 
 
 @pytest.mark.django_db
+def test_preflight_reports_the_content_rules_as_validation_does(user, tmp_path):
+    """The new-batch page checks a file with validation's own check: lines a `reject`
+    content rule refuses are shown before any batch exists, exactly as validation fails the
+    batch with them."""
+    rules("reject")
+    path = tmp_path / "preflight.jsonl"
+    path.write_bytes(jsonl(LINES))
+    file = create_input_file(owner=user, path=path, filename="in.jsonl", purpose="batch")
+    batch = validate(user, tmp_path)
+    for checked in (preflight.check_path(path), preflight.check_file(file)):
+        assert not checked.ok
+        assert [(e["line"], e["code"]) for e in checked.report.errors] == [
+            (2, "content_policy_violation"), (3, "content_policy_violation"),
+            (4, "content_policy_violation")]
+        assert checked.report.errors == batch.errors
+
+
+@pytest.mark.django_db
 def test_no_rules_no_screening(user, tmp_path):
     assert validate(user, tmp_path).status == "in_progress"
 
@@ -108,11 +129,12 @@ def test_skip_runs_the_rest_and_writes_flagged_lines_to_errors(openai_client, wo
 # --- the screener on its own: terms and regexes matched by one RE2 set, a chunk at a time ---
 
 def screen(rules: list[ContentRule], bodies: list[dict], tokens: int | None = None,
-           chunk_lines: int = CHUNK_TOKENS // LINE_TOKENS) -> dict[int, str]:
+           chunk_lines: int = CHUNK_TOKENS // LINE_TOKENS,
+           use_prefilter: bool = True) -> dict[int, str]:
     """Line number -> the rule refusing it, through `screen` and `flush` as validation calls
     them, `chunk_lines` lines at a time; each line's prompt size is `tokens`, or
     validation's estimate."""
-    screener = Screener(rules)
+    screener = Screener(rules, use_prefilter=use_prefilter)
     found: dict[int, str] = {}
 
     def sink(number: int, custom_id: str, violation: Violation) -> None:
@@ -134,21 +156,26 @@ def screen(rules: list[ContentRule], bodies: list[dict], tokens: int | None = No
     return found
 
 
-@pytest.fixture(params=[True, False], ids=["prefilter", "re2-only"])
-def prefilter(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Screen with Hyperscan's prefilter on the chunks it may read (the default), or with
-    RE2 alone. Yields, for each chunk the prefilter was asked about, whether it read it."""
-    monkeypatch.setattr(policy, "USE_PREFILTER", request.param)
-    read: list[bool] = []
-    candidates = policy._Prefilter.candidates
+@dataclass
+class PrefilterRun:
+    use: bool  # the screener's `use_prefilter`
+    read: list[bool]  # for each chunk the prefilter was asked about, whether it read it
 
-    def spy(self: policy._Prefilter, chunk: policy._ChunkText) -> dict | None:
+
+@pytest.fixture(params=[True, False], ids=["prefilter", "re2-only"])
+def prefilter(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> PrefilterRun:
+    """Screen with Hyperscan's prefilter on the chunks it may read (the default), or with
+    RE2 alone; records which chunks the prefilter read."""
+    run = PrefilterRun(use=request.param, read=[])
+    candidates = Prefilter.candidates
+
+    def spy(self: Prefilter, chunk: ChunkText) -> dict | None:
         found = candidates(self, chunk)
-        read.append(found is not None)
+        run.read.append(found is not None)
         return found
 
-    monkeypatch.setattr(policy._Prefilter, "candidates", spy)
-    return read
+    monkeypatch.setattr(Prefilter, "candidates", spy)
+    return run
 
 
 def chat(*texts: object) -> dict:
@@ -227,7 +254,7 @@ def test_the_token_estimate_validation_passes_is_used():
 
 @pytest.mark.parametrize("chunk_lines", [CHUNK_TOKENS // LINE_TOKENS, 7])
 def test_chunked_screening_agrees_with_each_rule_searched_alone(chunk_lines: int,
-                                                                prefilter: list[bool]):
+                                                                prefilter: PrefilterRun):
     """Many lines of words, near misses, non-ASCII text, newlines and several messages (some
     as text parts, some lines with none): what the screener reports is, line by line, the
     leftmost match of the rules searched one at a time (terms with Python's re, regexes with
@@ -283,12 +310,14 @@ def test_chunked_screening_agrees_with_each_rule_searched_alone(chunk_lines: int
     expected = {n: name for n, body in enumerate(bodies, start=1)
                 if (name := reference(text_of(body)))}
     assert 50 < len(expected) < 650  # the corpus has both
-    assert screen(rules, bodies, chunk_lines=chunk_lines) == expected
+    assert screen(rules, bodies, chunk_lines=chunk_lines,
+                  use_prefilter=prefilter.use) == expected
     # With the prefilter, it read the ASCII chunks (the non-ASCII terms cannot match them).
-    assert (any(prefilter) and not all(prefilter)) if policy.USE_PREFILTER else not prefilter
+    assert ((any(prefilter.read) and not all(prefilter.read)) if prefilter.use
+            else not prefilter.read)
 
 
-def test_prefilter_gives_re2_the_chunks_it_cannot_read(prefilter: list[bool]):
+def test_prefilter_gives_re2_the_chunks_it_cannot_read(prefilter: PrefilterRun):
     r"""A vertical tab (\S to RE2, \s to Hyperscan), non-ASCII text, and a chunk matching
     too often are read by RE2; a non-ASCII term is left out of the prefilter and still
     found in non-ASCII text."""
@@ -296,13 +325,13 @@ def test_prefilter_gives_re2_the_chunks_it_cannot_read(prefilter: list[bool]):
              rule("c-cafe", "term", "café"), rule("d-digit", "regex", r"\d")]
     bodies = [chat("key:\v"), chat("a bomb"), chat("un café"), chat("cafe"),
               chat("1" * 300), chat("no match")]
-    assert screen(rules, bodies, chunk_lines=1) == {1: "a-key", 2: "b-bomb", 3: "c-cafe",
-                                                    5: "d-digit"}
-    if policy.USE_PREFILTER:
-        assert prefilter == [False, True, False, True, False, True]
+    assert screen(rules, bodies, chunk_lines=1, use_prefilter=prefilter.use) == {
+        1: "a-key", 2: "b-bomb", 3: "c-cafe", 5: "d-digit"}
+    if prefilter.use:
+        assert prefilter.read == [False, True, False, True, False, True]
 
 
-def test_prefilter_names_the_lines_its_matches_end_in(prefilter: list[bool]):
+def test_prefilter_names_the_lines_its_matches_end_in(prefilter: PrefilterRun):
     r"""Terms at either end of a line (their edge may be the "\n" between two lines), a
     match across two lines that neither line has alone, and what the prefilter's looser
     patterns find (a term inside a word, \b left out) but RE2's do not, in one chunk."""
@@ -310,9 +339,10 @@ def test_prefilter_names_the_lines_its_matches_end_in(prefilter: list[bool]):
              rule("c-mb", "regex", r"\bmb\b")]
     bodies = [chat("!!!", "bomb"), chat("bomb"), chat("?"), chat("!! left"),
               chat("right !!"), chat("x mb"), chat("xmb", "bombs")]
-    assert screen(rules, bodies) == {1: "a-bomb", 2: "a-bomb", 6: "c-mb"}
-    if policy.USE_PREFILTER:
-        assert prefilter == [True]
+    assert screen(rules, bodies, use_prefilter=prefilter.use) == {
+        1: "a-bomb", 2: "a-bomb", 6: "c-mb"}
+    if prefilter.use:
+        assert prefilter.read == [True]
 
 
 def test_prefilter_is_left_out_when_a_rule_could_escape_it():
@@ -398,12 +428,8 @@ def test_random_rules_on_both_paths_agree_with_each_rule_searched_alone():
             if starts:
                 expected[number] = min(starts)[1]
         for use in (True, False):
-            policy.USE_PREFILTER = use
-            try:
-                bodies = [chat(text) for text in texts]
-                assert screen(rules, bodies, chunk_lines=5) == expected, (
-                    [r.pattern for r in rules], use)
-                read += use and Screener(rules).prefilter is not None
-            finally:
-                policy.USE_PREFILTER = True
+            bodies = [chat(text) for text in texts]
+            assert screen(rules, bodies, chunk_lines=5, use_prefilter=use) == expected, (
+                [r.pattern for r in rules], use)
+            read += use and Screener(rules).prefilter is not None
     assert read > 50  # most trials ran the prefilter

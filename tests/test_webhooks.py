@@ -26,8 +26,8 @@ from jobs.services.batches import (
     create_batch,
     expire_due_batches,
     finalize_batch,
-    run_validation,
 )
+from jobs.services.validation import run_validation
 from tests.dashboard_support import make_batch, make_file, run_batch
 from tests.helpers import chat_line, jsonl, wait_for
 

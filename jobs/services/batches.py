@@ -10,9 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import IO, Any
 
 from django.conf import settings
@@ -23,19 +22,16 @@ from django.utils import timezone
 
 from engine.base import ENDPOINTS
 from jobs import queues
-from jobs.models import PROGRESS_FIELDS, Batch, File, RequestCopy, ScreenedLine, Shard
-from jobs.policy import Screener
+from jobs.models import PROGRESS_FIELDS, Batch, File, RequestCopy, Shard
 from jobs.services.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.services.files import (
     get_file_for_user,
     local_temp,
-    open_file,
     open_range_lines,
     parse_expires_after,
     store_file,
 )
 from jobs.services.quotas import check_quota
-from jobs.services.validation import check_input
 from jobs.wire import Code, failure_line
 
 log = logging.getLogger(__name__)
@@ -140,78 +136,6 @@ def refresh_progress(*, batch_id: str) -> None:
             return
         locked.update(**{k: Coalesce(Subquery(shards.annotate(total=Sum(k)).values("total")), 0)
                          for k in PROGRESS_FIELDS})
-
-
-# --- validation ---
-
-
-def run_validation(*, batch_id: str) -> None:
-    """Stream the input once; fail the batch with every bad line, or plan its shards and
-    start it. Does nothing unless the batch is still validating."""
-    batch = Batch.objects.select_related("input_file").filter(pk=batch_id).first()
-    if batch is None or batch.status != Batch.Status.VALIDATING or batch.stop_code:
-        return
-    with local_temp(".copies") as copies_path, local_temp(".screened") as screened_path:
-        with open(copies_path, "w") as copies, open(screened_path, "w") as screened, \
-                open_file(batch.input_file) as stream:
-            report = check_input(
-                stream, endpoint=batch.endpoint, screener=Screener.load(),
-                on_copy=lambda p, line, cid: copies.write(json.dumps([p, line, cid]) + "\n"),
-                on_screened=lambda line, cid, rule: screened.write(
-                    json.dumps([line, cid, rule]) + "\n"))
-        if not report.ok:
-            errors = report.errors
-            if report.error_count > len(errors):
-                errors.append({"code": "too_many_errors", "line": None, "param": None,
-                               "message": f"{report.error_count} lines have problems; "
-                                          f"the first {len(errors)} are listed."})
-            now = timezone.now()
-            Batch.objects.filter(pk=batch_id, status=Batch.Status.VALIDATING).update(
-                status=Batch.Status.FAILED, failed_at=now, errors=errors)
-            transaction.on_commit(lambda: _notify_ended(batch_id), robust=True)
-            return
-        with transaction.atomic():
-            started = Batch.objects.filter(
-                pk=batch_id, status=Batch.Status.VALIDATING, stop_code="").update(
-                status=Batch.Status.IN_PROGRESS, in_progress_at=timezone.now(),
-                total=report.requests, model=report.model or "",
-                dedup_saved=report.dedup_saved)
-            if not started:
-                return
-            queue_name = queues.shard_queue_name(report.model or "", batch.priority)
-            Shard.objects.bulk_create([
-                Shard(batch_id=batch_id, index=plan.index, start_byte=plan.start_byte,
-                      end_byte=plan.end_byte, first_line=plan.first_line,
-                      request_count=plan.responsible, queue_name=queue_name)
-                for plan in report.shards
-            ], batch_size=500)
-            _save_copies(batch_id, copies_path)
-            _save_screened(batch_id, screened_path)
-            transaction.on_commit(lambda: enqueue_next_shards(batch_id=batch_id), robust=True)
-
-
-def _save_screened(batch_id: str, path: Path) -> None:
-    _bulk_save(path, lambda line, custom_id, rule: ScreenedLine(
-        batch_id=batch_id, line=line, custom_id=custom_id, rule=rule))
-
-
-def _save_copies(batch_id: str, path: Path) -> None:
-    _bulk_save(path, lambda primary_line, line, custom_id: RequestCopy(
-        batch_id=batch_id, primary_line=primary_line, line=line, custom_id=custom_id))
-
-
-def _bulk_save(path: Path, make_row: Callable[..., Any], chunk_size: int = 2000) -> None:
-    """Insert one row per line of a JSONL file of argument lists, a chunk at a time, so a
-    batch with a million copies or screened lines never holds them all in memory."""
-    chunk: list[Any] = []
-    with open(path) as handle:
-        for row in handle:
-            chunk.append(make_row(*json.loads(row)))
-            if len(chunk) >= chunk_size:
-                type(chunk[0]).objects.bulk_create(chunk)
-                chunk = []
-    if chunk:
-        type(chunk[0]).objects.bulk_create(chunk)
 
 
 # --- scheduling (fair share) ---

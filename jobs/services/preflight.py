@@ -1,6 +1,6 @@
-"""The new-batch form's preflight: check a file before any batch exists, say what the
-batch will cost, and (when the user picks another model than the file names) write a copy
-of the file for that model."""
+"""The new-batch form's preflight: check a file before any batch exists, with the very check
+validation runs (content rules included), say what the batch will cost, and (when the user
+picks another model than the file names) write a copy of the file for that model."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from django.conf import settings
 from jobs.models import File
 from jobs.services import dashboard
 from jobs.services.files import create_input_file, iter_lines, local_temp, open_file
-from jobs.services.validation import InputReport, check_input
+from jobs.services.validation import InputReport, check_batch_input
 
 
 @dataclass
@@ -31,12 +31,12 @@ class Preflight:
 
 def check_path(path: str | Path, *, endpoint: str | None = None) -> Preflight:
     with open(path, "rb") as stream:
-        return _preflight(check_input(stream, endpoint=endpoint))
+        return _preflight(check_batch_input(stream, endpoint=endpoint))
 
 
 def check_file(file: File, *, endpoint: str | None = None) -> Preflight:
     with open_file(file) as stream:
-        return _preflight(check_input(stream, endpoint=endpoint))
+        return _preflight(check_batch_input(stream, endpoint=endpoint))
 
 
 def _preflight(report: InputReport) -> Preflight:

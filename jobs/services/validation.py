@@ -1,7 +1,8 @@
-"""One streaming pass over a batch input file: every line checked, shards cut, duplicates found.
+"""One streaming pass over a batch input file: every line checked, shards cut, duplicates found,
+content rules applied; and the validation task that runs it before a batch starts.
 
-Used by the validation task (before a batch runs) and by the dashboard's preflight (before a
-batch exists), so both report the same problems with the same line numbers.
+The dashboard's preflight (before a batch exists) runs the same check (`check_batch_input`),
+so both report the same problems with the same line numbers.
 """
 
 from __future__ import annotations
@@ -10,34 +11,21 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any
 
 from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
 
+from jobs import queues
 from jobs.digestset import DigestSet
-from jobs.policy import CHUNK_TOKENS, LINE_TOKENS, VIOLATION, Screener, Violation
-from jobs.services.files import iter_lines
-from jobs.wire import (
-    Code,
-    LineError,
-    RequestLine,
-    dedup_key,
-    estimate_tokens,
-    parse_line,
-    prompt_text,
-)
-
-
-@dataclass
-class ShardPlan:
-    index: int
-    start_byte: int
-    end_byte: int
-    first_line: int
-    lines: int = 0  # request lines inside the byte range
-    # Requests this shard writes results for: its lines, minus copies of primaries held by
-    # other shards, plus copies of its own primaries found anywhere.
-    responsible: int = 0
+from jobs.models import Batch, RequestCopy, ScreenedLine, Shard
+from jobs.policy import VIOLATION, Screener, ScreeningChunker, Violation
+from jobs.services.batches import _notify_ended, enqueue_next_shards
+from jobs.services.files import Line, iter_lines, local_temp, open_file
+from jobs.services.planning import CopySink, ShardPlan, ShardPlanner
+from jobs.wire import Code, LineError, RequestLine, estimate_tokens, parse_line, prompt_text
 
 
 @dataclass
@@ -58,8 +46,6 @@ class InputReport:
         return self.error_count == 0
 
 
-# (primary line, copy line, copy custom_id), written out as they are found.
-CopySink = Callable[[int, int, str], None]
 # (line, custom_id, rule name) of a line a `skip` content rule keeps from running.
 ScreenSink = Callable[[int, str, str], None]
 
@@ -69,33 +55,96 @@ def served_models() -> dict[str, tuple[str, ...]]:
     return {m["name"]: tuple(m.get("endpoints", ())) for m in settings.BATCHWEB_MODELS}
 
 
+class LineChecker:
+    """The rules of each input line, alone (its size, its JSON, the request's shape) and
+    against the lines before it (one endpoint, a model served for it and the same on every
+    line, unique custom_ids, at most MAX_REQUESTS_PER_BATCH requests)."""
+
+    def __init__(self, *, endpoint: str | None) -> None:
+        conf = settings.BATCHWEB
+        self.max_line_bytes: int = conf["MAX_LINE_BYTES"]
+        self.max_tokens_cap: int = conf["MAX_TOKENS_CAP"]
+        self.max_requests: int = conf["MAX_REQUESTS_PER_BATCH"]
+        self.models = served_models()
+        self.endpoint = endpoint  # None (the dashboard's preflight) takes the first line's
+        self.model: str | None = None
+        self.requests = 0  # lines that passed, and the one over the limit
+        # custom_ids remembered as 8-byte digests, so memory stays small.
+        self.seen_ids = DigestSet()
+
+    @property
+    def full(self) -> bool:
+        """Whether a line went over MAX_REQUESTS_PER_BATCH: the rest is not read."""
+        return self.requests > self.max_requests
+
+    def check(self, line: Line) -> RequestLine | LineError | None:
+        """The line's request, its problem, or None for a blank line."""
+        if line.content is None:
+            return LineError(Code.LINE_TOO_LONG,
+                             f"Line is longer than {self.max_line_bytes} bytes.")
+        if not line.content.strip():
+            return None
+        parsed = parse_line(line.content, max_tokens_cap=self.max_tokens_cap)
+        if isinstance(parsed, LineError):
+            return parsed
+        error = self._against_batch(parsed)
+        if error:
+            return error
+        self.requests += 1
+        if self.requests > self.max_requests:
+            return LineError(Code.TOO_MANY_REQUESTS,
+                             f"A batch takes at most {self.max_requests} requests.")
+        return parsed
+
+    def _against_batch(self, line: RequestLine) -> LineError | None:
+        """The rules that relate a line to the rest of the batch."""
+        if self.endpoint is None:
+            self.endpoint = line.url
+        elif line.url != self.endpoint:
+            return LineError(Code.MISMATCHED_ENDPOINT,
+                             f"url {line.url} differs from the batch's endpoint "
+                             f"{self.endpoint}.", "url")
+        served = self.models.get(line.model)
+        if served is None:
+            return LineError(Code.MODEL_NOT_FOUND,
+                             f"The model '{line.model}' is not served here.", "body.model")
+        if line.url not in served:
+            return LineError(Code.MODEL_NOT_FOUND,
+                             f"The model '{line.model}' does not serve {line.url}.",
+                             "body.model")
+        if self.model is None:
+            self.model = line.model
+        elif line.model != self.model:
+            return LineError(Code.MISMATCHED_MODEL,
+                             f"All requests of a batch must use one model; this line uses "
+                             f"'{line.model}', earlier lines '{self.model}'.", "body.model")
+        digest = int.from_bytes(hashlib.blake2b(line.custom_id.encode(),
+                                                digest_size=8).digest())
+        if digest in self.seen_ids:
+            return LineError(Code.DUPLICATE_CUSTOM_ID,
+                             f"custom_id {json.dumps(line.custom_id)[:200]} appears more "
+                             f"than once.", "custom_id")
+        self.seen_ids.add(digest)
+        return None
+
+
 def check_input(stream: IO[bytes], *, endpoint: str | None,
                 on_copy: CopySink | None = None, screener: Screener | None = None,
                 on_screened: ScreenSink | None = None) -> InputReport:
-    """Check every line of a batch input file and plan its shards.
+    """Check every line of a batch input file (`LineChecker`) and plan its shards
+    (`ShardPlanner`, which reports duplicate bodies to `on_copy`).
 
     `endpoint` is the batch's; None (the dashboard's preflight) takes the first line's.
-    Duplicate deterministic bodies are reported to `on_copy`; with no sink they are only
-    counted. Memory stays small: custom_ids are remembered as 8-byte digests and at most
-    DEDUP_MAX_BODIES distinct bodies are remembered for dedup.
 
-    With a `screener`, every line is checked against the content rules: a `reject` rule's
-    violation is a line error; a `skip` rule's goes to `on_screened` and the line stays in
-    the batch (its shard writes the error line).
+    With a `screener`, every line is checked against the content rules, a chunk at a time
+    (`ScreeningChunker`): a `reject` rule's violation is a line error; a `skip` rule's goes
+    to `on_screened` and the line stays in the batch (its shard writes the error line).
     """
     conf = settings.BATCHWEB
-    models = served_models()
     report = InputReport(endpoint=endpoint)
-    seen_ids = DigestSet()
-    primaries: dict[bytes, tuple[int, int]] = {}  # body digest -> (line, shard index)
-    shard: ShardPlan | None = None
-    # Lines waiting to be screened, a chunk at a time: (line number, custom_id, tokens,
-    # text), their requests too when the screener counts tokens (`needs_requests`, asked at
-    # the first line), and the chunk's size as CHUNK_TOKENS counts it.
-    to_screen: list[tuple[int, str, int, str]] = []
-    to_screen_requests: list[RequestLine] = []
-    to_screen_size = 0
-    keep_requests: bool | None = None
+    checker = LineChecker(endpoint=endpoint)
+    planner = ShardPlanner(shard_size=conf["SHARD_SIZE"], max_bodies=conf["DEDUP_MAX_BODIES"],
+                           on_copy=on_copy)
 
     def problem(line_number: int, error: LineError) -> None:
         report.error_count += 1
@@ -110,68 +159,29 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
             if on_screened:
                 on_screened(line_number, custom_id, violation.rule)
 
-    for line in iter_lines(stream, max_line_bytes=conf["MAX_LINE_BYTES"]):
-        if line.content is None:
-            problem(line.number, LineError(
-                Code.LINE_TOO_LONG, f"Line is longer than {conf['MAX_LINE_BYTES']} bytes."))
+    chunker = ScreeningChunker(screener, screened) if screener is not None else None
+    for line in iter_lines(stream, max_line_bytes=checker.max_line_bytes):
+        request = checker.check(line)
+        if request is None:
             continue
-        if not line.content.strip():
+        if isinstance(request, LineError):
+            problem(line.number, request)
+            if checker.full:
+                break
             continue
-        parsed = parse_line(line.content, max_tokens_cap=conf["MAX_TOKENS_CAP"])
-        if isinstance(parsed, LineError):
-            problem(line.number, parsed)
-            continue
-        error = _check_against_batch(parsed, report, models, seen_ids)
-        if error:
-            problem(line.number, error)
-            continue
-        report.requests += 1
-        if report.requests > conf["MAX_REQUESTS_PER_BATCH"]:
-            problem(line.number, LineError(
-                Code.TOO_MANY_REQUESTS,
-                f"A batch takes at most {conf['MAX_REQUESTS_PER_BATCH']} requests."))
-            break
-        text, chars = prompt_text(parsed)
-        tokens_in, ceiling = estimate_tokens(parsed, chars)
-        if screener is not None:
-            if keep_requests is None:
-                keep_requests = screener.needs_requests(parsed.model)
-            to_screen.append((line.number, parsed.custom_id, tokens_in, text))
-            if keep_requests:
-                to_screen_requests.append(parsed)
-            to_screen_size += tokens_in + LINE_TOKENS
-            if to_screen_size >= CHUNK_TOKENS:
-                screener.screen(to_screen, screened, to_screen_requests)
-                to_screen, to_screen_requests, to_screen_size = [], [], 0
+        text, chars = prompt_text(request)
+        tokens_in, ceiling = estimate_tokens(request, chars)
+        if chunker is not None:
+            chunker.add(line.number, request, tokens_in, text)
         report.input_tokens_estimate += tokens_in
         report.output_tokens_ceiling += ceiling
+        planner.add(line, request)
 
-        if shard is None or shard.lines >= conf["SHARD_SIZE"]:
-            shard = ShardPlan(index=len(report.shards), start_byte=line.start,
-                              end_byte=line.end, first_line=line.number)
-            report.shards.append(shard)
-        shard.end_byte = line.end
-        shard.lines += 1
-        shard.responsible += 1
-
-        key = dedup_key(parsed)
-        if key is None:
-            continue
-        primary = primaries.get(key)
-        if primary is None:
-            if len(primaries) < conf["DEDUP_MAX_BODIES"]:
-                primaries[key] = (line.number, shard.index)
-            continue
-        primary_line, primary_shard = primary
-        report.dedup_saved += 1
-        shard.responsible -= 1
-        report.shards[primary_shard].responsible += 1
-        if on_copy:
-            on_copy(primary_line, line.number, parsed.custom_id)
-
-    if screener is not None:
-        screener.screen(to_screen, screened, to_screen_requests)
-        screener.flush(screened)
+    report.endpoint, report.model, report.requests = (checker.endpoint, checker.model,
+                                                      checker.requests)
+    report.shards, report.dedup_saved = planner.shards, planner.dedup_saved
+    if chunker is not None:
+        chunker.finish()
         report.errors.sort(key=lambda entry: entry["line"] or 0)
     if report.requests == 0 and report.error_count == 0:
         problem(1, LineError(Code.EMPTY_FILE, "The file has no requests."))
@@ -180,33 +190,83 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
     return report
 
 
-def _check_against_batch(line: RequestLine, report: InputReport,
-                         models: dict[str, tuple[str, ...]],
-                         seen_ids: DigestSet) -> LineError | None:
-    """The rules that relate a line to the rest of the batch."""
-    if report.endpoint is None:
-        report.endpoint = line.url
-    elif line.url != report.endpoint:
-        return LineError(Code.MISMATCHED_ENDPOINT,
-                         f"url {line.url} differs from the batch's endpoint {report.endpoint}.",
-                         "url")
-    served = models.get(line.model)
-    if served is None:
-        return LineError(Code.MODEL_NOT_FOUND, f"The model '{line.model}' is not served here.",
-                         "body.model")
-    if line.url not in served:
-        return LineError(Code.MODEL_NOT_FOUND,
-                         f"The model '{line.model}' does not serve {line.url}.", "body.model")
-    if report.model is None:
-        report.model = line.model
-    elif line.model != report.model:
-        return LineError(Code.MISMATCHED_MODEL,
-                         f"All requests of a batch must use one model; this line uses "
-                         f"'{line.model}', earlier lines '{report.model}'.", "body.model")
-    digest = int.from_bytes(hashlib.blake2b(line.custom_id.encode(), digest_size=8).digest())
-    if digest in seen_ids:
-        return LineError(Code.DUPLICATE_CUSTOM_ID,
-                         f"custom_id {json.dumps(line.custom_id)[:200]} appears more than once.",
-                         "custom_id")
-    seen_ids.add(digest)
-    return None
+def check_batch_input(stream: IO[bytes], *, endpoint: str | None,
+                      on_copy: CopySink | None = None,
+                      on_screened: ScreenSink | None = None) -> InputReport:
+    """What validation decides about a batch input file: `check_input` with the enabled
+    content rules. The validation task and the dashboard's preflight both call it, so the
+    preflight shows exactly what validation would decide."""
+    return check_input(stream, endpoint=endpoint, on_copy=on_copy, screener=Screener.load(),
+                       on_screened=on_screened)
+
+
+# --- the validation task ---
+
+
+def run_validation(*, batch_id: str) -> None:
+    """Stream the input once; fail the batch with every bad line, or plan its shards and
+    start it. Does nothing unless the batch is still validating."""
+    batch = Batch.objects.select_related("input_file").filter(pk=batch_id).first()
+    if batch is None or batch.status != Batch.Status.VALIDATING or batch.stop_code:
+        return
+    with local_temp(".copies") as copies_path, local_temp(".screened") as screened_path:
+        with open(copies_path, "w") as copies, open(screened_path, "w") as screened, \
+                open_file(batch.input_file) as stream:
+            report = check_batch_input(
+                stream, endpoint=batch.endpoint,
+                on_copy=lambda p, line, cid: copies.write(json.dumps([p, line, cid]) + "\n"),
+                on_screened=lambda line, cid, rule: screened.write(
+                    json.dumps([line, cid, rule]) + "\n"))
+        if not report.ok:
+            errors = report.errors
+            if report.error_count > len(errors):
+                errors.append({"code": "too_many_errors", "line": None, "param": None,
+                               "message": f"{report.error_count} lines have problems; "
+                                          f"the first {len(errors)} are listed."})
+            now = timezone.now()
+            Batch.objects.filter(pk=batch_id, status=Batch.Status.VALIDATING).update(
+                status=Batch.Status.FAILED, failed_at=now, errors=errors)
+            transaction.on_commit(lambda: _notify_ended(batch_id), robust=True)
+            return
+        with transaction.atomic():
+            started = Batch.objects.filter(
+                pk=batch_id, status=Batch.Status.VALIDATING, stop_code="").update(
+                status=Batch.Status.IN_PROGRESS, in_progress_at=timezone.now(),
+                total=report.requests, model=report.model or "",
+                dedup_saved=report.dedup_saved)
+            if not started:
+                return
+            queue_name = queues.shard_queue_name(report.model or "", batch.priority)
+            Shard.objects.bulk_create([
+                Shard(batch_id=batch_id, index=plan.index, start_byte=plan.start_byte,
+                      end_byte=plan.end_byte, first_line=plan.first_line,
+                      request_count=plan.responsible, queue_name=queue_name)
+                for plan in report.shards
+            ], batch_size=500)
+            _save_copies(batch_id, copies_path)
+            _save_screened(batch_id, screened_path)
+            transaction.on_commit(lambda: enqueue_next_shards(batch_id=batch_id), robust=True)
+
+
+def _save_screened(batch_id: str, path: Path) -> None:
+    _bulk_save(path, lambda line, custom_id, rule: ScreenedLine(
+        batch_id=batch_id, line=line, custom_id=custom_id, rule=rule))
+
+
+def _save_copies(batch_id: str, path: Path) -> None:
+    _bulk_save(path, lambda primary_line, line, custom_id: RequestCopy(
+        batch_id=batch_id, primary_line=primary_line, line=line, custom_id=custom_id))
+
+
+def _bulk_save(path: Path, make_row: Callable[..., Any], chunk_size: int = 2000) -> None:
+    """Insert one row per line of a JSONL file of argument lists, a chunk at a time, so a
+    batch with a million copies or screened lines never holds them all in memory."""
+    chunk: list[Any] = []
+    with open(path) as handle:
+        for row in handle:
+            chunk.append(make_row(*json.loads(row)))
+            if len(chunk) >= chunk_size:
+                type(chunk[0]).objects.bulk_create(chunk)
+                chunk = []
+    if chunk:
+        type(chunk[0]).objects.bulk_create(chunk)

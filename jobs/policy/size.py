@@ -1,0 +1,81 @@
+"""The prompt-size rule: the prompt counted in the model's own tokens, with its tokenizer and
+chat template (`engine.tokens`: what the engine reports as prompt_tokens), tokenizing only
+the lines a cheap bound cannot clear. For a model without a tokenizer (the test engine) it
+uses the cost preview's estimate, 4 characters a token."""
+
+from __future__ import annotations
+
+from operator import attrgetter, itemgetter, methodcaller
+from typing import Any
+
+from engine.tokens import PromptCounter
+from jobs.policy.violation import Violation, ViolationSink
+from jobs.wire import RequestLine
+
+# Of a chunk's (line number, custom_id, tokens, text), and of a chat body.
+_TOKENS = itemgetter(2)
+_BODY = attrgetter("body")
+_MESSAGES_OR_NONE = methodcaller("get", "messages", ())
+
+
+class PromptSizeRules:
+    """The prompt-size rules of a rule list (`rules`, empty when there are none)."""
+
+    def __init__(self, rules: list[Any]) -> None:
+        self.rules = [r for r in rules if r.kind == "max_prompt_tokens" and r.max_tokens]
+        self.floor = min((r.max_tokens for r in self.rules), default=0)
+        self.counters: dict[str, PromptCounter | None] = {}
+        self.counter: PromptCounter | None = None  # the batch model's (`count_for`)
+
+    def count_for(self, model: Any) -> bool:
+        """Count the prompts of a batch of `model` in its own tokens; whether that needs
+        each line's request (a model with a tokenizer)."""
+        self.counter = self._counter(model) if self.rules else None
+        return self.counter is not None
+
+    def refuses(self, line: tuple[int, str, int, str], request: RequestLine | None,
+                sink: ViolationSink) -> bool:
+        """Whether a prompt-size rule refuses the line (then told to `sink`)."""
+        if not self.rules:
+            return False
+        number, custom_id, estimate, _ = line
+        tokens = (self.counter.over(request.url, request.body, self.floor)
+                  if self.counter is not None and request is not None else
+                  estimate if estimate > self.floor else None)
+        if tokens is None:
+            return False
+        for rule in self.rules:
+            if tokens > rule.max_tokens:
+                sink(number, custom_id, Violation.of(rule))
+                return True
+        return False
+
+    def maybe_oversized(self, chunk: list[tuple[int, str, int, str]],
+                        requests: list[RequestLine] | None) -> list[int]:
+        """The lines of a chunk a prompt-size rule must look at: over the smallest limit
+        by the estimate, or, for models counted exactly, by a loose bound from the
+        estimate (`PromptCounter.bound`); the whole chunk clears at once when its largest
+        line does."""
+        floor = self.floor
+        largest = max(map(_TOKENS, chunk))
+        if self.counter is None or not requests:
+            if largest <= floor:
+                return []
+            return [i for i, (_, _, tokens, _) in enumerate(chunk) if tokens > floor]
+        messages = max(map(len, map(_MESSAGES_OR_NONE, map(_BODY, requests))))
+        if self.counter.bound(largest, messages) <= floor:
+            return []
+        return list(range(len(chunk)))  # each line bounded again, or counted (over)
+
+    def _counter(self, model: Any) -> PromptCounter | None:
+        """The model's prompt token counter, loaded once; None for a model without a
+        tokenizer (or not served here: validation refuses its lines anyway)."""
+        if not isinstance(model, str):
+            return None
+        if model not in self.counters:
+            from jobs.engines import model_spec
+
+            spec = model_spec(model)
+            self.counters[model] = (PromptCounter(spec) if spec is not None and
+                                    spec.backend == "vllm" and spec.path else None)
+        return self.counters[model]
