@@ -31,7 +31,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,26 +40,18 @@ from pathlib import Path
 import httpx
 import openai
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.scale_out import models_file  # noqa: E402
-from bench.scratch import prepare  # noqa: E402
+try:
+    from bench import harness
+except ImportError:  # run as `python bench/cold_start.py`: bench/ itself is on the path
+    import harness  # type: ignore[no-redef]
 
-PY = sys.executable
+ROOT, PY = harness.ROOT, harness.PY
 ECHO = "echo-test"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def one_request(model: str, path: Path) -> Path:
-    path.write_text(json.dumps({
-        "custom_id": "cold-1", "method": "POST", "url": "/v1/chat/completions",
-        "body": {"model": model, "max_tokens": 1, "temperature": 0,
-                 "messages": [{"role": "user", "content": "Say hello."}]}}) + "\n")
+    path.write_bytes(harness.jsonl([harness.chat_request("cold-1", "Say hello.", model=model,
+                                                         max_tokens=1, temperature=0)]))
     return path
 
 
@@ -96,11 +87,10 @@ def watch_batch(client: openai.OpenAI, batch_id: str, clock: Clock) -> None:
 def worker_start(model: str, modes: list[str], env: dict[str, str], scratch: Path,
                  timeout: float) -> list[tuple[str, Clock]]:
     """(a): per mode, a worker started with a 1-request batch already waiting."""
-    port = free_port()
-    key = prepare(env)
-    server = subprocess.Popen([PY, "-m", "gunicorn", "batchweb.wsgi:application", "-b",
-                               f"127.0.0.1:{port}", "-w", "1", "--threads", "4"], cwd=ROOT,
-                              env=env, stderr=subprocess.DEVNULL)
+    port = harness.free_port()
+    key = harness.prepare(env)
+    server = harness.gunicorn(port, env, "-w", "1", "--threads", "4",
+                              stderr=subprocess.DEVNULL)
     rows = []
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key,
@@ -109,15 +99,12 @@ def worker_start(model: str, modes: list[str], env: dict[str, str], scratch: Pat
         for number, mode in enumerate(modes):
             worker_env = dict(env)
             if mode != "echo":
-                models_file(worker_env, model, {"enforce_eager": mode == "eager"},
-                            scratch / f"models-{number}.json")
+                harness.models_file(worker_env, model, {"enforce_eager": mode == "eager"},
+                                    scratch / f"models-{number}.json")
             batch_id = submit(client, source)
             log = scratch / f"worker-{number}-{mode}.log"
             clock = Clock()
-            with open(log, "wb") as out:
-                worker = subprocess.Popen([PY, "manage.py", "batchworker", "--model", model],
-                                          cwd=ROOT, env=worker_env, stdout=out,
-                                          stderr=subprocess.STDOUT)
+            worker = harness.batchworker(model, worker_env, log)
             try:
                 while "completed" not in clock.seen:
                     text = log.read_text(errors="replace")
@@ -130,12 +117,7 @@ def worker_start(model: str, modes: list[str], env: dict[str, str], scratch: Pat
                         raise RuntimeError(f"timed out:\n{text[-3000:]}")
                     time.sleep(0.05)
             finally:
-                worker.terminate()
-                try:
-                    worker.wait(timeout=120)
-                except subprocess.TimeoutExpired:
-                    worker.kill()
-                    worker.wait()
+                harness.stop(worker)
             rows.append((mode, clock))
             print(f"(a) {mode}: " + json.dumps(clock.seen), flush=True)
     finally:
@@ -146,29 +128,22 @@ def worker_start(model: str, modes: list[str], env: dict[str, str], scratch: Pat
 
 def make_run(model: str, env: dict[str, str], timeout: float) -> tuple[list, Clock, int]:
     """(b): what `make run` does once everything is installed, then runservice."""
-    port = free_port()
+    port = harness.free_port()
     env = {**env, "BATCHWEB_RUN_MODELS": ""}
     env.pop("REDIS_URL", None)  # runservice starts its own, as under `make run`
-    key = prepare(env)
+    key = harness.prepare(env)
 
-    def manage(*args: str) -> None:
-        subprocess.run([PY, "manage.py", *args], cwd=ROOT, env=env, check=True,
-                       stdout=subprocess.DEVNULL)
-
+    # The first run of `make run` did these; what follows is every run.
     for step in (("preparemodels",), ("migrate", "--noinput", "-v0"),
                  ("collectstatic", "--noinput", "-v0"), ("demouser",)):
-        manage(*step)  # the first run of `make run` did these; what follows is every run
+        harness.manage(env, *step)
     steps = []
     for step in (("preparemodels",), ("migrate", "--noinput", "-v0"),
                  ("collectstatic", "--noinput", "-v0"), ("demouser",)):
         started = time.monotonic()
-        manage(*step)
+        harness.manage(env, *step)
         steps.append((f"manage.py {step[0]}", time.monotonic() - started))
-    expected = len(json.loads(subprocess.run(
-        [PY, "manage.py", "shell", "-c", "import json; from django.conf import settings; "
-         "print(json.dumps([m['name'] for m in settings.BATCHWEB_MODELS]))"],
-        cwd=ROOT, env=env, check=True, capture_output=True, text=True
-    ).stdout.strip().splitlines()[-1]))
+    expected = len(harness.in_deployment(env, "models"))
     log = Path(env["BATCHWEB_VAR_DIR"]) / "runservice.log"
     clock = Clock()
     with open(log, "wb") as out:
@@ -217,12 +192,11 @@ def main() -> None:
                         help="engine modes for (a), in order: eager, compiled")
     parser.add_argument("--skip", default="", help="a or b to leave out")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per start")
+    harness.add_json_option(parser)
     args = parser.parse_args()
     modes = ["echo"] if args.model == ECHO else [m for m in args.modes.split(",") if m]
     if not set(modes) <= {"eager", "compiled", "echo"}:
         sys.exit(f"unknown mode in {args.modes!r}")
-
-    from batchweb.embedded import ensure_redis
 
     base_env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL")}
     base_env.update(LOG_LEVEL="INFO", PYTHONUNBUFFERED="1", ALLOWED_HOSTS="127.0.0.1")
@@ -230,17 +204,15 @@ def main() -> None:
     results: dict = {}
     if "a" not in args.skip:
         scratch = Path(tempfile.mkdtemp(prefix="bw-cold-a-"))
-        os.environ.pop("REDIS_URL", None)
-        redis = ensure_redis(scratch)
-        env = {**base_env, "BATCHWEB_VAR_DIR": str(scratch), "REDIS_URL": os.environ["REDIS_URL"]}
-        if args.model == ECHO:
-            env["BATCHWEB_ECHO_MODEL"] = "1"
         try:
-            results["a"] = worker_start(args.model, modes, env, scratch, args.timeout)
+            with harness.private_redis(scratch):
+                env = {**base_env, "BATCHWEB_VAR_DIR": str(scratch),
+                       "REDIS_URL": os.environ["REDIS_URL"]}
+                if args.model == ECHO:
+                    env["BATCHWEB_ECHO_MODEL"] = "1"
+                results["a"] = worker_start(args.model, modes, env, scratch, args.timeout)
         finally:
-            redis.shutdown()  # type: ignore[attr-defined]
-            os.environ.pop("REDIS_URL", None)
-            subprocess.run(["rm", "-rf", str(scratch)])
+            harness.remove(scratch)
     if "b" not in args.skip:
         scratch = Path(tempfile.mkdtemp(prefix="bw-cold-b-"))
         env = {**base_env, "BATCHWEB_VAR_DIR": str(scratch)}
@@ -251,7 +223,7 @@ def main() -> None:
         try:
             results["b"] = make_run(args.model, env, args.timeout)
         finally:
-            subprocess.run(["rm", "-rf", str(scratch)])
+            harness.remove(scratch)
 
     print(f"\n{args.model}")
     if "a" in results:
@@ -271,7 +243,14 @@ def main() -> None:
               f"{clock.get('workers ready'):>6}")
         print(f"{'runservice -> first token (sent at the 200)':<44} "
               f"{clock.get('first token'):>6}")
+    figures: dict = {"model": args.model}
+    if "a" in results:
+        figures["worker_start"] = [{"mode": mode, **clock.seen} for mode, clock in results["a"]]
+    if "b" in results:
+        steps, clock, workers = results["b"]
+        figures["make_run"] = {"steps": dict(steps), "workers": workers, **clock.seen}
+    harness.write_json(args.json, figures)
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

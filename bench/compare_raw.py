@@ -13,13 +13,14 @@ import argparse
 import gc
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine.base import CHAT, EngineRequest, ModelSpec  # noqa: E402
+try:
+    from bench import harness
+except ImportError:  # run as `python bench/compare_raw.py`: bench/ itself is on the path
+    import harness  # type: ignore[no-redef]
 
 TOPICS = ["the sea", "a city at night", "bread", "mountains", "a library", "rain", "robots",
           "an old clock", "coffee", "the moon", "a garden", "trains", "winter", "music"]
@@ -42,6 +43,7 @@ def cpu_seconds() -> float:
 
 
 def run_engine(path: str, options: dict[str, Any], n: int) -> dict[str, float]:
+    from engine.base import CHAT, EngineRequest, ModelSpec
     from engine.vllm_engine import VllmEngine
 
     start = time.perf_counter()
@@ -92,6 +94,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--order", choices=["engine-first", "raw-first"], default="engine-first")
+    harness.add_json_option(parser)
     args = parser.parse_args()
     options = {"dtype": args.dtype, "enforce_eager": True, "max_model_len": 2048}
     runs = [("VllmEngine.run", run_engine), ("LLM.chat", run_raw)]
@@ -100,9 +103,11 @@ def main() -> None:
     # Alternate A/B rounds: on a shared 2-core machine other load comes and goes, and one
     # pair of runs can differ by 2x for reasons that have nothing to do with the code.
     best: dict[str, float] = {}
+    measured = []
     for round_ in range(args.rounds):
         for name, fn in runs:
             r = fn(args.model, options, args.n)
+            measured.append({"round": round_, "path": name, **r})
             best[name] = max(best.get(name, 0.0), r["tok_s"])
             print(f"round {round_} {name:15s} start {r['start_s']:5.1f} s  "
                   f"run {r['run_s']:6.1f} s  {int(r['tokens'])} tokens  "
@@ -112,7 +117,9 @@ def main() -> None:
             time.sleep(3)  # let the engine process exit before the next one starts
     ratio = best["VllmEngine.run"] / best["LLM.chat"]
     print(f"best of {args.rounds}: VllmEngine / LLM.chat = {ratio:.3f}")
+    harness.write_json(args.json, {"model": args.model, "n": args.n, "dtype": args.dtype,
+                                   "runs": measured, "best_tok_s": best, "ratio": ratio})
 
 
 if __name__ == "__main__":  # the engine core is a spawned process: keep the guard
-    main()
+    harness.run(main)

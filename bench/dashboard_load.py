@@ -2,7 +2,7 @@
 
 A scratch deployment (its own SQLite database, storage and private Redis; or the database
 named by --database-url, which must be a scratch one: it is migrated and rows are added):
-  - one user with --history ended batches (2 shards each) so lists are not trivially empty,
+  - one user with --history ended batches (10 requests each) so lists are not trivially empty,
   - gunicorn as `make run` serves it (manage.py runservice: gthread, 2 workers = one per
     core on this 2-core machine, 8 threads each; threads cover the database waits, the
     processes the GIL), DEBUG off,
@@ -26,13 +26,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import re
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -41,11 +38,12 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.scratch import cpu_seconds  # noqa: E402
+try:
+    from bench import harness
+except ImportError:  # run as `python bench/dashboard_load.py`: bench/ itself is on the path
+    import harness  # type: ignore[no-redef]
 
-PY = sys.executable
+percentile = harness.percentile
 PASSWORD = "bench-dashboard-pw-1"
 ENDPOINTS = {
     "live": "batch page live partial (htmx)",
@@ -53,55 +51,6 @@ ENDPOINTS = {
     "list_partial": "batch list partial (htmx)",
     "list_api": "GET /v1/batches?limit=20",
 }
-
-# Run inside the scratch deployment: the user, its key and the ended batches, made by the
-# same service calls the workers make (tests/dashboard_support.py), then Redis emptied of
-# the jobs those calls queued (they would be no-ops anyway).
-SETUP = """
-import json, sys, tempfile
-from pathlib import Path
-import django
-django.setup()
-from django.contrib.auth import get_user_model
-from jobs import queues
-from jobs.services.keys import create_api_key
-from tests.dashboard_support import make_batch, run_batch
-from tests.helpers import chat_line
-history, per_batch, password = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-user = get_user_model().objects.create_user("dash", password=password)
-key = create_api_key(owner=user, name="bench")[1]
-tmp = Path(tempfile.mkdtemp())
-for i in range(history):
-    lines = [chat_line(f"h{i}-{j}", f"earlier question {i} {j}", max_tokens=16)
-             for j in range(per_batch)]
-    run_batch(make_batch(user, lines, tmp), fails=lambda c: c.endswith("-3"))
-queues.connection().flushdb()
-print(json.dumps({"key": key}))
-"""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_http(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(url, timeout=2)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise RuntimeError(f"{url} does not answer")
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def login(base: str) -> dict[str, str]:
@@ -180,20 +129,22 @@ def main() -> None:
     parser.add_argument("--batchworkers", type=int, default=1)
     parser.add_argument("--database-url", default="",
                         help="a scratch database (default: SQLite in a temporary directory)")
-    parser.add_argument("--json", type=Path, help="also write the report here")
+    harness.add_json_option(parser)
     args = parser.parse_args()
 
-    from batchweb.embedded import ensure_redis
-
     scratch = Path(tempfile.mkdtemp(prefix="bw-dash-bench-"))
-    os.environ.pop("REDIS_URL", None)  # always a private Redis: no other worker sees the jobs
-    redis = ensure_redis(scratch)
+    with harness.private_redis(scratch):  # private: no other worker sees the jobs
+        measure(args, scratch)
+    harness.remove(scratch)
+
+
+def measure(args: argparse.Namespace, scratch: Path) -> None:
     in_flight = 64
     # Long enough for the batch to outlast setup + load: each worker runs `in_flight`
     # requests at a time, each taking `echo_seconds`.
     run_for = args.seconds * 1.5 + 30
     echo_seconds = round(run_for * args.batchworkers * in_flight / args.batch_requests, 2)
-    web_port = free_port()
+    web_port = harness.free_port()
     env = {**os.environ, "BATCHWEB_VAR_DIR": str(scratch), "DEBUG": "0",
            "DJANGO_SETTINGS_MODULE": "batchweb.settings", "ALLOWED_HOSTS": "127.0.0.1",
            "BATCHWEB_ECHO_MODEL": "1", "BATCHWEB_ECHO_SECONDS": str(echo_seconds),
@@ -207,32 +158,24 @@ def main() -> None:
     procs: list[subprocess.Popen] = []
     log = open(scratch / "services.log", "wb")  # noqa: SIM115
     try:
-        subprocess.run([PY, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env,
-                       check=True)
+        harness.manage(env, "migrate", "--noinput", "-v0")
         started = time.monotonic()
-        made = subprocess.run([PY, "-c", SETUP, str(args.history), "10", PASSWORD], cwd=ROOT,
-                              env=env, check=True, capture_output=True, text=True)
-        key = json.loads(made.stdout.strip().splitlines()[-1])["key"]
+        key = harness.in_deployment(env, "history", str(args.history), "10", PASSWORD)["key"]
         print(f"setup: {args.history} ended batches in {time.monotonic() - started:.0f} s",
               flush=True)
-        server = subprocess.Popen(
-            [PY, "-m", "gunicorn", "batchweb.wsgi:application", "-b", f"127.0.0.1:{web_port}",
-             "-k", "gthread", "-w", str(args.gunicorn_workers), "--threads", str(args.threads),
-             "--timeout", "120", "--keep-alive", "30"],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        server = harness.gunicorn(
+            web_port, env, "-k", "gthread", "-w", str(args.gunicorn_workers), "--threads",
+            str(args.threads), "--timeout", "120", "--keep-alive", "30", stdout=log,
+            stderr=subprocess.STDOUT)
         procs.append(server)
         for _ in range(args.batchworkers):
-            procs.append(subprocess.Popen([PY, "manage.py", "batchworker", "--model",
-                                           "echo-test"], cwd=ROOT, env=env, stdout=log,
-                                          stderr=subprocess.STDOUT))
+            procs.append(harness.batchworker("echo-test", env, log))
         base = f"http://127.0.0.1:{web_port}"
-        wait_http(base + "/accounts/login/")
+        harness.wait_http(base + "/accounts/login/")
         api = {"Authorization": f"Bearer {key}"}
-        content = b"".join(json.dumps({
-            "custom_id": f"run-{i}", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "echo-test", "max_tokens": 16,
-                     "messages": [{"role": "user", "content": f"question number {i}"}]},
-        }).encode() + b"\n" for i in range(args.batch_requests))
+        content = harness.jsonl([harness.chat_request(f"run-{i}", f"question number {i}",
+                                                      max_tokens=16)
+                                 for i in range(args.batch_requests)])
         file = httpx.post(base + "/v1/files", headers=api, timeout=60, data={"purpose": "batch"},
                           files={"file": ("run.jsonl", content)}).json()
         batch = httpx.post(base + "/v1/batches", headers=api, timeout=60, json={
@@ -260,7 +203,7 @@ def main() -> None:
         warm = Stats()
         asyncio.run(warm_up(pollers + listers, base, cookies, warm))
         stats = Stats()
-        cpu_before = cpu_seconds(server.pid)
+        cpu_before = harness.cpu_seconds(server.pid)
 
         async def run() -> None:
             end = time.monotonic() + args.seconds
@@ -273,7 +216,7 @@ def main() -> None:
         load_started = time.monotonic()
         asyncio.run(run())
         elapsed = time.monotonic() - load_started
-        cpu = cpu_seconds(server.pid) - cpu_before
+        cpu = harness.cpu_seconds(server.pid) - cpu_before
         after = httpx.get(f"{base}/v1/batches/{batch_id}", headers=api).json()
     finally:
         for proc in procs:
@@ -287,8 +230,6 @@ def main() -> None:
                 proc.kill()
                 proc.wait()
         log.close()
-        if redis is not None:
-            redis.shutdown()  # type: ignore[attr-defined]
 
     rows = []
     every: list[float] = []
@@ -324,10 +265,8 @@ def main() -> None:
     print(f"targets (p99 < 100 ms, zero errors): {'met' if met else 'NOT met'}")
     report.update(requests_per_second=round(total / elapsed, 1), web_cpu_seconds=round(cpu, 1),
                   batch_at_end=after["status"], targets_met=met)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-    subprocess.run(["rm", "-rf", str(scratch)])
+    harness.write_json(args.json, report)
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

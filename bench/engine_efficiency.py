@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import subprocess
 import sys
@@ -32,33 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.scratch import cpu_seconds, prepare  # noqa: E402
+try:
+    from bench import harness
+except ImportError:  # run as `python bench/engine_efficiency.py`: bench/ itself is on the path
+    import harness  # type: ignore[no-redef]
 
-MODEL = "SmolLM2-135M-Instruct"
-TOPICS = ["the history of Rome", "how vaccines work", "the water cycle", "sorting algorithms",
-          "the French revolution", "photosynthesis", "black holes", "the stock market",
-          "machine learning", "the Great Wall of China", "volcanoes", "jazz music"]
-
-
-def make_requests(count: int, min_tokens: int, max_tokens: int, model: str = MODEL
-                  ) -> list[dict]:
-    rng = random.Random(42)
-    requests = []
-    for i in range(count):
-        topic = rng.choice(TOPICS)
-        # Prompt lengths from one line to a few paragraphs.
-        context = " ".join(f"Note {k}: {rng.choice(TOPICS)} matters." for k in
-                           range(rng.choice([0, 2, 8, 30])))
-        requests.append({
-            "custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": model, "temperature": 0,
-                     "max_tokens": rng.randint(min_tokens, max_tokens),
-                     "messages": [{"role": "user",
-                                   "content": f"{context}\nRequest {i}: explain {topic} "
-                                              "briefly."}]}})
-    return requests
+ROOT, MODEL = harness.ROOT, harness.MODEL
 
 
 def run_raw(requests: list[dict], model_path: str, dtype: str, eager: bool = True,
@@ -71,11 +49,11 @@ def run_raw(requests: list[dict], model_path: str, dtype: str, eager: bool = Tru
     load = time.monotonic() - started
     params = [SamplingParams(temperature=0, max_tokens=r["body"]["max_tokens"])
               for r in requests]
-    cpu = cpu_seconds(os.getpid())
+    cpu = harness.cpu_seconds(os.getpid())
     started = time.monotonic()
     outputs = llm.chat([r["body"]["messages"] for r in requests], params, use_tqdm=False)
     elapsed = time.monotonic() - started
-    cpu = cpu_seconds(os.getpid()) - cpu
+    cpu = harness.cpu_seconds(os.getpid()) - cpu
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     del llm
     return {"tokens": tokens, "seconds": elapsed, "start": load, "cpu": cpu}
@@ -103,11 +81,15 @@ def run_vllm_batch(requests: list[dict], model_path: str, dtype: str, scratch: P
 def run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Path,
                  model_name: str = MODEL, model_path: str = "", eager: bool = True,
                  tp: int = 1) -> dict:
+    with harness.private_redis(scratch, reuse=True):
+        return _run_batchweb(requests, dtype, shard_size, scratch, model_name, model_path,
+                             eager, tp)
+
+
+def _run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Path,
+                  model_name: str, model_path: str, eager: bool, tp: int) -> dict:
     import openai
 
-    from batchweb.embedded import ensure_redis
-
-    redis = ensure_redis(scratch)
     env = {**os.environ, "BATCHWEB_VAR_DIR": str(scratch), "BATCHWEB_DTYPE": dtype,
            "BATCHWEB_SHARD_SIZE": str(shard_size), "LOG_LEVEL": "INFO",
            "BATCHWEB_MODELS_DIR": str(ROOT / "var" / "models")}
@@ -123,15 +105,12 @@ def run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Pat
             "options": {"dtype": dtype, "enforce_eager": eager, "max_model_len": 2048,
                         "tensor_parallel_size": tp}}]))
         env["BATCHWEB_MODELS_FILE"] = str(models)
-    py = sys.executable
-    key = prepare(env)
+    key = harness.prepare(env)
     log_path = scratch / "worker.log"
-    server = subprocess.Popen([py, "-m", "gunicorn", "batchweb.wsgi:application", "-b",
-                               "127.0.0.1:8767", "-w", "1", "--threads", "4"], cwd=ROOT,
-                              env=env, stderr=subprocess.DEVNULL)
-    with open(log_path, "wb") as log:
-        worker = subprocess.Popen([py, "manage.py", "batchworker", "--model", model_name],
-                                  cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    port = harness.free_port()
+    server = harness.gunicorn(port, env, "-w", "1", "--threads", "4",
+                              stderr=subprocess.DEVNULL)
+    worker = harness.batchworker(model_name, env, log_path)
     try:
         started = time.monotonic()
         while b"ready on" not in log_path.read_bytes():
@@ -139,10 +118,11 @@ def run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Pat
                 raise RuntimeError(log_path.read_text()[-3000:])
             time.sleep(0.5)
         load = time.monotonic() - started
-        client = openai.OpenAI(base_url="http://127.0.0.1:8767/v1", api_key=key, max_retries=2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key,
+                               max_retries=2)
         source = scratch / "in.jsonl"
         source.write_text("".join(json.dumps(r) + "\n" for r in requests))
-        cpu = cpu_seconds(worker.pid) + cpu_seconds(server.pid)
+        cpu = harness.cpu_seconds(worker.pid) + harness.cpu_seconds(server.pid)
         started = time.monotonic()
         file = client.files.create(file=source.open("rb"), purpose="batch")
         batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
@@ -153,7 +133,7 @@ def run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Pat
         assert batch.status == "completed", batch
         lines = client.files.content(batch.output_file_id).text.splitlines()
         elapsed = time.monotonic() - started
-        cpu = cpu_seconds(worker.pid) + cpu_seconds(server.pid) - cpu
+        cpu = harness.cpu_seconds(worker.pid) + harness.cpu_seconds(server.pid) - cpu
         assert len(lines) + batch.request_counts.failed == len(requests)
         tokens = sum(json.loads(line)["response"]["body"]["usage"]["completion_tokens"]
                      for line in lines)
@@ -165,8 +145,6 @@ def run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Pat
         worker.wait(timeout=120)
         server.terminate()
         server.wait()
-        if redis is not None:
-            redis.shutdown()  # type: ignore[attr-defined]
     idle = re.search(r"engine idle ([\d.]+)% of ([\d.]+)s", log_path.read_text())
     return {"tokens": tokens, "seconds": elapsed, "start": load, "cpu": cpu,
             "idle": float(idle.group(1)) if idle else None,
@@ -186,6 +164,7 @@ def main() -> None:
     parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                         help="enforce_eager (--no-eager: CUDA graphs / compilation)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    harness.add_json_option(parser)
     args = parser.parse_args()
     from engine.vllm_engine import best_cpu_dtype, set_env_defaults
 
@@ -193,7 +172,7 @@ def main() -> None:
     set_env_defaults()  # the same CPU settings (cores, KV cache) for all three paths
     model_path = args.model_path or str(ROOT / "var" / "models" / args.model_name)
     tp = args.tensor_parallel_size
-    requests = make_requests(args.n, args.min_tokens, args.max_tokens, args.model_name)
+    requests = harness.make_requests(args.n, args.min_tokens, args.max_tokens, args.model_name)
     scratch = Path(tempfile.mkdtemp(prefix="bw-engine-bench-"))
     results: dict[str, dict] = {}
     skip = set(args.skip.split(","))
@@ -226,7 +205,15 @@ def main() -> None:
         row = results["c batchweb"]
         print(f"engine idle in the worker: {row['idle']}% of the {row['window']}s between "
               "its first request and its last result")
+    harness.write_json(args.json, {
+        "model": args.model_name, "n": args.n, "min_tokens": args.min_tokens,
+        "max_tokens": args.max_tokens, "dtype": args.dtype, "eager": args.eager,
+        "tensor_parallel_size": tp, "shard_size": args.shard_size,
+        "paths": {name: {**row, "tok_s": row["tokens"] / row["seconds"]}
+                  for name, row in results.items()},
+        **{f"{k}/{base}": rate[k] / rate[base] for k, base in (("c", "a"), ("c", "b"))
+           if k in rate and base in rate}})
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

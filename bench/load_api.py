@@ -26,7 +26,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,33 +38,18 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-PY = sys.executable
+try:
+    from bench import harness
+except ImportError:  # run as `python bench/load_api.py`: bench/ itself is on the path
+    import harness  # type: ignore[no-redef]
+
+percentile = harness.percentile
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_port(port: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"nothing listens on {port}")
-
-
 def batch_file(tag: str, lines: int) -> bytes:
-    return b"".join(json.dumps({
-        "custom_id": f"{tag}-{i}", "method": "POST", "url": "/v1/chat/completions",
-        "body": {"model": "echo-test", "max_tokens": 8,
-                 "messages": [{"role": "user", "content": f"load test {tag} {i}"}]},
-    }).encode() + b"\n" for i in range(lines))
+    return harness.jsonl([harness.chat_request(f"{tag}-{i}", f"load test {tag} {i}",
+                                               max_tokens=8) for i in range(lines)])
 
 
 @dataclass
@@ -192,13 +176,6 @@ async def check_nothing_lost(base: str, stats: Stats, keys: list[str], timeout: 
             "lost_files": lost_files, "unfinished_batches": unfinished, "wrong": wrong}
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=200)
@@ -211,11 +188,11 @@ def main() -> None:
     parser.add_argument("--lines", type=int, default=20, help="requests per batch file")
     parser.add_argument("--settle", type=float, default=300,
                         help="seconds to wait for batches to complete after the load")
-    parser.add_argument("--json", type=Path, help="also write the report here")
+    harness.add_json_option(parser)
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="batchweb-load-"))
-    redis_port, web_port = free_port(), free_port()
+    redis_port, web_port = harness.free_port(), harness.free_port()
     env = {**os.environ, "DJANGO_SETTINGS_MODULE": "batchweb.settings", "DEBUG": "0",
            "ALLOWED_HOSTS": "127.0.0.1,localhost", "BATCHWEB_ECHO_MODEL": "1",
            "BATCHWEB_ECHO_SECONDS": "0", "REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
@@ -226,40 +203,27 @@ def main() -> None:
     procs: list[subprocess.Popen] = []
     logs = open(work / "services.log", "wb")  # noqa: SIM115
 
-    def spawn(cmd: list[str]) -> subprocess.Popen:
-        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=logs, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        procs.append(proc)
-        return proc
-
+    # Each in a session of its own, so that stopping it stops what it started.
+    detached: dict[str, Any] = {"stdout": logs, "stderr": subprocess.STDOUT,
+                                "start_new_session": True}
     try:
-        spawn([shutil.which("redis-server") or "redis-server", "--port", str(redis_port),
-               "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-               "--dir", str(work)])
-        subprocess.run([PY, "manage.py", "migrate", "--noinput", "-v0"], env=env, cwd=ROOT,
-                       check=True)
-        made = subprocess.run([PY, "-c", f"""
-import json, django
-django.setup()
-from django.contrib.auth import get_user_model
-from jobs.services.keys import create_api_key
-keys = []
-for i in range({args.users}):
-    user, _ = get_user_model().objects.get_or_create(username=f"load-{{i}}")
-    keys.append(create_api_key(owner=user, name="load")[1])
-print(json.dumps(keys))
-"""], env=env, cwd=ROOT, check=True, capture_output=True, text=True)
-        keys = json.loads(made.stdout.strip().splitlines()[-1])
-        wait_port(redis_port)
-        spawn([PY, "-m", "gunicorn", "batchweb.wsgi:application", "-b",
-               f"127.0.0.1:{web_port}", "-k", "gthread", "-w", str(args.gunicorn_workers),
-               "--threads", str(args.threads), "--backlog", "2048", "--timeout", "120",
-               # Longer than the clients keep idle connections: otherwise the server closes
-               # one just as a client reuses it (a transport error that is no server fault).
-               "--keep-alive", "30"])
+        procs.append(subprocess.Popen(
+            [shutil.which("redis-server") or "redis-server", "--port", str(redis_port),
+             "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(work)],
+            env=env, cwd=harness.ROOT, **detached))
+        harness.manage(env, "migrate", "--noinput", "-v0")
+        keys = harness.in_deployment(env, "keys", str(args.users))
+        harness.wait_port(redis_port)
+        procs.append(harness.gunicorn(
+            web_port, env, "-k", "gthread", "-w", str(args.gunicorn_workers),
+            "--threads", str(args.threads), "--backlog", "2048", "--timeout", "120",
+            # Longer than the clients keep idle connections: otherwise the server closes
+            # one just as a client reuses it (a transport error that is no server fault).
+            "--keep-alive", "30", **detached))
         for _ in range(args.batchworkers):
-            spawn([PY, "manage.py", "batchworker", "--model", "echo-test"])
-        wait_port(web_port)
+            procs.append(harness.batchworker("echo-test", env, logs,
+                                             start_new_session=True))
+        harness.wait_port(web_port)
         base = f"http://127.0.0.1:{web_port}"
         stats = Stats()
         print(f"load: {args.clients} clients for {args.seconds:.0f} s against {base} "
@@ -293,8 +257,7 @@ print(json.dumps(keys))
         print(json.dumps(report, indent=2))
         for line in (stats.server_errors + stats.transport_errors)[:10]:
             print("  ", line)
-        if args.json:
-            args.json.write_text(json.dumps(report, indent=2))
+        harness.write_json(args.json, report)
         ok = (not stats.server_errors and not stats.transport_errors
               and not integrity["lost_files"] and not integrity["unfinished_batches"]
               and not integrity["wrong"])
@@ -313,4 +276,4 @@ print(json.dumps(keys))
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

@@ -15,14 +15,14 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.scratch import prepare  # noqa: E402
+try:
+    from bench import harness
+except ImportError:  # run as `python bench/orchestration.py`: bench/ itself is on the path
+    import harness  # type: ignore[no-redef]
 
 # ~500 bytes a line, so 1M requests make the ~0.5 GB file of issue 6.
 SYSTEM = ("You label customer messages. Answer with one word from: billing, shipping, "
@@ -42,42 +42,18 @@ def write_input(path: Path, count: int) -> int:
     return path.stat().st_size
 
 
-def peak_rss_mb(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except FileNotFoundError:
-        pass
-    return 0.0
-
-
-def worker_log_line(path: Path, needle: str) -> str:
-    lines = [line for line in path.read_text(errors="replace").splitlines() if needle in line]
-    return lines[-1] if lines else ""
-
-
 def run_size(count: int, workers: int, env: dict[str, str], scratch: Path) -> dict:
     import openai
 
-    py = sys.executable
-    server = subprocess.Popen([py, "-m", "gunicorn", "batchweb.wsgi:application", "-b",
-                               "127.0.0.1:8766", "-w", "1", "--threads", "4", "--timeout", "900"],
-                              cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
-    procs = []
-    logs = []
-    for i in range(workers):
-        log = scratch / f"worker-{count}-{i}.log"
-        logs.append(log)
-        with open(log, "wb") as handle:
-            procs.append(subprocess.Popen([py, "manage.py", "batchworker", "--model",
-                                           "echo-test"], cwd=ROOT, env=env, stdout=handle,
-                                          stderr=subprocess.STDOUT))
+    port = harness.free_port()
+    server = harness.gunicorn(port, env, "-w", "1", "--threads", "4", "--timeout", "900",
+                              stderr=subprocess.DEVNULL)
+    procs = [harness.batchworker("echo-test", env, scratch / f"worker-{count}-{i}.log")
+             for i in range(workers)]
     try:
         time.sleep(4)
-        web_pid = int(subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True,
-                                     text=True).stdout.split()[0])
-        client = openai.OpenAI(base_url="http://127.0.0.1:8766/v1", api_key=env["BENCH_KEY"],
+        web_pid = harness.web_worker_pid(server)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=env["BENCH_KEY"],
                                max_retries=2, timeout=900)
         path = scratch / f"in-{count}.jsonl"
         size = write_input(path, count)
@@ -110,8 +86,8 @@ def run_size(count: int, workers: int, env: dict[str, str], scratch: Path) -> di
             "requests": count, "MB": size / 1e6,
             "upload r/s": count / t_upload, "validate r/s": count / t_validate,
             "run+finalize r/s": count / t_run, "download r/s": count / t_download,
-            "end-to-end r/s": count / total, "web RSS MB": peak_rss_mb(web_pid),
-            "worker RSS MB": max(peak_rss_mb(p.pid) for p in procs),
+            "end-to-end r/s": count / total, "web RSS MB": harness.peak_rss_mb(web_pid),
+            "worker RSS MB": max(harness.peak_rss_mb(p.pid) for p in procs),
         }
     finally:
         for proc in procs:
@@ -126,32 +102,30 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="100000,1000000")
     parser.add_argument("--workers", type=int, default=2)
+    harness.add_json_option(parser)
     args = parser.parse_args()
 
-    from batchweb.embedded import ensure_redis
-
     scratch = Path(tempfile.mkdtemp(prefix="bw-orch-bench-"))
-    redis = ensure_redis(scratch)
-    env = {**os.environ, "BATCHWEB_VAR_DIR": str(scratch), "BATCHWEB_ECHO_MODEL": "1",
-           "BATCHWEB_MAX_FILE_BYTES": str(4 * 1024**3),
-           "BATCHWEB_MAX_REQUESTS_PER_BATCH": str(10_000_000), "LOG_LEVEL": "WARNING"}
-    env.pop("DATABASE_URL", None)
-    env["BENCH_KEY"] = prepare(env)
     rows = []
     try:
-        for size in (int(s) for s in args.sizes.split(",")):
-            rows.append(run_size(size, args.workers, env, scratch))
-            print(json.dumps(rows[-1]), flush=True)
+        with harness.private_redis(scratch, reuse=True):
+            env = {**os.environ, "BATCHWEB_VAR_DIR": str(scratch), "BATCHWEB_ECHO_MODEL": "1",
+                   "BATCHWEB_MAX_FILE_BYTES": str(4 * 1024**3),
+                   "BATCHWEB_MAX_REQUESTS_PER_BATCH": str(10_000_000), "LOG_LEVEL": "WARNING"}
+            env.pop("DATABASE_URL", None)
+            env["BENCH_KEY"] = harness.prepare(env)
+            for size in (int(s) for s in args.sizes.split(",")):
+                rows.append(run_size(size, args.workers, env, scratch))
+                print(json.dumps(rows[-1]), flush=True)
     finally:
-        if redis is not None:
-            redis.shutdown()  # type: ignore[attr-defined]
-        subprocess.run(["rm", "-rf", str(scratch)])
+        harness.remove(scratch)
     columns = list(rows[0])
     print(" | ".join(columns))
     for row in rows:
         print(" | ".join(f"{row[c]:.0f}" if isinstance(row[c], float) else str(row[c])
                          for c in columns))
+    harness.write_json(args.json, {"workers": args.workers, "sizes": rows})
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

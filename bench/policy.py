@@ -25,14 +25,15 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+try:
+    from bench import harness
+except ImportError:  # run as `python bench/policy.py`: bench/ itself is on the path
+    import harness  # type: ignore[no-redef]
 
 _WORDS_TEXT = ("the a of to and in is for on with that this by from as are be at or it an was "
          "model batch request answer question summary document report customer order "
@@ -182,6 +183,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lines", type=int, default=50_000)
     parser.add_argument("--runs", type=int, default=5)
+    harness.add_json_option(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-policy-") as scratch:
         setup_django(scratch)
@@ -226,7 +228,24 @@ def main() -> None:
               f"{statistics.median(task[False]):.3f} s, rules "
               f"{statistics.median(task[True]):.3f} s; median of the pairs' ratios "
               f"{paired_overhead(task[False], task[True]):.1f}%")
+    harness.write_json(args.json, {
+        "lines": args.lines, "megabytes": size / 1e6, "runs": args.runs, "rules": rule_count,
+        "screened": screened,
+        "check_input": {
+            "median_s": {"none": base, "rules": ruled},
+            "requests_per_s": {"none": requests / base, "rules": requests / ruled},
+            "overhead_pct": (ruled / base - 1) * 100,
+            "cpu_median_s": {"none": cpu_base, "rules": cpu_ruled},
+            "cpu_overhead_pct": (cpu_ruled / cpu_base - 1) * 100,
+            "paired_overhead_pct": {
+                "wall": paired_overhead(times[False], times[True]),
+                "cpu": paired_overhead(cpu_times[False], cpu_times[True])},
+            "runs_s": {"none": times[False], "rules": times[True]}},
+        "run_validation": {
+            "cpu_median_s": {"none": statistics.median(task[False]),
+                             "rules": statistics.median(task[True])},
+            "paired_overhead_pct": paired_overhead(task[False], task[True])}})
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

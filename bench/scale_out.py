@@ -1,6 +1,6 @@
 """Benchmark 3: scale-out, 1 worker against 2 workers on the same batch.
 
-The same batch of distinct chat requests (bench/engine_efficiency.py's `make_requests`:
+The same batch of distinct chat requests (bench/harness.py's `make_requests`, as benchmark 1:
 mixed prompt lengths, temperature 0) is run twice on a scratch deployment (SQLite, private
 Redis, gunicorn unpinned):
   1. by one `batchworker` pinned to core 0,
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -33,12 +32,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.engine_efficiency import make_requests  # noqa: E402
-from bench.scratch import prepare  # noqa: E402
+try:
+    from bench import harness
+except ImportError:  # run as `python bench/scale_out.py`: bench/ itself is on the path
+    import harness  # type: ignore[no-redef]
 
-PY = sys.executable
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 
@@ -49,10 +47,8 @@ class Worker:
         self.name = f"core{core}-{time.monotonic_ns()}"
         self.log = log
         env = {**env, "VLLM_CPU_OMP_THREADS_BIND": str(core)}
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                ["taskset", "-c", str(core), PY, "manage.py", "batchworker", "--model", model,
-                 "--name", self.name], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        self.proc = harness.batchworker(model, env, log, "--name", self.name,
+                                        prefix=("taskset", "-c", str(core)))
         self.started = time.monotonic()
 
     def wait_ready(self, timeout: float = 900) -> float:
@@ -64,19 +60,7 @@ class Worker:
         return time.monotonic() - self.started
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        harness.stop(self.proc)
 
 
 def run_batch(client: object, file_id: str, poll: float) -> tuple[object, float]:
@@ -93,19 +77,6 @@ def shards_by_worker(database: Path, batch_id: str) -> dict[str, int]:
     with sqlite3.connect(database) as db:
         return dict(db.execute("SELECT worker, COUNT(*) FROM jobs_shard WHERE batch_id = ? "
                                "GROUP BY worker ORDER BY worker", (batch_id,)).fetchall())
-
-
-def models_file(env: dict[str, str], model: str, options: dict, path: Path) -> None:
-    """Point env at a models file: the deployment's models (as its settings list them), with
-    `options` added to `model`'s."""
-    dump = subprocess.run([PY, "manage.py", "shell", "-c", "import json; from django.conf "
-                           "import settings; print(json.dumps(settings.BATCHWEB_MODELS))"],
-                          cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
-    models = json.loads(dump.strip().splitlines()[-1])
-    entry = next(m for m in models if m["name"] == model)
-    entry["options"] = {**entry.get("options", {}), **options}
-    path.write_text(json.dumps(models))
-    env.update(BATCHWEB_MODELS_FILE=str(path), BATCHWEB_ECHO_MODEL="0")
 
 
 def main() -> None:
@@ -125,40 +96,62 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64,
                         help="the engine's batch size (vLLM max_num_seqs; echo-test: how "
                              "many requests it runs at once)")
+    harness.add_json_option(parser)
     args = parser.parse_args()
     shard_size = args.shard_size or max(1, args.n // 16)
     if (os.cpu_count() or 1) < 2:
         sys.exit("needs 2 cores")
 
+    scratch = Path(tempfile.mkdtemp(prefix="bw-scale-bench-"))
+    with harness.private_redis(scratch):  # private: no other worker takes these shards
+        rows = measure(args, shard_size, scratch)
+
+    print(f"\n{args.model}: {args.n} chat requests, max_tokens {args.min_tokens}-"
+          f"{args.max_tokens}, shards of {shard_size}, batch size {args.max_num_seqs}, "
+          f"{args.dtype or 'default dtype'}, {'eager' if args.eager else 'compiled'}")
+    print(f"{'workers':>7} {'cores':>5} {'shards':>7} {'out tokens':>10} {'seconds':>8} "
+          f"{'tok/s':>8} {'ready s':>7}")
+    for row in rows:
+        print(f"{row['workers']:>7} {row['cores']:>5} {row['shards']:>7} {row['tokens']:>10} "
+              f"{row['seconds']:>8.1f} {row['tokens'] / row['seconds']:>8.1f} "
+              f"{row['start']:>7.0f}")
+    one, two = (r["tokens"] / r["seconds"] for r in rows)
+    print(f"speed-up 2 vs 1 worker: {two / one:.2f}x (target >= 1.8)")
+    harness.write_json(args.json, {
+        "model": args.model, "n": args.n, "min_tokens": args.min_tokens,
+        "max_tokens": args.max_tokens, "shard_size": shard_size,
+        "max_num_seqs": args.max_num_seqs, "dtype": args.dtype, "eager": args.eager,
+        "runs": [{**row, "tok_s": row["tokens"] / row["seconds"]} for row in rows],
+        "speed_up": two / one})
+    harness.remove(scratch)
+
+
+def measure(args: argparse.Namespace, shard_size: int, scratch: Path) -> list[dict]:
+    """The batch on one worker, then on two: a row each."""
     import openai
 
-    from batchweb.embedded import ensure_redis
-
-    scratch = Path(tempfile.mkdtemp(prefix="bw-scale-bench-"))
-    os.environ.pop("REDIS_URL", None)  # a private Redis: no other worker takes these shards
-    redis = ensure_redis(scratch)
     env = {**os.environ, "BATCHWEB_VAR_DIR": str(scratch),
            "BATCHWEB_ENFORCE_EAGER": "1" if args.eager else "0",
            "BATCHWEB_SHARD_SIZE": str(shard_size), "BATCHWEB_ECHO_MODEL": "1",
            "BATCHWEB_ECHO_SECONDS": str(args.echo_seconds), "LOG_LEVEL": "INFO",
            "PYTHONUNBUFFERED": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    env.setdefault("BATCHWEB_MODELS_DIR", str(ROOT / "var" / "models"))
+    env.setdefault("BATCHWEB_MODELS_DIR", str(harness.ROOT / "var" / "models"))
     env.pop("DATABASE_URL", None)
     if args.dtype:
         env["BATCHWEB_DTYPE"] = args.dtype
     batch_option = "max_in_flight" if args.model == "echo-test" else "max_num_seqs"
-    models_file(env, args.model, {batch_option: args.max_num_seqs}, scratch / "models.json")
-    key = prepare(env)
-    port = free_port()
-    server = subprocess.Popen([PY, "-m", "gunicorn", "batchweb.wsgi:application", "-b",
-                               f"127.0.0.1:{port}", "-w", "1", "--threads", "4"], cwd=ROOT,
-                              env=env, stderr=subprocess.DEVNULL)
+    harness.models_file(env, args.model, {batch_option: args.max_num_seqs},
+                        scratch / "models.json")
+    key = harness.prepare(env)
+    port = harness.free_port()
+    server = harness.gunicorn(port, env, "-w", "1", "--threads", "4",
+                              stderr=subprocess.DEVNULL)
     workers: list[Worker] = []
     rows = []
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key,
                                max_retries=5)
-        requests = make_requests(args.n, args.min_tokens, args.max_tokens, args.model)
+        requests = harness.make_requests(args.n, args.min_tokens, args.max_tokens, args.model)
         source = scratch / "in.jsonl"
         source.write_text("".join(json.dumps(r) + "\n" for r in requests))
         file = client.files.create(file=source.open("rb"), purpose="batch")
@@ -183,22 +176,8 @@ def main() -> None:
             worker.stop()
         server.terminate()
         server.wait()
-        if redis is not None:
-            redis.shutdown()  # type: ignore[attr-defined]
-
-    print(f"\n{args.model}: {args.n} chat requests, max_tokens {args.min_tokens}-"
-          f"{args.max_tokens}, shards of {shard_size}, batch size {args.max_num_seqs}, "
-          f"{args.dtype or 'default dtype'}, {'eager' if args.eager else 'compiled'}")
-    print(f"{'workers':>7} {'cores':>5} {'shards':>7} {'out tokens':>10} {'seconds':>8} "
-          f"{'tok/s':>8} {'ready s':>7}")
-    for row in rows:
-        print(f"{row['workers']:>7} {row['cores']:>5} {row['shards']:>7} {row['tokens']:>10} "
-              f"{row['seconds']:>8.1f} {row['tokens'] / row['seconds']:>8.1f} "
-              f"{row['start']:>7.0f}")
-    one, two = (r["tokens"] / r["seconds"] for r in rows)
-    print(f"speed-up 2 vs 1 worker: {two / one:.2f}x (target >= 1.8)")
-    subprocess.run(["rm", "-rf", str(scratch)])
+    return rows
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

