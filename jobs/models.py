@@ -239,7 +239,7 @@ class Batch(models.Model):
     # Requests whose body repeated an earlier deterministic one and were not computed again.
     dedup_saved = models.PositiveIntegerField(default=0)
     # The sums of the shards' live counters (PROGRESS_FIELDS), copied here by
-    # `services.batches.refresh_progress` whenever a shard's counters change, so the pages
+    # `services.progress.refresh_progress` whenever a shard's counters change, so the pages
     # and GET /v1/batches that clients poll read one row instead of summing shards.
     completed = models.PositiveIntegerField(default=0)
     failed = models.PositiveIntegerField(default=0)

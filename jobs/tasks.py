@@ -3,7 +3,7 @@ payload never carries user data, and replaying a job is harmless."""
 
 from __future__ import annotations
 
-from jobs.services import batches, validation
+from jobs.services import finalize, validation
 from jobs.services import reconcile as reconcile_service
 
 
@@ -12,7 +12,7 @@ def validate_batch(batch_id: str) -> None:
 
 
 def finalize_batch(batch_id: str) -> None:
-    batches.finalize_batch(batch_id=batch_id)
+    finalize.finalize_batch(batch_id=batch_id)
 
 
 def run_shard(shard_id: str) -> None:

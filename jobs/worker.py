@@ -33,11 +33,12 @@ from jobs.models import ContentRule, RequestCopy, ScreenedLine, Shard
 from jobs.policy import VIOLATION, Violation
 from jobs.quality import flags_for, json_problem, output_texts, wants_json
 from jobs.services import shards as shard_service
-from jobs.services.batches import STOP_MESSAGES, shard_last_line
 from jobs.services.cleanup import sweep_temp_dir
 from jobs.services.files import open_range_lines, temp_dir
 from jobs.services.reconcile import reconcile
+from jobs.services.shard_input import shard_last_line
 from jobs.services.shards import Progress
+from jobs.services.stopping import STOP_MESSAGES
 from jobs.wire import failure_line, response_line, usage_of
 
 log = logging.getLogger(__name__)

@@ -15,13 +15,11 @@ from django.core.files.storage import default_storage
 from django.utils import timezone
 
 from jobs.models import Batch, File, Shard
-from jobs.services.batches import (
-    create_batch,
-    finalize_batch,
-    refresh_progress,
-    shard_custom_ids,
-)
+from jobs.services.batches import create_batch
 from jobs.services.files import create_input_file, new_storage_name
+from jobs.services.finalize import finalize_batch
+from jobs.services.progress import refresh_progress
+from jobs.services.shard_input import shard_custom_ids
 from jobs.services.validation import run_validation
 from jobs.wire import response_line
 from tests.helpers import jsonl

@@ -14,8 +14,8 @@ from django.utils import timezone
 
 from jobs.models import ApiKey, Batch, File, Shard, SpotCheck
 from jobs.services import dashboard, results
-from jobs.services.batches import refresh_progress
 from jobs.services.keys import create_api_key
+from jobs.services.progress import refresh_progress
 from jobs.templatetags.dashboard import clip
 from tests.dashboard_support import lines_of, make_batch, make_file, run_batch, run_shard
 from tests.helpers import chat_line, jsonl

@@ -17,8 +17,8 @@ from django.urls import reverse
 
 from jobs.models import Batch, Shard, SpotCheck
 from jobs.services import dashboard, results
-from jobs.services.batches import shard_custom_ids
 from jobs.services.files import new_storage_name
+from jobs.services.shard_input import shard_custom_ids
 from tests.dashboard_support import make_batch, run_batch, run_shard
 from tests.helpers import chat_line, wait_for
 

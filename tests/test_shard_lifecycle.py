@@ -12,8 +12,9 @@ from django.utils import timezone
 
 from jobs.models import Batch, Shard
 from jobs.services import shards as shard_service
-from jobs.services.batches import create_batch, finalize_batch
+from jobs.services.batches import create_batch
 from jobs.services.files import create_input_file, open_file
+from jobs.services.finalize import finalize_batch
 from jobs.services.shards import Progress
 from jobs.services.validation import run_validation
 from tests.helpers import chat_line, jsonl, wait_for

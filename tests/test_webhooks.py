@@ -20,13 +20,10 @@ from django.utils import timezone
 from jobs import queues
 from jobs.models import Batch, UserSettings, WebhookDelivery, WebhookEvent
 from jobs.services import webhooks
-from jobs.services.batches import (
-    _notify_ended,
-    cancel_batch,
-    create_batch,
-    expire_due_batches,
-    finalize_batch,
-)
+from jobs.services.batches import create_batch
+from jobs.services.finalize import finalize_batch
+from jobs.services.finalize import notify_ended as _notify_ended
+from jobs.services.stopping import cancel_batch, expire_due_batches
 from jobs.services.validation import run_validation
 from tests.dashboard_support import make_batch, make_file, run_batch
 from tests.helpers import chat_line, jsonl, wait_for

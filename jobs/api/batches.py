@@ -10,7 +10,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from jobs.api.base import api_view, json_body, paginate
 from jobs.models import Batch
-from jobs.services import batches
+from jobs.services import batches, stopping
 
 
 def create(request: HttpRequest, user: Any) -> HttpResponse:
@@ -33,7 +33,7 @@ def retrieve(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
 
 def cancel(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
     batch = batches.get_batch_for_user(owner=user, batch_id=batch_id)
-    return JsonResponse(batches.cancel_batch(batch=batch).to_openai())
+    return JsonResponse(stopping.cancel_batch(batch=batch).to_openai())
 
 
 def list_models(request: HttpRequest, user: Any) -> HttpResponse:

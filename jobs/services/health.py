@@ -17,7 +17,8 @@ from rq import Worker
 from jobs import queues
 from jobs.models import Batch, Shard
 from jobs.services import cleanup, webhooks
-from jobs.services.batches import enqueue_next_shards, refresh_progress
+from jobs.services.progress import refresh_progress
+from jobs.services.scheduling import enqueue_next_shards
 from jobs.services.shards import fail_shard
 from jobs.wire import Code
 

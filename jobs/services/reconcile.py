@@ -12,14 +12,11 @@ from django.utils import timezone
 
 from jobs import queues
 from jobs.models import Batch, Shard
-from jobs.services.batches import (
-    FINALIZE_STALE_AFTER,
-    enqueue_next_shards,
-    expire_due_batches,
-    request_finalize,
-)
+from jobs.services.finalize import FINALIZE_STALE_AFTER
 from jobs.services.health import periodic_operations
+from jobs.services.scheduling import enqueue_next_shards, request_finalize
 from jobs.services.shards import fail_shard
+from jobs.services.stopping import expire_due_batches
 
 log = logging.getLogger(__name__)
 

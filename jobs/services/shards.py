@@ -17,7 +17,8 @@ from django.db.models import F
 from django.utils import timezone
 
 from jobs.models import Batch, Shard
-from jobs.services.batches import enqueue_next_shards, refresh_progress, request_finalize
+from jobs.services.progress import refresh_progress
+from jobs.services.scheduling import enqueue_next_shards, request_finalize
 from jobs.wire import Code
 
 log = logging.getLogger(__name__)

@@ -22,9 +22,10 @@ from jobs import queues
 from jobs.digestset import DigestSet
 from jobs.models import Batch, RequestCopy, ScreenedLine, Shard
 from jobs.policy import VIOLATION, Screener, ScreeningChunker, Violation
-from jobs.services.batches import _notify_ended, enqueue_next_shards
 from jobs.services.files import Line, iter_lines, local_temp, open_file
+from jobs.services.finalize import notify_ended as _notify_ended
 from jobs.services.planning import CopySink, ShardPlan, ShardPlanner
+from jobs.services.scheduling import enqueue_next_shards
 from jobs.wire import Code, LineError, RequestLine, estimate_tokens, parse_line, prompt_text
 
 

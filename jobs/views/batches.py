@@ -27,10 +27,11 @@ from jobs.forms import NewBatchForm, ResultFilterForm, SpotCheckForm
 from jobs.models import Batch, File
 from jobs.quality import FLAG_LABELS, FLAGS
 from jobs.services import dashboard, preflight, results, spotcheck
-from jobs.services.batches import cancel_batch, create_batch, get_batch_for_user
+from jobs.services.batches import create_batch, get_batch_for_user
 from jobs.services.errors import ServiceError
 from jobs.services.files import create_input_file, get_file_for_user
 from jobs.services.rerun import rerun_failed
+from jobs.services.stopping import cancel_batch
 
 LIST_PAGE_SIZE = 20
 STATUS_FILTERS = [("", "all"), ("active", "active"), *[(s, s.replace("_", " "))

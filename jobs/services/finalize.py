@@ -1,0 +1,119 @@
+"""Ending a batch: once nothing of it is left to run, merge its shards' parts into the
+output and error Files (the requests of shards that never finished become error lines),
+set its final status and record its webhook event."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import IO
+
+from django.core.files.storage import default_storage
+from django.db.models import Q
+from django.utils import timezone
+
+from jobs.models import Batch, File, Shard
+from jobs.services.files import delete_file, local_temp, store_file
+from jobs.services.progress import refresh_progress
+from jobs.services.stopping import drop_queued_shards, unrun_lines
+from jobs.wire import Code
+
+log = logging.getLogger(__name__)
+
+FINALIZE_STALE_AFTER = timedelta(minutes=10)
+
+
+def finalize_batch(*, batch_id: str) -> Batch | None:
+    """Merge the shards' parts into the output and error files and end the batch.
+
+    Idempotent: it does nothing while shards still run or once the batch has ended, and a
+    finalizer that died half-way is replaced after FINALIZE_STALE_AFTER (its files, never
+    attached to the batch, are orphans for cleanup).
+    """
+    batch = Batch.objects.filter(pk=batch_id).first()
+    if batch is None or batch.is_ended:
+        return batch
+    if batch.stop_code:
+        drop_queued_shards(batch_id, batch.stop_code)
+    elif batch.status != Batch.Status.IN_PROGRESS:
+        return batch
+    if Shard.objects.filter(batch_id=batch_id,
+                            status__in=(Shard.Status.QUEUED, Shard.Status.RUNNING)).exists():
+        return batch
+    now = timezone.now()
+    claim = Batch.objects.filter(pk=batch_id).exclude(status__in=Batch.ENDED).filter(
+        Q(finalize_claimed_at__isnull=True) | Q(finalize_claimed_at__lt=now - FINALIZE_STALE_AFTER))
+    if not batch.stop_code:
+        if not claim.update(status=Batch.Status.FINALIZING, finalizing_at=now,
+                            finalize_claimed_at=now):
+            return batch
+    elif not claim.update(finalize_claimed_at=now):
+        return batch
+    refresh_progress(batch_id=batch_id)  # every shard has ended: the final counts
+    batch.refresh_from_db()
+
+    output_file, error_file = _merge_parts(batch)
+    ending = {
+        "": (Batch.Status.COMPLETED, "completed_at"),
+        Code.BATCH_CANCELLED: (Batch.Status.CANCELLED, "cancelled_at"),
+        Code.BATCH_EXPIRED: (Batch.Status.EXPIRED, "expired_at"),
+    }[batch.stop_code]
+    status, stamp = ending
+    ended = Batch.objects.filter(pk=batch_id, finalize_claimed_at=now).update(
+        status=status, output_file=output_file, error_file=error_file,
+        **{stamp: timezone.now()})
+    if not ended:
+        # Another finalizer took over: our files are not the batch's.
+        for file in (output_file, error_file):
+            if file is not None:
+                delete_file(file=file)
+        return Batch.objects.get(pk=batch_id)
+    notify_ended(batch_id)
+    return Batch.objects.get(pk=batch_id)
+
+
+def _merge_parts(batch: Batch) -> tuple[File | None, File | None]:
+    """Concatenate the parts in shard order into two new Files, streamed."""
+    expires_at = (timezone.now() + timedelta(seconds=batch.output_expires_after)
+                  if batch.output_expires_after else None)
+    with local_temp(".out") as out_path, local_temp(".err") as err_path:
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            for shard in Shard.objects.filter(batch=batch).order_by("index").iterator():
+                if shard.status == Shard.Status.DONE:
+                    _append_stored(out, shard.output_part)
+                    _append_stored(err, shard.error_part)
+                else:
+                    for line in unrun_lines(shard, code=shard.end_code or Code.SHARD_FAILED,
+                                            reason=shard.last_error):
+                        err.write(line)
+        files = []
+        for path, purpose, suffix in ((out_path, File.Purpose.BATCH_OUTPUT, "output"),
+                                      (err_path, File.Purpose.BATCH_ERROR, "error")):
+            if path.stat().st_size == 0:
+                files.append(None)
+                continue
+            files.append(store_file(owner=batch.owner, source_path=path,
+                                    filename=f"{batch.id}_{suffix}.jsonl", purpose=purpose,
+                                    expires_at=expires_at))
+    return files[0], files[1]
+
+
+def _append_stored(target: IO[bytes], storage_name: str) -> None:
+    if not storage_name:
+        return
+    with default_storage.open(storage_name, "rb") as source:
+        while chunk := source.read(1024 * 1024):
+            target.write(chunk)
+
+
+def notify_ended(batch_id: str) -> None:
+    """A batch ended: record its webhook event and enqueue the delivery (an RQ job on the
+    control queue, ids only); the HTTP call never runs here. A failure to notify must not
+    fail the finalizer: the event, once recorded, is retried by the reconciler."""
+    log.info("batch %s ended", batch_id)
+    try:
+        from jobs.services.webhooks import batch_ended
+
+        batch_ended(batch_id=batch_id)
+    except Exception:
+        log.exception("could not record the webhook event of batch %s", batch_id)

@@ -1,0 +1,52 @@
+"""What of a batch goes to RQ next: a couple of its shards at a time (fair share between
+batches), then its finalization once nothing of it is left to run.
+
+Jobs carry ids only and the database says what still has to run, so enqueuing twice is
+harmless and a job lost with Redis is re-created by the reconciler.
+"""
+
+from __future__ import annotations
+
+from django.db.models import Q
+from django.utils import timezone
+
+from jobs import queues
+from jobs.models import Batch, Shard
+
+# Shards of one batch waiting in Redis at a time. The rest wait in the database, so a small
+# batch submitted behind a huge one gets its shards in line after a couple of the huge one's,
+# not after all of them: queues interleave batches instead of running them FIFO.
+QUEUED_PER_BATCH = 2
+
+
+def enqueue_next_shards(*, batch_id: str) -> int:
+    """Top up the batch's shards waiting in Redis to QUEUED_PER_BATCH. Returns how many
+    jobs were created."""
+    batch = Batch.objects.filter(pk=batch_id).only("status", "stop_code").first()
+    if batch is None or batch.status != Batch.Status.IN_PROGRESS or batch.stop_code:
+        return 0
+    waiting = Shard.objects.filter(batch_id=batch_id, status=Shard.Status.QUEUED,
+                                   enqueued_at__isnull=False).count()
+    room = QUEUED_PER_BATCH - waiting
+    if room <= 0:
+        return 0
+    now = timezone.now()
+    ready = (Shard.objects.filter(batch_id=batch_id, status=Shard.Status.QUEUED,
+                                  enqueued_at__isnull=True)
+             .filter(Q(not_before__isnull=True) | Q(not_before__lte=now))
+             .order_by("index").values_list("pk", "queue_name")[:room])
+    created = 0
+    for shard_id, queue_name in ready:
+        if Shard.objects.filter(pk=shard_id, status=Shard.Status.QUEUED,
+                                enqueued_at__isnull=True).update(enqueued_at=now):
+            queues.enqueue_shard(shard_id, queue_name)
+            created += 1
+    return created
+
+
+def request_finalize(*, batch_id: str) -> None:
+    """Enqueue finalization (`services.finalize.finalize_batch`, through the
+    `jobs.tasks.finalize_batch` job) if nothing of the batch is left to run."""
+    if not Shard.objects.filter(batch_id=batch_id, status__in=(
+            Shard.Status.QUEUED, Shard.Status.RUNNING)).exists():
+        queues.enqueue_control("jobs.tasks.finalize_batch", batch_id, suffix="finalize")

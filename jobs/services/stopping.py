@@ -1,0 +1,82 @@
+"""Stopping a batch early: cancelled by its owner (or an operator), or expired when its
+completion window closes. Queued shards are dropped at once, workers abort running ones,
+finalization keeps every finished result, and each request that never ran becomes a
+`batch_cancelled` / `batch_expired` error line (`unrun_lines`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+
+from jobs.models import Batch, Shard
+from jobs.services.errors import wrong_state
+from jobs.services.progress import refresh_progress
+from jobs.services.scheduling import request_finalize
+from jobs.services.shard_input import shard_custom_ids
+from jobs.wire import Code, failure_line
+
+STOP_MESSAGES = {
+    Code.BATCH_CANCELLED: "The batch was cancelled before this request ran.",
+    Code.BATCH_EXPIRED: "The batch expired before this request ran.",
+}
+
+
+def cancel_batch(*, batch: Batch) -> Batch:
+    """Ask a validating or running batch to stop: status `cancelling` at once; queued shards
+    are dropped, workers abort running ones, and finalization keeps every finished result
+    (the rest become `batch_cancelled` error lines). Cancelling twice is harmless; cancelling
+    an ended batch is a 409."""
+    now = timezone.now()
+    with transaction.atomic():
+        changed = Batch.objects.filter(
+            pk=batch.pk, status__in=(Batch.Status.VALIDATING, Batch.Status.IN_PROGRESS)
+        ).update(status=Batch.Status.CANCELLING, cancelling_at=now,
+                 stop_code=Code.BATCH_CANCELLED)
+        if not changed:
+            batch.refresh_from_db()
+            if batch.status != Batch.Status.CANCELLING:
+                raise wrong_state(f"Cannot cancel a batch that is {batch.status}.")
+        drop_queued_shards(batch.pk, Code.BATCH_CANCELLED)
+        batch_id = batch.pk
+        transaction.on_commit(lambda: request_finalize(batch_id=batch_id), robust=True)
+    return Batch.objects.get(pk=batch.pk)
+
+
+def expire_due_batches() -> list[str]:
+    """Stop every batch whose completion window has closed. Returns their ids."""
+    now = timezone.now()
+    due = list(Batch.objects.filter(
+        status__in=(Batch.Status.VALIDATING, Batch.Status.IN_PROGRESS), stop_code="",
+        expires_at__lte=now).values_list("pk", flat=True))
+    expired = []
+    for batch_id in due:
+        with transaction.atomic():
+            if not Batch.objects.filter(
+                    pk=batch_id, status__in=(Batch.Status.VALIDATING, Batch.Status.IN_PROGRESS),
+                    stop_code="").update(stop_code=Code.BATCH_EXPIRED):
+                continue
+            drop_queued_shards(batch_id, Code.BATCH_EXPIRED)
+        expired.append(batch_id)
+        request_finalize(batch_id=batch_id)
+    return expired
+
+
+def drop_queued_shards(batch_id: str, code: str) -> None:
+    """End the batch's queued shards with `code`, all their requests counted failed."""
+    # Their jobs may still sit in Redis: a worker that pops one finds the shard abandoned
+    # and does nothing.
+    Shard.objects.filter(batch_id=batch_id, status=Shard.Status.QUEUED).update(
+        status=Shard.Status.ABANDONED, end_code=code, finished_at=timezone.now(),
+        completed=0, failed=F("request_count"), input_tokens=0, output_tokens=0)
+    refresh_progress(batch_id=batch_id)
+
+
+def unrun_lines(shard: Shard, *, code: str, reason: str = "") -> Iterator[bytes]:
+    """Error lines for every request a shard is responsible for, streamed from its input
+    range: for shards that never finished (dropped on cancel or expiry, or out of retries)."""
+    message = STOP_MESSAGES.get(code) or f"The request could not be run: {reason or 'unknown'}"
+    for custom_id in shard_custom_ids(shard):
+        yield failure_line(custom_id, code, message)
