@@ -25,9 +25,10 @@ from jobs.models import (
     WebhookDelivery,
     WebhookEvent,
 )
+from jobs.queries.health import queue_health
 from jobs.services import ServiceError
 from jobs.services.cleanup import delete_expired_files
-from jobs.services.health import queue_health, requeue_shards
+from jobs.services.health import requeue_shards
 from jobs.services.keys import create_api_key, revoke_api_key
 from jobs.services.stopping import cancel_batch
 from jobs.services.webhooks import enqueue_delivery, retry_now

@@ -43,7 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from jobs import queues
 from jobs.models import Batch, Shard, WebhookEvent
-from jobs.services.health import queue_health, shard_counts_by_model
+from jobs.queries.health import queue_health, shard_counts_by_model
 
 THROUGHPUT_WINDOW = timedelta(minutes=5)
 

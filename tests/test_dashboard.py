@@ -13,7 +13,8 @@ from django.urls import reverse
 from django.utils import timezone
 
 from jobs.models import ApiKey, Batch, File, Shard, SpotCheck
-from jobs.services import dashboard, results
+from jobs.queries import dashboard, results
+from jobs.services import spotcheck
 from jobs.services.keys import create_api_key
 from jobs.services.progress import refresh_progress
 from jobs.templatetags.dashboard import clip
@@ -478,12 +479,12 @@ def test_results_tab_while_running_and_search(site, user, tmp_path, settings):
 
 def test_spot_check_sample_and_marks(site, user, tmp_path):
     batch = run_batch(make_batch(user, lines(300), tmp_path))
-    assert results.spot_sample_size(300) == 15
-    assert results.spot_sample_size(5) == 5 and results.spot_sample_size(10_000) == 200
+    assert spotcheck.spot_sample_size(300) == 15
+    assert spotcheck.spot_sample_size(5) == 5 and spotcheck.spot_sample_size(10_000) == 200
     page = site.get(reverse("batch_spot_check", args=[batch.pk])).content.decode()
     assert page.count('<article class="result spot') == 15
-    sample = results.spot_sample(batch)
-    assert [s.custom_id for s in sample] == [s.custom_id for s in results.spot_sample(batch)]
+    sample = spotcheck.spot_sample(batch)
+    assert [s.custom_id for s in sample] == [s.custom_id for s in spotcheck.spot_sample(batch)]
     first, second = sample[0].custom_id, sample[1].custom_id
     response = site.post(reverse("batch_spot_check", args=[batch.pk]),
                          {"custom_id": first, "verdict": "good", "note": "fine"}, **HTMX)

@@ -16,7 +16,8 @@ from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from jobs.models import Batch, Shard, SpotCheck
-from jobs.services import dashboard, results
+from jobs.queries import dashboard, flags, results
+from jobs.services import spotcheck
 from jobs.services.files import new_storage_name
 from jobs.services.shard_input import shard_custom_ids
 from tests.dashboard_support import make_batch, run_batch, run_shard
@@ -100,7 +101,7 @@ def test_flag_counts_sum_the_shards_in_one_query(user, tmp_path, settings,
                                                  django_assert_num_queries):
     batch = flagged_batch(user, tmp_path, settings)
     with django_assert_num_queries(1):
-        counts = dashboard.flag_counts(batch)
+        counts = flags.flag_counts(batch)
     assert counts == [
         ("empty_output", "Empty output", 12),
         ("length_limit", "Stopped by the length limit", 15),
@@ -162,7 +163,7 @@ def test_flags_tab_lists_all_then_one_flag_with_paging(site, user, tmp_path, set
 def test_flags_tab_htmx_partial_and_paging_cursor(site, user, tmp_path, settings):
     batch = flagged_batch(user, tmp_path, settings)
     url = reverse("batch_flags", args=[batch.pk])
-    cursor = results.read_flag_page(batch, size=5).next_cursor
+    cursor = flags.read_flag_page(batch, size=5).next_cursor
     assert cursor and cursor.startswith("s")
     partial = site.get(url, {"cursor": cursor}, **HTMX).content.decode()
     assert partial.lstrip().startswith('<section id="flag-list"')
@@ -245,12 +246,12 @@ def test_other_users_batch_is_404(site, other_user, tmp_path, settings):
 def test_spot_check_flagged_only_samples_among_flagged(site, user, tmp_path, settings):
     batch = flagged_batch(user, tmp_path, settings, n=600, shard_size=200)
     flagged = set(expected(600))
-    sample = results.flagged_sample(batch)
+    sample = spotcheck.flagged_sample(batch)
     # 5% of the 360 flagged requests, at least 10: 18, all flagged, stable.
     assert len(flagged) == 360 and len(sample) == 18
     assert {item.custom_id for item in sample} <= flagged
     assert [i.custom_id for i in sample] == [i.custom_id for i in
-                                             results.flagged_sample(batch)]
+                                             spotcheck.flagged_sample(batch)]
     assert all(item.flags == tuple(flags_of(item.custom_id)) for item in sample)
     url = reverse("batch_spot_check", args=[batch.pk])
     page = site.get(url, {"flagged": "1"}).content.decode()
@@ -265,8 +266,8 @@ def test_spot_check_flagged_only_samples_among_flagged(site, user, tmp_path, set
 def test_spot_check_flagged_marks(site, user, tmp_path, settings):
     batch = flagged_batch(user, tmp_path, settings, n=60)
     url = reverse("batch_spot_check", args=[batch.pk])
-    flagged_ids = [item.custom_id for item in results.flagged_sample(batch)]
-    regular = {item.custom_id for item in results.spot_sample(batch)}
+    flagged_ids = [item.custom_id for item in spotcheck.flagged_sample(batch)]
+    regular = {item.custom_id for item in spotcheck.spot_sample(batch)}
     target = flagged_ids[0]
     response = site.post(url, {"custom_id": target, "verdict": "bad", "flagged": "1"},
                          **HTMX)
@@ -315,7 +316,7 @@ def test_real_worker_flags_on_the_dashboard(client, user, workers, tmp_path):
     client.force_login(user)
     page = client.get(reverse("batch_detail", args=[batch.pk])).content.decode()
     assert "1 JSON retry" in page
-    counts = {flag: n for flag, _, n in dashboard.flag_counts(batch)}
+    counts = {flag: n for flag, _, n in flags.flag_counts(batch)}
     assert counts == {"empty_output": 0, "length_limit": 1, "repetition": 1,
                       "invalid_json": 1}
     html = client.get(reverse("batch_flags", args=[batch.pk])).content.decode()

@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jobs import queues
 from jobs.models import Batch, File, Quota, Shard, UserSettings, WebhookDelivery, WebhookEvent
-from jobs.services import health
+from jobs.queries import health
+from jobs.services.health import periodic_operations
 from tests.dashboard_support import make_batch, make_file, run_batch
 from tests.helpers import chat_line, jsonl, wait_for
 
@@ -275,10 +276,10 @@ def test_periodic_operations_enqueue_due_webhooks_and_cleanup(user, settings):
                                       next_attempt_at=timezone.now())
     WebhookEvent.objects.create(owner=user, type="batch.failed", batch_id="batch_b",
                                 next_attempt_at=timezone.now() + timedelta(minutes=5))
-    assert health.periodic_operations() == {"webhooks": 1, "cleanup": 1}
+    assert periodic_operations() == {"webhooks": 1, "cleanup": 1}
     assert sorted(queues.queue(queues.CONTROL_QUEUE).job_ids) == sorted(
         [f"{due.pk}-webhook", "batchweb-cleanup"])
-    assert health.periodic_operations() == {"webhooks": 1, "cleanup": 0}
+    assert periodic_operations() == {"webhooks": 1, "cleanup": 0}
 
 
 @pytest.mark.django_db

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
@@ -17,7 +15,6 @@ from django.http.multipartparser import MultiPartParserError
 from django.views.decorators.csrf import csrf_exempt
 
 from jobs.services.errors import ServiceError
-from jobs.services.files import local_temp
 from jobs.services.keys import authenticate_key
 
 log = logging.getLogger(__name__)
@@ -111,20 +108,6 @@ def multipart_file(request: HttpRequest, field: str) -> UploadedFile:
     if uploaded is None:
         raise ServiceError(f"Missing the '{field}' file field.", param=field)
     return uploaded
-
-
-@contextmanager
-def uploaded_path(uploaded: UploadedFile) -> Iterator[Path]:
-    """A local path holding the upload: Django's own temporary file when it spilled to disk,
-    else a copy of the small in-memory upload."""
-    if hasattr(uploaded, "temporary_file_path"):
-        yield Path(uploaded.temporary_file_path())
-        return
-    with local_temp() as path:
-        with open(path, "wb") as handle:
-            for chunk in uploaded.chunks():
-                handle.write(chunk)
-        yield path
 
 
 def parse_limit(value: str | None, *, default: int, maximum: int) -> int:

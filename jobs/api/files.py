@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from jobs.api.base import (
     api_view,
@@ -12,11 +12,11 @@ from jobs.api.base import (
     max_file_bytes,
     multipart_file,
     paginate,
-    uploaded_path,
 )
 from jobs.models import File
 from jobs.services.errors import ServiceError
-from jobs.services.files import create_input_file, delete_file, get_file_for_user, open_file
+from jobs.services.files import create_input_file, delete_file, get_file_for_user
+from jobs.web import download_response, uploaded_path
 
 
 def _expires_after(request: HttpRequest) -> Any:
@@ -63,12 +63,6 @@ def remove_file(request: HttpRequest, user: Any, file_id: str) -> HttpResponse:
 def file_content(request: HttpRequest, user: Any, file_id: str) -> HttpResponse:
     file = get_file_for_user(owner=user, file_id=file_id)
     return download_response(file)
-
-
-def download_response(file: File) -> FileResponse:
-    """The file's content, streamed in chunks, always as an attachment."""
-    return FileResponse(open_file(file), as_attachment=True, filename=file.filename,
-                        content_type="application/jsonl")
 
 
 files = api_view({"GET": list_files, "POST": upload_file})

@@ -7,8 +7,9 @@ from typing import Any
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
-from jobs.api.base import api_view, check_upload_size, json_body, multipart_file, uploaded_path
+from jobs.api.base import api_view, check_upload_size, json_body, multipart_file
 from jobs.services import uploads
+from jobs.web import uploaded_path
 
 
 def create(request: HttpRequest, user: Any) -> HttpResponse:

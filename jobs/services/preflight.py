@@ -12,7 +12,7 @@ from typing import Any
 from django.conf import settings
 
 from jobs.models import File
-from jobs.services import dashboard
+from jobs.queries import dashboard
 from jobs.services.files import create_input_file, iter_lines, local_temp, open_file
 from jobs.services.validation import InputReport, check_batch_input
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from jobs.models import Batch, File
+from jobs.queries.results import failed_custom_ids, iter_input_matches
 from jobs.services.batches import MAX_METADATA_PAIRS, create_batch
 from jobs.services.errors import ServiceError, wrong_state
 from jobs.services.files import create_input_file, local_temp, open_file
-from jobs.services.results import failed_custom_ids, iter_input_matches
 
 
 def rerun_failed(*, batch: Batch, owner: Any) -> Batch:

@@ -1,15 +1,111 @@
-"""Spot-check marks: a person's good/bad verdict on sampled results, and the share good."""
+"""Spot checks: a random sample of a batch's results (of all its finished requests, or of
+its flagged ones only) and a person's good/bad verdict on each sampled request, with the
+share marked good."""
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import dataclass
 from typing import Any
 
+from django.core.cache import cache
 from django.db.models import Count, Q
 
 from jobs.models import Batch, SpotCheck
+from jobs.queries.flags import FlagRow, find_outputs, flag_labels, flag_segments, iter_flagged
+from jobs.queries.results import PREVIEW_LINE_BYTES, parse_result_line, scan, segments
 from jobs.services.errors import ServiceError
-from jobs.services.results import flagged_sample, spot_sample
+
+SPOT_SHARE = 0.05
+SPOT_MIN = 10
+SPOT_MAX = 200
+SPOT_TEXT_CHARS = 4000
+
+
+def spot_sample_size(finished: int) -> int:
+    """5% of the finished requests, at least 10 and at most 200 (never more than exist)."""
+    return min(finished, max(SPOT_MIN, min(SPOT_MAX, math.ceil(finished * SPOT_SHARE))))
+
+
+@dataclass
+class SampleItem:
+    custom_id: str
+    body: Any  # the response body (clipped when huge)
+    flags: tuple[str, ...] = ()  # quality flags (the flagged-only sample)
+
+    @property
+    def flag_labels(self) -> list[tuple[str, str]]:
+        return flag_labels(self.flags)
+
+
+def spot_sample(batch: Batch) -> list[SampleItem]:
+    """A random sample of the batch's successful results, drawn in one pass (reservoir
+    sampling) with the batch id as seed, so the same batch shows the same sample; cached
+    for ended batches."""
+    segs = segments(batch, "output")
+    cache_key = f"spot:{segs[0].storage_name}" if batch.is_ended and segs else None
+    if cache_key and (cached := cache.get(cache_key)) is not None:
+        return cached
+    finished = batch.progress()["completed"]
+    k = spot_sample_size(finished)
+    if k == 0:
+        return []
+    rng = random.Random(batch.pk)
+    reservoir: list[tuple[str, bytes | None, int]] = []
+    for seen, (here, content, length) in enumerate(
+            scan(segs, None, max_line_bytes=PREVIEW_LINE_BYTES), start=1):
+        if len(reservoir) < k:
+            reservoir.append((here, content, length))
+        else:
+            j = rng.randrange(seen)
+            if j < k:
+                reservoir[j] = (here, content, length)
+    items = []
+    for here, content, length in sorted(reservoir):
+        row = parse_result_line(here, content, length)
+        if row.custom_id is not None:
+            items.append(SampleItem(row.custom_id, row.body))
+    if cache_key:
+        cache.set(cache_key, items, 3600)
+    return items
+
+
+def flagged_sample(batch: Batch) -> list[SampleItem]:
+    """The spot-check sample drawn among flagged requests only: same rules as spot_sample
+    (5% of them, at least 10, at most 200; reservoir sampling seeded by the batch id;
+    cached once the batch ended), over the flags parts, then their output lines."""
+    segs = flag_segments(batch)
+    cache_key = (f"spotflag:{batch.pk}:{batch.output_file_id}" if batch.is_ended else None)
+    if cache_key and (cached := cache.get(cache_key)) is not None:
+        return cached
+    rng = random.Random(batch.pk)
+    reservoir: list[FlagRow] = []
+    seen = 0
+    for row in iter_flagged(batch, segs=segs):
+        seen += 1
+        if len(reservoir) < SPOT_MAX:
+            reservoir.append(row)
+        else:
+            j = rng.randrange(seen)
+            if j < SPOT_MAX:
+                reservoir[j] = row
+    k = spot_sample_size(seen)
+    # The reservoir holds SPOT_MAX uniformly drawn rows; a uniform subset of it is a
+    # uniform sample of k.
+    chosen = sorted(rng.sample(reservoir, k) if k < len(reservoir) else reservoir,
+                    key=lambda r: (r.shard_index, int(r.cursor.partition(":")[2])))
+    outputs = find_outputs(batch, chosen)
+    items = [SampleItem(r.custom_id, outputs[r.custom_id].body, tuple(r.flags)) for r in chosen
+             if r.custom_id in outputs]
+    if cache_key:
+        cache.set(cache_key, items, 3600)
+    return items
+
+
+def sample(batch: Batch, *, flagged: bool = False) -> list[SampleItem]:
+    """The spot-check sample: of all finished requests, or of the flagged ones only."""
+    return flagged_sample(batch) if flagged else spot_sample(batch)
 
 
 @dataclass
@@ -30,11 +126,6 @@ def summary(batch: Batch) -> SpotSummary:
 
 def marks(batch: Batch) -> dict[str, SpotCheck]:
     return {m.custom_id: m for m in SpotCheck.objects.filter(batch=batch)}
-
-
-def sample(batch: Batch, *, flagged: bool = False) -> list[Any]:
-    """The spot-check sample: of all finished requests, or of the flagged ones only."""
-    return flagged_sample(batch) if flagged else spot_sample(batch)
 
 
 def mark(*, batch: Batch, custom_id: str, verdict: str, note: str, user: Any,

@@ -1,4 +1,5 @@
-"""Display helpers: untrusted text made safe to look at, durations, rates, JSON previews.
+"""Display helpers: untrusted text made safe to look at, durations, rates, JSON previews,
+and the throughput chart drawn as SVG path data.
 
 Django escapes HTML already; `clip` adds what escaping does not cover: huge strings are cut,
 and invisible or direction-changing characters (bidi overrides, zero-width, control
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import unicodedata
+from dataclasses import dataclass
 from typing import Any
 
 from django import template
@@ -153,3 +155,38 @@ def response_text(body: Any) -> str:
     if isinstance(body.get("error"), dict):
         return str(body["error"].get("message") or "")
     return ""
+
+
+CHART_WIDTH = 600
+CHART_HEIGHT = 120
+
+
+@dataclass
+class Chart:
+    """A throughput-over-time chart as SVG path data (the template draws the <svg>)."""
+
+    line: str
+    area: str
+    max_per_minute: float
+    width: int = CHART_WIDTH
+    height: int = CHART_HEIGHT
+
+
+@register.simple_tag
+def throughput_chart(series: list[float]) -> Chart | None:
+    """`{% throughput_chart stats.throughput as chart %}`: the chart of a requests-per-minute
+    series (equal time buckets), scaled to its peak; None when nothing ran yet."""
+    if not series or max(series) <= 0:
+        return None
+    top = max(series) * 1.1
+    n = len(series)
+    points = []
+    for i, value in enumerate(series):
+        # Each bucket is drawn at its middle; the line starts and ends at the edges.
+        x = CHART_WIDTH * (i + 0.5) / n
+        y = CHART_HEIGHT - CHART_HEIGHT * value / top
+        points.append((x, y))
+    points = [(0.0, points[0][1]), *points, (float(CHART_WIDTH), points[-1][1])]
+    line = "M" + " L".join(f"{x:.1f},{y:.1f}" for x, y in points)
+    area = f"{line} L{CHART_WIDTH},{CHART_HEIGHT} L0,{CHART_HEIGHT} Z"
+    return Chart(line=line, area=area, max_per_minute=max(series))

@@ -21,17 +21,17 @@ from django.utils.text import slugify
 from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import HttpResponseClientRedirect, HttpResponseStopPolling
 
-from jobs.api.base import uploaded_path
-from jobs.api.files import download_response
 from jobs.forms import NewBatchForm, ResultFilterForm, SpotCheckForm
 from jobs.models import Batch, File
 from jobs.quality import FLAG_LABELS, FLAGS
-from jobs.services import dashboard, preflight, results, spotcheck
+from jobs.queries import dashboard, flags, results
+from jobs.services import preflight, spotcheck
 from jobs.services.batches import create_batch, get_batch_for_user
 from jobs.services.errors import ServiceError
 from jobs.services.files import create_input_file, get_file_for_user
 from jobs.services.rerun import rerun_failed
 from jobs.services.stopping import cancel_batch
+from jobs.web import download_response, uploaded_path
 
 LIST_PAGE_SIZE = 20
 STATUS_FILTERS = [("", "all"), ("active", "active"), *[(s, s.replace("_", " "))
@@ -48,16 +48,10 @@ def _get_batch_for_user(request: HttpRequest, batch_id: str) -> Batch:
 
 
 def _row(batch: Batch, eta: float | None) -> dict[str, Any]:
-    progress = batch.progress()
-    total = batch.total or 0
-    done = progress["completed"] + progress["failed"]
-
-    def pct(n: int) -> float:
-        return round(100.0 * n / total, 1) if total else 0.0
-
-    return {"batch": batch, "progress": progress, "done": done, "eta": eta,
-            "pct": pct(done), "pct_completed": pct(progress["completed"]),
-            "pct_failed": min(pct(progress["failed"]), 100.0 - pct(progress["completed"]))}
+    shares = dashboard.BatchProgress.of(batch)
+    return {"batch": batch, "progress": batch.progress(), "done": shares.done, "eta": eta,
+            "pct": shares.percent, "pct_completed": shares.percent_completed,
+            "pct_failed": shares.percent_failed}
 
 
 # --- list ---
@@ -191,7 +185,7 @@ def _detail_context(batch: Batch, tab: str) -> dict[str, Any]:
 
 def _overview_context(batch: Batch) -> dict[str, Any]:
     return {**_detail_context(batch, "overview"), "stats": dashboard.batch_stats(batch),
-            "flag_counts": dashboard.flag_counts(batch)}
+            "flag_counts": flags.flag_counts(batch)}
 
 
 @login_required
@@ -326,13 +320,13 @@ def batch_flags(request: HttpRequest, batch_id: str) -> HttpResponse:
         raise Http404("Unknown flag.")
     cursor = request.GET.get("cursor") or None
     try:
-        page = results.read_flag_page(batch, flag=flag or None, cursor=cursor)
+        page = flags.read_flag_page(batch, flag=flag or None, cursor=cursor)
     except ServiceError as exc:
         raise Http404(exc.message) from None
-    outputs = results.find_outputs(batch, page.rows)
+    outputs = flags.find_outputs(batch, page.rows)
     inputs = results.find_inputs(batch, {row.custom_id for row in page.rows})
     context = {**_detail_context(batch, "flags"), "flag": flag, "page": page,
-               "paged": bool(cursor), "flag_counts": dashboard.flag_counts(batch),
+               "paged": bool(cursor), "flag_counts": flags.flag_counts(batch),
                "flag_label": FLAG_LABELS.get(flag, ""),
                "rows": [(row, outputs.get(row.custom_id), inputs.get(row.custom_id))
                         for row in page.rows]}

@@ -9,10 +9,10 @@ from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
-from jobs.api.files import download_response
 from jobs.models import File
 from jobs.services.errors import ServiceError
 from jobs.services.files import delete_file, get_file_for_user
+from jobs.web import download_response
 
 PAGE_SIZE = 25
 

@@ -1,5 +1,7 @@
 """Read-side numbers of the dashboard: progress, throughput (now, average, over time), ETA,
-the run report of seed 003 and the preflight time estimate.
+the run report of seed 003 and the throughput behind the new-batch (preflight) estimate.
+The throughput-over-time series is data only; `templatetags.dashboard.throughput_chart`
+draws it.
 
 Nothing here writes. Throughput is derived from the shard rows alone: a shard's live
 counters say how many requests its current attempt finished between `started_at` and now
@@ -18,7 +20,6 @@ from django.db.models import Max, Min, Sum
 from django.utils import timezone
 
 from jobs.models import Batch, Shard
-from jobs.quality import FLAG_LABELS, FLAGS
 
 # "Now" is the last two minutes: long enough to smooth shard boundaries, short enough to
 # follow a worker joining or leaving.
@@ -26,8 +27,6 @@ RECENT_WINDOW = timedelta(minutes=2)
 # The preflight estimate uses the model's shards that finished within this window.
 MODEL_HISTORY = timedelta(hours=1)
 CHART_BUCKETS = 30
-CHART_WIDTH = 600
-CHART_HEIGHT = 120
 
 SHARD_FIELDS = ("batch_id", "status", "started_at", "finished_at", "completed", "failed",
                 "attempt", "failures", "input_tokens", "output_tokens", "request_count",
@@ -105,31 +104,19 @@ class Report:
 
 
 @dataclass
-class Chart:
-    """A throughput-over-time chart as SVG path data (drawn by the template)."""
+class BatchProgress:
+    """How far a batch is, in requests, and the shares the progress bars draw (percent of
+    the total, one decimal; the failed share never pushes the bar past 100%)."""
 
-    line: str
-    area: str
-    max_per_minute: float
-    span_seconds: float
-    width: int = CHART_WIDTH
-    height: int = CHART_HEIGHT
-
-
-@dataclass
-class BatchStats:
     total: int
     completed: int
     failed: int
-    input_tokens: int
-    output_tokens: int
-    rate_now: float | None  # requests per second over RECENT_WINDOW (running batches)
-    rate_avg: float | None  # requests per second since the batch started running
-    eta_seconds: float | None
-    elapsed_seconds: float | None
-    report: Report
-    chart: Chart | None
-    timeline: list[tuple[str, datetime]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, batch: Batch) -> BatchProgress:
+        progress = batch.progress()
+        return cls(total=batch.total or 0, completed=progress["completed"],
+                   failed=progress["failed"])
 
     @property
     def done(self) -> int:
@@ -153,6 +140,21 @@ class BatchStats:
     @property
     def percent_failed(self) -> float:
         return min(self._pct(self.failed), 100.0 - self.percent_completed)
+
+
+@dataclass
+class BatchStats(BatchProgress):
+    input_tokens: int
+    output_tokens: int
+    rate_now: float | None  # requests per second over RECENT_WINDOW (running batches)
+    rate_avg: float | None  # requests per second since the batch started running
+    eta_seconds: float | None
+    elapsed_seconds: float | None
+    report: Report
+    # Requests per minute over time (CHART_BUCKETS buckets from in_progress to the end or
+    # now); empty before the batch runs.
+    throughput: list[float]
+    timeline: list[tuple[str, datetime]] = field(default_factory=list)
 
 
 TIMELINE = (("created", "created_at"), ("in progress", "in_progress_at"),
@@ -212,7 +214,7 @@ def batch_stats(batch: Batch, *, now: datetime | None = None) -> BatchStats:
     rows = shard_rows([batch.pk]).get(batch.pk, [])
     progress = batch.progress()
     rate_now, rate_avg, elapsed = _rates(batch, rows, now)
-    remaining = max(0, batch.total - progress["completed"] - progress["failed"])
+    remaining = BatchProgress.of(batch).remaining
     claims = sum(r.attempt for r in rows)
     failures = sum(r.failures for r in rows)
     json_retries = sum(r.json_retries for r in rows)
@@ -234,7 +236,7 @@ def batch_stats(batch: Batch, *, now: datetime | None = None) -> BatchStats:
         input_tokens=progress["input_tokens"], output_tokens=progress["output_tokens"],
         rate_now=rate_now, rate_avg=rate_avg,
         eta_seconds=_eta(batch, remaining, rate_now, rate_avg), elapsed_seconds=elapsed,
-        report=report, chart=throughput_chart(batch, rows, now), timeline=timeline(batch))
+        report=report, throughput=throughput_series(batch, rows, now), timeline=timeline(batch))
 
 
 def list_etas(batches: Iterable[Batch], *, now: datetime | None = None
@@ -247,9 +249,8 @@ def list_etas(batches: Iterable[Batch], *, now: datetime | None = None
     rows = shard_rows(b.pk for b in running)
     etas = {}
     for batch in running:
-        progress = batch.progress()
-        remaining = max(0, batch.total - progress["completed"] - progress["failed"])
-        etas[batch.pk] = eta_seconds(batch, rows.get(batch.pk, []), remaining, now)
+        etas[batch.pk] = eta_seconds(batch, rows.get(batch.pk, []),
+                                     BatchProgress.of(batch).remaining, now)
     return etas
 
 
@@ -289,42 +290,6 @@ def throughput_series(batch: Batch, rows: list[ShardRow], now: datetime,
             if overlap > 0:
                 counts[i] += per_unit * overlap
     return [count / step * 60 for count in counts]
-
-
-def throughput_chart(batch: Batch, rows: list[ShardRow], now: datetime) -> Chart | None:
-    series = throughput_series(batch, rows, now)
-    if not series or max(series) <= 0:
-        return None
-    top = max(series) * 1.1
-    n = len(series)
-    points = []
-    for i, value in enumerate(series):
-        # Each bucket is drawn at its middle; the line starts and ends at the edges.
-        x = CHART_WIDTH * (i + 0.5) / n
-        y = CHART_HEIGHT - CHART_HEIGHT * value / top
-        points.append((x, y))
-    points = [(0.0, points[0][1]), *points, (float(CHART_WIDTH), points[-1][1])]
-    line = "M" + " L".join(f"{x:.1f},{y:.1f}" for x, y in points)
-    area = f"{line} L{CHART_WIDTH},{CHART_HEIGHT} L0,{CHART_HEIGHT} Z"
-    end = ended_at(batch) or now
-    assert batch.in_progress_at is not None
-    return Chart(line=line, area=area, max_per_minute=max(series),
-                 span_seconds=(end - batch.in_progress_at).total_seconds())
-
-
-# --- quality flags ---
-
-
-def flag_counts(batch: Batch) -> list[tuple[str, str, int]]:
-    """(flag, label, requests) of every quality flag, in FLAGS order, summed over the
-    batch's finished shards in one query. Every flag is listed, zero or not."""
-    totals: dict[str, int] = {}
-    for counts in Shard.objects.filter(batch=batch, status=Shard.Status.DONE).values_list(
-            "flag_counts", flat=True):
-        for flag, n in (counts or {}).items():
-            if isinstance(n, int):
-                totals[flag] = totals.get(flag, 0) + n
-    return [(flag, FLAG_LABELS[flag], totals.get(flag, 0)) for flag in FLAGS]
 
 
 # --- preflight ---

@@ -1,6 +1,6 @@
 """Reading a batch's results for people: pages of output or error lines (paged by byte
 offset, never by reading a whole file), error counts by code, the input line behind a
-custom_id, the results finished so far while the batch still runs, and the spot-check sample.
+custom_id, and the results finished so far while the batch still runs.
 
 Where results live: once the batch has ended, in its output and error Files; while it runs,
 in the parts of its finished shards (`Shard.output_part` / `error_part`), in shard order.
@@ -12,8 +12,6 @@ shards finish.
 from __future__ import annotations
 
 import json
-import math
-import random
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -115,9 +113,10 @@ def parse_result_line(cursor: str, content: bytes | None, size: int) -> ResultRo
     return ResultRow(cursor, custom_id, None, "unreadable_line", "", None, bytes=size)
 
 
-def _scan(segs: list[Segment], start: tuple[str, int] | None, *, max_line_bytes: int
+def scan(segs: list[Segment], start: tuple[str, int] | None, *, max_line_bytes: int
           ) -> Iterator[tuple[str, bytes | None, int]]:
-    """(cursor of the line, content, size) for every line from `start`."""
+    """(cursor of the line, content, size) for every line from `start` (the spot-check
+    sample and the flags pages read their segments the same way)."""
     keys = [s.key for s in segs]
     index, offset = 0, 0
     if start and start[0] in keys:
@@ -151,7 +150,7 @@ def read_page(batch: Batch, kind: Kind, *, cursor: str | None = None,
     # \u escapes for non-ASCII).
     needles = ({json.dumps(search, ensure_ascii=False)[1:-1].encode(),
                 json.dumps(search)[1:-1].encode()} if search else set())
-    for here, content, length in _scan(segs, start, max_line_bytes=PREVIEW_LINE_BYTES):
+    for here, content, length in scan(segs, start, max_line_bytes=PREVIEW_LINE_BYTES):
         if len(rows) >= size:
             return Page(rows, here)
         scanned += length
@@ -177,7 +176,7 @@ def error_counts(batch: Batch) -> list[tuple[str, int]]:
     if cache_key and (cached := cache.get(cache_key)) is not None:
         return cached
     counts: dict[str, int] = {}
-    for here, content, length in _scan(
+    for here, content, length in scan(
             segs, None, max_line_bytes=settings.BATCHWEB["MAX_LINE_BYTES"]):
         code = parse_result_line(here, content, length).code or "unknown"
         counts[code] = counts.get(code, 0) + 1
@@ -191,7 +190,7 @@ def failed_custom_ids(batch: Batch) -> set[str]:
     """Every custom_id in the batch's error file (whole lines are read: an error line is
     small, and no id may be missed)."""
     ids: set[str] = set()
-    for here, content, length in _scan(
+    for here, content, length in scan(
             segments(batch, "error"), None,
             max_line_bytes=settings.BATCHWEB["MAX_LINE_BYTES"]):
         row = parse_result_line(here, content, length)
@@ -253,203 +252,3 @@ def stream_segments(segs: list[Segment]) -> Iterator[bytes]:
         with default_storage.open(seg.storage_name, "rb") as source:
             while chunk := source.read(CHUNK):
                 yield chunk
-
-
-# --- spot check ---
-
-SPOT_SHARE = 0.05
-SPOT_MIN = 10
-SPOT_MAX = 200
-SPOT_TEXT_CHARS = 4000
-
-
-def spot_sample_size(finished: int) -> int:
-    """5% of the finished requests, at least 10 and at most 200 (never more than exist)."""
-    return min(finished, max(SPOT_MIN, min(SPOT_MAX, math.ceil(finished * SPOT_SHARE))))
-
-
-@dataclass
-class SampleItem:
-    custom_id: str
-    body: Any  # the response body (clipped when huge)
-    flags: tuple[str, ...] = ()  # quality flags (the flagged-only sample)
-
-    @property
-    def flag_labels(self) -> list[tuple[str, str]]:
-        return _labels(self.flags)
-
-
-def spot_sample(batch: Batch) -> list[SampleItem]:
-    """A random sample of the batch's successful results, drawn in one pass (reservoir
-    sampling) with the batch id as seed, so the same batch shows the same sample; cached
-    for ended batches."""
-    segs = segments(batch, "output")
-    cache_key = f"spot:{segs[0].storage_name}" if batch.is_ended and segs else None
-    if cache_key and (cached := cache.get(cache_key)) is not None:
-        return cached
-    finished = batch.progress()["completed"]
-    k = spot_sample_size(finished)
-    if k == 0:
-        return []
-    rng = random.Random(batch.pk)
-    reservoir: list[tuple[str, bytes | None, int]] = []
-    for seen, (here, content, length) in enumerate(
-            _scan(segs, None, max_line_bytes=PREVIEW_LINE_BYTES), start=1):
-        if len(reservoir) < k:
-            reservoir.append((here, content, length))
-        else:
-            j = rng.randrange(seen)
-            if j < k:
-                reservoir[j] = (here, content, length)
-    items = []
-    for here, content, length in sorted(reservoir):
-        row = parse_result_line(here, content, length)
-        if row.custom_id is not None:
-            items.append(SampleItem(row.custom_id, row.body))
-    if cache_key:
-        cache.set(cache_key, items, 3600)
-    return items
-
-
-# --- quality flags ---
-#
-# Each done shard keeps a small flags part (`Shard.flags_part`): one {"custom_id", "flags"}
-# line per flagged request, in the shard's order. Flags parts are not merged when the batch
-# ends, so they are read as shard segments ("s3:120") before and after the end alike.
-
-
-def _labels(flags: Any) -> list[tuple[str, str]]:
-    from jobs.quality import FLAG_LABELS
-
-    return [(flag, FLAG_LABELS.get(flag, flag)) for flag in flags]
-
-
-def flag_segments(batch: Batch) -> list[Segment]:
-    parts = (Shard.objects.filter(batch=batch, status=Shard.Status.DONE)
-             .exclude(flags_part="").order_by("index").values_list("index", "flags_part"))
-    return [Segment(f"s{index}", name) for index, name in parts]
-
-
-@dataclass
-class FlagRow:
-    cursor: str
-    custom_id: str
-    flags: list[str]
-
-    @property
-    def flag_labels(self) -> list[tuple[str, str]]:
-        return _labels(self.flags)
-
-    @property
-    def shard_index(self) -> int:
-        return int(self.cursor.partition(":")[0][1:])
-
-
-def parse_flag_line(cursor: str, content: bytes | None) -> FlagRow | None:
-    if not content:
-        return None
-    try:
-        obj = json.loads(content)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("custom_id"), str):
-        return None
-    flags = [f for f in obj.get("flags") or () if isinstance(f, str)]
-    return FlagRow(cursor, obj["custom_id"], flags)
-
-
-def iter_flagged(batch: Batch, *, flag: str | None = None, start: tuple[str, int] | None = None,
-                 segs: list[Segment] | None = None) -> Iterator[FlagRow]:
-    """Every flagged request (with `flag`, when given) from `start`, streamed."""
-    for here, content, _ in _scan(flag_segments(batch) if segs is None else segs, start,
-                                  max_line_bytes=PREVIEW_LINE_BYTES):
-        row = parse_flag_line(here, content)
-        if row is not None and (flag is None or flag in row.flags):
-            yield row
-
-
-@dataclass
-class FlagPage:
-    rows: list[FlagRow]
-    next_cursor: str | None
-
-
-def read_flag_page(batch: Batch, *, flag: str | None = None, cursor: str | None = None,
-                   size: int = PAGE_SIZE) -> FlagPage:
-    """Up to `size` flagged requests (with `flag`, when given) from `cursor`."""
-    start = parse_cursor(cursor)
-    rows: list[FlagRow] = []
-    for row in iter_flagged(batch, flag=flag, start=start):
-        if len(rows) >= size:
-            return FlagPage(rows, row.cursor)
-        rows.append(row)
-    return FlagPage(rows, None)
-
-
-def find_outputs(batch: Batch, rows: list[FlagRow]) -> dict[str, ResultRow]:
-    """The output line of each flagged request of a page. A shard's own output part is
-    read while it exists (small; the batch still runs or cleanup has not run yet), the
-    batch's output file otherwise, in one pass that stops once all are found."""
-    by_shard: dict[int, set[str]] = {}
-    for row in rows:
-        by_shard.setdefault(row.shard_index, set()).add(row.custom_id)
-    if not by_shard:
-        return {}
-    found: dict[str, ResultRow] = {}
-    parts = dict(Shard.objects.filter(batch=batch, index__in=list(by_shard))
-                 .exclude(output_part="").values_list("index", "output_part"))
-    for index, ids in sorted(by_shard.items()):
-        name = parts.get(index)
-        if name and default_storage.exists(name):
-            _scan_for(name, ids, found, f"s{index}")
-    missing = {r.custom_id for r in rows} - set(found)
-    if missing and batch.is_ended and batch.output_file_id:
-        file = File.objects.filter(pk=batch.output_file_id).only("storage_name").first()
-        if file is not None and default_storage.exists(file.storage_name):
-            _scan_for(file.storage_name, missing, found, "f")
-    return found
-
-
-def _scan_for(storage_name: str, ids: set[str], found: dict[str, ResultRow],
-              key: str) -> None:
-    pending = set(ids) - set(found)
-    if not pending:
-        return
-    with default_storage.open(storage_name, "rb") as stream:
-        for custom_id, raw in iter_input_matches(stream, lambda c: c in pending):
-            found[custom_id] = parse_result_line(key, raw, len(raw))
-            pending.discard(custom_id)
-            if not pending:
-                break
-
-
-def flagged_sample(batch: Batch) -> list[SampleItem]:
-    """The spot-check sample drawn among flagged requests only: same rules as spot_sample
-    (5% of them, at least 10, at most 200; reservoir sampling seeded by the batch id;
-    cached once the batch ended), over the flags parts, then their output lines."""
-    segs = flag_segments(batch)
-    cache_key = (f"spotflag:{batch.pk}:{batch.output_file_id}" if batch.is_ended else None)
-    if cache_key and (cached := cache.get(cache_key)) is not None:
-        return cached
-    rng = random.Random(batch.pk)
-    reservoir: list[FlagRow] = []
-    seen = 0
-    for row in iter_flagged(batch, segs=segs):
-        seen += 1
-        if len(reservoir) < SPOT_MAX:
-            reservoir.append(row)
-        else:
-            j = rng.randrange(seen)
-            if j < SPOT_MAX:
-                reservoir[j] = row
-    k = spot_sample_size(seen)
-    # The reservoir holds SPOT_MAX uniformly drawn rows; a uniform subset of it is a
-    # uniform sample of k.
-    chosen = sorted(rng.sample(reservoir, k) if k < len(reservoir) else reservoir,
-                    key=lambda r: (r.shard_index, int(r.cursor.partition(":")[2])))
-    outputs = find_outputs(batch, chosen)
-    items = [SampleItem(r.custom_id, outputs[r.custom_id].body, tuple(r.flags)) for r in chosen
-             if r.custom_id in outputs]
-    if cache_key:
-        cache.set(cache_key, items, 3600)
-    return items
