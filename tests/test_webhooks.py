@@ -17,7 +17,7 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from jobs import queues
+from jobs import queues, safehttp
 from jobs.models import Batch, UserSettings, WebhookDelivery, WebhookEvent
 from jobs.services import webhooks
 from jobs.services.batches import create_batch
@@ -247,19 +247,19 @@ def test_addresses_outside_the_allowlist_are_never_called(user, receiver, tmp_pa
                                                           settings):
     # The default allows nothing, loopback included.
     assert settings.BATCHWEB["WEBHOOK_ALLOWED_NETWORKS"] == []
-    with pytest.raises(webhooks.NotAllowed, match="not allowed"):
+    with pytest.raises(safehttp.NotAllowed, match="not allowed"):
         webhooks.set_webhook_url(user=user, url=receiver.url)
     # "public" does not include loopback or private ranges.
     settings.BATCHWEB = {**settings.BATCHWEB, "WEBHOOK_ALLOWED_NETWORKS": ["public",
                                                                           "10.0.0.0/8"]}
     for url in (receiver.url, "http://[::1]:9/", "http://192.168.1.1/",
                 "http://169.254.169.254/latest/meta-data"):
-        with pytest.raises(webhooks.NotAllowed):
-            webhooks.check_url(url)
-    assert webhooks.check_url("http://10.1.2.3:8080/x").addresses == ["10.1.2.3"]
+        with pytest.raises(safehttp.NotAllowed):
+            safehttp.check_url(url)
+    assert safehttp.check_url("http://10.1.2.3:8080/x").addresses == ["10.1.2.3"]
     for url in ("ftp://127.0.0.1/", "http://user:pw@127.0.0.1/", "not a url"):
-        with pytest.raises(webhooks.NotAllowed):
-            webhooks.check_url(url)
+        with pytest.raises(safehttp.NotAllowed):
+            safehttp.check_url(url)
 
     # A URL stored before the operator narrowed the list is refused at send time.
     UserSettings.objects.update_or_create(user=user, defaults={"webhook_url": receiver.url})
@@ -273,13 +273,13 @@ def test_allowed_host_names(user, receiver, settings):
     settings.BATCHWEB = {**settings.BATCHWEB, "WEBHOOK_ALLOWED_HOSTS": [".localhost"],
                          "WEBHOOK_ALLOWED_NETWORKS": []}
     port = receiver.server.server_port
-    target = webhooks.check_url(f"http://localhost:{port}/x")
+    target = safehttp.check_url(f"http://localhost:{port}/x")
     assert "127.0.0.1" in target.addresses
     # Whatever order the resolver gives (::1 first, maybe), the loopback receiver is reached.
-    outcome = webhooks.post(f"http://localhost:{port}/x", body=b"{}", headers={})
+    outcome = safehttp.post(f"http://localhost:{port}/x", body=b"{}", headers={})
     assert outcome.ok, outcome.error
-    with pytest.raises(webhooks.NotAllowed):
-        webhooks.check_url(f"http://127.0.0.1:{port}/x")  # the name was allowed, not the IP
+    with pytest.raises(safehttp.NotAllowed):
+        safehttp.check_url(f"http://127.0.0.1:{port}/x")  # the name was allowed, not the IP
 
 
 def test_dashboard_sets_the_webhook_and_rotates_the_secret(client, user, receiver,

@@ -19,9 +19,8 @@ error, timeout, non-2xx; redirects are not followed) is retried after
 WEBHOOK_RETRY_BASE_SECONDS * 2**(attempt-1) by the reconciler's pass (`enqueue_due`), up to
 WEBHOOK_MAX_ATTEMPTS. Each attempt is a WebhookDelivery row (shown in the admin).
 
-Only allowed addresses are called (settings WEBHOOK_ALLOWED_HOSTS / _NETWORKS): the host is
-resolved, every address checked, and the connection made to the checked address (so a DNS
-answer that changes between check and connect cannot redirect the request).
+Only allowed addresses are called (settings WEBHOOK_ALLOWED_HOSTS / _NETWORKS), through the
+SSRF-safe client in `jobs.safehttp`.
 """
 
 from __future__ import annotations
@@ -29,17 +28,11 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import http.client
-import ipaddress
 import json
 import logging
-import socket
-import ssl
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
-from urllib.parse import urlsplit
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -48,7 +41,7 @@ from django.utils import timezone
 
 from jobs import queues
 from jobs.models import Batch, UserSettings, WebhookDelivery, WebhookEvent, new_webhook_secret
-from jobs.services.errors import ServiceError
+from jobs.safehttp import EXCERPT, Outcome, check_url, post
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +51,6 @@ EVENT_TYPES = {
     Batch.Status.EXPIRED: "batch.expired",
     Batch.Status.CANCELLED: "batch.cancelled",
 }
-USER_AGENT = "batchweb-webhooks/1"
-EXCERPT = 500
 DUE_PER_PASS = 200
 
 
@@ -90,98 +81,7 @@ def rotate_secret(*, user: Any) -> UserSettings:
     return row
 
 
-# --- where we may connect ---
-
-
-class NotAllowed(ServiceError):
-    pass
-
-
-def _host_allowed(host: str) -> bool:
-    host = host.lower().rstrip(".")
-    for pattern in settings.BATCHWEB["WEBHOOK_ALLOWED_HOSTS"]:
-        pattern = pattern.lower().rstrip(".")
-        if pattern.startswith("."):
-            if host == pattern[1:] or host.endswith(pattern):
-                return True
-        elif host == pattern:
-            return True
-    return False
-
-
-def _address_allowed(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
-        address = address.ipv4_mapped
-    for entry in settings.BATCHWEB["WEBHOOK_ALLOWED_NETWORKS"]:
-        if entry == "public":
-            if address.is_global:
-                return True
-            continue
-        try:
-            network = ipaddress.ip_network(entry, strict=False)
-        except ValueError:
-            log.warning("ignoring bad WEBHOOK_ALLOWED_NETWORKS entry %r", entry)
-            continue
-        if address.version == network.version and address in network:
-            return True
-    return False
-
-
-@dataclass
-class Target:
-    scheme: str
-    host: str
-    port: int
-    path: str
-    addresses: list[str]  # the checked IPs the connection may be made to, in order
-
-
-def check_url(url: str) -> Target:
-    """Parse, resolve and check a webhook URL. Raises NotAllowed (400)."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        raise NotAllowed("The webhook URL is not a valid URL.", param="webhook_url") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise NotAllowed("The webhook URL must be an http:// or https:// URL.",
-                         param="webhook_url")
-    if parts.username or parts.password:
-        raise NotAllowed("The webhook URL must not contain credentials.", param="webhook_url")
-    host = parts.hostname
-    port = port or (443 if parts.scheme == "https" else 80)
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise NotAllowed(f"The webhook host {host} could not be resolved ({exc}).",
-                         param="webhook_url") from None
-    addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
-    if not addresses:
-        raise NotAllowed(f"The webhook host {host} has no address.", param="webhook_url")
-    if not _host_allowed(host) and not all(_address_allowed(a) for a in addresses):
-        raise NotAllowed(f"The webhook address {host} ({addresses[0]}) is not allowed by this "
-                         "service's operator (BATCHWEB_WEBHOOK_ALLOWED_HOSTS / "
-                         "_NETWORKS).", param="webhook_url")
-    path = parts.path or "/"
-    if parts.query:
-        path += "?" + parts.query
-    unique = list(dict.fromkeys(str(a) for a in addresses))
-    return Target(parts.scheme, host, port, path, unique)
-
-
-def _connect(addresses: list[str], port: int, timeout: float) -> socket.socket:
-    """A connection to the first of the checked addresses that answers (as
-    socket.create_connection does for a name, without resolving it again)."""
-    error: OSError | None = None
-    for address in addresses:
-        try:
-            return socket.create_connection((address, port), timeout)
-        except OSError as exc:
-            error = exc
-    raise error or OSError("no address to connect to")
-
-
-# --- signing and sending ---
+# --- signing ---
 
 
 def sign(*, secret: str, event_id: str, timestamp: int, body: bytes) -> str:
@@ -189,62 +89,6 @@ def sign(*, secret: str, event_id: str, timestamp: int, body: bytes) -> str:
         else secret.encode()
     signed = f"{event_id}.{timestamp}.".encode() + body
     return "v1," + base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
-
-
-class _PinnedHTTP(http.client.HTTPConnection):
-    """HTTP to a fixed, already checked address (the Host header keeps the name)."""
-
-    def __init__(self, target: Target, timeout: float) -> None:
-        super().__init__(target.host, target.port, timeout=timeout)
-        self._addresses = target.addresses
-
-    def connect(self) -> None:
-        self.sock = _connect(self._addresses, self.port, self.timeout)
-
-
-class _PinnedHTTPS(http.client.HTTPSConnection):
-    """HTTPS to a fixed, already checked address, verifying the certificate for the name."""
-
-    def __init__(self, target: Target, timeout: float) -> None:
-        context = ssl.create_default_context()
-        super().__init__(target.host, target.port, timeout=timeout, context=context)
-        self._addresses = target.addresses
-        self._ssl_context = context
-
-    def connect(self) -> None:
-        sock = _connect(self._addresses, self.port, self.timeout)
-        self.sock = self._ssl_context.wrap_socket(sock, server_hostname=self.host)
-
-
-@dataclass
-class Outcome:
-    ok: bool
-    status_code: int | None = None
-    error: str = ""
-    excerpt: str = ""
-    permanent: bool = False  # retrying cannot help (address not allowed)
-
-
-def post(url: str, *, body: bytes, headers: dict[str, str]) -> Outcome:
-    try:
-        target = check_url(url)
-    except NotAllowed as exc:
-        return Outcome(ok=False, error=exc.message, permanent=True)
-    timeout = settings.BATCHWEB["WEBHOOK_TIMEOUT_SECONDS"]
-    connection_class = _PinnedHTTPS if target.scheme == "https" else _PinnedHTTP
-    conn = connection_class(target, timeout)
-    try:
-        conn.request("POST", target.path, body=body, headers={
-            **headers, "Content-Type": "application/json", "User-Agent": USER_AGENT})
-        response = conn.getresponse()
-        excerpt = response.read(EXCERPT).decode("utf-8", "replace")
-        ok = 200 <= response.status < 300
-        return Outcome(ok=ok, status_code=response.status, excerpt=excerpt,
-                       error="" if ok else f"HTTP {response.status}")
-    except (OSError, http.client.HTTPException) as exc:
-        return Outcome(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
-    finally:
-        conn.close()
 
 
 # --- events ---
