@@ -1,10 +1,15 @@
-"""RQ entry points. Each takes ids only, looks the rows up and calls a service: a job's
-payload never carries user data, and replaying a job is harmless."""
+"""RQ entry points: every job batchweb enqueues names a function here. Each takes ids only,
+looks the rows up and calls a service: a job's payload never carries user data, and
+replaying a job is harmless.
+
+The reconciler is not one of them: every worker's heartbeat thread runs it in-process
+every few seconds (`jobs.worker`), so no job ever needs to start it."""
 
 from __future__ import annotations
 
-from jobs.services import finalize, validation
-from jobs.services import reconcile as reconcile_service
+from typing import Any
+
+from jobs.services import cleanup, finalize, validation, webhooks
 
 
 def validate_batch(batch_id: str) -> None:
@@ -23,5 +28,11 @@ def run_shard(shard_id: str) -> None:
     current_pipeline().run_shard(shard_id)
 
 
-def reconcile() -> dict[str, int]:
-    return reconcile_service.reconcile()
+def deliver_webhook(event_id: str) -> str:
+    """One delivery attempt of a webhook event; returns the event's status."""
+    return webhooks.deliver_event(event_id)
+
+
+def scheduled_cleanup() -> dict[str, Any]:
+    """The cleanup pass the reconciler's schedule enqueues (`cleanup.enqueue_if_due`)."""
+    return cleanup.run_cleanup().counts()

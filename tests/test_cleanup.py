@@ -15,7 +15,7 @@ from django.core.files.storage import default_storage
 from django.core.management import call_command
 from django.utils import timezone
 
-from jobs import queues
+from jobs import queues, tasks
 from jobs.models import Batch, File, Shard, Upload, UploadPart
 from jobs.services import cleanup
 from jobs.services.uploads import add_upload_part, create_upload
@@ -179,8 +179,8 @@ def test_schedule_enqueues_once_per_interval(settings):
     assert control.job_ids == ["batchweb-cleanup"]
     assert 0 < queues.connection().ttl(cleanup.SCHEDULE_KEY) <= 60
     job = control.fetch_job("batchweb-cleanup")
-    assert job.func_name == "jobs.services.cleanup.scheduled_cleanup"
-    assert cleanup.scheduled_cleanup()["orphans"] == 0
+    assert job.func_name == "jobs.tasks.scheduled_cleanup"
+    assert tasks.scheduled_cleanup()["orphans"] == 0
 
     settings.BATCHWEB = {**settings.BATCHWEB, "CLEANUP_INTERVAL_SECONDS": 0}
     queues.connection().delete(cleanup.SCHEDULE_KEY)

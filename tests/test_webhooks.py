@@ -106,7 +106,7 @@ def test_batch_end_enqueues_ids_only_and_the_signature_verifies(hooked_user, rec
     # The finalizer only enqueued a job (ids only); nothing was sent from it.
     assert receiver.requests == []
     job = queues.queue(queues.CONTROL_QUEUE).fetch_job(f"{event.pk}-webhook")
-    assert job.func_name == "jobs.services.webhooks.deliver_event"
+    assert job.func_name == "jobs.tasks.deliver_webhook"
     assert job.args == (event.pk,) and not job.kwargs
 
     assert webhooks.deliver_event(event.pk) == "delivered"

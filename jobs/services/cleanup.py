@@ -21,11 +21,12 @@ One pass (`run_cleanup`) does, in order:
    once per CLEANUP_INTERVAL_SECONDS.
 
 `manage.py cleanup [--dry-run]` runs it; so does the schedule: the reconciler pass that
-every worker already runs calls `enqueue_if_due`, which enqueues one `scheduled_cleanup`
-job on the control queue at most once per CLEANUP_INTERVAL_SECONDS (a Redis key with that
-expiry is the lock), so no scheduler process is needed. (rq 3's `rq.cron` and django-rq's
-`rqcron` need a `rq cron` process of their own, and RQ's delayed jobs need a worker started
-`--with-scheduler`; batchworkers are neither, so the reconciler is the clock.)
+every worker already runs calls `enqueue_if_due`, which enqueues one
+`jobs.tasks.scheduled_cleanup` job on the control queue at most once per
+CLEANUP_INTERVAL_SECONDS (a Redis key with that expiry is the lock), so no scheduler
+process is needed. (rq 3's `rq.cron` and django-rq's `rqcron` need a `rq cron` process of
+their own, and RQ's delayed jobs need a worker started `--with-scheduler`; batchworkers are
+neither, so the reconciler is the clock.)
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
 
 from django.conf import settings
 from django.core.files.storage import default_storage
@@ -286,12 +286,7 @@ def enqueue_if_due() -> bool:
                                    ex=interval):
         return False
     queues.queue(queues.CONTROL_QUEUE).enqueue(
-        "jobs.services.cleanup.scheduled_cleanup", job_id="batchweb-cleanup",
+        "jobs.tasks.scheduled_cleanup", job_id="batchweb-cleanup",
         job_timeout=settings.BATCHWEB["CONTROL_JOB_TIMEOUT"], result_ttl=24 * 3600,
         failure_ttl=7 * 24 * 3600)
     return True
-
-
-def scheduled_cleanup() -> dict[str, Any]:
-    """The RQ job the schedule enqueues."""
-    return run_cleanup().counts()

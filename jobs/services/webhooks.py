@@ -14,8 +14,8 @@ where key is the base64-decoded part of the user's secret after "whsec_". Signin
 timestamp with the body lets receivers refuse replays of old deliveries.
 
 Delivery never runs in the finalizer: the batch's end inserts a WebhookEvent row and
-enqueues `deliver_event(event_id)` on the control queue. An attempt that fails (connection
-error, timeout, non-2xx; redirects are not followed) is retried after
+enqueues `jobs.tasks.deliver_webhook(event_id)` on the control queue. An attempt that fails
+(connection error, timeout, non-2xx; redirects are not followed) is retried after
 WEBHOOK_RETRY_BASE_SECONDS * 2**(attempt-1) by the reconciler's pass (`enqueue_due`), up to
 WEBHOOK_MAX_ATTEMPTS. Each attempt is a WebhookDelivery row (shown in the admin).
 
@@ -119,7 +119,7 @@ def enqueue_delivery(event_id: str) -> None:
     # A fixed job id: enqueuing a due event twice replaces the job instead of doubling it,
     # and the claim in deliver_event makes a duplicate run a no-op anyway.
     queues.queue(queues.CONTROL_QUEUE).enqueue(
-        "jobs.services.webhooks.deliver_event", event_id, job_id=f"{event_id}-webhook",
+        "jobs.tasks.deliver_webhook", event_id, job_id=f"{event_id}-webhook",
         job_timeout=int(settings.BATCHWEB["WEBHOOK_TIMEOUT_SECONDS"] * 4 + 60),
         result_ttl=600, failure_ttl=7 * 24 * 3600)
 
@@ -140,7 +140,8 @@ def retry_delay(attempt: int) -> timedelta:
 
 
 def deliver_event(event_id: str) -> str:
-    """One delivery attempt of a due event (the RQ job). Returns the event's status."""
+    """One delivery attempt of a due event (the `jobs.tasks.deliver_webhook` job).
+    Returns the event's status."""
     conf = settings.BATCHWEB
     now = timezone.now()
     # Claim the attempt: push next_attempt_at past this attempt's longest run, so the
