@@ -88,7 +88,7 @@ def check_url(url: str) -> Target:
     except OSError as exc:
         raise NotAllowed(f"The webhook host {host} could not be resolved ({exc}).",
                          param="webhook_url") from None
-    addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+    addresses = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
     if not addresses:
         raise NotAllowed(f"The webhook host {host} has no address.", param="webhook_url")
     if not _host_allowed(host) and not all(_address_allowed(a) for a in addresses):
@@ -102,7 +102,7 @@ def check_url(url: str) -> Target:
     return Target(parts.scheme, host, port, path, unique)
 
 
-def _connect(addresses: list[str], port: int, timeout: float) -> socket.socket:
+def _connect(addresses: list[str], port: int, timeout: float | None) -> socket.socket:
     """A connection to the first of the checked addresses that answers (as
     socket.create_connection does for a name, without resolving it again)."""
     error: OSError | None = None

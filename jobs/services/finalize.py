@@ -86,7 +86,7 @@ def _merge_parts(batch: Batch) -> tuple[File | None, File | None]:
                     for line in unrun_lines(shard, code=shard.end_code or Code.SHARD_FAILED,
                                             reason=shard.last_error):
                         err.write(line)
-        files = []
+        files: list[File | None] = []
         for path, purpose, suffix in ((out_path, File.Purpose.BATCH_OUTPUT, "output"),
                                       (err_path, File.Purpose.BATCH_ERROR, "error")):
             if path.stat().st_size == 0:
