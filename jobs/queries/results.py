@@ -24,6 +24,7 @@ from django.core.files.storage import default_storage
 from jobs.models import Batch, File, Shard
 from jobs.services.errors import ServiceError
 from jobs.services.files import CHUNK, iter_lines, open_file, open_range
+from jobs.wire import read_result_line
 
 Kind = Literal["output", "error"]
 
@@ -87,30 +88,9 @@ def parse_result_line(cursor: str, content: bytes | None, size: int) -> ResultRo
     if content is None:
         return ResultRow(cursor, None, None, "line_too_long", "", None, too_long=True,
                          bytes=size)
-    try:
-        obj = json.loads(content)
-    except (ValueError, RecursionError):
-        return ResultRow(cursor, None, None, "unreadable_line", "", None, bytes=size)
-    if not isinstance(obj, dict):
-        return ResultRow(cursor, None, None, "unreadable_line", "", None, bytes=size)
-    custom_id = obj.get("custom_id") if isinstance(obj.get("custom_id"), str) else None
-    error = obj.get("error")
-    response = obj.get("response")
-    if isinstance(error, dict):
-        return ResultRow(cursor, custom_id, None, str(error.get("code") or "error"),
-                         str(error.get("message") or ""), None, bytes=size)
-    if isinstance(response, dict):
-        status = response.get("status_code")
-        body = response.get("body")
-        if isinstance(status, int) and status >= 400:
-            message = ""
-            if isinstance(body, dict) and isinstance(body.get("error"), dict):
-                message = str(body["error"].get("message") or "")
-            return ResultRow(cursor, custom_id, status, f"http_{status}", message, body,
-                             bytes=size)
-        return ResultRow(cursor, custom_id, status if isinstance(status, int) else None, None,
-                         "", body, bytes=size)
-    return ResultRow(cursor, custom_id, None, "unreadable_line", "", None, bytes=size)
+    line = read_result_line(content)
+    return ResultRow(cursor, line.custom_id, line.status_code, line.code, line.message,
+                     line.body, bytes=size)
 
 
 def scan(segs: list[Segment], start: tuple[str, int] | None, *, max_line_bytes: int
