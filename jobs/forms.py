@@ -8,8 +8,8 @@ from typing import Any
 from django import forms
 
 from engine.base import ENDPOINTS
+from jobs.engines import served_endpoints
 from jobs.models import Batch, File, SpotCheck
-from jobs.services.validation import served_models
 
 PRIORITY_CHOICES = [(p.value, p.label) for p in Batch.Priority]
 
@@ -59,7 +59,7 @@ class NewBatchForm(forms.Form):
         self.fields["file_id"].widget.choices = choices
         self.fields["endpoint"].choices = [("", "from the file")] + [(e, e) for e in ENDPOINTS]
         self.fields["model"].choices = [("", "from the file")] + [
-            (name, f"{name} ({', '.join(eps)})") for name, eps in served_models().items()]
+            (name, f"{name} ({', '.join(eps)})") for name, eps in served_endpoints().items()]
 
     def clean_metadata(self) -> dict[str, str]:
         return parse_metadata(self.cleaned_data.get("metadata") or "")

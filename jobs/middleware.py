@@ -7,7 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from django.conf import settings
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse
+
+from jobs.api.base import api_error
+from jobs.web import declared_length
 
 # Multipart framing and form fields around the file.
 SLACK = 1024 * 1024
@@ -23,17 +26,10 @@ class BodySizeLimitMiddleware:
         self.get_response = get_response
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        try:
-            length = int(request.META.get("CONTENT_LENGTH") or 0)
-        except ValueError:
-            length = 0
         limit = max_body_bytes()
-        if length > limit:
+        if declared_length(request) > limit:
             message = f"The request body is larger than {limit} bytes."
             if request.path.startswith("/v1/"):
-                return JsonResponse({"error": {"message": message,
-                                               "type": "invalid_request_error",
-                                               "param": None, "code": "file_too_large"}},
-                                    status=413)
+                return api_error(413, message, code="file_too_large")
             return HttpResponse(message, status=413, content_type="text/plain")
         return self.get_response(request)

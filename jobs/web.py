@@ -1,5 +1,6 @@
 """Web helpers both faces share, the `/v1` API (`jobs/api/`) and the dashboard
-(`jobs/views/`): an upload as a local path, and a stored file as a download."""
+(`jobs/views/`): a request's declared size, an upload as a local path, and a stored file as
+a download."""
 
 from __future__ import annotations
 
@@ -8,10 +9,19 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from django.core.files.uploadedfile import UploadedFile
-from django.http import FileResponse
+from django.http import FileResponse, HttpRequest
 
 from jobs.models import File
 from jobs.services.files import local_temp, open_file
+
+
+def declared_length(request: HttpRequest) -> int:
+    """The body size the client declared (Content-Length); 0 when absent or malformed, in
+    which case Django's own limits apply as the body is read."""
+    try:
+        return max(0, int(request.META.get("CONTENT_LENGTH") or 0))
+    except ValueError:
+        return 0
 
 
 @contextmanager

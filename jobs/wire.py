@@ -66,7 +66,7 @@ _UNRUN_MESSAGES = {
 def unrun_message(code: str, reason: str = "") -> str:
     """The message of an error line for a request that was not run, by its code; codes
     without a fixed message (shard_failed) carry the reason the shard gave."""
-    return _UNRUN_MESSAGES.get(code) or f"The request could not be run: {reason or code}"
+    return _UNRUN_MESSAGES.get(code) or f"The request could not be run: {reason or 'unknown'}"
 
 
 @dataclass(frozen=True)

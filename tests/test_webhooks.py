@@ -21,8 +21,7 @@ from jobs import queues, safehttp
 from jobs.models import Batch, UserSettings, WebhookDelivery, WebhookEvent
 from jobs.services import webhooks
 from jobs.services.batches import create_batch
-from jobs.services.finalize import finalize_batch
-from jobs.services.finalize import notify_ended as _notify_ended
+from jobs.services.finalize import finalize_batch, notify_ended
 from jobs.services.stopping import cancel_batch, expire_due_batches
 from jobs.services.validation import run_validation
 from tests.dashboard_support import make_batch, make_file, run_batch
@@ -161,7 +160,7 @@ def test_each_ending_has_its_event_type(hooked_user, tmp_path):
                      failed.pk: "batch.failed"}
     # Finalizing again (a repeated job) records no second event.
     finalize_batch(batch_id=cancelled.pk)
-    _notify_ended(cancelled.pk)
+    notify_ended(cancelled.pk)
     assert WebhookEvent.objects.filter(batch_id=cancelled.pk).count() == 1
 
 

@@ -16,6 +16,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from jobs.services.errors import ServiceError
 from jobs.services.keys import authenticate_key
+from jobs.web import declared_length
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +89,7 @@ def json_body(request: HttpRequest) -> dict[str, Any]:
 
 def check_upload_size(request: HttpRequest, limit: int) -> None:
     """Refuse a too-large body from its Content-Length, before reading any of it."""
-    try:
-        length = int(request.META.get("CONTENT_LENGTH") or 0)
-    except ValueError:
-        length = 0
+    length = declared_length(request)
     # Multipart framing adds a little; the file itself is checked again once received.
     if length > limit + 64 * 1024:
         raise ServiceError(f"The upload is larger than {limit} bytes.", status=413,

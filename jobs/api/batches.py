@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from jobs.api.base import api_view, json_body, paginate
+from jobs.engines import model_names
 from jobs.models import Batch
 from jobs.services import batches, stopping
 
@@ -39,8 +39,8 @@ def cancel(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
 def list_models(request: HttpRequest, user: Any) -> HttpResponse:
     created = int(time.time())
     return JsonResponse({"object": "list", "data": [
-        {"id": m["name"], "object": "model", "created": created, "owned_by": "batchweb"}
-        for m in settings.BATCHWEB_MODELS]})
+        {"id": name, "object": "model", "created": created, "owned_by": "batchweb"}
+        for name in model_names()]})
 
 
 batch_list = api_view({"GET": list_batches, "POST": create})

@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.conf import settings
 from django.db.models import Count, F
 from django.utils import timezone
 from rq import Worker
 
 from jobs import queues
+from jobs.engines import model_names
 from jobs.models import Shard
 
 
@@ -72,9 +72,7 @@ def _info(worker: Any) -> WorkerInfo:
 
 def queue_health(*, now: datetime | None = None) -> Health:
     now = now or timezone.now()
-    stale_before = now - timedelta(seconds=settings.BATCHWEB["HEARTBEAT_TIMEOUT_SECONDS"])
-    names = [m["name"] for m in settings.BATCHWEB_MODELS]
-    models = {name: ModelHealth(model=name, depth={}) for name in names}
+    models = {name: ModelHealth(model=name, depth={}) for name in model_names()}
     redis_ok, redis_error, control_depth, control_workers = True, "", 0, 0
     try:
         connection = queues.connection()
@@ -89,6 +87,7 @@ def queue_health(*, now: datetime | None = None) -> Health:
             health.workers = [_info(w) for w in workers if own & set(w.queue_names())]
     except Exception as exc:  # Redis down: the database half of the page still helps
         redis_ok, redis_error = False, f"{type(exc).__name__}: {exc}"
+    stale = set(Shard.objects.stale(now).values_list("pk", flat=True))
     running = Shard.objects.filter(status=Shard.Status.RUNNING).select_related("batch").only(
         "id", "batch_id", "index", "worker", "attempt", "started_at", "heartbeat_at",
         "batch__model").order_by("started_at")
@@ -99,7 +98,7 @@ def queue_health(*, now: datetime | None = None) -> Health:
             id=shard.pk, batch_id=shard.batch_id, index=shard.index, worker=shard.worker,
             attempt=shard.attempt, age=now - (shard.started_at or now),
             heartbeat_age=(now - shard.heartbeat_at) if shard.heartbeat_at else None,
-            stuck=shard.heartbeat_at is None or shard.heartbeat_at < stale_before))
+            stuck=shard.pk in stale))
     for row in Shard.objects.filter(status=Shard.Status.QUEUED, enqueued_at__isnull=True
                                     ).values("batch__model").annotate(n=Count("id")):
         model = row["batch__model"]

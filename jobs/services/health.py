@@ -5,11 +5,6 @@ and workers are doing (the queue-health page) is read by `jobs.queries.health`."
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
-
-from django.conf import settings
-from django.db.models import Q
-from django.utils import timezone
 
 from jobs.models import Batch, Shard
 from jobs.services import cleanup, webhooks
@@ -29,18 +24,14 @@ def requeue_shards(*, batch: Batch) -> int:
     a batch still in progress; returns how many shards were put back in line."""
     if batch.status != Batch.Status.IN_PROGRESS or batch.stop_code:
         return 0
-    stale_before = timezone.now() - timedelta(
-        seconds=settings.BATCHWEB["HEARTBEAT_TIMEOUT_SECONDS"])
-    stuck = Shard.objects.filter(batch=batch, status=Shard.Status.RUNNING).filter(
-        Q(heartbeat_at__lt=stale_before) | Q(heartbeat_at__isnull=True))
+    stuck = Shard.objects.stale().filter(batch=batch)
     for shard_id, attempt in stuck.values_list("pk", "attempt"):
         fail_shard(shard_id=shard_id, attempt=attempt, reason="requeued by an operator "
                                                               "(worker silent)")
     # Abandoned with shard_failed (not cancelled or expired) may run again while the batch
     # has not ended: its finalizer has not written their error lines yet. Only while other
     # shards are still in line, so a finalizer cannot be merging the batch right now.
-    if Shard.objects.filter(batch=batch, status__in=(Shard.Status.QUEUED,
-                                                     Shard.Status.RUNNING)).exists():
+    if Shard.objects.in_line().filter(batch=batch).exists():
         Shard.objects.filter(batch=batch, status=Shard.Status.ABANDONED,
                              end_code=Code.SHARD_FAILED).update(
             status=Shard.Status.QUEUED, failures=0, end_code="", finished_at=None,

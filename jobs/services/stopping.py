@@ -16,12 +16,7 @@ from jobs.services.errors import wrong_state
 from jobs.services.progress import refresh_progress
 from jobs.services.scheduling import request_finalize
 from jobs.services.shard_input import shard_custom_ids
-from jobs.wire import Code, failure_line
-
-STOP_MESSAGES = {
-    Code.BATCH_CANCELLED: "The batch was cancelled before this request ran.",
-    Code.BATCH_EXPIRED: "The batch expired before this request ran.",
-}
+from jobs.wire import Code, failure_line, unrun_message
 
 
 def cancel_batch(*, batch: Batch) -> Batch:
@@ -77,6 +72,6 @@ def drop_queued_shards(batch_id: str, code: str) -> None:
 def unrun_lines(shard: Shard, *, code: str, reason: str = "") -> Iterator[bytes]:
     """Error lines for every request a shard is responsible for, streamed from its input
     range: for shards that never finished (dropped on cancel or expiry, or out of retries)."""
-    message = STOP_MESSAGES.get(code) or f"The request could not be run: {reason or 'unknown'}"
+    message = unrun_message(code, reason)
     for custom_id in shard_custom_ids(shard):
         yield failure_line(custom_id, code, message)

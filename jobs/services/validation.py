@@ -20,10 +20,11 @@ from django.utils import timezone
 
 from jobs import queues
 from jobs.digestset import DigestSet
+from jobs.engines import served_endpoints
 from jobs.models import Batch, RequestCopy, ScreenedLine, Shard
 from jobs.policy import VIOLATION, Screener, ScreeningChunker, Violation
 from jobs.services.files import Line, iter_lines, local_temp, open_file
-from jobs.services.finalize import notify_ended as _notify_ended
+from jobs.services.finalize import notify_ended
 from jobs.services.planning import CopySink, ShardPlan, ShardPlanner
 from jobs.services.scheduling import enqueue_next_shards
 from jobs.wire import Code, LineError, RequestLine, estimate_tokens, parse_line, prompt_text
@@ -51,11 +52,6 @@ class InputReport:
 ScreenSink = Callable[[int, str, str], None]
 
 
-def served_models() -> dict[str, tuple[str, ...]]:
-    """Model name -> the endpoints it serves, from settings."""
-    return {m["name"]: tuple(m.get("endpoints", ())) for m in settings.BATCHWEB_MODELS}
-
-
 class LineChecker:
     """The rules of each input line, alone (its size, its JSON, the request's shape) and
     against the lines before it (one endpoint, a model served for it and the same on every
@@ -66,7 +62,7 @@ class LineChecker:
         self.max_line_bytes: int = conf["MAX_LINE_BYTES"]
         self.max_tokens_cap: int = conf["MAX_TOKENS_CAP"]
         self.max_requests: int = conf["MAX_REQUESTS_PER_BATCH"]
-        self.models = served_models()
+        self.models = served_endpoints()
         self.endpoint = endpoint  # None (the dashboard's preflight) takes the first line's
         self.model: str | None = None
         self.requests = 0  # lines that passed, and the one over the limit
@@ -227,7 +223,7 @@ def run_validation(*, batch_id: str) -> None:
             now = timezone.now()
             Batch.objects.filter(pk=batch_id, status=Batch.Status.VALIDATING).update(
                 status=Batch.Status.FAILED, failed_at=now, errors=errors)
-            transaction.on_commit(lambda: _notify_ended(batch_id), robust=True)
+            transaction.on_commit(lambda: notify_ended(batch_id), robust=True)
             return
         with transaction.atomic():
             started = Batch.objects.filter(

@@ -15,6 +15,8 @@ from typing import Any
 
 from django import template
 
+from engine.base import text_parts
+
 register = template.Library()
 
 DEFAULT_CLIP = 300
@@ -124,8 +126,7 @@ def request_text(line: Any) -> str:
                 continue
             content = message.get("content")
             if isinstance(content, list):
-                content = " ".join(str(p.get("text", "")) for p in content
-                                   if isinstance(p, dict))
+                content = " ".join(text_parts(content))
             parts.append(f"{message.get('role', '?')}: {content}")
         return "\n".join(parts)
     for key in ("prompt", "input"):
