@@ -183,7 +183,7 @@ def test_a_claim_whose_read_back_fails_is_undone_and_retried(batch, monkeypatch)
     timeout."""
     from django.db import OperationalError
 
-    from jobs.worker import with_db_retry
+    from jobs.worker.db import with_db_retry
 
     real = shard_service._read_claimed
     calls = []
@@ -195,7 +195,7 @@ def test_a_claim_whose_read_back_fails_is_undone_and_retried(batch, monkeypatch)
         return real(shard_id)
 
     monkeypatch.setattr(shard_service, "_read_claimed", drops_once)
-    monkeypatch.setattr("jobs.worker.time.sleep", lambda seconds: None)
+    monkeypatch.setattr("jobs.worker.db.time.sleep", lambda seconds: None)
     shard = first_shard(batch)
     claimed = with_db_retry(lambda: shard_service.claim_shard(shard_id=shard.pk, worker="w"))
     assert claimed is not None and len(calls) == 2
