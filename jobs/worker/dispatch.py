@@ -48,17 +48,30 @@ class Dispatcher:
         inbox = self.pipeline.inbox
         while True:
             try:
-                yield self.retries.get_nowait()
-                continue
+                item = self.retries.get_nowait()
             except queue.Empty:
-                pass
-            try:
-                item = inbox.get(timeout=0.05)
-            except queue.Empty:
-                continue
+                try:
+                    item = inbox.get(timeout=0.05)
+                except queue.Empty:
+                    continue
             if item is END:
                 return
-            yield item
+            if self._wanted(item):
+                yield item
+
+    def _wanted(self, request: EngineRequest) -> bool:
+        # A request of a shard dropped or being handed back while it waited in the inbox is
+        # never computed: its next attempt computes it (and would count it twice).
+        pipeline = self.pipeline
+        shard_id, attempt, _ = parse_request_id(request.request_id)
+        work = pipeline.works.get(shard_id)
+        if work is not None and work.attempt == attempt:
+            with work.lock:
+                if not (work.dead or work.handing_back):
+                    return True
+                work.pending.pop(request.request_id, None)
+        pipeline.idle.request_finished()
+        return False
 
     def _loop(self) -> None:
         pipeline = self.pipeline
@@ -84,6 +97,8 @@ class Dispatcher:
             request = work.pending.pop(result.request_id, None)
             if request is None or work.dead:
                 return
+            if result.aborted and work.handing_back:
+                return  # not run: the next attempt runs it
             if result.aborted:
                 work.write_unrun(request.custom_id, line, work.stop_code or "request_aborted")
             elif not is_retry(result.request_id) and needs_json_retry(request, result):
@@ -94,7 +109,11 @@ class Dispatcher:
                 self.retries.put(retry)
             else:
                 work.write_result(request, line, result)
-            finish_now = work.all_submitted and not work.pending and not work.finishing
+            if is_retry(result.request_id):
+                work.retries_answered += 1
+            pipeline.checkpointer.notice(work.unsaved_results())
+            finish_now = (work.all_submitted and not work.pending and not work.finishing
+                          and not work.handing_back)
             work.finishing = work.finishing or finish_now
         if finish_now:
             self.finish(work)
@@ -119,6 +138,8 @@ class Dispatcher:
         """Store the shard's parts and record it done, or fail the attempt if storing fails;
         a part is attached to the shard only if the attempt is still current."""
         stored: list[str] = []
+        # No checkpoint may be half taken while the files close, nor start after.
+        work.checkpoint_lock.acquire()
         try:
             work.close_files()
             store_parts(work, stored)
@@ -126,7 +147,10 @@ class Dispatcher:
                 shard_id=work.shard_id, attempt=work.attempt, output_part=stored[0],
                 error_part=stored[1], flags_part=stored[2], progress=work.progress,
                 flag_counts=work.flag_counts, json_retries=work.json_retries))
-            if not finished:
+            if finished:
+                # The parts hold the checkpoint's results now (the row no longer names it).
+                delete_stored(work.saved.storage_names())
+            else:
                 log.warning("shard %s attempt %d was taken over; discarding its results",
                             work.shard_id, work.attempt)
                 delete_stored(stored)
@@ -137,5 +161,6 @@ class Dispatcher:
             with_db_retry(lambda: shard_service.fail_shard(
                 shard_id=work.shard_id, attempt=work.attempt, reason=reason))
         finally:
+            work.checkpoint_lock.release()
             work.remove_files()
             self.pipeline.unregister(work)

@@ -47,8 +47,10 @@ class Heartbeat:
         for work in pipeline.current_works():
             with work.lock:
                 snapshot = Progress(**work.progress.as_fields())
-            mine, stop_code = shard_service.heartbeat(shard_id=work.shard_id,
-                                                      attempt=work.attempt, progress=snapshot)
+                unsaved = work.computed - work.saved_computed
+            mine, stop_code = shard_service.heartbeat(
+                shard_id=work.shard_id, attempt=work.attempt, progress=snapshot,
+                unsaved=unsaved)
             if not mine and not work.finishing:
                 log.warning("shard %s is no longer ours; dropping it", work.shard_id)
                 pipeline.drop(work)

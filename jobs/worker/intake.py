@@ -16,8 +16,9 @@ from jobs.models import Shard
 from jobs.policy import VIOLATION
 from jobs.services import shards as shard_service
 from jobs.services.files import open_range_lines
+from jobs.services.shards import Checkpoint
 from jobs.worker.db import with_db_retry
-from jobs.worker.parts import Pending, ShardWork, open_work
+from jobs.worker.parts import Pending, ShardWork, adopt_checkpoint, open_work
 
 if TYPE_CHECKING:
     from jobs.worker.pipeline import Pipeline
@@ -41,6 +42,7 @@ class Intake:
         work = with_db_retry(lambda: open_work(shard))
         pipeline.register(work)
         try:
+            work = self._adopt(shard, work)
             self._submit_lines(shard, work)
         except BaseException as exc:
             # Reading the input or the database failed, or a cold shutdown: the attempt is
@@ -60,6 +62,24 @@ class Intake:
             pipeline.dispatcher.finish(work)
         self._wait_for_room()
 
+    def _adopt(self, shard: Shard, work: ShardWork) -> ShardWork:
+        """Start from the checkpoint the claim handed on. One that cannot be read (a segment
+        lost from storage) is dropped from the row and the shard runs whole: retrying it
+        would only fail the same way until the shard is abandoned."""
+        if not shard.checkpoint:
+            return work
+        try:
+            adopt_checkpoint(work, shard.checkpoint)
+            return work
+        except Exception:
+            log.exception("shard %s: cannot adopt its checkpoint; running it whole", shard.pk)
+        self.pipeline.drop(work)
+        fresh = with_db_retry(lambda: open_work(shard))
+        self.pipeline.register(fresh)
+        with_db_retry(lambda: shard_service.record_checkpoint(
+            shard_id=shard.pk, attempt=shard.attempt, checkpoint=Checkpoint()))
+        return fresh
+
     def _wait_for_room(self) -> None:
         # The RQ job returns, and this worker takes its next shard, only once the engine's
         # batch has room: a worker with a full batch leaves the next shard to an idle
@@ -75,10 +95,11 @@ class Intake:
         with open_range_lines(storage_name, start=shard.start_byte, end=shard.end_byte,
                               first_number=shard.first_line) as lines:
             for line in lines:
-                if line.content is None or not line.content.strip() or line.number in work.skip:
+                if (line.content is None or not line.content.strip() or line.number in work.skip
+                        or line.number in work.adopted):
                     continue
                 request = json.loads(line.content)
-                if work.dead:
+                if work.dead or work.handing_back:
                     return
                 if work.stop_code:
                     with work.lock:

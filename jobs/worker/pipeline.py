@@ -13,6 +13,7 @@ from django.conf import settings
 
 from engine.base import Engine
 from jobs.services import shards as shard_service
+from jobs.worker.checkpoint import Checkpointer
 from jobs.worker.db import with_db_retry
 from jobs.worker.dispatch import END, Dispatcher
 from jobs.worker.heartbeat import Heartbeat
@@ -22,6 +23,8 @@ from jobs.worker.parts import ShardWork
 from jobs.worker.periodic import Periodic
 
 log = logging.getLogger(__name__)
+# On hand-back, how long the results of requests already computed may take to come in.
+HAND_BACK_WAIT = 5.0
 _PIPELINE: Pipeline | None = None
 
 
@@ -46,6 +49,8 @@ class Pipeline:
         self.intake = Intake(self)
         self.dispatcher = Dispatcher(self)
         self.heartbeat = Heartbeat(self, every=conf["HEARTBEAT_SECONDS"])
+        self.checkpointer = Checkpointer(self, every_seconds=conf["CHECKPOINT_SECONDS"],
+                                         every_requests=conf["CHECKPOINT_REQUESTS"])
         self.periodic = Periodic(
             self.closing,
             reconcile_every=(conf["RECONCILE_SECONDS"] if reconcile_every is None
@@ -59,6 +64,7 @@ class Pipeline:
         _PIPELINE = self
         self.dispatcher.start()
         self.heartbeat.start()
+        self.checkpointer.start()
         self.periodic.start()
 
     def drain(self, timeout: float) -> None:
@@ -69,11 +75,35 @@ class Pipeline:
         self.hand_back_all()
 
     def hand_back_all(self) -> None:
+        """Hand every shard in flight back with a fresh checkpoint, so its next attempt
+        computes nothing this one finished: stop its requests, let the results already
+        computed come in (for at most HAND_BACK_WAIT seconds), checkpoint, release."""
+        works = []
         for work in self.current_works():
+            with work.lock:
+                if work.dead or work.finishing:
+                    continue  # the dispatcher is storing its parts
+                work.handing_back = True
+                in_flight = list(work.pending)
+            works.append(work)
+            if in_flight:
+                self.engine.abort(in_flight)
+        deadline = time.monotonic() + HAND_BACK_WAIT
+        while (any(w.pending and not w.dead for w in works) and self.broken is None
+               and time.monotonic() < deadline):
+            time.sleep(0.02)
+        for work in works:
+            try:
+                self.checkpointer.save(work, final=True)
+            except Exception:
+                log.exception("shard %s: no checkpoint before handing it back", work.shard_id)
+            with work.lock:
+                unsaved = work.computed - work.saved_computed
             self.drop(work)
-            with_db_retry(lambda w=work: shard_service.release_shard(
-                shard_id=w.shard_id, attempt=w.attempt))
-            log.info("handed back shard %s", work.shard_id)
+            with_db_retry(lambda w=work, u=unsaved: shard_service.release_shard(
+                shard_id=w.shard_id, attempt=w.attempt, unsaved=u))
+            log.info("handed back shard %s (%d results kept)", work.shard_id,
+                     len(work.saved.lines))
 
     def close(self) -> None:
         global _PIPELINE
@@ -83,6 +113,7 @@ class Pipeline:
         self.inbox.put(END)
         self.dispatcher.join(timeout=30)
         self.heartbeat.join(timeout=30)
+        self.checkpointer.join(timeout=30)
         self.periodic.join(timeout=30)
         self.engine.close()
         _PIPELINE = None
