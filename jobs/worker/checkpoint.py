@@ -16,6 +16,7 @@ from django.db import InterfaceError, OperationalError, connection
 
 from jobs.services import shards as shard_service
 from jobs.worker.db import with_db_retry
+from jobs.worker.loop import Loop
 from jobs.worker.parts import ShardWork, delete_stored, store_segment
 
 if TYPE_CHECKING:
@@ -24,7 +25,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Checkpointer:
+class Checkpointer(Loop):
+    name = "checkpoint"
+
     def __init__(self, pipeline: Pipeline, *, every_seconds: float,
                  every_requests: int) -> None:
         self.pipeline = pipeline
@@ -32,14 +35,11 @@ class Checkpointer:
         self.every_requests = max(1, every_requests)
         # Set by the dispatcher when a shard has CHECKPOINT_REQUESTS unsaved results.
         self.wake = threading.Event()
-        self.thread = threading.Thread(target=self._loop, name="checkpoint", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
+        super().__init__()
 
     def join(self, timeout: float) -> None:
         self.wake.set()
-        self.thread.join(timeout=timeout)
+        super().join(timeout)
 
     def notice(self, unsaved_results: int) -> None:
         """Called by the dispatcher after each result, with the shard's unsaved count."""

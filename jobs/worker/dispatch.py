@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from engine.base import EngineRequest, EngineResult
 from jobs.services import shards as shard_service
 from jobs.worker.db import with_db_retry
+from jobs.worker.loop import Loop
 from jobs.worker.parts import ShardWork, delete_stored, store_parts
 from jobs.worker.retry import RETRY_SUFFIX, is_retry, needs_json_retry, retry_request
 
@@ -30,17 +30,13 @@ def parse_request_id(request_id: str) -> tuple[str, int, int]:
     return shard_id, int(attempt), int(line_part.rstrip(RETRY_SUFFIX))
 
 
-class Dispatcher:
+class Dispatcher(Loop):
+    name = "dispatch"
+
     def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
         self.retries: queue.SimpleQueue[EngineRequest] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name="dispatch", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def join(self, timeout: float) -> None:
-        self.thread.join(timeout=timeout)
+        super().__init__()
 
     def _requests(self) -> Iterator[EngineRequest]:
         # Retries come first: they are what keeps a shard from finishing. They never wait

@@ -5,13 +5,13 @@ shards whose batch was cancelled or expired."""
 from __future__ import annotations
 
 import logging
-import threading
 from typing import TYPE_CHECKING
 
 from django.db import InterfaceError, OperationalError, connection
 
 from jobs.services import shards as shard_service
 from jobs.services.shards import Progress
+from jobs.worker.loop import Loop
 
 if TYPE_CHECKING:
     from jobs.worker.pipeline import Pipeline
@@ -19,17 +19,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class Heartbeat:
+class Heartbeat(Loop):
+    name = "heartbeat"
+
     def __init__(self, pipeline: Pipeline, *, every: float) -> None:
         self.pipeline = pipeline
         self.every = every
-        self.thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def join(self, timeout: float) -> None:
-        self.thread.join(timeout=timeout)
+        super().__init__()
 
     def _loop(self) -> None:
         while not self.pipeline.closing.wait(self.every):

@@ -17,8 +17,9 @@ from jobs.policy import VIOLATION
 from jobs.services import shards as shard_service
 from jobs.services.files import open_range_lines
 from jobs.services.shards import Checkpoint
+from jobs.wire import RequestLine
 from jobs.worker.db import with_db_retry
-from jobs.worker.parts import Pending, ShardWork, adopt_checkpoint, open_work
+from jobs.worker.parts import ShardWork, adopt_checkpoint, open_work
 
 if TYPE_CHECKING:
     from jobs.worker.pipeline import Pipeline
@@ -113,7 +114,7 @@ class Intake:
                 engine_request = EngineRequest(request_id=work.request_id(line.number),
                                                url=request["url"], body=request["body"])
                 with work.lock:
-                    work.pending[engine_request.request_id] = Pending(
+                    work.pending[engine_request.request_id] = RequestLine(
                         request["custom_id"], request["url"], request["body"])
                 self._put(engine_request)
 

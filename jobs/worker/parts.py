@@ -27,20 +27,13 @@ from jobs.quality import flags_for
 from jobs.services.batches import STOP_MESSAGES, shard_last_line
 from jobs.services.files import temp_dir
 from jobs.services.shards import Checkpoint, Progress
-from jobs.wire import failure_line, response_line, usage_of
+from jobs.wire import RequestLine, failure_line, response_line, usage_of
 
 log = logging.getLogger(__name__)
 
 # The kinds of part a shard attempt writes, with their local suffix (jobs.services.cleanup
 # recognises these names when it sweeps TMP_DIR).
 PART_KINDS = (("output", ".out"), ("error", ".err"), ("flags", ".flags"))
-
-
-@dataclass(frozen=True)
-class Pending:
-    custom_id: str
-    url: str
-    body: dict[str, Any]
 
 
 @dataclass
@@ -64,7 +57,7 @@ class ShardWork:
     flags_path: Path
     flags: IO[bytes]
     # request_id -> the request, while it is in the engine.
-    pending: dict[str, Pending] = field(default_factory=dict)
+    pending: dict[str, RequestLine] = field(default_factory=dict)
     progress: Progress = field(default_factory=Progress)
     flag_counts: dict[str, int] = field(default_factory=dict)
     json_retries: int = 0
@@ -114,12 +107,12 @@ class ShardWork:
         """Lines answered since the last checkpoint (with the lock held)."""
         return len(self.answered) - len(self.saved.lines)
 
-    def write_result(self, request: Pending, line: int, result: EngineResult) -> None:
+    def write_result(self, request: RequestLine, line: int, result: EngineResult) -> None:
         with self._writing(line):
             self._write_result(request, line, result)
         self.computed += 1
 
-    def _write_result(self, request: Pending, line: int, result: EngineResult) -> None:
+    def _write_result(self, request: RequestLine, line: int, result: EngineResult) -> None:
         # Called with the lock held. Copies get the same body under their own custom_id;
         # only the computed request's tokens are counted (the copies cost nothing).
         ok = result.status_code == 200

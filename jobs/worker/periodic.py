@@ -14,6 +14,7 @@ from django.db import InterfaceError, OperationalError, connection
 
 from jobs.services.cleanup import sweep_temp_dir
 from jobs.services.reconcile import reconcile
+from jobs.worker.loop import Loop
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,9 @@ class Duty:
         return self.last + self.every - now if self.every > 0 else float("inf")
 
 
-class Periodic:
+class Periodic(Loop):
+    name = "periodic"
+
     def __init__(self, closing: threading.Event, *, reconcile_every: float,
                  sweep_every: float) -> None:
         self.closing = closing
@@ -42,13 +45,7 @@ class Periodic:
             # worker sweeps it.
             Duty("temp sweep", sweep_temp_dir, sweep_every, last=time.monotonic()),
         ]
-        self.thread = threading.Thread(target=self._loop, name="periodic", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def join(self, timeout: float) -> None:
-        self.thread.join(timeout=timeout)
+        super().__init__()
 
     def _loop(self) -> None:
         while not self.closing.wait(self._wait()):

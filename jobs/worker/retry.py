@@ -7,7 +7,7 @@ from typing import Any
 
 from engine.base import CHAT, EngineRequest, EngineResult
 from jobs.quality import json_problem, output_texts, wants_json
-from jobs.worker.parts import Pending
+from jobs.wire import RequestLine
 
 # Appended to a request id for its second run, so its result is known as the final one.
 RETRY_SUFFIX = "r"
@@ -17,7 +17,7 @@ def is_retry(request_id: str) -> bool:
     return request_id.endswith(RETRY_SUFFIX)
 
 
-def needs_json_retry(request: Pending, result: EngineResult) -> bool:
+def needs_json_retry(request: RequestLine, result: EngineResult) -> bool:
     if result.status_code != 200 or request.url != CHAT:
         return False
     response_format = wants_json(request.body)
@@ -27,7 +27,7 @@ def needs_json_retry(request: Pending, result: EngineResult) -> bool:
                for text, _ in output_texts(request.url, result.body))
 
 
-def retry_request(request_id: str, request: Pending) -> EngineRequest:
+def retry_request(request_id: str, request: RequestLine) -> EngineRequest:
     return EngineRequest(request_id=request_id + RETRY_SUFFIX, url=request.url,
                          body=reseeded(request.body))
 

@@ -44,7 +44,7 @@ def test_handed_back_shard_resumes_without_computing_anything_twice(
     batch = make_batch(lines, shard_size=30)
     shard = Shard.objects.get(batch=batch)
     log = tmp_path / "requests.log"
-    first = make_pipeline(seconds_per_request=0.1, max_in_flight=2, inbox_size=2,
+    first = make_pipeline(seconds_per_request=0.3, max_in_flight=2, inbox_size=2,
                           request_log=str(log))
     start_shard(first, shard.pk)
     wait_for(lambda: len(engine_request_log(log)) >= 12, timeout=30, message="half a shard")
