@@ -181,6 +181,10 @@ BATCHWEB = {
     "HEARTBEAT_SECONDS": env_int("BATCHWEB_HEARTBEAT_SECONDS", 5),
     "HEARTBEAT_TIMEOUT_SECONDS": env_int("BATCHWEB_HEARTBEAT_TIMEOUT_SECONDS", 30),
     "RECONCILE_SECONDS": env_int("BATCHWEB_RECONCILE_SECONDS", 15),
+    # A running shard saves its finished results to storage this often (seconds) or after
+    # this many new results, whichever comes first; a retry computes only what was not saved.
+    "CHECKPOINT_SECONDS": float(os.environ.get("BATCHWEB_CHECKPOINT_SECONDS", "5")),
+    "CHECKPOINT_REQUESTS": env_int("BATCHWEB_CHECKPOINT_REQUESTS", 50),
     # Distinct deterministic request bodies remembered per batch for dedup; beyond this,
     # new bodies are simply computed (memory stays bounded for million-line files).
     "DEDUP_MAX_BODIES": env_int("BATCHWEB_DEDUP_MAX_BODIES", 200_000),
@@ -226,7 +230,9 @@ ECHO_MODEL = {
     "backend": "echo",
     "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"],
     "options": {"seconds_per_request": env_float("BATCHWEB_ECHO_SECONDS", 0.0),
-                "max_in_flight": env_int("BATCHWEB_ECHO_MAX_IN_FLIGHT", 64)},
+                "max_in_flight": env_int("BATCHWEB_ECHO_MAX_IN_FLIGHT", 64),
+                # Tests count what the engine computed (recomputation) from this file.
+                "request_log": os.environ.get("BATCHWEB_ECHO_REQUEST_LOG", "")},
 }
 if os.environ.get("BATCHWEB_MODELS_FILE"):
     try:

@@ -11,6 +11,9 @@ on a million requests without loading a model.
 - prompt words + max_tokens > options["max_model_len"] (default 2048) -> 400 like vLLM.
 - options["seconds_per_request"] (default 0) sleeps that long per request (slow shards);
   options["max_in_flight"] (default 64) bounds concurrency like the real engine.
+- options["request_log"] (default none): a file to which the id of every request the engine
+  computes (not the aborted ones) is appended, one per line, flushed at once, so tests count
+  from the engine's own side what a worker computed twice, even across a SIGKILL.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ class EchoEngine(Engine):
         self._aborted: set[str] = set()
         self._abort_event = threading.Event()  # wakes sleeping requests on abort
         self._closed = False
+        log_path = opts.get("request_log") or ""
+        self._request_log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
 
     # -- one request --------------------------------------------------------------------
 
@@ -222,8 +227,7 @@ class EchoEngine(Engine):
         # The benchmark path: each request is answered as it is pulled, so none is ever in
         # flight while the caller runs (abort has nothing to stop) and the bound is 1.
         for req in requests:
-            status, body = self.handle(req.url, req.body)
-            yield EngineResult(req.request_id, status, body)
+            yield self._compute(req)
 
     def _run_threaded(self, requests: Iterable[EngineRequest]) -> Iterator[EngineResult]:
         # Slow requests: up to max_in_flight of them sleep concurrently, like a batch would.
@@ -246,8 +250,7 @@ class EchoEngine(Engine):
             if aborted:
                 results.put(EngineResult(req.request_id, ABORTED_STATUS, aborted=True))
             else:
-                status, body = self.handle(req.url, req.body)
-                results.put(EngineResult(req.request_id, status, body))
+                results.put(self._compute(req))
 
         def feed() -> None:
             nonlocal count
@@ -289,6 +292,13 @@ class EchoEngine(Engine):
             stop.set()
             slots.release()
 
+    def _compute(self, req: EngineRequest) -> EngineResult:
+        status, body = self.handle(req.url, req.body)
+        with self._lock:
+            if self._request_log is not None and not self._request_log.closed:
+                self._request_log.write(req.request_id + "\n")
+        return EngineResult(req.request_id, status, body)
+
     def _is_aborted(self, request_id: str) -> bool:
         return request_id in self._aborted
 
@@ -302,3 +312,6 @@ class EchoEngine(Engine):
 
     def close(self) -> None:
         self._closed = True
+        with self._lock:
+            if self._request_log is not None:
+                self._request_log.close()

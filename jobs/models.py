@@ -384,6 +384,16 @@ class Shard(models.Model):
     flag_counts = models.JSONField(default=dict, blank=True)
     # Requests run a second time because their JSON output did not parse or match.
     json_retries = models.PositiveIntegerField(default=0)
+    # The results a running attempt has saved so far (jobs.services.shards.Checkpoint as
+    # JSON: stored segments of its part files, the input lines they answer, their counters),
+    # written only under the attempt that saved them. It stays on the row when the attempt
+    # ends unfinished, and the next attempt adopts it: only lines without a result run again.
+    checkpoint = models.JSONField(default=dict, blank=True)
+    # Requests the current attempt computed that its last checkpoint does not hold (as last
+    # reported): lost, and computed again, if the attempt ends without finishing.
+    computed_unsaved = models.PositiveIntegerField(default=0)
+    # Requests computed more than once: those lost with attempts that ended unfinished.
+    recomputed = models.PositiveIntegerField(default=0)
 
     class Meta:
         ordering = ["batch", "index"]

@@ -23,7 +23,7 @@ def finalize_batch(batch_id: str) -> None:
 def run_shard(shard_id: str) -> None:
     """Hand a shard to this worker's engine pipeline. Only `batchworker` processes (which
     load an engine) listen on shard queues."""
-    from jobs.worker import current_pipeline
+    from jobs.worker.pipeline import current_pipeline
 
     current_pipeline().run_shard(shard_id)
 

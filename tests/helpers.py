@@ -78,3 +78,22 @@ def wait_for(predicate: Callable[[], Any], *, timeout: float = 60, every: float 
             return value
         time.sleep(every)
     raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+
+
+def engine_request_log(path: Path) -> dict[tuple[str, int], int]:
+    """How often the echo engine computed each (shard, input line), from the request log
+    it writes when BATCHWEB_ECHO_REQUEST_LOG (its `request_log` option) names a file.
+    A JSON retry counts as a second computation of its line."""
+    counts: dict[tuple[str, int], int] = {}
+    if not path.exists():
+        return counts
+    for request_id in path.read_text().split():
+        shard_id, _attempt, line = request_id.rsplit(":", 2)
+        key = (shard_id, int(line.rstrip("r")))
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def computed_twice(path: Path) -> int:
+    """Computations beyond the first of each line in an echo engine's request log."""
+    return sum(n - 1 for n in engine_request_log(path).values())

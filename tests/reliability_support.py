@@ -114,3 +114,12 @@ def assert_openai_error(response: Any, status: int, *, code: str | None = None,
     if fragment is not None:
         assert fragment in error["message"], error
     return error
+
+
+def assert_exactly_once(output_lines: list[dict], error_lines: list[dict],
+                        expected: set[str]) -> None:
+    """Every expected custom_id appears exactly once across a batch's output and error
+    files, and nothing else does."""
+    ids = [r["custom_id"] for r in output_lines + error_lines]
+    assert len(ids) == len(set(ids)), "a custom_id appears twice"
+    assert set(ids) == expected

@@ -246,14 +246,15 @@ def test_batch_page_running_and_live_partial(site, user, tmp_path, settings):
     run_shard(Shard.objects.get(batch=batch, index=0), started=now - timedelta(seconds=20),
               seconds=10)
     Shard.objects.filter(batch=batch, index=1).update(
-        status="running", attempt=2, failures=1, started_at=now - timedelta(seconds=5),
+        status="running", attempt=2, failures=1, recomputed=10,
+        started_at=now - timedelta(seconds=5),
         completed=4, failed=1, input_tokens=20, output_tokens=12, heartbeat_at=now)
     refresh_progress(batch_id=batch.pk)  # as the worker's heartbeat does
     page = site.get(reverse("batch_detail", args=[batch.pk])).content.decode()
     assert "15</strong> of 30 requests" in page
     assert f'hx-get="{reverse("batch_live", args=[batch.pk])}"' in page
     assert "<svg" in page and "chart-line" in page
-    assert "Retry rate" in page and "33.3%" in page  # 1 failed of 3 shard runs
+    assert "Retry rate" in page and "33.3%" in page  # a failed run's 10 of 30 runs
     assert "ETA" in page
     assert "Results so far" in page and 'id="cancel"' in page
     live = site.get(reverse("batch_live", args=[batch.pk]), **HTMX)

@@ -123,9 +123,10 @@ def test_batch_page_shows_counts_linking_to_drill_down(site, user, tmp_path, set
 
 
 def test_retry_rate_counts_json_retries(site, user, tmp_path, settings):
-    # 3 shards of 20 requests, each run once with 1 JSON retry; shard 1 also failed once.
+    # 3 shards of 20 requests, each run once with 1 JSON retry; shard 1 also failed once,
+    # after computing all 20 of its requests and checkpointing none (computed again).
     batch = flagged_batch(user, tmp_path, settings, end=False)
-    Shard.objects.filter(batch=batch, index=1).update(attempt=2, failures=1)
+    Shard.objects.filter(batch=batch, index=1).update(attempt=2, failures=1, recomputed=20)
     report = dashboard.batch_stats(batch).report
     assert report.json_retries == 3
     assert report.retried_requests == 20 + 3

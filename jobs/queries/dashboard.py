@@ -30,7 +30,7 @@ CHART_BUCKETS = 30
 
 SHARD_FIELDS = ("batch_id", "status", "started_at", "finished_at", "completed", "failed",
                 "attempt", "failures", "input_tokens", "output_tokens", "request_count",
-                "json_retries")
+                "json_retries", "recomputed")
 
 
 @dataclass
@@ -47,6 +47,7 @@ class ShardRow:
     output_tokens: int
     request_count: int = 0
     json_retries: int = 0
+    recomputed: int = 0
 
     @property
     def ran(self) -> bool:
@@ -87,13 +88,15 @@ class Report:
     """Seed 003's run report."""
 
     completions_per_minute: float | None
-    # The share of request runs that were repeats: the requests of failed shard attempts
-    # (requests are retried as whole shards: a shard that failed once and then ran counts
-    # its requests 1 time of 2) plus the requests run a second time because their JSON
-    # output did not parse or match the schema, over every request run.
+    # The share of request runs that were repeats: the requests computed again because
+    # the shard attempt that computed them ended unfinished before checkpointing them
+    # (a retry resumes from the checkpoint: only those run twice) plus the requests run a
+    # second time because their JSON output did not parse or match the schema, over every
+    # request run.
     retry_rate: float | None
     claims: int  # shard runs
     failures: int  # failed shard runs
+    recomputed: int
     json_retries: int
     retried_requests: int
     request_runs: int
@@ -218,14 +221,15 @@ def batch_stats(batch: Batch, *, now: datetime | None = None) -> BatchStats:
     claims = sum(r.attempt for r in rows)
     failures = sum(r.failures for r in rows)
     json_retries = sum(r.json_retries for r in rows)
-    retried = sum(r.failures * r.request_count for r in rows) + json_retries
-    runs = sum(r.attempt * r.request_count for r in rows) + json_retries
+    recomputed = sum(r.recomputed for r in rows)
+    retried = recomputed + json_retries
+    runs = sum(r.request_count for r in rows if r.attempt) + retried
     durations = [(r.finished_at - r.started_at).total_seconds() for r in rows
                  if r.status == Shard.Status.DONE and r.started_at and r.finished_at]
     report = Report(
         completions_per_minute=(progress["completed"] / elapsed * 60) if elapsed else None,
         retry_rate=(retried / runs) if runs else None,
-        claims=claims, failures=failures, json_retries=json_retries,
+        claims=claims, failures=failures, recomputed=recomputed, json_retries=json_retries,
         retried_requests=retried, request_runs=runs,
         mean_context_tokens=(progress["input_tokens"] / progress["completed"]
                              if progress["completed"] else None),

@@ -240,7 +240,7 @@ def _orphans(report: CleanupReport, *, now: datetime) -> None:
 
 # --- 5. this machine's scratch files ---
 
-# A shard attempt's part files, as jobs.worker names them: <shard id>-<attempt>.<kind>
+# A shard attempt's part files, as jobs.worker.parts names them: <shard id>-<attempt>.<kind>
 _SHARD_PART = re.compile(r"^(?P<shard>[\w-]+)-(?P<attempt>\d+)\.(?:out|err|flags)$")
 
 

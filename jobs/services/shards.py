@@ -1,15 +1,21 @@
 """Shard state: claimed by one worker at a time, fenced by the attempt number.
 
-A worker may only write (progress, results, failure) under the attempt it claimed: every
-write is `UPDATE ... WHERE id = %s AND attempt = %s AND status = 'running'`, so a worker
-presumed dead that wakes up later changes nothing.
+A worker may only write (progress, checkpoints, results, failure) under the attempt it
+claimed: every write is `UPDATE ... WHERE id = %s AND attempt = %s AND status = 'running'`,
+so a worker presumed dead that wakes up later changes nothing.
+
+A running attempt checkpoints its finished results (`record_checkpoint`); the checkpoint
+stays on the row when the attempt ends unfinished (handed back, failed, its worker lost),
+and the claim that starts the next attempt hands it on: that attempt adopts those results
+and their counters, and computes only the lines without a result.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from django.conf import settings
 from django.db import transaction
@@ -36,6 +42,50 @@ class Progress:
                 "input_tokens": self.input_tokens, "output_tokens": self.output_tokens}
 
 
+@dataclass
+class Checkpoint:
+    """The results an attempt saved so far: its part files' stored segments, in order
+    (each an (output, error, flags) triple of storage names, "" for nothing new), the input
+    lines they answer, and the counters they carry."""
+
+    attempt: int = 0
+    segments: list[tuple[str, str, str]] = field(default_factory=list)
+    lines: set[int] = field(default_factory=set)
+    progress: Progress = field(default_factory=Progress)
+    flag_counts: dict[str, int] = field(default_factory=dict)
+    json_retries: int = 0
+
+    def as_json(self) -> dict[str, Any]:
+        return {"attempt": self.attempt, "segments": [list(s) for s in self.segments],
+                "lines": _ranges(self.lines), "progress": self.progress.as_fields(),
+                "flag_counts": self.flag_counts, "json_retries": self.json_retries}
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> Checkpoint:
+        if not value:
+            return cls()
+        return cls(attempt=value["attempt"],
+                   segments=[(out, err, flags) for out, err, flags in value["segments"]],
+                   lines={line for first, last in value["lines"]
+                          for line in range(first, last + 1)},
+                   progress=Progress(**value["progress"]),
+                   flag_counts=dict(value["flag_counts"]), json_retries=value["json_retries"])
+
+    def storage_names(self) -> list[str]:
+        return [name for segment in self.segments for name in segment if name]
+
+
+def _ranges(lines: set[int]) -> list[list[int]]:
+    # Results finish roughly in line order: a shard's lines fold into a few [first, last].
+    ranges: list[list[int]] = []
+    for line in sorted(lines):
+        if ranges and ranges[-1][1] == line - 1:
+            ranges[-1][1] = line
+        else:
+            ranges.append([line, line])
+    return ranges
+
+
 def claim_shard(*, shard_id: str, worker: str) -> Shard | None:
     """Take a queued shard of a running batch for this worker; None when it is not ours to
     run (already done, taken, dropped, or its batch stopped). Tops up the batch's queue."""
@@ -46,6 +96,10 @@ def claim_shard(*, shard_id: str, worker: str) -> Shard | None:
     if batch.status != Batch.Status.IN_PROGRESS or batch.stop_code:
         return None
     now = timezone.now()
+    # The new attempt starts from the counters of the checkpoint it adopts. Only a running
+    # attempt writes a checkpoint, so while the shard is queued under this attempt number
+    # (what the UPDATE checks) the checkpoint read here is the one the row holds.
+    adopted = Checkpoint.from_json(shard.checkpoint).progress
     # One transaction with the read-back: if the connection drops after the UPDATE, the
     # claim is undone and the caller's retry claims again, instead of finding the shard
     # already running and leaving it to the heartbeat timeout.
@@ -54,9 +108,11 @@ def claim_shard(*, shard_id: str, worker: str) -> Shard | None:
                                        attempt=shard.attempt).update(
             status=Shard.Status.RUNNING, attempt=shard.attempt + 1, worker=worker,
             heartbeat_at=now, started_at=now, finished_at=None, enqueued_at=None,
-            **Progress().as_fields())
+            computed_unsaved=0, **adopted.as_fields())
         if not claimed:
             return None
+        if adopted != Progress(**{k: getattr(shard, k) for k in adopted.as_fields()}):
+            refresh_progress(batch_id=shard.batch_id)
         batch_id = shard.batch_id
         transaction.on_commit(lambda: enqueue_next_shards(batch_id=batch_id), robust=True)
         return _read_claimed(shard_id)
@@ -66,14 +122,16 @@ def _read_claimed(shard_id: str) -> Shard:
     return Shard.objects.select_related("batch", "batch__input_file").get(pk=shard_id)
 
 
-def heartbeat(*, shard_id: str, attempt: int, progress: Progress) -> tuple[bool, str]:
-    """Record that the worker is alive and how far it got. Returns (still ours, the batch's
-    stop code: non-empty when the shard must stop)."""
+def heartbeat(*, shard_id: str, attempt: int, progress: Progress,
+              unsaved: int = 0) -> tuple[bool, str]:
+    """Record that the worker is alive, how far it got, and how many of the requests it
+    computed its checkpoint does not hold yet. Returns (still ours, the batch's stop code:
+    non-empty when the shard must stop)."""
     batch_id = Shard.objects.filter(pk=shard_id).values_list("batch_id", flat=True).first()
     with transaction.atomic():
         mine = Shard.objects.filter(pk=shard_id, attempt=attempt,
                                     status=Shard.Status.RUNNING).update(
-            heartbeat_at=timezone.now(), **progress.as_fields())
+            heartbeat_at=timezone.now(), computed_unsaved=unsaved, **progress.as_fields())
         if mine:
             refresh_progress(batch_id=batch_id)
     stop_code = (Batch.objects.filter(pk=batch_id).values_list("stop_code", flat=True)
@@ -81,18 +139,30 @@ def heartbeat(*, shard_id: str, attempt: int, progress: Progress) -> tuple[bool,
     return bool(mine), stop_code
 
 
+def record_checkpoint(*, shard_id: str, attempt: int, checkpoint: Checkpoint,
+                      unsaved: int = 0) -> bool:
+    """Record an attempt's checkpoint (its segments already stored). False when the
+    attempt is no longer the running one: the caller must then delete the segments it
+    stored for this checkpoint (the earlier ones are the row's, kept for the next attempt)."""
+    return bool(Shard.objects.filter(pk=shard_id, attempt=attempt,
+                                     status=Shard.Status.RUNNING).update(
+        checkpoint=checkpoint.as_json(), computed_unsaved=unsaved))
+
+
 def finish_shard(*, shard_id: str, attempt: int, output_part: str, error_part: str,
                  progress: Progress, flags_part: str = "",
                  flag_counts: dict[str, int] | None = None, json_retries: int = 0) -> bool:
     """Record a shard's results as complete. False when the attempt is no longer the
     current one (the caller must then discard its parts). Enqueues finalization when this
-    was the batch's last shard."""
+    was the batch's last shard. The parts hold the adopted checkpoint's results too: the
+    checkpoint is cleared (the caller deletes its segments)."""
     with transaction.atomic():
         done = Shard.objects.filter(pk=shard_id, attempt=attempt,
                                     status=Shard.Status.RUNNING).update(
             status=Shard.Status.DONE, finished_at=timezone.now(), output_part=output_part,
             error_part=error_part, flags_part=flags_part, flag_counts=flag_counts or {},
-            json_retries=json_retries, last_error="", **progress.as_fields())
+            json_retries=json_retries, last_error="", checkpoint={}, computed_unsaved=0,
+            **progress.as_fields())
         if done:
             batch_id = _refresh_batch_progress(shard_id)
             transaction.on_commit(lambda: request_finalize(batch_id=batch_id), robust=True)
@@ -126,22 +196,38 @@ def fail_shard(*, shard_id: str, attempt: int, reason: str) -> None:
     delay = timedelta(seconds=conf["SHARD_RETRY_BASE_SECONDS"] * 2 ** (failures - 1))
     log.warning("shard %s failed (%s); retry %d in %s", shard_id, reason, failures, delay)
     with transaction.atomic():
+        # What the attempt computed beyond its checkpoint (as it last reported) is lost: the
+        # retry computes it again.
         if fenced.update(status=Shard.Status.QUEUED, failures=failures, last_error=reason,
                          not_before=timezone.now() + delay, worker="",
-                         **Progress().as_fields()):
+                         recomputed=F("recomputed") + F("computed_unsaved"),
+                         computed_unsaved=0, **_kept_progress(shard).as_fields()):
             refresh_progress(batch_id=shard.batch_id)
 
 
-def release_shard(*, shard_id: str, attempt: int) -> None:
-    """Hand a running shard back untouched (a worker shutting down): it is queued again at
-    once and does not count as a failure."""
+def release_shard(*, shard_id: str, attempt: int, unsaved: int = 0) -> None:
+    """Hand a running shard back (a worker shutting down) with its checkpoint, which the
+    next attempt adopts: it is queued again at once and does not count as a failure.
+    `unsaved`: requests the attempt computed that its checkpoint does not hold."""
+    shard = Shard.objects.filter(pk=shard_id, attempt=attempt,
+                                 status=Shard.Status.RUNNING).first()
+    if shard is None:
+        return
     with transaction.atomic():
         released = Shard.objects.filter(
             pk=shard_id, attempt=attempt, status=Shard.Status.RUNNING).update(
-            status=Shard.Status.QUEUED, worker="", not_before=None, **Progress().as_fields())
+            status=Shard.Status.QUEUED, worker="", not_before=None,
+            recomputed=F("recomputed") + unsaved, computed_unsaved=0,
+            **_kept_progress(shard).as_fields())
         batch_id = _refresh_batch_progress(shard_id) if released else ""
     if released:
         enqueue_next_shards(batch_id=batch_id)
+
+
+def _kept_progress(shard: Shard) -> Progress:
+    """The counters a shard keeps while it waits for its next attempt: its checkpoint's
+    (the results the next attempt adopts), zero without one."""
+    return Checkpoint.from_json(shard.checkpoint).progress
 
 
 def _refresh_batch_progress(shard_id: str) -> str:

@@ -25,7 +25,7 @@ from jobs import queues
 from jobs.engines import model_spec
 from jobs.policy import close_engines
 from jobs.services.cleanup import sweep_temp_dir
-from jobs.worker import Pipeline
+from jobs.worker.pipeline import Pipeline
 
 
 class Command(BaseCommand):

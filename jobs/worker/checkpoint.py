@@ -1,0 +1,108 @@
+"""Checkpoints: a running shard's finished results saved to storage every
+CHECKPOINT_SECONDS or CHECKPOINT_REQUESTS new results, so the attempt that follows an
+unfinished one (worker killed, handed back on SIGTERM, failed) computes only what was not
+saved. Each checkpoint stores what the part files got since the last one as a segment
+(shared storage: any machine's worker can adopt it) and records it on the shard row under
+this attempt; a worker presumed dead records nothing and deletes what it stored."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from django.db import InterfaceError, OperationalError, connection
+
+from jobs.services import shards as shard_service
+from jobs.worker.db import with_db_retry
+from jobs.worker.loop import Loop
+from jobs.worker.parts import ShardWork, delete_stored, store_segment
+
+if TYPE_CHECKING:
+    from jobs.worker.pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+
+
+class Checkpointer(Loop):
+    name = "checkpoint"
+
+    def __init__(self, pipeline: Pipeline, *, every_seconds: float,
+                 every_requests: int) -> None:
+        self.pipeline = pipeline
+        self.every_seconds = every_seconds
+        self.every_requests = max(1, every_requests)
+        # Set by the dispatcher when a shard has CHECKPOINT_REQUESTS unsaved results.
+        self.wake = threading.Event()
+        super().__init__()
+
+    def join(self, timeout: float) -> None:
+        self.wake.set()
+        super().join(timeout)
+
+    def notice(self, unsaved_results: int) -> None:
+        """Called by the dispatcher after each result, with the shard's unsaved count."""
+        if unsaved_results >= self.every_requests:
+            self.wake.set()
+
+    def _loop(self) -> None:
+        pipeline = self.pipeline
+        while not pipeline.closing.is_set():
+            self.wake.wait(min(0.5, self.every_seconds))
+            self.wake.clear()
+            for work in pipeline.current_works():
+                if pipeline.closing.is_set() or not self._due(work):
+                    continue
+                try:
+                    self.save(work)
+                except (OperationalError, InterfaceError):
+                    log.warning("checkpoint: database unavailable; will retry", exc_info=True)
+                    connection.close()
+                except Exception:
+                    log.exception("checkpoint of shard %s failed", work.shard_id)
+        connection.close()
+
+    def _due(self, work: ShardWork) -> bool:
+        with work.lock:
+            unsaved = work.unsaved_results()
+        return unsaved > 0 and (unsaved >= self.every_requests
+                                or time.monotonic() - work.saved_at >= self.every_seconds)
+
+    def save(self, work: ShardWork, *, final: bool = False) -> bool:
+        """Checkpoint what the attempt has written. `final`: the shard is being handed back
+        (its results have stopped coming in), so wait for a checkpoint in progress and take
+        one even while handing back. True when the row holds everything written."""
+        if not work.checkpoint_lock.acquire(blocking=final):
+            return False
+        try:
+            with work.lock:
+                if work.dead or (not final and (work.finishing or work.handing_back)):
+                    return False
+                if not work.unsaved_results():
+                    return True
+                checkpoint, sizes, computed = work.snapshot()
+                start = work.saved_bytes
+                segments = list(work.saved.segments)
+            checkpoint.segments = [*segments, store_segment(work, start, sizes)]
+            new = [name for name in checkpoint.segments[-1] if name]
+            with work.lock:
+                unsaved = work.computed - computed
+            # Should this raise, the UPDATE may still have committed: what was stored stays
+            # (an orphan, if unrecorded, for the cleanup's sweep once the batch ends).
+            recorded = with_db_retry(lambda: shard_service.record_checkpoint(
+                shard_id=work.shard_id, attempt=work.attempt, checkpoint=checkpoint,
+                unsaved=unsaved))
+            if not recorded:
+                log.warning("shard %s attempt %d is no longer running; checkpoint dropped",
+                            work.shard_id, work.attempt)
+                delete_stored(new)
+                return False
+            with work.lock:
+                work.saved = checkpoint
+                work.saved_bytes = sizes
+                work.saved_computed = computed
+                work.saved_at = time.monotonic()
+            return True
+        finally:
+            work.checkpoint_lock.release()

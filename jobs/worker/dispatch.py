@@ -1,0 +1,163 @@
+"""The dispatcher thread: feeds the engine (JSON retries first, then the inbox), writes each
+result to its shard's part files, and finishes a shard when its last result is written."""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from engine.base import EngineRequest, EngineResult
+from jobs.services import shards as shard_service
+from jobs.wire import Code
+from jobs.worker.db import with_db_retry
+from jobs.worker.loop import Loop
+from jobs.worker.parts import ShardWork, delete_stored, store_parts
+from jobs.worker.retry import RETRY_SUFFIX, is_retry, needs_json_retry, retry_request
+
+if TYPE_CHECKING:
+    from jobs.worker.pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+# Put in the inbox by Pipeline.close: the engine's request stream ends.
+END = object()
+
+
+def parse_request_id(request_id: str) -> tuple[str, int, int]:
+    """(shard id, attempt, line) of a request id made by ShardWork.request_id, with or
+    without the JSON retry's suffix."""
+    shard_id, attempt, line_part = request_id.rsplit(":", 2)
+    return shard_id, int(attempt), int(line_part.rstrip(RETRY_SUFFIX))
+
+
+class Dispatcher(Loop):
+    name = "dispatch"
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+        self.retries: queue.SimpleQueue[EngineRequest] = queue.SimpleQueue()
+        super().__init__()
+
+    def _requests(self) -> Iterator[EngineRequest]:
+        # Retries come first: they are what keeps a shard from finishing. They never wait
+        # for room in the inbox (the dispatcher that makes them also drains results).
+        inbox = self.pipeline.inbox
+        while True:
+            try:
+                item = self.retries.get_nowait()
+            except queue.Empty:
+                try:
+                    item = inbox.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+            if item is END:
+                return
+            if self._wanted(item):
+                yield item
+
+    def _wanted(self, request: EngineRequest) -> bool:
+        # A request of a shard dropped or being handed back while it waited in the inbox is
+        # never computed: its next attempt computes it (and would count it twice).
+        pipeline = self.pipeline
+        shard_id, attempt, _ = parse_request_id(request.request_id)
+        work = pipeline.works.get(shard_id)
+        if work is not None and work.attempt == attempt:
+            with work.lock:
+                if not (work.dead or work.handing_back):
+                    return True
+                work.pending.pop(request.request_id, None)
+        pipeline.idle.request_finished()
+        return False
+
+    def _loop(self) -> None:
+        pipeline = self.pipeline
+        try:
+            for result in pipeline.engine.run(self._requests()):
+                try:
+                    self.on_result(result)
+                except OSError as exc:
+                    self._write_failed(result, exc)
+        except BaseException as exc:
+            log.exception("engine failed")
+            pipeline.broken = exc
+            pipeline.fail_all(f"engine failed: {type(exc).__name__}: {exc}")
+
+    def on_result(self, result: EngineResult) -> None:
+        pipeline = self.pipeline
+        pipeline.idle.request_finished()
+        shard_id, attempt, line = parse_request_id(result.request_id)
+        work = pipeline.works.get(shard_id)
+        if work is None or work.attempt != attempt:
+            return
+        with work.lock:
+            request = work.pending.pop(result.request_id, None)
+            if request is None or work.dead:
+                return
+            if result.aborted and work.handing_back:
+                return  # not run: the next attempt runs it
+            if result.aborted:
+                work.write_unrun(request.custom_id, line, work.stop_code or Code.REQUEST_ABORTED)
+            elif not is_retry(result.request_id) and needs_json_retry(request, result):
+                retry = retry_request(result.request_id, request)
+                work.pending[retry.request_id] = request
+                work.json_retries += 1
+                pipeline.idle.request_started()
+                self.retries.put(retry)
+            else:
+                work.write_result(request, line, result)
+            if is_retry(result.request_id):
+                work.retries_answered += 1
+            pipeline.checkpointer.notice(work.unsaved_results())
+            finish_now = (work.all_submitted and not work.pending and not work.finishing
+                          and not work.handing_back)
+            work.finishing = work.finishing or finish_now
+        if finish_now:
+            self.finish(work)
+
+    def _write_failed(self, result: EngineResult, exc: OSError) -> None:
+        """A shard's part file could not be written (disk full, I/O error): that attempt
+        fails and is retried; the engine and the other shards carry on."""
+        pipeline = self.pipeline
+        work = pipeline.works.get(parse_request_id(result.request_id)[0])
+        if work is None:
+            return
+        reason = f"writing results failed: {type(exc).__name__}: {exc}"
+        log.error("shard %s: %s", work.shard_id, reason)
+        pipeline.drop(work)
+        try:
+            with_db_retry(lambda: shard_service.fail_shard(
+                shard_id=work.shard_id, attempt=work.attempt, reason=reason))
+        except Exception:
+            log.exception("could not record failure of shard %s", work.shard_id)
+
+    def finish(self, work: ShardWork) -> None:
+        """Store the shard's parts and record it done, or fail the attempt if storing fails;
+        a part is attached to the shard only if the attempt is still current."""
+        stored: list[str] = []
+        # No checkpoint may be half taken while the files close, nor start after.
+        work.checkpoint_lock.acquire()
+        try:
+            work.close_files()
+            store_parts(work, stored)
+            finished = with_db_retry(lambda: shard_service.finish_shard(
+                shard_id=work.shard_id, attempt=work.attempt, output_part=stored[0],
+                error_part=stored[1], flags_part=stored[2], progress=work.progress,
+                flag_counts=work.flag_counts, json_retries=work.json_retries))
+            if finished:
+                # The parts hold the checkpoint's results now (the row no longer names it).
+                delete_stored(work.saved.storage_names())
+            else:
+                log.warning("shard %s attempt %d was taken over; discarding its results",
+                            work.shard_id, work.attempt)
+                delete_stored(stored)
+        except Exception as exc:
+            log.exception("could not store results of shard %s", work.shard_id)
+            delete_stored(stored)
+            reason = f"storing results failed: {type(exc).__name__}: {exc}"
+            with_db_retry(lambda: shard_service.fail_shard(
+                shard_id=work.shard_id, attempt=work.attempt, reason=reason))
+        finally:
+            work.checkpoint_lock.release()
+            work.remove_files()
+            self.pipeline.unregister(work)

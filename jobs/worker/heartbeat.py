@@ -1,0 +1,58 @@
+"""The heartbeat thread: keeps this worker's claimed shards alive in the database (with
+their progress), drops shards that are no longer this attempt's, and stops the requests of
+shards whose batch was cancelled or expired."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from django.db import InterfaceError, OperationalError, connection
+
+from jobs.services import shards as shard_service
+from jobs.services.shards import Progress
+from jobs.worker.loop import Loop
+
+if TYPE_CHECKING:
+    from jobs.worker.pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat(Loop):
+    name = "heartbeat"
+
+    def __init__(self, pipeline: Pipeline, *, every: float) -> None:
+        self.pipeline = pipeline
+        self.every = every
+        super().__init__()
+
+    def _loop(self) -> None:
+        while not self.pipeline.closing.wait(self.every):
+            try:
+                self.beat()
+            except (OperationalError, InterfaceError):
+                log.warning("heartbeat: database unavailable; will retry", exc_info=True)
+                connection.close()
+            except Exception:
+                log.exception("heartbeat failed")
+        connection.close()
+
+    def beat(self) -> None:
+        pipeline = self.pipeline
+        for work in pipeline.current_works():
+            with work.lock:
+                snapshot = Progress(**work.progress.as_fields())
+                unsaved = work.computed - work.saved_computed
+            mine, stop_code = shard_service.heartbeat(
+                shard_id=work.shard_id, attempt=work.attempt, progress=snapshot,
+                unsaved=unsaved)
+            if not mine and not work.finishing:
+                log.warning("shard %s is no longer ours; dropping it", work.shard_id)
+                pipeline.drop(work)
+            elif stop_code and not work.stop_code:
+                with work.lock:
+                    work.stop_code = stop_code
+                    in_flight = list(work.pending)
+                log.info("shard %s stopping: %s", work.shard_id, stop_code)
+                pipeline.engine.abort(in_flight)

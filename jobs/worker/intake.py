@@ -1,0 +1,133 @@
+"""The RQ job side: claim a shard and stream its lines into the engine's inbox; return once
+all are handed in and the engine's batch has room (the dispatcher finishes the shard)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import time
+from typing import TYPE_CHECKING
+
+from django.db import close_old_connections
+
+from engine.base import EngineRequest
+from jobs.models import Shard
+from jobs.policy import VIOLATION
+from jobs.services import shards as shard_service
+from jobs.services.files import open_range_lines
+from jobs.services.shards import Checkpoint
+from jobs.wire import RequestLine
+from jobs.worker.db import with_db_retry
+from jobs.worker.parts import ShardWork, adopt_checkpoint, open_work
+
+if TYPE_CHECKING:
+    from jobs.worker.pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+
+
+class Intake:
+    def __init__(self, pipeline: Pipeline) -> None:
+        self.pipeline = pipeline
+
+    def run_shard(self, shard_id: str) -> None:
+        pipeline = self.pipeline
+        if pipeline.broken is not None:
+            raise RuntimeError(f"engine failed: {pipeline.broken}")
+        close_old_connections()
+        shard = with_db_retry(lambda: shard_service.claim_shard(
+            shard_id=shard_id, worker=pipeline.worker_name))
+        if shard is None:
+            return
+        work = with_db_retry(lambda: open_work(shard))
+        pipeline.register(work)
+        try:
+            work = self._adopt(shard, work)
+            self._submit_lines(shard, work)
+        except BaseException as exc:
+            # Reading the input or the database failed, or a cold shutdown: the attempt is
+            # lost, the shard goes back to the queue (with backoff).
+            pipeline.drop(work)
+            if not isinstance(exc, SystemExit | KeyboardInterrupt):
+                log.exception("shard %s failed while submitting", shard_id)
+                reason = f"{type(exc).__name__}: {exc}"
+                with_db_retry(lambda: shard_service.fail_shard(
+                    shard_id=shard_id, attempt=work.attempt, reason=reason))
+            raise
+        with work.lock:
+            work.all_submitted = True
+            finish_now = not work.pending and not work.finishing and not work.dead
+            work.finishing = work.finishing or finish_now
+        if finish_now:
+            pipeline.dispatcher.finish(work)
+        self._wait_for_room()
+
+    def _adopt(self, shard: Shard, work: ShardWork) -> ShardWork:
+        """Start from the checkpoint the claim handed on. One that cannot be read (a segment
+        lost from storage) is dropped from the row and the shard runs whole: retrying it
+        would only fail the same way until the shard is abandoned."""
+        if not shard.checkpoint:
+            return work
+        try:
+            adopt_checkpoint(work, shard.checkpoint)
+            return work
+        except Exception:
+            log.exception("shard %s: cannot adopt its checkpoint; running it whole", shard.pk)
+        self.pipeline.drop(work)
+        fresh = with_db_retry(lambda: open_work(shard))
+        self.pipeline.register(fresh)
+        with_db_retry(lambda: shard_service.record_checkpoint(
+            shard_id=shard.pk, attempt=shard.attempt, checkpoint=Checkpoint()))
+        return fresh
+
+    def _wait_for_room(self) -> None:
+        # The RQ job returns, and this worker takes its next shard, only once the engine's
+        # batch has room: a worker with a full batch leaves the next shard to an idle
+        # worker (measured by bench/scale_out.py), yet its own next shard arrives while the
+        # batch is still nearly full, so the engine does not run dry between shards.
+        pipeline = self.pipeline
+        while (pipeline.idle.in_flight >= pipeline.engine.batch_size
+               and pipeline.broken is None and not pipeline.closing.is_set()):
+            time.sleep(0.02)
+
+    def _submit_lines(self, shard: Shard, work: ShardWork) -> None:
+        storage_name = shard.batch.input_file.storage_name
+        with open_range_lines(storage_name, start=shard.start_byte, end=shard.end_byte,
+                              first_number=shard.first_line) as lines:
+            for line in lines:
+                if (line.content is None or not line.content.strip() or line.number in work.skip
+                        or line.number in work.adopted):
+                    continue
+                request = json.loads(line.content)
+                if work.dead or work.handing_back:
+                    return
+                if work.stop_code:
+                    with work.lock:
+                        work.write_unrun(request["custom_id"], line.number, work.stop_code)
+                    continue
+                if line.number in work.screened:
+                    with work.lock:
+                        work.write_failure(request["custom_id"], line.number, VIOLATION,
+                                           work.screened[line.number])
+                    continue
+                engine_request = EngineRequest(request_id=work.request_id(line.number),
+                                               url=request["url"], body=request["body"])
+                with work.lock:
+                    work.pending[engine_request.request_id] = RequestLine(
+                        request["custom_id"], request["url"], request["body"])
+                self._put(engine_request)
+
+    def _put(self, request: EngineRequest) -> None:
+        # Blocks while the engine is full: this is the backpressure that bounds memory.
+        # Counted before it goes in, so its result can never be counted first.
+        pipeline = self.pipeline
+        pipeline.idle.request_started()
+        while True:
+            if pipeline.broken is not None:
+                raise RuntimeError(f"engine failed: {pipeline.broken}")
+            try:
+                pipeline.inbox.put(request, timeout=0.5)
+                return
+            except queue.Full:
+                continue

@@ -1,0 +1,143 @@
+"""The worker pipeline in-process: a batch's shards run to completion, the JSON retry, a
+batch stopped while its shard runs, a part file that cannot be written, and the engine-idle
+accounting reported when a worker stops."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from jobs.models import Shard
+from jobs.services.stopping import cancel_batch
+from jobs.worker.idle import IdleMeter
+from jobs.worker.parts import ShardWork
+from tests.helpers import chat_line, wait_for
+from tests.worker.conftest import finalized, run_all_shards, start_shard
+
+# The pipeline's threads use connections of their own: the rows must be committed.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def test_a_batch_runs_to_completion_with_dedup_copies(make_batch, make_pipeline):
+    lines = [chat_line(f"r{i}", f"question {i}", max_tokens=2) for i in range(9)]
+    # Two identical deterministic requests: computed once, written for both custom_ids.
+    lines += [chat_line("same-a", "twice asked", temperature=0),
+              chat_line("same-b", "twice asked", temperature=0)]
+    batch = make_batch(lines, shard_size=4)
+    assert batch.dedup_saved == 1
+    pipeline = make_pipeline()
+    run_all_shards(pipeline, batch)
+    done, out, err = finalized(batch)
+    assert done.status == "completed" and err == []
+    assert {r["custom_id"] for r in out} == {line["custom_id"] for line in lines}
+    by_id = {r["custom_id"]: r["response"]["body"] for r in out}
+    assert by_id["same-a"]["choices"] == by_id["same-b"]["choices"]
+    # Usage counts the computed request once: the copy cost nothing.
+    computed = [body for cid, body in by_id.items() if cid != "same-b"]
+    assert done.input_tokens == sum(b["usage"]["prompt_tokens"] for b in computed)
+    assert done.output_tokens == sum(b["usage"]["completion_tokens"] for b in computed)
+    assert (done.completed, done.failed) == (11, 0)
+    assert not pipeline.works
+
+
+def test_json_output_that_does_not_parse_is_run_once_more(make_batch, make_pipeline):
+    json_format = {"response_format": {"type": "json_object"}}
+    lines = [chat_line("j0", "not json", **json_format), chat_line("j1", "no", **json_format),
+             chat_line("plain", "fine")]
+    batch = make_batch(lines, shard_size=10)
+    pipeline = make_pipeline()
+    computed: list[str] = []
+    real_handle = pipeline.engine.handle
+
+    def counting(url, body):
+        computed.append(body["messages"][0]["content"])
+        return real_handle(url, body)
+
+    pipeline.engine.handle = counting  # type: ignore[method-assign]
+    run_all_shards(pipeline, batch)
+    shard = Shard.objects.get(batch=batch)
+    assert shard.json_retries == 2
+    assert sorted(computed) == ["fine", "no", "no", "not json", "not json"]
+    done, out, _ = finalized(batch)
+    # Only the final attempt is written: one line per custom_id, with its flag.
+    assert sorted(r["custom_id"] for r in out) == ["j0", "j1", "plain"]
+    assert shard.flag_counts.get("invalid_json") == 2
+
+
+def test_a_cancelled_batch_stops_its_running_shard(make_batch, make_pipeline):
+    lines = [chat_line(f"c{i}", f"slow {i}") for i in range(20)]
+    batch = make_batch(lines, shard_size=20)
+    # A small inbox: most lines are still waiting to be handed in when the batch stops.
+    pipeline = make_pipeline(seconds_per_request=0.5, max_in_flight=2, inbox_size=2)
+    shard = Shard.objects.get(batch=batch)
+    start_shard(pipeline, shard.pk)
+    wait_for(lambda: Shard.objects.filter(pk=shard.pk, completed__gt=0).exists(),
+             timeout=20, message="a first result")
+    cancel_batch(batch=batch)
+    # The heartbeat sees the stop code and aborts the requests in flight.
+    wait_for(lambda: Shard.objects.filter(pk=shard.pk, status="done").exists(),
+             timeout=20, message="the shard stopped")
+    done, out, err = finalized(batch)
+    assert done.status == "cancelled"
+    assert len(out) + len(err) == 20
+    assert out and err
+    assert {e["error"]["code"] for e in err} <= {"batch_cancelled", "request_aborted"}
+    assert any(e["error"]["code"] == "batch_cancelled" for e in err)
+
+
+def test_a_part_file_that_cannot_be_written_fails_only_that_attempt(
+        make_batch, make_pipeline, monkeypatch):
+    lines = [chat_line(f"w{i}", f"disk {i}") for i in range(6)]
+    batch = make_batch(lines, shard_size=3)
+    first, second = Shard.objects.filter(batch=batch).order_by("index")
+    real_write = ShardWork.write_result
+    failed: list[str] = []
+
+    def disk_full_once(self, request, line, result):
+        if self.shard_id == first.pk and not failed:
+            failed.append(request.custom_id)
+            raise OSError(28, "No space left on device")
+        return real_write(self, request, line, result)
+
+    monkeypatch.setattr(ShardWork, "write_result", disk_full_once)
+    pipeline = make_pipeline()
+    pipeline.run_shard(first.pk)
+    pipeline.run_shard(second.pk)
+    wait_for(lambda: Shard.objects.filter(pk=second.pk, status="done").exists(),
+             timeout=20, message="the other shard done")
+    first.refresh_from_db()
+    assert (first.status, first.failures, first.attempt) == ("queued", 1, 1)
+    assert "No space left on device" in first.last_error
+    assert pipeline.broken is None and not pipeline.works
+    # Its retry runs on the same engine and completes the batch.
+    Shard.objects.filter(pk=first.pk).update(not_before=None)
+    pipeline.run_shard(first.pk)
+    wait_for(lambda: Shard.objects.filter(pk=first.pk, status="done").exists(),
+             timeout=20, message="the retry done")
+    done, out, err = finalized(batch)
+    assert done.status == "completed" and err == []
+    assert sorted(r["custom_id"] for r in out) == sorted(f"w{i}" for i in range(6))
+
+
+def test_idle_accounting_is_never_negative():
+    meter = IdleMeter()
+    assert (meter.window(), meter.fraction()) == (0.0, 0.0)
+    # A worker stopped with requests handed in but no result out yet: no window, not
+    # "0.00% of -4610.0s" (the clock's origin to the first request).
+    meter.request_started()
+    assert meter.window() == 0.0 and meter.fraction() == 0.0
+    meter.request_finished()
+    meter.request_started()
+    meter.request_finished()
+    assert meter.window() >= 0.0 and 0.0 <= meter.fraction() <= 1.0
+
+
+def test_the_stop_log_line_reports_a_non_negative_window(make_pipeline, caplog):
+    pipeline = make_pipeline()
+    pipeline.idle.request_started()  # handed in, never finished
+    with caplog.at_level(logging.INFO, logger="jobs.worker.pipeline"):
+        pipeline.close()
+    line = next(r.getMessage() for r in caplog.records if "engine idle" in r.getMessage())
+    assert "-" not in line, line
+    assert "0.00% of 0.0s" in line
