@@ -172,6 +172,23 @@ def test_the_command_refuses_gpus_per_worker_that_the_model_does_not_use() -> No
         call_command("gpuworkers", "--model", "nope", "--gpus", "0")
 
 
+def test_batchworkers_own_options_are_passed_on_to_every_worker() -> None:
+    command = gpuworkers.Command()
+    parser = command.create_parser("manage.py", "gpuworkers")
+    options = vars(parser.parse_args(["--model", "llama", "--no-control",
+                                      "--drain-seconds", "120", "--host", "node7"]))
+    assert command.worker_options.passed_on(options) == ["--no-control",
+                                                         "--drain-seconds", "120.0"]
+    options = vars(parser.parse_args(["--model", "llama"]))
+    assert command.worker_options.passed_on(options) == ["--drain-seconds", "60.0"]
+
+
+@pytest.mark.django_db
+def test_the_command_names_the_workers_itself() -> None:
+    with pytest.raises(CommandError, match="--name: gpuworkers names each worker"):
+        call_command("gpuworkers", "--model", "echo-test", "--name", "w", "--gpus", "0")
+
+
 # --- supervision, with trivial children ---
 
 # A stand-in worker: records its name, GPUs and every SIGTERM it gets in a file, stops after

@@ -38,6 +38,7 @@ from rq import SimpleWorker
 from engine.base import ModelSpec
 from jobs import queues
 from jobs.engines import model_spec
+from jobs.management.commands.batchworker import Command as BatchWorker
 from jobs.management.commands.runservice import MAX_RESTARTS, RESTART_WINDOW_SECONDS, Restarts
 
 # The vLLM options whose product is the number of GPUs one engine uses.
@@ -264,11 +265,38 @@ class Supervisor:
             time.sleep(poll_seconds)
 
 
+class WorkerOptions:
+    """batchworker's own options, declared on this command's parser as batchworker declares
+    them, and passed on to every worker; except --model and --name, which gpuworkers sets."""
+
+    SET_HERE = ("--model", "--name")
+
+    def __init__(self, parser: Any) -> None:
+        self.parser = parser
+        self.actions: list[Any] = []
+
+    def add_argument(self, *flags: str, **kwargs: Any) -> None:
+        action = self.parser.add_argument(*flags, **kwargs)
+        if not set(flags) & set(self.SET_HERE):
+            self.actions.append(action)
+
+    def passed_on(self, options: Mapping[str, Any]) -> list[str]:
+        args: list[str] = []
+        for action in self.actions:
+            value, flag = options[action.dest], action.option_strings[0]
+            if action.nargs == 0:  # a switch
+                args += [flag] if value else []
+            elif value is not None:
+                args += [flag, str(value)]
+        return args
+
+
 class Command(BaseCommand):
     help = "Run one batchworker per GPU (or per tensor-parallel GPU group) on this host."
 
     def add_arguments(self, parser: Any) -> None:
-        parser.add_argument("--model", required=True, help="A name from BATCHWEB_MODELS.")
+        self.worker_options = WorkerOptions(parser)
+        BatchWorker().add_arguments(self.worker_options)
         parser.add_argument("--gpus-per-worker", type=int, default=0,
                             help="GPUs per engine; must match the model's tensor_parallel_size"
                                  " (x pipeline/data parallel size). Default: that product.")
@@ -277,10 +305,6 @@ class Command(BaseCommand):
                                  "else every GPU nvidia-smi -L lists).")
         parser.add_argument("--host", default="",
                             help="Host part of the worker names (default the host name).")
-        parser.add_argument("--no-control", action="store_true",
-                            help="Workers do not take validation/finalization jobs.")
-        parser.add_argument("--drain-seconds", type=float, default=60.0,
-                            help="On SIGTERM, how long shards in flight may take to finish.")
 
     def handle(self, *args: Any, **options: Any) -> None:
         spec = model_spec(options["model"])
@@ -294,9 +318,10 @@ class Command(BaseCommand):
                 f"make one engine use {per_engine} GPU(s) ({' x '.join(PARALLEL_OPTIONS)}); "
                 "set tensor_parallel_size in BATCHWEB_MODELS_FILE to change it")
         devices = visible_devices(explicit=options["gpus"], environ=os.environ)
-        worker_args = ["--drain-seconds", str(options["drain_seconds"])]
-        if options["no_control"]:
-            worker_args.append("--no-control")
+        if options["name"]:
+            raise CommandError("--name: gpuworkers names each worker <host>.gpu<ids>.<model>"
+                               " (set the host part with --host)")
+        worker_args = self.worker_options.passed_on(options)
         plans, idle = plan_workers(spec=spec, devices=devices, per_worker=per_engine,
                                    host=options["host"] or socket.gethostname(),
                                    environ=os.environ, worker_args=worker_args)
