@@ -1,0 +1,312 @@
+"""deploy/: the compose file and the Dockerfile checked against the code they start (no
+container runs here): every variable a batchweb container is given is one the settings read,
+every command is a real manage.py command or gunicorn entry with arguments its parser
+accepts, every worker's GPUs match its model; and the image's helper scripts, run."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from django.core.management import get_commands, load_command_class
+from django.core.management.base import CommandError
+
+from engine.base import ModelSpec
+from jobs.management.commands.gpuworkers import STOP_MARGIN_SECONDS, gpus_per_engine
+from tests.helpers import ROOT
+
+DEPLOY = ROOT / "deploy"
+COMPOSE = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+DOCKERFILE = (DEPLOY / "Dockerfile").read_text()
+
+# Read by CUDA in the worker processes, not by Django: how a worker is pinned to its GPUs.
+CUDA_NAMES = {"CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER"}
+# Added by the object-storage work: its settings are not on this branch yet.
+OBJECT_STORAGE_NAMES = {
+    "BATCHWEB_S3_ENDPOINT_URL", "BATCHWEB_S3_BUCKET", "BATCHWEB_S3_REGION",
+    "BATCHWEB_S3_ACCESS_KEY_ID", "BATCHWEB_S3_SECRET_ACCESS_KEY",
+    "BATCHWEB_S3_ADDRESSING_STYLE",
+}
+_ENV_READERS = {"env_bool", "env_int", "env_float", "env_list", "getenv"}
+
+
+def settings_env_names() -> set[str]:
+    """Every environment variable batchweb/settings.py reads, from its source:
+    os.environ.get("X"), os.environ["X"], "X" in os.environ, os.getenv("X"), env_*("X")."""
+    names = set()
+
+    def is_environ(node: ast.AST) -> bool:
+        return isinstance(node, ast.Attribute) and node.attr == "environ"
+
+    for node in ast.walk(ast.parse((ROOT / "batchweb" / "settings.py").read_text())):
+        key: ast.AST | None = None
+        if isinstance(node, ast.Call) and node.args:
+            func = node.func
+            if (isinstance(func, ast.Attribute) and func.attr == "get"
+                    and is_environ(func.value)) or (
+                    getattr(func, "id", getattr(func, "attr", None)) in _ENV_READERS):
+                key = node.args[0]
+        elif isinstance(node, ast.Subscript) and is_environ(node.value):
+            key = node.slice
+        elif (isinstance(node, ast.Compare) and len(node.comparators) == 1
+              and is_environ(node.comparators[0])):
+            key = node.left
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            names.add(key.value)
+    return names
+
+
+def batchweb_services() -> dict[str, dict[str, Any]]:
+    """The services that run this repository's image (built from deploy/Dockerfile)."""
+    return {name: service for name, service in COMPOSE["services"].items()
+            if service.get("build", {}).get("dockerfile") == "deploy/Dockerfile"}
+
+
+def interpolated(value: str) -> str:
+    """A compose value with each ${VAR:-default} as its default, other ${VAR...} as "x"."""
+    return re.sub(r"\$\{[A-Z0-9_]+(?::-([^}]*))?[^}]*\}",
+                  lambda m: m.group(1) if m.group(1) is not None else "x", value)
+
+
+def test_the_settings_reader_finds_what_settings_reads() -> None:
+    names = settings_env_names()
+    assert {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "ALLOWED_HOSTS", "DEBUG",
+            "BATCHWEB_HTTPS", "BATCHWEB_STORAGE_BACKEND", "BATCHWEB_MODELS_FILE",
+            "BATCHWEB_METRICS_TOKEN", "BATCHWEB_SHARD_SIZE", "BATCHWEB_WEBHOOK_ALLOWED_HOSTS",
+            "LOG_LEVEL", "BATCHWEB_VAR_DIR"} <= names
+    assert "CUDA_VISIBLE_DEVICES" not in names
+
+
+def test_every_variable_a_batchweb_container_gets_is_read_by_the_settings() -> None:
+    known = settings_env_names() | CUDA_NAMES | (OBJECT_STORAGE_NAMES - settings_env_names())
+    services = batchweb_services()
+    assert {"migrate", "web", "worker-gpu0", "worker-gpu1"} <= set(services)
+    for name, service in services.items():
+        unknown = set(service["environment"]) - known
+        assert not unknown, f"{name} sets variables nothing reads: {sorted(unknown)}"
+    # The image's own defaults too.
+    image_env = set(re.findall(r"\b(BATCHWEB_[A-Z_]+)=", DOCKERFILE))
+    assert image_env and image_env <= settings_env_names()
+
+
+def test_the_object_storage_allow_list_holds_only_names_settings_lacks() -> None:
+    # Once the object-storage settings are merged, their names leave OBJECT_STORAGE_NAMES;
+    # until then it may list only those, and the compose file must use exactly them.
+    used = {key for service in batchweb_services().values()
+            for key in service["environment"] if key.startswith("BATCHWEB_S3_")}
+    assert used <= OBJECT_STORAGE_NAMES | settings_env_names()
+    assert "BATCHWEB_STORAGE_BACKEND" in settings_env_names()
+
+
+def check_command(command: list[str]) -> None:
+    args = [interpolated(arg) for arg in command]
+    if args[0] == "gunicorn":
+        from gunicorn.config import Config
+
+        parsed = Config().parser().parse_args(args[1:])  # exits on an unknown option
+        module, _, attr = parsed.args[0].partition(":")
+        __import__(module)
+        assert callable(getattr(sys.modules[module], attr)), parsed.args[0]
+        return
+    assert args[:2] == ["python", "manage.py"], command
+    commands = get_commands()
+    assert args[2] in commands, f"no manage.py command {args[2]!r}"
+    parser = load_command_class(commands[args[2]], args[2]).create_parser("manage.py", args[2])
+    parser.parse_args(args[3:])  # raises CommandError on an unknown option
+
+
+def test_every_command_is_a_real_manage_py_command_or_gunicorn_entry() -> None:
+    for name, service in batchweb_services().items():
+        try:
+            check_command(service["command"])
+        except (SystemExit, CommandError):
+            pytest.fail(f"{name}: {service['command']} has arguments its parser refuses")
+
+
+def test_the_images_default_command_is_the_web_server() -> None:
+    cmd = json.loads(re.search(r"^CMD (\[.*?\])$", DOCKERFILE, re.M | re.S).group(1)
+                     .replace("\\\n", ""))
+    check_command(cmd)
+    assert cmd == batchweb_services()["web"]["command"]
+
+
+def test_the_check_catches_a_wrong_command() -> None:
+    with pytest.raises(AssertionError, match="no manage.py command"):
+        check_command(["python", "manage.py", "gpuworker", "--model", "x"])
+    with pytest.raises(CommandError, match="unrecognized arguments: --gpu-list"):
+        check_command(["python", "manage.py", "gpuworkers", "--model", "x", "--gpu-list", "1"])
+    with pytest.raises(SystemExit):
+        check_command(["gunicorn", "batchweb.wsgi:application", "--wokers", "4"])
+
+
+def model_spec(name: str) -> ModelSpec:
+    entry = next(m for m in json.loads((DEPLOY / "models.json").read_text())
+                 if m["name"] == name)
+    return ModelSpec(name=entry["name"], backend=entry["backend"], path=entry["path"],
+                     endpoints=tuple(entry["endpoints"]), options=entry["options"])
+
+
+def seconds(duration: str) -> float:
+    value, unit = re.fullmatch(r"(\d+)(s|m)", duration).groups()
+    return float(value) * (60 if unit == "m" else 1)
+
+
+def test_each_worker_has_its_own_gpus_as_many_as_its_model_uses() -> None:
+    workers = {name: s for name, s in batchweb_services().items()
+               if s["command"][2:3] == ["gpuworkers"]}
+    assert len(workers) >= 2
+    seen: dict[str, str] = {}
+    for name, service in workers.items():
+        gpus = service["environment"]["CUDA_VISIBLE_DEVICES"].split(",")
+        for gpu in gpus:
+            assert gpu not in seen, f"GPU {gpu} given to {seen.get(gpu)} and {name}"
+            seen[gpu] = name
+        args = [interpolated(arg) for arg in service["command"]]
+        model = model_spec(args[args.index("--model") + 1])
+        assert gpus_per_engine(model) == len(gpus), name
+        assert "--host" in args, f"{name}: workers are named by host"
+        # Docker must not SIGKILL a worker that is still draining.
+        assert seconds(service["stop_grace_period"]) > 60 + STOP_MARGIN_SECONDS
+        assert service["healthcheck"] == {"disable": True}
+        assert service["init"] is True
+        devices = service["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"]
+
+
+def test_the_web_waits_for_the_migration_and_has_a_health_check() -> None:
+    web = COMPOSE["services"]["web"]
+    assert web["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    assert batchweb_services()["migrate"]["command"][2] == "migrate"
+    assert 'CMD ["python", "deploy/healthcheck.py"]' in DOCKERFILE
+    assert "USER batchweb" in DOCKERFILE
+
+
+def test_what_the_dockerfile_copies_and_runs_exists() -> None:
+    for source in re.findall(r"^COPY (\S+) ", DOCKERFILE, re.M):
+        assert (ROOT / source).exists(), source
+    assert "bash engine/install_cpu.sh" in DOCKERFILE
+    ignored = [line for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line and not line.startswith("#")]
+    for needed in ("deploy", "engine", "jobs", "batchweb", "templates", "static",
+                   "pyproject.toml", "manage.py"):
+        assert needed not in ignored
+    # The store's start script is the file compose mounts.
+    assert "./seaweedfs.sh:/seaweedfs.sh:ro" in COMPOSE["services"]["s3"]["volumes"]
+    assert (DEPLOY / "seaweedfs.sh").exists()
+
+
+def test_the_image_installs_pyprojects_dependencies() -> None:
+    import subprocess
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def run(*extras: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, str(DEPLOY / "requirements.py"), *extras],
+                              capture_output=True, text=True, timeout=30)
+
+    assert run().stdout.split("\n")[:-1] == project["dependencies"]
+    assert run("gpu").stdout.split("\n")[:-1] == (
+        project["dependencies"] + project["optional-dependencies"]["gpu"])
+    assert run("").stdout == run().stdout  # EXTRAS="" in the Dockerfile
+    refused = run("no-such-extra")
+    assert refused.returncode != 0 and "declares no extra no-such-extra" in refused.stderr
+
+
+# --- the health check, against a live server ---
+
+def healthcheck() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("healthcheck", DEPLOY / "healthcheck.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_health_check_asks_with_a_host_django_accepts() -> None:
+    host_header = healthcheck().host_header
+    assert host_header("batch.example.com,localhost") == "batch.example.com"
+    assert host_header(".example.com") == "example.com"
+    assert host_header("*") == "localhost"
+    assert host_header("") == "localhost"
+
+
+def test_the_health_check_passes_on_a_live_server_and_fails_otherwise(
+        live_server: Any, settings: Any) -> None:
+    check = healthcheck().check
+    settings.ALLOWED_HOSTS = ["batch.example.com"]
+    url = live_server.url + "/accounts/login/"
+    assert check(url, allowed_hosts="batch.example.com") == ""
+    assert check(url, allowed_hosts="other.example.com") == f"{url}: HTTP 400"
+    assert check(live_server.url + "/nope/", allowed_hosts="batch.example.com").endswith(
+        "HTTP 404")
+    assert check("http://127.0.0.1:9/", allowed_hosts="x", timeout=2).startswith(
+        "http://127.0.0.1:9/: ")
+
+
+def test_the_health_check_asks_as_https_and_never_follows_a_redirect() -> None:
+    # With BATCHWEB_HTTPS on, Django redirects a request the proxy did not mark as https
+    # to https://<host>/, which would leave the container. (SecurityMiddleware reads the
+    # setting once, at start, so a stand-in server plays Django here.)
+    import http.server
+    import threading
+
+    seen: list[dict[str, str]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(dict(self.headers))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        check = healthcheck().check
+        url = f"http://127.0.0.1:{server.server_address[1]}/accounts/login/"
+        assert check(url, allowed_hosts="batch.example.com,localhost") == ""
+        assert seen[-1]["Host"] == "batch.example.com"
+        assert seen[-1]["X-Forwarded-Proto"] == "https"
+        seen.clear()
+
+        class Redirects(Handler):
+            def do_GET(self) -> None:
+                seen.append(dict(self.headers))
+                self.send_response(301)
+                self.send_header("Location", "https://batch.example.com/")
+                self.end_headers()
+
+        server.RequestHandlerClass = Redirects
+        assert check(url, allowed_hosts="batch.example.com") == f"{url}: HTTP 301"
+        assert len(seen) == 1  # not followed
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_compose_file_has_the_services_the_deployment_needs() -> None:
+    services = COMPOSE["services"]
+    assert {"postgres", "redis", "s3", "migrate", "web"} <= set(services)
+    assert "noeviction" in services["redis"]["command"]
+    env = batchweb_services()["web"]["environment"]
+    assert env["DATABASE_URL"].endswith("@postgres:5432/batchweb}")
+    assert interpolated(env["BATCHWEB_S3_ENDPOINT_URL"]) == "http://s3:8333"
+    assert env["BATCHWEB_STORAGE_BACKEND"] == "storages.backends.s3.S3Storage"
+
+
+def test_env_example_sets_what_compose_requires() -> None:
+    required = set(re.findall(r"\$\{([A-Z0-9_]+):\?", (DEPLOY / "compose.yaml").read_text()))
+    example = set(re.findall(r"^#? ?([A-Z0-9_]+)=", (DEPLOY / "env.example").read_text(), re.M))
+    assert required and required <= example
+    assert Path(DEPLOY / "env.example").read_text().count("SECRET_KEY=\n") == 1
