@@ -6,10 +6,18 @@ service on one laptop: SQLite, a private Redis started by `make run`, files unde
 
 import json
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
+from django.core.checks.security.base import (
+    SECRET_KEY_INSECURE_PREFIX,
+    SECRET_KEY_MIN_LENGTH,
+    SECRET_KEY_MIN_UNIQUE_CHARACTERS,
+)
 from django.core.exceptions import ImproperlyConfigured
+
+from batchweb.embedded import SECRET_KEY_FILE
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("BATCHWEB_VAR_DIR", BASE_DIR / "var"))
@@ -52,8 +60,24 @@ def env_float(name: str, default: float) -> float:
         raise ImproperlyConfigured(f"{name}={value!r} is not a number.") from None
 
 
-SECRET_KEY = os.environ.get("SECRET_KEY", "dev-only-insecure-key-change-me")
 DEBUG = env_bool("DEBUG", False)
+
+# The key signs sessions, CSRF tokens and password-reset links: whoever knows it can forge a
+# staff session. `make install` writes a random one to the checkout's var/secret_key once
+# (batchweb.embedded.ensure_secret_key) so `make run` and the benchmarks, whose scratch
+# BATCHWEB_VAR_DIR is elsewhere, all find it; a deployment sets SECRET_KEY. Without DEBUG the
+# service refuses the development key and any key `check --deploy` would call weak.
+DEV_SECRET_KEY = "dev-only-insecure-key-change-me"
+SECRET_KEY = os.environ.get("SECRET_KEY") or (
+    SECRET_KEY_FILE.read_text().strip() if SECRET_KEY_FILE.exists() else DEV_SECRET_KEY)
+if not DEBUG and (
+        SECRET_KEY == DEV_SECRET_KEY or len(SECRET_KEY) < SECRET_KEY_MIN_LENGTH
+        or len(set(SECRET_KEY)) < SECRET_KEY_MIN_UNIQUE_CHARACTERS
+        or SECRET_KEY.startswith(SECRET_KEY_INSECURE_PREFIX)):
+    raise ImproperlyConfigured(
+        f"SECRET_KEY is the development key or too weak (at least {SECRET_KEY_MIN_LENGTH} "
+        f"random characters): set SECRET_KEY, or run `make install` to write "
+        f"{SECRET_KEY_FILE}. Only DEBUG=1 runs with the development key.")
 ALLOWED_HOSTS = os.environ.get("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver").split(",")
 CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("CSRF_TRUSTED_ORIGINS", "").split(",") if o]
 
@@ -249,12 +273,15 @@ LOGGING = {
     "loggers": {"django.db.backends": {"level": "WARNING"}},
 }
 
-# Production hardening; `manage.py check --deploy` with DEBUG off and HTTPS on is clean.
+# Production hardening; `manage.py check --deploy` with DEBUG off is clean.
 SECURE_CONTENT_TYPE_NOSNIFF = True
 SECURE_REFERRER_POLICY = "same-origin"
 X_FRAME_OPTIONS = "DENY"
 SESSION_COOKIE_HTTPONLY = True
-if env_bool("BATCHWEB_HTTPS"):
+# HTTPS is the default wherever DEBUG is off: secure cookies, HSTS, the redirect, and the
+# proxy's X-Forwarded-Proto trusted (the proxy terminates TLS and must set it).
+# BATCHWEB_HTTPS=0 is the opt-out for plain HTTP on loopback (`make run`, the tests).
+if env_bool("BATCHWEB_HTTPS", not DEBUG):
     SECURE_SSL_REDIRECT = True
     SESSION_COOKIE_SECURE = True
     CSRF_COOKIE_SECURE = True
