@@ -92,6 +92,7 @@ INSTALLED_APPS = [
     "django_htmx",
     "django_rq",
     "template_partials",
+    "axes",
     "jobs",
 ]
 
@@ -106,6 +107,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    # Last, as django-axes asks: it turns a locked-out login into its lockout answer.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "batchweb.urls"
@@ -148,8 +151,33 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
+# Login throttling (django-axes), on the dashboard's and the admin's login alike: both go
+# through authenticate(), which AxesStandaloneBackend guards. Failures count per
+# (username, IP) and per IP, never per username alone: a lock on a username could be set off
+# by anyone anywhere, locking its owner out (lockout abuse). So an address gets
+# LOGIN_FAILURES_PER_USER guesses at one account, and LOGIN_FAILURES_PER_IP across all
+# accounts (credential stuffing from one place); the owner, signing in from elsewhere, is not
+# affected. A lock lifts after AXES_COOLOFF_TIME without failures; distributed guessing is
+# left to the password validators above.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+LOGIN_FAILURES_PER_USER = 5
+LOGIN_FAILURES_PER_IP = 20
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"], "ip_address"]
+AXES_FAILURE_LIMIT = "batchweb.throttle.login_failure_limit"
+AXES_COOLOFF_TIME = timedelta(minutes=15)
+# A success must not reset the address's count: an attacker with an account of their own
+# could sign in between guesses to start over.
+AXES_RESET_ON_SUCCESS = False
+# Reverse proxies between the clients and gunicorn (0: none), for the client's address.
+BATCHWEB_PROXY_COUNT = env_int("BATCHWEB_PROXY_COUNT", 0)
+AXES_CLIENT_IP_CALLABLE = "batchweb.throttle.client_ip"
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "batch_list"
 LOGOUT_REDIRECT_URL = "login"
