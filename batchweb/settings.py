@@ -214,8 +214,11 @@ FILE_UPLOAD_TEMP_DIR = str(TMP_DIR)
 # Uploads bigger than this go to a temporary file while they arrive, never into memory.
 FILE_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
 
+# Passed to redis-py unchanged: redis://:password@host/0 authenticates, rediss:// uses TLS.
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
-RQ_SHOW_ADMIN_LINK = True
+# django-rq's pages are only at /admin/rq/, for superusers (batchweb/urls.py): its own admin
+# entry would open them to every staff user.
+RQ_SHOW_ADMIN_LINK = False
 
 # --- Batch limits (OpenAI's defaults; operators raise or lower them) ---
 BATCHWEB = {
