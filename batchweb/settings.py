@@ -6,10 +6,18 @@ service on one laptop: SQLite, a private Redis started by `make run`, files unde
 
 import json
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
+from django.core.checks.security.base import (
+    SECRET_KEY_INSECURE_PREFIX,
+    SECRET_KEY_MIN_LENGTH,
+    SECRET_KEY_MIN_UNIQUE_CHARACTERS,
+)
 from django.core.exceptions import ImproperlyConfigured
+
+from batchweb.embedded import SECRET_KEY_FILE
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("BATCHWEB_VAR_DIR", BASE_DIR / "var"))
@@ -52,8 +60,24 @@ def env_float(name: str, default: float) -> float:
         raise ImproperlyConfigured(f"{name}={value!r} is not a number.") from None
 
 
-SECRET_KEY = os.environ.get("SECRET_KEY", "dev-only-insecure-key-change-me")
 DEBUG = env_bool("DEBUG", False)
+
+# The key signs sessions, CSRF tokens and password-reset links: whoever knows it can forge a
+# staff session. `make install` writes a random one to the checkout's var/secret_key once
+# (batchweb.embedded.ensure_secret_key) so `make run` and the benchmarks, whose scratch
+# BATCHWEB_VAR_DIR is elsewhere, all find it; a deployment sets SECRET_KEY. Without DEBUG the
+# service refuses the development key and any key `check --deploy` would call weak.
+DEV_SECRET_KEY = "dev-only-insecure-key-change-me"
+SECRET_KEY = os.environ.get("SECRET_KEY") or (
+    SECRET_KEY_FILE.read_text().strip() if SECRET_KEY_FILE.exists() else DEV_SECRET_KEY)
+if not DEBUG and (
+        SECRET_KEY == DEV_SECRET_KEY or len(SECRET_KEY) < SECRET_KEY_MIN_LENGTH
+        or len(set(SECRET_KEY)) < SECRET_KEY_MIN_UNIQUE_CHARACTERS
+        or SECRET_KEY.startswith(SECRET_KEY_INSECURE_PREFIX)):
+    raise ImproperlyConfigured(
+        f"SECRET_KEY is the development key or too weak (at least {SECRET_KEY_MIN_LENGTH} "
+        f"random characters): set SECRET_KEY, or run `make install` to write "
+        f"{SECRET_KEY_FILE}. Only DEBUG=1 runs with the development key.")
 ALLOWED_HOSTS = os.environ.get("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],testserver").split(",")
 CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("CSRF_TRUSTED_ORIGINS", "").split(",") if o]
 
@@ -68,6 +92,7 @@ INSTALLED_APPS = [
     "django_htmx",
     "django_rq",
     "template_partials",
+    "axes",
     "jobs",
 ]
 
@@ -82,6 +107,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    # Last, as django-axes asks: it turns a locked-out login into its lockout answer.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "batchweb.urls"
@@ -124,8 +151,33 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
+# Login throttling (django-axes), on the dashboard's and the admin's login alike: both go
+# through authenticate(), which AxesStandaloneBackend guards. Failures count per
+# (username, IP) and per IP, never per username alone: a lock on a username could be set off
+# by anyone anywhere, locking its owner out (lockout abuse). So an address gets
+# LOGIN_FAILURES_PER_USER guesses at one account, and LOGIN_FAILURES_PER_IP across all
+# accounts (credential stuffing from one place); the owner, signing in from elsewhere, is not
+# affected. A lock lifts after AXES_COOLOFF_TIME without failures; distributed guessing is
+# left to the password validators above.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+LOGIN_FAILURES_PER_USER = 5
+LOGIN_FAILURES_PER_IP = 20
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"], "ip_address"]
+AXES_FAILURE_LIMIT = "batchweb.throttle.login_failure_limit"
+AXES_COOLOFF_TIME = timedelta(minutes=15)
+# A success must not reset the address's count: an attacker with an account of their own
+# could sign in between guesses to start over.
+AXES_RESET_ON_SUCCESS = False
+# Reverse proxies between the clients and gunicorn (0: none), for the client's address.
+BATCHWEB_PROXY_COUNT = env_int("BATCHWEB_PROXY_COUNT", 0)
+AXES_CLIENT_IP_CALLABLE = "batchweb.throttle.client_ip"
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "batch_list"
 LOGOUT_REDIRECT_URL = "login"
@@ -162,8 +214,11 @@ FILE_UPLOAD_TEMP_DIR = str(TMP_DIR)
 # Uploads bigger than this go to a temporary file while they arrive, never into memory.
 FILE_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
 
+# Passed to redis-py unchanged: redis://:password@host/0 authenticates, rediss:// uses TLS.
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
-RQ_SHOW_ADMIN_LINK = True
+# django-rq's pages are only at /admin/rq/, for superusers (batchweb/urls.py): its own admin
+# entry would open them to every staff user.
+RQ_SHOW_ADMIN_LINK = False
 
 # --- Batch limits (OpenAI's defaults; operators raise or lower them) ---
 BATCHWEB = {
@@ -255,12 +310,15 @@ LOGGING = {
     "loggers": {"django.db.backends": {"level": "WARNING"}},
 }
 
-# Production hardening; `manage.py check --deploy` with DEBUG off and HTTPS on is clean.
+# Production hardening; `manage.py check --deploy` with DEBUG off is clean.
 SECURE_CONTENT_TYPE_NOSNIFF = True
 SECURE_REFERRER_POLICY = "same-origin"
 X_FRAME_OPTIONS = "DENY"
 SESSION_COOKIE_HTTPONLY = True
-if env_bool("BATCHWEB_HTTPS"):
+# HTTPS is the default wherever DEBUG is off: secure cookies, HSTS, the redirect, and the
+# proxy's X-Forwarded-Proto trusted (the proxy terminates TLS and must set it).
+# BATCHWEB_HTTPS=0 is the opt-out for plain HTTP on loopback (`make run`, the tests).
+if env_bool("BATCHWEB_HTTPS", not DEBUG):
     SECURE_SSL_REDIRECT = True
     SESSION_COOKIE_SECURE = True
     CSRF_COOKIE_SECURE = True

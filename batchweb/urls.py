@@ -1,10 +1,23 @@
+from collections.abc import Callable
+
 from django.contrib import admin
+from django.contrib.auth.decorators import user_passes_test
 from django.urls import include, path
+from django_rq.urls import get_admin_urlpatterns, get_api_urlpatterns
+
+# django-rq's pages show every job's arguments and can empty, requeue or stop any queue:
+# superusers only (django-rq itself lets any staff user in). Everyone else is sent to the
+# admin's login, which tells a signed-in staff user they may not see the page. stats.json
+# keeps django-rq's own check (staff, or RQ_API_TOKEN): counts only, as on Queue health.
+superuser_required: Callable[[Callable], Callable] = user_passes_test(
+    lambda user: user.is_superuser, login_url="admin:login")
+rq_urlpatterns = [*get_api_urlpatterns(),
+                  *get_admin_urlpatterns(view_wrapper=superuser_required)]
 
 urlpatterns = [
     path("", include("jobs.views.ops_urls")),  # /metrics, /account/
     path("v1/", include("jobs.api.urls")),
-    path("admin/rq/", include("django_rq.urls")),
+    path("admin/rq/", include((rq_urlpatterns, "django_rq"))),
     path("admin/", admin.site.urls),
     path("", include("jobs.views.urls")),
 ]

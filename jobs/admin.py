@@ -7,11 +7,13 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib import admin, messages
+from django.contrib.auth import get_user_model
 from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
 from django.urls import URLPattern, path
 from django.utils import timezone
+from django.utils.cache import add_never_cache_headers
 
 from jobs.models import (
     ApiKey,
@@ -47,15 +49,33 @@ class ApiKeyAdmin(admin.ModelAdmin):
         # A key's owner and name are set once, when it is created.
         return [*self.readonly_fields, "owner", "name"] if obj else self.readonly_fields
 
+    def formfield_for_foreignkey(self, db_field: Any, request: HttpRequest,
+                                 **kwargs: Any) -> Any:
+        # A key acts as its owner: only a superuser may mint one for somebody else.
+        if db_field.name == "owner" and not request.user.is_superuser:
+            kwargs["queryset"] = get_user_model().objects.filter(
+                username=request.user.get_username())
+        return super().formfield_for_foreignkey(db_field, request, **kwargs)
+
     def save_model(self, request: HttpRequest, obj: ApiKey, form: Any, change: bool) -> None:
         if change:
             return
         key, secret = create_api_key(owner=obj.owner, name=obj.name)
         obj.pk = key.pk
-        messages.warning(request, f"The new key is {secret} — copy it now, it is not shown "
-                                  "again.")
+        request.new_api_key_secret = secret  # type: ignore[attr-defined]  # for response_add
 
-    @admin.action(description="Revoke selected keys")
+    def response_add(self, request: HttpRequest, obj: ApiKey,
+                     post_url_continue: str | None = None) -> HttpResponse:
+        # The secret is shown on this response alone: not in a messages cookie or the session,
+        # which outlive the page, and never cached.
+        context = {**self.admin_site.each_context(request), "title": "New API key",
+                   "opts": self.model._meta, "key": obj,
+                   "secret": getattr(request, "new_api_key_secret", "")}
+        response = TemplateResponse(request, "admin/jobs/apikey/created.html", context)
+        add_never_cache_headers(response)
+        return response
+
+    @admin.action(description="Revoke selected keys", permissions=["change"])
     def revoke(self, request: HttpRequest, queryset: QuerySet[ApiKey]) -> None:
         for key in queryset:
             revoke_api_key(key=key)
@@ -74,7 +94,7 @@ class FileAdmin(admin.ModelAdmin):
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
-    @admin.action(description="Delete selected files that have expired")
+    @admin.action(description="Delete selected files that have expired", permissions=["delete"])
     def delete_expired(self, request: HttpRequest, queryset: QuerySet[File]) -> None:
         """What `manage.py cleanup` does to expired files, for the selected rows only:
         rows not yet expired, and the input of an active batch, are kept."""
@@ -132,7 +152,7 @@ class BatchAdmin(admin.ModelAdmin):
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
-    @admin.action(description="Cancel selected batches")
+    @admin.action(description="Cancel selected batches", permissions=["change"])
     def cancel(self, request: HttpRequest, queryset: QuerySet[Batch]) -> None:
         done = 0
         for batch in queryset:
@@ -143,7 +163,7 @@ class BatchAdmin(admin.ModelAdmin):
                 self.message_user(request, f"{batch.pk}: {exc.message}", messages.WARNING)
         self.message_user(request, f"Cancelling {done} batch(es).")
 
-    @admin.action(description="Requeue stuck or failed shards now")
+    @admin.action(description="Requeue stuck or failed shards now", permissions=["change"])
     def requeue_shards(self, request: HttpRequest, queryset: QuerySet[Batch]) -> None:
         """Shards waiting for a retry run now, shards whose job was lost get a new one,
         running shards of a silent worker are retried, and shards out of retries get
@@ -239,7 +259,7 @@ class WebhookEventAdmin(admin.ModelAdmin):
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
-    @admin.action(description="Retry delivery now")
+    @admin.action(description="Retry delivery now", permissions=["change"])
     def retry(self, request: HttpRequest, queryset: QuerySet[WebhookEvent]) -> None:
         ids = list(queryset.exclude(status=WebhookEvent.Status.DELIVERED).values_list(
             "pk", flat=True))

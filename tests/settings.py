@@ -21,6 +21,11 @@ for _name, _value in {
     # TMP_DIR of parts whose shard is not running in *their* database, so a session must
     # not share it with `make run` or another session.
     "BATCHWEB_TMP_DIR": os.path.join(tempfile.gettempdir(), f"batchweb-tests-{os.getpid()}"),
+    # DEBUG is off in tests, so the service wants a real key; in the environment, so the
+    # worker and server processes the tests start sign with the same one.
+    "SECRET_KEY": "tests-only-" + "q7Lm2Xv9Rk4Tz8Wp3Hs6Jd1Fb5Nc0Yg-" * 2,
+    # Live servers and gunicorn in the tests speak plain HTTP on loopback.
+    "BATCHWEB_HTTPS": "0",
 }.items():
     os.environ.setdefault(_name, _value)
 

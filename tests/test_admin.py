@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.contrib.admin.utils import quote  # ids in admin URLs are quoted
 
@@ -48,13 +50,16 @@ def test_plain_users_cannot_open_the_admin(client, user):
 
 
 def test_admin_creates_a_hashed_key_shown_once(staff, user):
-    response = staff.post("/admin/jobs/apikey/add/", {"owner": user.pk, "name": "ops"},
-                          follow=True)
+    response = staff.post("/admin/jobs/apikey/add/", {"owner": user.pk, "name": "ops"})
     assert response.status_code == 200
     key = ApiKey.objects.get(name="ops")
-    shown = [str(m) for m in response.context["messages"] if "sk-bw-" in str(m)]
+    # On the response itself, never cached, and in no message that a later page shows.
+    shown = set(re.findall(r"sk-bw-[A-Za-z0-9_\-]{20,}", response.content.decode()))
     assert len(shown) == 1
-    secret = shown[0].split("The new key is ")[1].split(" ")[0]
+    assert "no-store" in response["Cache-Control"]
+    assert not list(response.context["messages"])
+    secret = shown.pop()
+    assert secret not in staff.get("/admin/jobs/apikey/").content.decode()
     assert key.secret_hash != secret and secret not in key.secret_hash
     from jobs.services.keys import authenticate_key
 
