@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
+from django.http import (
+    FileResponse,
+    HttpRequest,
+    HttpResponse,
+    HttpResponseRedirect,
+    JsonResponse,
+)
 
 from jobs.api.base import (
     api_view,
@@ -16,7 +22,13 @@ from jobs.api.base import (
 )
 from jobs.models import File
 from jobs.services.errors import ServiceError
-from jobs.services.files import create_input_file, delete_file, get_file_for_user, open_file
+from jobs.services.files import (
+    create_input_file,
+    delete_file,
+    download_url,
+    get_file_for_user,
+    open_file,
+)
 
 
 def _expires_after(request: HttpRequest) -> Any:
@@ -65,10 +77,18 @@ def file_content(request: HttpRequest, user: Any, file_id: str) -> HttpResponse:
     return download_response(file)
 
 
-def download_response(file: File) -> FileResponse:
-    """The file's content, streamed in chunks, always as an attachment."""
-    return FileResponse(open_file(file), as_attachment=True, filename=file.filename,
-                        content_type="application/jsonl")
+def download_response(file: File) -> HttpResponse:
+    """The file's content, streamed in chunks, always as an attachment; or, with
+    DOWNLOAD_REDIRECT on object storage, a redirect to a presigned URL of a few seconds
+    (callers have checked the owner)."""
+    url = download_url(file)
+    if url:
+        return HttpResponseRedirect(url)
+    response = FileResponse(open_file(file), as_attachment=True, filename=file.filename,
+                            content_type="application/jsonl")
+    if "Content-Length" not in response:  # a stream from object storage has no size
+        response["Content-Length"] = str(file.bytes)
+    return response
 
 
 files = api_view({"GET": list_files, "POST": upload_file})
