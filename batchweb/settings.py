@@ -152,12 +152,12 @@ _S3_BACKENDS = ("s3", "storages.backends.s3.S3Storage", "storages.backends.s3bot
 
 def s3_storage_options() -> dict:
     """django-storages' S3Storage options from the BATCHWEB_S3_* variables."""
-    from botocore.config import Config
-
     bucket = os.environ.get("BATCHWEB_S3_BUCKET", "").strip()
     if not bucket:
         raise ImproperlyConfigured(
             "BATCHWEB_S3_BUCKET is required with BATCHWEB_STORAGE_BACKEND=s3.")
+    from botocore.config import Config
+
     return {
         "bucket_name": bucket,
         "endpoint_url": os.environ.get("BATCHWEB_S3_ENDPOINT_URL") or None,

@@ -88,7 +88,7 @@ class ObjectStorage(Protocol):
         is stored when the sources hold no bytes."""
         ...
 
-    def list(self, prefix: str) -> Iterator[StoredObject]:
+    def list_prefix(self, prefix: str) -> Iterator[StoredObject]:
         """Every object under the folder `prefix`, at any depth."""
         ...
 
@@ -149,7 +149,7 @@ class DjangoStorage:
             size = writer.size
         return size
 
-    def list(self, prefix: str) -> Iterator[StoredObject]:
+    def list_prefix(self, prefix: str) -> Iterator[StoredObject]:
         try:
             dirs, names = self.storage.listdir(prefix)
         except (FileNotFoundError, NotADirectoryError):
@@ -163,7 +163,7 @@ class DjangoStorage:
                 continue
             yield StoredObject(full, size, modified)
         for sub in dirs:
-            yield from self.list(f"{prefix}/{sub}")
+            yield from self.list_prefix(f"{prefix}/{sub}")
 
     def delete_many(self, names: Iterable[str]) -> None:
         for name in names:
@@ -269,7 +269,7 @@ class S3Storage:
         from botocore.exceptions import ClientError
 
         if end is not None and end <= start:
-            return io.BytesIO(b"")  # type: ignore[return-value]
+            return io.BytesIO(b"")
         byte_range = f"bytes={start}-{'' if end is None else end - 1}"
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self.key(name),
@@ -279,9 +279,9 @@ class S3Storage:
             if code in ("NoSuchKey", "404"):
                 raise FileNotFoundError(f"No stored object {name!r}") from None
             if code == "InvalidRange":  # start at or past the end: nothing to read
-                return io.BytesIO(b"")  # type: ignore[return-value]
+                return io.BytesIO(b"")
             raise
-        return io.BufferedReader(_Body(response["Body"]), buffer_size=64 * 1024)  # type: ignore[return-value]
+        return io.BufferedReader(_Body(response["Body"]), buffer_size=64 * 1024)
 
     def open_writer(self, name: str) -> Writer:
         return _MultipartWriter(self, name)
@@ -316,7 +316,7 @@ class S3Storage:
                         writer.write(chunk)
             position += length
 
-    def list(self, prefix: str) -> Iterator[StoredObject]:
+    def list_prefix(self, prefix: str) -> Iterator[StoredObject]:
         paginator = self.client.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=self.bucket, Prefix=self.key(prefix) + "/"):
             for entry in page.get("Contents", ()):

@@ -210,7 +210,7 @@ def _orphans(report: CleanupReport, *, now: datetime) -> None:
     before = now - grace()
     storage = backend()
     for prefix in PREFIXES:
-        for objects in _chunks(storage.list(prefix)):
+        for objects in _chunks(storage.list_prefix(prefix)):
             names = [o.name for o in objects]
             keep = _referenced(names) | _protected(names, now=now)
             orphans = [o.name for o in objects if o.name not in keep and o.modified < before]

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from django.conf import settings
 from django.core.files import File as DjangoFile
@@ -52,6 +52,12 @@ def temp_dir() -> Path:
     return path
 
 
+class Lines(Protocol):
+    """What the line readers need of a stream: a file, a bounded range, parts in a row."""
+
+    def readline(self, limit: int = -1, /) -> bytes: ...
+
+
 @dataclass
 class Line:
     number: int  # 1-based, counting every physical line (as editors do)
@@ -60,7 +66,7 @@ class Line:
     content: bytes | None  # without line ending; None when longer than the limit
 
 
-def iter_lines(stream: IO[bytes], *, max_line_bytes: int, start: int = 0,
+def iter_lines(stream: Lines, *, max_line_bytes: int, start: int = 0,
                first_number: int = 1) -> Iterator[Line]:
     """Every line of a binary stream with its byte range, reading at most
     `max_line_bytes` of any line into memory (a longer line is reported, not loaded)."""
@@ -191,7 +197,7 @@ class ScanResult:
     sha256: str
 
 
-def scan_jsonl(stream: IO[bytes]) -> ScanResult:
+def scan_jsonl(stream: Lines) -> ScanResult:
     """Check that a stream is UTF-8 JSONL with one JSON object per non-blank line, in one
     pass, hashing it on the way. Raises ServiceError (400) naming the first bad line."""
     digest = hashlib.sha256()
@@ -226,7 +232,7 @@ def scan_jsonl(stream: IO[bytes]) -> ScanResult:
 class _hashing:
     """A read-through wrapper that feeds every byte read into a hash."""
 
-    def __init__(self, stream: IO[bytes], digest: Any) -> None:
+    def __init__(self, stream: Lines, digest: Any) -> None:
         self.stream = stream
         self.digest = digest
 

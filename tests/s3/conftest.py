@@ -12,7 +12,6 @@ UploadPartCopy with its 5 MiB minimum, presigned URLs, SigV4 checks when asked t
 from __future__ import annotations
 
 import http.client
-import json
 import os
 import secrets
 import socket
@@ -32,11 +31,10 @@ try:
     import boto3
     import moto.server  # noqa: F401
     from botocore.config import Config
-except ImportError:  # pragma: no cover
+except ImportError:  # an environment installed before the S3 extras: skipped, except in CI
     if os.environ.get("CI"):
         raise  # CI installs the test extras: a missing S3 server is a broken install
-    pytest.skip("moto[server] and boto3 are not installed (pip install -e '.[test]')",
-                allow_module_level=True)
+    boto3 = None
 
 ACCESS_KEY = "batchweb-test"
 SECRET_KEY = "batchweb-test-secret"
@@ -63,9 +61,10 @@ class S3Server:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1):
                     break
-            except OSError:
+            except OSError as exc:
                 if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto server did not start: see {self.log.name}")
+                    raise RuntimeError(
+                        f"moto server did not start: see {self.log.name}") from exc
                 time.sleep(0.1)
 
     def client(self, url: str | None = None, **keys: str) -> Any:
@@ -86,19 +85,22 @@ class S3Server:
 
 
 @dataclass
-class Fetch:
+class Call:
+    method: str
     path: str  # /bucket/key
-    range: str  # the Range header, "" for none
-    bytes: int  # body bytes the server sent
+    range: str  # the Range header of a GET, x-amz-copy-source-range of a part copy
+    copy_source: str  # x-amz-copy-source: a copy made on the server
+    sent: int  # request body bytes
+    bytes: int  # response body bytes
 
 
 @dataclass
 class CountingProxy:
-    """An HTTP proxy in front of the S3 server that records every GET's body size: what
-    the processes pointed at it fetched, measured on the wire."""
+    """An HTTP proxy in front of the S3 server that records every request and its body
+    sizes: what the processes pointed at it sent and fetched, measured on the wire."""
 
     upstream_port: int
-    fetches: list[Fetch] = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> str:
@@ -127,10 +129,12 @@ class CountingProxy:
                 response = upstream.getresponse()
                 data = response.read()
                 upstream.close()
-                if self.command == "GET":
-                    with proxy.lock:
-                        proxy.fetches.append(Fetch(self.path.split("?")[0],
-                                                   self.headers.get("Range", ""), len(data)))
+                with proxy.lock:
+                    proxy.calls.append(Call(
+                        self.command, self.path.split("?")[0],
+                        self.headers.get("Range")
+                        or self.headers.get("x-amz-copy-source-range", ""),
+                        self.headers.get("x-amz-copy-source", ""), len(body), len(data)))
                 self.send_response_only(response.status, response.reason)
                 for name, value in response.getheaders():
                     if name.lower() not in ("transfer-encoding", "connection", "content-length",
@@ -170,13 +174,20 @@ class CountingProxy:
         self.server.shutdown()
         self.server.server_close()
 
-    def fetched(self, key: str) -> list[Fetch]:
+    def fetched(self, key: str) -> list[Call]:
+        """The GETs of one object."""
         with self.lock:
-            return [f for f in self.fetches if f.path.endswith("/" + key)]
+            return [c for c in self.calls if c.method == "GET" and c.path.endswith("/" + key)]
+
+    def copies(self) -> list[Call]:
+        with self.lock:
+            return [c for c in self.calls if c.copy_source]
 
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: Any) -> Iterator[S3Server]:
+    if boto3 is None:
+        pytest.skip("moto[server] and boto3 are not installed (pip install -e '.[test]')")
     server = S3Server(tmp_path_factory.mktemp("s3"))
     yield server
     server.stop()
@@ -189,7 +200,7 @@ class S3Setup:
     prefix: str
     env: dict[str, str]  # the storage settings, as every process reads them
     proxy: CountingProxy
-    worker_env: dict[str, str]  # the same, through the counting proxy
+    worker_env: dict[str, str]  # the same, through the counting proxy (as this process)
 
     @property
     def client(self) -> Any:
@@ -198,7 +209,7 @@ class S3Setup:
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}"
 
-    def keys(self) -> list[str]:
+    def stored(self) -> list[str]:
         pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket)
         return sorted(o["Key"] for page in pages for o in page.get("Contents", ()))
 
@@ -229,10 +240,9 @@ def s3(s3_server: S3Server, settings: Any, monkeypatch: Any) -> Iterator[S3Setup
     prefix = "deploy-a"  # a key prefix, as a bucket shared with other things would use
     env = storage_env(s3_server.url, bucket, prefix)
     proxy = CountingProxy(s3_server.port)
-    proxy_url = proxy.start()
-    point_storage_at(settings, monkeypatch, env)
-    yield S3Setup(s3_server, bucket, prefix, env, proxy,
-                  {**env, "BATCHWEB_S3_ENDPOINT_URL": proxy_url})
+    counted = {**env, "BATCHWEB_S3_ENDPOINT_URL": proxy.start()}
+    point_storage_at(settings, monkeypatch, counted)
+    yield S3Setup(s3_server, bucket, prefix, env, proxy, counted)
     proxy.stop()
 
 

@@ -61,13 +61,13 @@ def test_writes_stream_as_multipart_uploads(s3, size):
             writer.write(data[at:at + 100_000])
             # Never more than a part held here.
             assert len(writer.buffer) < storage.PART_BYTES  # type: ignore[attr-defined]
-        assert s3.keys() == []  # nothing visible before the commit
+        assert s3.stored() == []  # nothing visible before the commit
         name = writer.commit()
     if size == 0:
-        assert name == "" and s3.keys() == []  # empty: no object, as before
+        assert name == "" and s3.stored() == []  # empty: no object, as before
         return
     assert name == "parts/b1/s1-1.output.jsonl"
-    assert s3.keys() == [s3.key(name)]
+    assert s3.stored() == [s3.key(name)]
     assert s3.client.get_object(Bucket=s3.bucket, Key=s3.key(name))["Body"].read() == data
     assert len(creates) == (1 if size > storage.PART_BYTES else 0)
 
@@ -77,7 +77,7 @@ def test_a_failed_write_leaves_nothing(s3):
             storage.backend().open_writer("parts/b1/s1-2.output.jsonl") as writer:
         writer.write(os.urandom(storage.PART_BYTES + 1))  # one part sent
         raise RuntimeError("the engine died")
-    assert s3.keys() == []
+    assert s3.stored() == []
     assert not s3.client.list_multipart_uploads(Bucket=s3.bucket).get("Uploads")
 
 
@@ -105,7 +105,7 @@ def test_concatenation_copies_whole_parts_on_the_server(s3):
     assert streamed == storage.PART_BYTES + len(small)
     assert streamed < len(expected) / 2
     assert storage.backend().concatenate("files/nothing", [iter([])]) == 0
-    assert s3.key("files/nothing") not in s3.keys()
+    assert s3.key("files/nothing") not in s3.stored()
 
 
 def test_concatenation_on_the_filesystem(tmp_path, settings):
@@ -124,10 +124,10 @@ def test_concatenation_on_the_filesystem(tmp_path, settings):
 def test_listing_deleting_and_stale_writes_by_prefix(s3):
     for name in ("parts/b1/x", "parts/b1/y", "parts/b2/z", "files/f"):
         default_storage.save(name, ContentFile(b"data\n"))
-    found = {o.name: o.size for o in storage.backend().list("parts")}
+    found = {o.name: o.size for o in storage.backend().list_prefix("parts")}
     assert found == {"parts/b1/x": 5, "parts/b1/y": 5, "parts/b2/z": 5}
     storage.backend().delete_many(["parts/b1/x", "parts/b1/y", "parts/b1/gone"])
-    assert s3.keys() == [s3.key("files/f"), s3.key("parts/b2/z")]
+    assert s3.stored() == [s3.key("files/f"), s3.key("parts/b2/z")]
     # A write whose process was killed: invisible, but kept by S3 until aborted.
     for name in ("parts/b3/killed", "parts/live/running"):
         s3.client.create_multipart_upload(Bucket=s3.bucket, Key=s3.key(name))
@@ -178,7 +178,7 @@ def test_bad_configuration_fails_at_start_naming_the_setting(s3):
     assert f"BATCHWEB_S3_ENDPOINT_URL='{closed}': cannot reach" in wrong_endpoint.stderr
 
 
-def test_refused_credentials_fail_at_start_naming_the_setting(tmp_path):
+def test_refused_credentials_fail_at_start_naming_the_setting(s3_server, tmp_path):
     # A server of its own that checks signatures (the shared one accepts any key, which
     # its presigned URLs need): the first three calls set up a user and its key.
     server = S3Server(tmp_path, env={"INITIAL_NO_AUTH_ACTION_COUNT": "3"})
@@ -205,3 +205,26 @@ def test_refused_credentials_fail_at_start_naming_the_setting(tmp_path):
             assert "BATCHWEB_S3_ACCESS_KEY_ID / BATCHWEB_S3_SECRET_ACCESS_KEY" in result.stderr
     finally:
         server.stop()
+
+
+@pytest.mark.django_db
+def test_store_concatenated_makes_the_merged_file(s3, user):
+    """What finalize uses to merge a batch's parts: the File row of the joined object,
+    hashed and counted as a local merge made it."""
+    import hashlib
+
+    from jobs.services.files import store_concatenated
+
+    default_storage.save("parts/b/1.out", ContentFile(b'{"r": 1}\n'))
+    default_storage.save("parts/b/2.out", ContentFile(b'{"r": 2}\n'))
+    file = store_concatenated(owner=user, sources=["parts/b/1.out", [b'{"e": 3}\n'],
+                                                   "parts/b/2.out"],
+                              filename="b_error.jsonl", purpose="batch_error")
+    expected = b'{"r": 1}\n{"e": 3}\n{"r": 2}\n'
+    assert file is not None
+    assert (file.bytes, file.line_count, file.sha256) == \
+        (len(expected), 3, hashlib.sha256(expected).hexdigest())
+    with storage.backend().open_range(file.storage_name) as stream:
+        assert stream.read() == expected
+    assert store_concatenated(owner=user, sources=[], filename="x", purpose="batch_output") \
+        is None
