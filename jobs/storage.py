@@ -471,11 +471,18 @@ class _MultipartWriter:
         return len(data)
 
     def _send(self, data: bytes) -> None:
-        upload_id = self._begin()
-        number = len(self.parts) + 1
-        etag = self.owner.client.upload_part(
-            Bucket=self.owner.bucket, Key=self.key, UploadId=upload_id, PartNumber=number,
-            Body=data)["ETag"]
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            upload_id = self._begin()
+            number = len(self.parts) + 1
+            etag = self.owner.client.upload_part(
+                Bucket=self.owner.bucket, Key=self.key, UploadId=upload_id,
+                PartNumber=number, Body=data)["ETag"]
+        except (BotoCoreError, ClientError) as exc:
+            # An I/O error like a full disk's, so a writer's caller handles both alike.
+            raise OSError(f"storing part {len(self.parts) + 1} of {self.name} failed: "
+                          f"{exc}") from exc
         self.parts.append({"PartNumber": number, "ETag": etag})
 
     def copy_part(self, source_key: str, start: int, end: int) -> None:
@@ -551,10 +558,11 @@ def backend() -> ObjectStorage:
 
 
 def _implementation(storage: Storage) -> ObjectStorage:
-    try:
-        from storages.backends.s3 import S3Storage as DjangoS3Storage
-    except ImportError:  # django-storages' S3 extra not installed: no S3 configured
+    # boto3 is imported only where S3 is configured: the filesystem's start stays fast.
+    if not type(storage).__module__.startswith("storages.backends.s3"):
         return DjangoStorage(storage)
+    from storages.backends.s3 import S3Storage as DjangoS3Storage
+
     return S3Storage(storage) if isinstance(storage, DjangoS3Storage) else DjangoStorage(storage)
 
 
