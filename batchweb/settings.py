@@ -191,21 +191,59 @@ STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "staticfiles"
 STATICFILES_DIRS = [BASE_DIR / "static"]
 
-# Uploaded and produced files. Never served directly: only through views that check the owner.
-# For several machines point BATCHWEB_STORAGE_DIR at shared storage, or set
-# BATCHWEB_STORAGE_BACKEND to "storages.backends.s3.S3Storage" (django-storages) and its env.
+# Uploaded and produced files. Never served directly: only through views that check the owner
+# (or, with BATCHWEB_DOWNLOAD_REDIRECT, a presigned URL of a few seconds handed out by them).
+# The filesystem is the embedded default; for several machines point BATCHWEB_STORAGE_DIR at
+# shared storage, or set BATCHWEB_STORAGE_BACKEND=s3 and the BATCHWEB_S3_* variables
+# (jobs/storage.py streams ranges, multipart writes and server-side copies on top of
+# django-storages' S3Storage). Another dotted storage class is used with its own defaults.
 STORAGE_DIR = Path(os.environ.get("BATCHWEB_STORAGE_DIR", VAR_DIR / "storage"))
+STORAGE_BACKEND = os.environ.get("BATCHWEB_STORAGE_BACKEND", "filesystem").strip()
+_S3_BACKENDS = ("s3", "storages.backends.s3.S3Storage", "storages.backends.s3boto3.S3Boto3Storage")
+
+
+def s3_storage_options() -> dict:
+    """django-storages' S3Storage options from the BATCHWEB_S3_* variables."""
+    bucket = os.environ.get("BATCHWEB_S3_BUCKET", "").strip()
+    if not bucket:
+        raise ImproperlyConfigured(
+            "BATCHWEB_S3_BUCKET is required with BATCHWEB_STORAGE_BACKEND=s3.")
+    from botocore.config import Config
+
+    return {
+        "bucket_name": bucket,
+        "endpoint_url": os.environ.get("BATCHWEB_S3_ENDPOINT_URL") or None,
+        "region_name": os.environ.get("BATCHWEB_S3_REGION") or None,
+        # Empty: boto3's own chain (AWS_ACCESS_KEY_ID, a profile, an instance role).
+        "access_key": os.environ.get("BATCHWEB_S3_ACCESS_KEY_ID") or None,
+        "secret_key": os.environ.get("BATCHWEB_S3_SECRET_ACCESS_KEY") or None,
+        "location": os.environ.get("BATCHWEB_S3_PREFIX", "").strip("/"),
+        # Names are random and unique: no existence check (a HEAD) before each save.
+        "file_overwrite": True,
+        "default_acl": None,
+        "client_config": Config(
+            s3={"addressing_style": "path" if env_bool("BATCHWEB_S3_PATH_STYLE") else "auto"},
+            signature_version="s3v4", connect_timeout=10, read_timeout=120,
+            retries={"max_attempts": 5, "mode": "standard"}),
+    }
+
+
+if STORAGE_BACKEND in ("", "filesystem"):
+    _DEFAULT_STORAGE = {"BACKEND": "django.core.files.storage.FileSystemStorage",
+                        "OPTIONS": {"location": str(STORAGE_DIR)}}
+elif STORAGE_BACKEND in _S3_BACKENDS:
+    _DEFAULT_STORAGE = {"BACKEND": "storages.backends.s3.S3Storage",
+                        "OPTIONS": s3_storage_options()}
+else:
+    _DEFAULT_STORAGE = {"BACKEND": STORAGE_BACKEND, "OPTIONS": {}}
 STORAGES = {
-    "default": {
-        "BACKEND": os.environ.get(
-            "BATCHWEB_STORAGE_BACKEND", "django.core.files.storage.FileSystemStorage"
-        ),
-        "OPTIONS": {"location": str(STORAGE_DIR)}
-        if "BATCHWEB_STORAGE_BACKEND" not in os.environ
-        else {},
-    },
+    "default": _DEFAULT_STORAGE,
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedStaticFilesStorage"},
 }
+# Downloads stream through the web process; with this on (object storage only) the owner
+# check is followed by a redirect to a presigned URL valid BATCHWEB_DOWNLOAD_URL_SECONDS.
+DOWNLOAD_REDIRECT = env_bool("BATCHWEB_DOWNLOAD_REDIRECT", False)
+DOWNLOAD_URL_SECONDS = env_int("BATCHWEB_DOWNLOAD_URL_SECONDS", 60)
 # Scratch space for streaming (assembling uploads, writing shard parts before they are stored).
 # Local to each machine and to one deployment: workers sweep it of what killed processes left.
 # Created where it is first used (jobs.services.files.temp_dir), not on import.

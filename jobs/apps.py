@@ -9,5 +9,9 @@ class JobsConfig(AppConfig):
         # Django streams large uploads into FILE_UPLOAD_TEMP_DIR and fails if it is
         # missing; settings only name it (they create nothing on import).
         from jobs.services.files import temp_dir
+        from jobs.storage import check_at_start
 
         temp_dir()
+        # A wrong S3 endpoint, bucket or credentials stops every process at start, naming
+        # the setting (a filesystem storage checks nothing here).
+        check_at_start()

@@ -9,10 +9,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from django.core.files.uploadedfile import UploadedFile
-from django.http import FileResponse, HttpRequest
+from django.http import FileResponse, HttpRequest, HttpResponse, HttpResponseRedirect
 
 from jobs.models import File
-from jobs.services.files import local_temp, open_file
+from jobs.services.files import download_url, local_temp, open_file
 
 
 def declared_length(request: HttpRequest) -> int:
@@ -38,7 +38,15 @@ def uploaded_path(uploaded: UploadedFile) -> Iterator[Path]:
         yield path
 
 
-def download_response(file: File) -> FileResponse:
-    """The file's content, streamed in chunks, always as an attachment."""
-    return FileResponse(open_file(file), as_attachment=True, filename=file.filename,
-                        content_type="application/jsonl")
+def download_response(file: File) -> HttpResponse:
+    """The file's content, streamed in chunks, always as an attachment; or, with
+    DOWNLOAD_REDIRECT on object storage, a redirect to a presigned URL of a few seconds
+    (callers have checked the owner)."""
+    url = download_url(file)
+    if url:
+        return HttpResponseRedirect(url)
+    response = FileResponse(open_file(file), as_attachment=True, filename=file.filename,
+                            content_type="application/jsonl")
+    if "Content-Length" not in response:  # a stream from object storage has no size
+        response["Content-Length"] = str(file.bytes)
+    return response

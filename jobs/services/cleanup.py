@@ -15,7 +15,10 @@ One pass (`run_cleanup`) does, in order:
    than ORPHAN_GRACE_SECONDS (a file is saved a moment before its row exists, and a worker
    saves a part a moment before it records it: young objects are left alone). Objects
    under the prefix of a batch still running or an upload still pending are skipped
-   whatever their age;
+   whatever their age. On S3 the same pass lists each prefix in pages (name, size and age
+   in one request per thousand objects), deletes in batches, and aborts multipart writes
+   begun before the grace period that their killed process never finished (they are
+   invisible as objects, but stored and billed);
 5. this machine's scratch files (`sweep_temp_dir`): what killed processes left in TMP_DIR.
    TMP_DIR is local to each machine, so every worker also sweeps its own when it starts and
    once per CLEANUP_INTERVAL_SECONDS.
@@ -38,7 +41,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.core.files.storage import default_storage
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
@@ -46,6 +48,7 @@ from jobs import queues
 from jobs.models import Batch, File, Shard, Upload, UploadPart
 from jobs.services.errors import ServiceError
 from jobs.services.files import delete_file, temp_dir
+from jobs.storage import StoredObject, backend
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +141,7 @@ def _expired_uploads(report: CleanupReport, *, now: datetime) -> None:
         report.upload_parts.append(name)
         if not report.dry_run:
             UploadPart.objects.filter(pk=part_id).delete()
-            default_storage.delete(name)
+            backend().delete_many([name])
 
 
 # --- 3. parts of finalized batches ---
@@ -157,26 +160,14 @@ def _merged_parts(report: CleanupReport, *, now: datetime) -> None:
         # The row first: if deleting the content fails, what is left is an orphan (under
         # an ended batch's prefix) that the orphan sweep removes later.
         Shard.objects.filter(pk=shard_id).update(output_part="", error_part="")
-        for name in names:
-            default_storage.delete(name)
+        backend().delete_many(names)
 
 
 # --- 4. orphans ---
 
 
-def _walk(prefix: str) -> Iterator[str]:
-    try:
-        dirs, names = default_storage.listdir(prefix)
-    except (FileNotFoundError, NotADirectoryError):
-        return
-    for name in names:
-        yield f"{prefix}/{name}"
-    for sub in dirs:
-        yield from _walk(f"{prefix}/{sub}")
-
-
-def _chunks(items: Iterable[str]) -> Iterator[list[str]]:
-    chunk: list[str] = []
+def _chunks(items: Iterable[StoredObject]) -> Iterator[list[StoredObject]]:
+    chunk: list[StoredObject] = []
     for item in items:
         chunk.append(item)
         if len(chunk) >= CHUNK:
@@ -215,24 +206,20 @@ def _protected(names: list[str], *, now: datetime) -> set[str]:
     return {n for n in names if n.count("/") >= 2 and n.split("/")[1] in live}
 
 
-def _old_enough(name: str, *, before: datetime) -> bool:
-    try:
-        return default_storage.get_modified_time(name) < before
-    except (FileNotFoundError, NotImplementedError, OSError):
-        return False
-
-
 def _orphans(report: CleanupReport, *, now: datetime) -> None:
     before = now - grace()
+    storage = backend()
     for prefix in PREFIXES:
-        for names in _chunks(_walk(prefix)):
+        for objects in _chunks(storage.list_prefix(prefix)):
+            names = [o.name for o in objects]
             keep = _referenced(names) | _protected(names, now=now)
-            for name in names:
-                if name in keep or not _old_enough(name, before=before):
-                    continue
-                report.orphans.append(name)
-                if not report.dry_run:
-                    default_storage.delete(name)
+            orphans = [o.name for o in objects if o.name not in keep and o.modified < before]
+            report.orphans.extend(orphans)
+            if not report.dry_run:
+                storage.delete_many(orphans)
+        report.orphans.extend(storage.abort_incomplete(
+            prefix, before=before, keep=lambda names: _protected(names, now=now),
+            dry_run=report.dry_run))
 
 
 # --- the schedule ---

@@ -1,9 +1,10 @@
-"""Stored files: streaming them in and out of Django storage, line by line.
+"""Stored files: streaming them in and out of storage (jobs.storage), line by line.
 
 No function here reads a whole file into memory: uploads arrive in a temporary file (Django's
-upload handler), are checked in one streaming pass and moved into storage; results are
-written to a local temporary file and saved into storage in one step, so a half-written file
-is never visible under a File row.
+upload handler), are checked in one streaming pass and moved into storage; an assembled
+upload or a batch's merged results are joined inside the storage (on S3 by server-side
+copies) and become visible under a File row only once complete. Reads of a part of a file
+fetch only that part (an HTTP range on S3).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from django.conf import settings
 from django.core.files import File as DjangoFile
@@ -29,6 +30,7 @@ from django.utils import timezone
 from jobs.models import Batch, File
 from jobs.services.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.services.quotas import check_quota
+from jobs.storage import Source, backend
 from jobs.wire import loads_strict
 
 CHUNK = 1024 * 1024
@@ -50,6 +52,12 @@ def temp_dir() -> Path:
     return path
 
 
+class Lines(Protocol):
+    """What the line readers need of a stream: a file, a bounded range, parts in a row."""
+
+    def readline(self, limit: int = -1, /) -> bytes: ...
+
+
 @dataclass
 class Line:
     number: int  # 1-based, counting every physical line (as editors do)
@@ -58,7 +66,7 @@ class Line:
     content: bytes | None  # without line ending; None when longer than the limit
 
 
-def iter_lines(stream: IO[bytes], *, max_line_bytes: int, start: int = 0,
+def iter_lines(stream: Lines, *, max_line_bytes: int, start: int = 0,
                first_number: int = 1) -> Iterator[Line]:
     """Every line of a binary stream with its byte range, reading at most
     `max_line_bytes` of any line into memory (a longer line is reported, not loaded)."""
@@ -88,14 +96,28 @@ def iter_lines(stream: IO[bytes], *, max_line_bytes: int, start: int = 0,
 
 
 def open_file(file: File) -> IO[bytes]:
-    return default_storage.open(file.storage_name, "rb")
+    """A file's whole content, streamed (on S3 one GET read as it goes, never a local
+    copy)."""
+    return backend().open_range(file.storage_name)
+
+
+def download_url(file: File) -> str | None:
+    """Where a download may be redirected instead of streamed through this process: a
+    presigned URL valid DOWNLOAD_URL_SECONDS when DOWNLOAD_REDIRECT is on and the storage
+    has such URLs (object storage); None otherwise. Only for a file whose owner has been
+    checked."""
+    if not settings.DOWNLOAD_REDIRECT:
+        return None
+    return backend().download_url(file.storage_name, filename=file.filename,
+                                  seconds=settings.DOWNLOAD_URL_SECONDS)
 
 
 @contextmanager
-def open_range(storage_name: str, start: int) -> Iterator[IO[bytes]]:
-    stream = default_storage.open(storage_name, "rb")
+def open_range(storage_name: str, start: int, end: int | None = None) -> Iterator[IO[bytes]]:
+    """Bytes [start, end) of a stored file (to its end when `end` is None), streamed: on S3
+    a Range GET of exactly those bytes."""
+    stream = backend().open_range(storage_name, start, end)
     try:
-        stream.seek(start)
         yield stream
     finally:
         stream.close()
@@ -106,7 +128,7 @@ def open_range_lines(storage_name: str, *, start: int, end: int,
                      first_number: int) -> Iterator[Iterator[Line]]:
     """The lines of bytes [start, end) of a stored file (a shard's part of its input),
     numbered from `first_number`, streamed."""
-    with open_range(storage_name, start) as stream:
+    with open_range(storage_name, start, end) as stream:
         yield iter_lines(_Bounded(stream, end - start),
                          max_line_bytes=settings.BATCHWEB["MAX_LINE_BYTES"],
                          start=start, first_number=first_number)
@@ -128,6 +150,46 @@ class _Bounded:
         return data
 
 
+class _Concatenated:
+    """The stored objects `names`, one after the other, as one stream (a line may run on
+    from one into the next), each opened only when reached."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = list(names)
+        self.current: IO[bytes] | None = None
+
+    def _next(self) -> bool:
+        self.close()
+        if not self.names:
+            return False
+        self.current = backend().open_range(self.names.pop(0))
+        return True
+
+    def readline(self, limit: int = -1) -> bytes:
+        data = b""
+        while not data.endswith(b"\n") and (limit < 0 or len(data) < limit):
+            if self.current is None and not self._next():
+                break
+            assert self.current is not None
+            more = self.current.readline(-1 if limit < 0 else limit - len(data))
+            if not more:
+                self.close()
+            data += more
+        return data
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+
+    def __enter__(self) -> _Concatenated:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.names = []
+        self.close()
+
+
 @dataclass
 class ScanResult:
     bytes: int
@@ -135,7 +197,7 @@ class ScanResult:
     sha256: str
 
 
-def scan_jsonl(stream: IO[bytes]) -> ScanResult:
+def scan_jsonl(stream: Lines) -> ScanResult:
     """Check that a stream is UTF-8 JSONL with one JSON object per non-blank line, in one
     pass, hashing it on the way. Raises ServiceError (400) naming the first bad line."""
     digest = hashlib.sha256()
@@ -170,7 +232,7 @@ def scan_jsonl(stream: IO[bytes]) -> ScanResult:
 class _hashing:
     """A read-through wrapper that feeds every byte read into a hash."""
 
-    def __init__(self, stream: IO[bytes], digest: Any) -> None:
+    def __init__(self, stream: Lines, digest: Any) -> None:
         self.stream = stream
         self.digest = digest
 
@@ -190,9 +252,36 @@ def store_file(*, owner: Any, source_path: str | Path, filename: str, purpose: s
     """
     source_path = Path(source_path)
     if scan is None:
-        scan = _count(source_path)
+        with open(source_path, "rb") as handle:
+            scan = _count(handle)
     with open(source_path, "rb") as handle:
         storage_name = default_storage.save(new_storage_name("files"), DjangoFile(handle))
+    return _create_row(owner=owner, storage_name=storage_name, filename=filename,
+                       purpose=purpose, expires_at=expires_at, scan=scan)
+
+
+def store_concatenated(*, owner: Any, sources: list[Source], filename: str, purpose: str,
+                       expires_at: Any = None) -> File | None:
+    """Join stored objects (and bytes made on the way) into a new File, inside the storage:
+    on S3 by server-side copies, with only the pieces under the 5 MiB part minimum streamed
+    through this process. None when the sources hold no bytes (no file, as before)."""
+    storage_name = new_storage_name("files")
+    if not backend().concatenate(storage_name, sources):
+        return None
+    try:
+        # The new object is read once, streamed, for its hash and line count: on S3 the
+        # copied bytes never passed through here.
+        with open_range(storage_name, 0) as stream:
+            scan = _count(stream)
+    except BaseException:
+        default_storage.delete(storage_name)
+        raise
+    return _create_row(owner=owner, storage_name=storage_name, filename=filename,
+                       purpose=purpose, expires_at=expires_at, scan=scan)
+
+
+def _create_row(*, owner: Any, storage_name: str, filename: str, purpose: str,
+                expires_at: Any, scan: ScanResult) -> File:
     try:
         return File.objects.create(
             owner=owner, purpose=purpose, filename=clean_filename(filename), bytes=scan.bytes,
@@ -204,18 +293,18 @@ def store_file(*, owner: Any, source_path: str | Path, filename: str, purpose: s
         raise
 
 
-def _count(path: Path) -> ScanResult:
+def _count(stream: IO[bytes]) -> ScanResult:
     digest = hashlib.sha256()
     lines = 0
     size = 0
-    with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK):
-            digest.update(chunk)
-            lines += chunk.count(b"\n")
-            size += len(chunk)
-            last = chunk
-        if size and not last.endswith(b"\n"):
-            lines += 1
+    last = b""
+    while chunk := stream.read(CHUNK):
+        digest.update(chunk)
+        lines += chunk.count(b"\n")
+        size += len(chunk)
+        last = chunk
+    if size and not last.endswith(b"\n"):
+        lines += 1
     return ScanResult(bytes=size, lines=lines, sha256=digest.hexdigest())
 
 
@@ -267,24 +356,66 @@ def create_input_file(*, owner: Any, path: str | Path, filename: str, purpose: A
 
     `path` is a local temporary file the caller owns. Nothing is stored when it is refused.
     """
+    expires_at = _admit_input(owner=owner, purpose=purpose, expires_after=expires_after,
+                              size=os.path.getsize(path))
+    with open(path, "rb") as handle:
+        scan = _check_requests(scan_jsonl(handle))
+    return store_file(owner=owner, source_path=path, filename=filename, purpose=purpose,
+                      expires_at=expires_at, scan=scan)
+
+
+def create_input_file_from_parts(*, owner: Any, part_names: list[str], size: int,
+                                 filename: str, purpose: Any, md5: str | None = None) -> File:
+    """The Uploads API's assembly: the stored parts (`size` bytes in all) are read once, in
+    order, streamed (md5, the UTF-8 JSONL check, the hash), then joined inside the storage
+    into the new file (on S3 by UploadPartCopy): never downloaded to a local copy.
+
+    Refusals come in the order a local assembly gave them: md5, then the file's limits and
+    quota, then its content."""
+    digest = hashlib.md5(usedforsecurity=False)
+    scan: ScanResult | None = None
+    refusal: ServiceError | None = None
+    with _Concatenated(part_names) as stream:
+        hashed = _hashing(stream, digest)
+        try:
+            scan = scan_jsonl(hashed)
+        except ServiceError as exc:
+            refusal = exc
+            if md5:  # the md5 is of the whole file: read the rest for it
+                while hashed.readline(CHUNK):
+                    pass
+    if md5 and digest.hexdigest() != md5.lower():
+        raise ServiceError("The md5 of the assembled file does not match.", param="md5")
+    expires_at = _admit_input(owner=owner, purpose=purpose, expires_after=None, size=size)
+    if refusal is not None:
+        raise refusal
+    assert scan is not None
+    _check_requests(scan)
+    storage_name = new_storage_name("files")
+    backend().concatenate(storage_name, part_names)
+    return _create_row(owner=owner, storage_name=storage_name, filename=filename,
+                       purpose=purpose, expires_at=expires_at, scan=scan)
+
+
+def _admit_input(*, owner: Any, purpose: Any, expires_after: Any, size: int) -> Any:
+    """Checks on a new input file before its content is read; returns its expiry."""
     check_purpose(purpose)
     lifetime = parse_expires_after(expires_after)
-    size = os.path.getsize(path)
     if size > limits()["MAX_FILE_BYTES"]:
         raise ServiceError(f"File is larger than {limits()['MAX_FILE_BYTES']} bytes.",
                            status=413, code="file_too_large", param="file")
     check_quota(owner=owner, file_bytes=size)
-    with open(path, "rb") as handle:
-        scan = scan_jsonl(handle)
+    if lifetime is None:
+        lifetime = timedelta(days=limits()["INPUT_FILE_TTL_DAYS"])
+    return timezone.now() + lifetime
+
+
+def _check_requests(scan: ScanResult) -> ScanResult:
     if scan.lines > limits()["MAX_REQUESTS_PER_BATCH"]:
         raise ServiceError(
             f"File has {scan.lines} requests; a batch takes at most "
             f"{limits()['MAX_REQUESTS_PER_BATCH']}.", code="too_many_requests", param="file")
-    now = timezone.now()
-    if lifetime is None:
-        lifetime = timedelta(days=limits()["INPUT_FILE_TTL_DAYS"])
-    return store_file(owner=owner, source_path=path, filename=filename, purpose=purpose,
-                      expires_at=now + lifetime, scan=scan)
+    return scan
 
 
 def get_file_for_user(*, owner: Any, file_id: str) -> File:

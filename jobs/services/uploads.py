@@ -3,7 +3,6 @@ order the client names on completion, checked like any other batch file."""
 
 from __future__ import annotations
 
-import hashlib
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,15 +17,14 @@ from django.utils import timezone
 from jobs.models import Upload, UploadPart
 from jobs.services.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.services.files import (
-    CHUNK,
     check_purpose,
     clean_filename,
-    create_input_file,
+    create_input_file_from_parts,
     delete_file,
-    local_temp,
     new_storage_name,
 )
 from jobs.services.quotas import check_quota
+from jobs.storage import backend
 
 JSONL_MIME_TYPES = {"application/jsonl", "application/x-ndjson", "application/json",
                     "text/jsonl", "text/plain", "application/octet-stream"}
@@ -109,18 +107,10 @@ def complete_upload(*, upload: Upload, part_ids: Any, md5: Any = None) -> Upload
                            f"{upload.bytes}.", param="part_ids")
     if md5 not in (None, "") and not isinstance(md5, str):
         raise ServiceError("md5 must be a hex string.", param="md5")
-    digest = hashlib.md5(usedforsecurity=False)
-    with local_temp(".upload") as assembled:
-        with open(assembled, "wb") as target:
-            for part_id in part_ids:
-                with default_storage.open(parts[part_id].storage_name, "rb") as source:
-                    while chunk := source.read(CHUNK):
-                        digest.update(chunk)
-                        target.write(chunk)
-        if md5 and digest.hexdigest() != md5.lower():
-            raise ServiceError("The md5 of the assembled file does not match.", param="md5")
-        file = create_input_file(owner=upload.owner, path=assembled, filename=upload.filename,
-                                 purpose=upload.purpose)
+    # Assembled inside the storage (S3: UploadPartCopy), never downloaded to this machine.
+    file = create_input_file_from_parts(
+        owner=upload.owner, part_names=[parts[p].storage_name for p in part_ids], size=total,
+        filename=upload.filename, purpose=upload.purpose, md5=md5 or None)
     with transaction.atomic():
         if not Upload.objects.filter(pk=upload.pk, status=Upload.Status.PENDING).update(
                 status=Upload.Status.COMPLETED, file=file):
@@ -145,4 +135,4 @@ def cancel_upload(*, upload: Upload) -> Upload:
 def _delete_parts(upload: Upload) -> None:
     names = list(upload.parts.values_list("storage_name", flat=True))
     upload.parts.all().delete()
-    transaction.on_commit(lambda: [default_storage.delete(n) for n in names], robust=True)
+    transaction.on_commit(lambda: backend().delete_many(names), robust=True)
