@@ -26,6 +26,7 @@ from jobs.queries.results import (
     parse_result_line,
     scan,
 )
+from jobs.services.files import open_range
 
 
 def flag_counts(batch: Batch) -> list[tuple[str, str, int]]:
@@ -136,7 +137,7 @@ def _scan_for(storage_name: str, ids: set[str], found: dict[str, ResultRow],
     pending = set(ids) - set(found)
     if not pending:
         return
-    with default_storage.open(storage_name, "rb") as stream:
+    with open_range(storage_name, 0) as stream:
         for custom_id, raw in iter_input_matches(stream, lambda c: c in pending):
             found[custom_id] = parse_result_line(key, raw, len(raw))
             pending.discard(custom_id)

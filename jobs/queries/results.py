@@ -229,6 +229,6 @@ def find_inputs(batch: Batch, custom_ids: set[str]) -> dict[str, dict[str, Any]]
 def stream_segments(segs: list[Segment]) -> Iterator[bytes]:
     """The segments' bytes, concatenated, in chunks."""
     for seg in segs:
-        with default_storage.open(seg.storage_name, "rb") as source:
+        with open_range(seg.storage_name, 0) as source:
             while chunk := source.read(CHUNK):
                 yield chunk

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
-from typing import IO
 
-from django.core.files.storage import default_storage
 from django.db.models import Q
 from django.utils import timezone
 
 from jobs.models import Batch, File, Shard
-from jobs.services.files import delete_file, local_temp, store_file
+from jobs.services.files import delete_file, store_concatenated
 from jobs.services.progress import refresh_progress
 from jobs.services.stopping import drop_queued_shards, unrun_lines
+from jobs.storage import Source
 from jobs.wire import Code
 
 log = logging.getLogger(__name__)
@@ -73,37 +72,28 @@ def finalize_batch(*, batch_id: str) -> Batch | None:
 
 
 def _merge_parts(batch: Batch) -> tuple[File | None, File | None]:
-    """Concatenate the parts in shard order into two new Files, streamed."""
+    """Join the parts in shard order into two new Files inside the storage (server-side
+    copies on S3), with the error lines of shards that never finished streamed in between."""
     expires_at = (timezone.now() + timedelta(seconds=batch.output_expires_after)
                   if batch.output_expires_after else None)
-    with local_temp(".out") as out_path, local_temp(".err") as err_path:
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            for shard in Shard.objects.filter(batch=batch).order_by("index").iterator():
-                if shard.status == Shard.Status.DONE:
-                    _append_stored(out, shard.output_part)
-                    _append_stored(err, shard.error_part)
-                else:
-                    for line in unrun_lines(shard, code=shard.end_code or Code.SHARD_FAILED,
-                                            reason=shard.last_error):
-                        err.write(line)
-        files: list[File | None] = []
-        for path, purpose, suffix in ((out_path, File.Purpose.BATCH_OUTPUT, "output"),
-                                      (err_path, File.Purpose.BATCH_ERROR, "error")):
-            if path.stat().st_size == 0:
-                files.append(None)
-                continue
-            files.append(store_file(owner=batch.owner, source_path=path,
-                                    filename=f"{batch.id}_{suffix}.jsonl", purpose=purpose,
-                                    expires_at=expires_at))
-    return files[0], files[1]
-
-
-def _append_stored(target: IO[bytes], storage_name: str) -> None:
-    if not storage_name:
-        return
-    with default_storage.open(storage_name, "rb") as source:
-        while chunk := source.read(1024 * 1024):
-            target.write(chunk)
+    outputs: list[Source] = []
+    errors: list[Source] = []
+    for shard in Shard.objects.filter(batch=batch).order_by("index").iterator():
+        if shard.status == Shard.Status.DONE:
+            if shard.output_part:
+                outputs.append(shard.output_part)
+            if shard.error_part:
+                errors.append(shard.error_part)
+        else:
+            errors.append(unrun_lines(shard, code=shard.end_code or Code.SHARD_FAILED,
+                                      reason=shard.last_error))
+    output = store_concatenated(owner=batch.owner, sources=outputs,
+                                filename=f"{batch.id}_output.jsonl",
+                                purpose=File.Purpose.BATCH_OUTPUT, expires_at=expires_at)
+    error = store_concatenated(owner=batch.owner, sources=errors,
+                               filename=f"{batch.id}_error.jsonl",
+                               purpose=File.Purpose.BATCH_ERROR, expires_at=expires_at)
+    return output, error
 
 
 def notify_ended(batch_id: str) -> None:

@@ -24,7 +24,7 @@ from engine.base import EngineResult
 from jobs.models import ContentRule, RequestCopy, ScreenedLine, Shard
 from jobs.policy import Violation
 from jobs.quality import flags_for
-from jobs.services.files import temp_dir
+from jobs.services.files import open_range, temp_dir
 from jobs.services.shard_input import shard_last_line
 from jobs.services.shards import Checkpoint, Progress
 from jobs.wire import RequestLine, failure_line, response_line, unrun_message, usage_of
@@ -216,7 +216,7 @@ def adopt_checkpoint(work: ShardWork, value: dict[str, Any]) -> None:
     for segment in checkpoint.segments:
         for handle, name in zip((work.out, work.err, work.flags), segment, strict=True):
             if name:
-                with default_storage.open(name, "rb") as source:
+                with open_range(name, 0) as source:
                     while chunk := source.read(1024 * 1024):
                         handle.write(chunk)
     with work.lock:
