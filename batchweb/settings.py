@@ -6,6 +6,7 @@ service on one laptop: SQLite, a private Redis started by `make run`, files unde
 
 import json
 import os
+from typing import Any
 from datetime import timedelta
 from pathlib import Path
 
@@ -259,7 +260,7 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 RQ_SHOW_ADMIN_LINK = False
 
 # --- Batch limits (OpenAI's defaults; operators raise or lower them) ---
-BATCHWEB = {
+BATCHWEB: dict[str, Any] = {
     "MAX_FILE_BYTES": env_int("BATCHWEB_MAX_FILE_BYTES", 200 * 1024 * 1024),
     "MAX_REQUESTS_PER_BATCH": env_int("BATCHWEB_MAX_REQUESTS_PER_BATCH", 50_000),
     "MAX_LINE_BYTES": env_int("BATCHWEB_MAX_LINE_BYTES", 6 * 1024 * 1024),
@@ -339,12 +340,13 @@ else:
 if env_bool("BATCHWEB_ECHO_MODEL"):
     BATCHWEB_MODELS.append(ECHO_MODEL)
 
+LOG_LEVEL = os.environ.get("LOG_LEVEL", "INFO")
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {"django.db.backends": {"level": "WARNING"}},
 }
 

@@ -125,9 +125,8 @@ class UploadAdmin(admin.ModelAdmin):
 
 class ShardInline(admin.TabularInline):
     model = Shard
-    fields = ["index", "status", "attempt", "failures", "worker", "completed", "failed",
-              "started_at", "finished_at", "last_error"]
-    readonly_fields = fields
+    fields = readonly_fields = ("index", "status", "attempt", "failures", "worker", "completed",
+                                "failed", "started_at", "finished_at", "last_error")
     extra = 0
     can_delete = False
     show_change_link = True
@@ -236,9 +235,8 @@ class UserSettingsAdmin(admin.ModelAdmin):
 
 class WebhookDeliveryInline(admin.TabularInline):
     model = WebhookDelivery
-    fields = ["attempt", "started_at", "url", "status_code", "ok", "duration_ms", "error",
-              "response_excerpt"]
-    readonly_fields = fields
+    fields = readonly_fields = ("attempt", "started_at", "url", "status_code", "ok",
+                                "duration_ms", "error", "response_excerpt")
     extra = 0
     can_delete = False
 

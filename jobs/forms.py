@@ -57,8 +57,11 @@ class NewBatchForm(forms.Form):
         if chosen and chosen not in {value for value, _ in choices}:
             choices.append((chosen, chosen))
         self.fields["file_id"].widget.choices = choices
-        self.fields["endpoint"].choices = [("", "from the file")] + [(e, e) for e in ENDPOINTS]
-        self.fields["model"].choices = [("", "from the file")] + [
+        endpoint = self.fields["endpoint"]
+        model = self.fields["model"]
+        assert isinstance(endpoint, forms.ChoiceField) and isinstance(model, forms.ChoiceField)
+        endpoint.choices = [("", "from the file")] + [(e, e) for e in ENDPOINTS]
+        model.choices = [("", "from the file")] + [
             (name, f"{name} ({', '.join(eps)})") for name, eps in served_endpoints().items()]
 
     def clean_metadata(self) -> dict[str, str]:

@@ -75,12 +75,12 @@ class ServiceCollector:
                                   "Running shards whose heartbeat is stale.", labels=["model"])
         if health.redis_ok:
             depth.add_metric([queues.CONTROL_QUEUE, "", "control"], health.control_depth)
-        for model in health.models:
-            for priority, count in model.depth.items():
-                depth.add_metric([queues.shard_queue_name(model.model, priority), model.model,
-                                  priority], count)
-            workers.add_metric([model.model], len(model.workers))
-            stuck.add_metric([model.model], len(model.stuck))
+        for model_health in health.models:
+            for priority, count in model_health.depth.items():
+                queue_name = queues.shard_queue_name(model_health.model, priority)
+                depth.add_metric([queue_name, model_health.model, priority], count)
+            workers.add_metric([model_health.model], len(model_health.workers))
+            stuck.add_metric([model_health.model], len(model_health.stuck))
         yield depth
         yield workers
         yield stuck
@@ -135,12 +135,12 @@ class ServiceCollector:
 
 def render_metrics() -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(ServiceCollector())  # type: ignore[arg-type]
+    registry.register(ServiceCollector())
     return generate_latest(registry)
 
 
 def _allowed(request: HttpRequest) -> bool:
-    token = settings.BATCHWEB.get("METRICS_TOKEN") or ""
+    token: str = settings.BATCHWEB["METRICS_TOKEN"]
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
     if token and scheme.lower() == "bearer" and hmac.compare_digest(
             given.strip().encode(), token.encode()):

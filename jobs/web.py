@@ -8,11 +8,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from django.contrib.auth.models import User
 from django.core.files.uploadedfile import UploadedFile
-from django.http import FileResponse, HttpRequest, HttpResponse, HttpResponseRedirect
+from django.http import FileResponse, HttpRequest, HttpResponseRedirect
+from django.http.response import HttpResponseBase
+from django_htmx.middleware import HtmxDetails
 
 from jobs.models import File
 from jobs.services.files import download_url, local_temp, open_file
+
+
+class SignedInRequest(HttpRequest):
+    """What a dashboard view behind `login_required` gets, for the type checker: a real
+    user, and django-htmx's `htmx` details (its middleware sets them on every request)."""
+
+    user: User
+    htmx: HtmxDetails
 
 
 def declared_length(request: HttpRequest) -> int:
@@ -38,7 +49,7 @@ def uploaded_path(uploaded: UploadedFile) -> Iterator[Path]:
         yield path
 
 
-def download_response(file: File) -> HttpResponse:
+def download_response(file: File) -> HttpResponseBase:
     """The file's content, streamed in chunks, always as an attachment; or, with
     DOWNLOAD_REDIRECT on object storage, a redirect to a presigned URL of a few seconds
     (callers have checked the owner)."""

@@ -10,8 +10,9 @@ from typing import Any
 from django.conf import settings
 from django.core.files.uploadedfile import UploadedFile
 from django.db.models import Model, Q, QuerySet
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, JsonResponse
 from django.http.multipartparser import MultiPartParserError
+from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 
 from jobs.services.errors import ServiceError
@@ -40,7 +41,10 @@ def api_error(status: int, message: str, *, code: str | None = None,
                                    "param": param, "code": code}}, status=status)
 
 
-def api_view(methods: dict[str, Callable[..., HttpResponse]]) -> Callable[..., HttpResponse]:
+Handler = Callable[..., HttpResponseBase]
+
+
+def api_view(methods: dict[str, Handler]) -> Handler:
     """One URL, a handler per HTTP method, each called with the authenticated user.
 
     Missing or bad keys are a 401, service refusals their own status, anything unexpected
@@ -48,7 +52,7 @@ def api_view(methods: dict[str, Callable[..., HttpResponse]]) -> Callable[..., H
     """
 
     @csrf_exempt
-    def view(request: HttpRequest, **kwargs: Any) -> HttpResponse:
+    def view(request: HttpRequest, **kwargs: Any) -> HttpResponseBase:
         handler = methods.get(request.method or "")
         header = request.headers.get("Authorization", "")
         scheme, _, secret = header.partition(" ")

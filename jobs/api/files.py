@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http.response import HttpResponseBase
 
 from jobs.api.base import (
     api_view,
@@ -60,7 +61,7 @@ def remove_file(request: HttpRequest, user: Any, file_id: str) -> HttpResponse:
     return JsonResponse({"id": file_id, "object": "file", "deleted": True})
 
 
-def file_content(request: HttpRequest, user: Any, file_id: str) -> HttpResponse:
+def file_content(request: HttpRequest, user: Any, file_id: str) -> HttpResponseBase:
     file = get_file_for_user(owner=user, file_id=file_id)
     return download_response(file)
 

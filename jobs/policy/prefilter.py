@@ -31,6 +31,7 @@ import re2
 
 from jobs.re2check import options
 
+hyperscan: Any
 try:
     import hyperscan
 except ImportError:  # no wheel for this platform: every chunk takes RE2's path

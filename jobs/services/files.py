@@ -331,10 +331,9 @@ def parse_expires_after(value: Any) -> timedelta | None:
     if not isinstance(value, dict) or value.get("anchor") != "created_at":
         raise ServiceError("expires_after.anchor must be 'created_at'.",
                            param="expires_after.anchor")
-    seconds = value.get("seconds")
     try:
-        seconds = int(seconds)
-    except (TypeError, ValueError):
+        seconds = int(value["seconds"])
+    except (KeyError, TypeError, ValueError):
         raise ServiceError("expires_after.seconds must be an integer.",
                            param="expires_after.seconds") from None
     if not 3600 <= seconds <= 30 * 24 * 3600:

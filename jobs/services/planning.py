@@ -24,7 +24,7 @@ class ShardPlan:
 
 
 # (primary line, copy line, copy custom_id), written out as they are found.
-CopySink = Callable[[int, int, str], None]
+CopySink = Callable[[int, int, str], object]
 
 
 class ShardPlanner:

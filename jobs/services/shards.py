@@ -132,7 +132,7 @@ def heartbeat(*, shard_id: str, attempt: int, progress: Progress,
         mine = Shard.objects.filter(pk=shard_id, attempt=attempt,
                                     status=Shard.Status.RUNNING).update(
             heartbeat_at=timezone.now(), computed_unsaved=unsaved, **progress.as_fields())
-        if mine:
+        if mine and batch_id:
             refresh_progress(batch_id=batch_id)
     stop_code = (Batch.objects.filter(pk=batch_id).values_list("stop_code", flat=True)
                  .first() or "")

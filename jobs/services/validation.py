@@ -49,7 +49,7 @@ class InputReport:
 
 
 # (line, custom_id, rule name) of a line a `skip` content rule keeps from running.
-ScreenSink = Callable[[int, str, str], None]
+ScreenSink = Callable[[int, str, str], object]
 
 
 class LineChecker:

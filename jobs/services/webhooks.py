@@ -105,8 +105,8 @@ def batch_ended(*, batch_id: str) -> str | None:
     try:
         with transaction.atomic():
             event = WebhookEvent.objects.create(
-                owner_id=row["owner_id"], batch_id=batch_id, type=EVENT_TYPES[row["status"]],
-                next_attempt_at=timezone.now())
+                owner_id=row["owner_id"], batch_id=batch_id,
+                type=EVENT_TYPES[Batch.Status(row["status"])], next_attempt_at=timezone.now())
     except IntegrityError:  # already recorded (a repeated finalizer call)
         return None
     event_id = event.pk
@@ -156,7 +156,7 @@ def deliver_event(event_id: str) -> str:
     attempt = event.attempts
     user_settings = UserSettings.objects.filter(user_id=event.owner_id).first()
     url = user_settings.webhook_url if user_settings else ""
-    if not url:
+    if user_settings is None or not url:
         outcome = Outcome(ok=False, error="The user has no webhook URL any more.",
                           permanent=True)
         elapsed = 0.0

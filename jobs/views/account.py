@@ -6,7 +6,7 @@ from __future__ import annotations
 from django import forms
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_POST
@@ -14,6 +14,7 @@ from django.views.decorators.http import require_POST
 from jobs.models import WebhookEvent
 from jobs.services import quotas, webhooks
 from jobs.services.errors import ServiceError
+from jobs.web import SignedInRequest
 
 
 class WebhookForm(forms.Form):
@@ -24,7 +25,7 @@ class WebhookForm(forms.Form):
 
 @never_cache  # the page shows the signing secret
 @login_required
-def account(request: HttpRequest) -> HttpResponse:
+def account(request: SignedInRequest) -> HttpResponse:
     user_settings = webhooks.settings_for(request.user)
     if request.method == "POST":
         form = WebhookForm(request.POST)
@@ -47,7 +48,7 @@ def account(request: HttpRequest) -> HttpResponse:
 
 @login_required
 @require_POST
-def rotate_webhook_secret(request: HttpRequest) -> HttpResponse:
+def rotate_webhook_secret(request: SignedInRequest) -> HttpResponse:
     webhooks.rotate_secret(user=request.user)
     messages.success(request, "New signing secret created; the old one no longer verifies.")
     return redirect("account")

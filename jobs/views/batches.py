@@ -13,7 +13,8 @@ from typing import Any
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
-from django.http import Http404, HttpRequest, HttpResponse, StreamingHttpResponse
+from django.http import Http404, HttpResponse, StreamingHttpResponse
+from django.http.response import HttpResponseBase
 from django.shortcuts import redirect, render
 from django.template.loader import render_to_string
 from django.urls import reverse
@@ -31,14 +32,14 @@ from jobs.services.errors import ServiceError
 from jobs.services.files import create_input_file, get_file_for_user
 from jobs.services.rerun import rerun_failed
 from jobs.services.stopping import cancel_batch
-from jobs.web import download_response, uploaded_path
+from jobs.web import SignedInRequest, download_response, uploaded_path
 
 LIST_PAGE_SIZE = 20
 STATUS_FILTERS = [("", "all"), ("active", "active"), *[(s, s.replace("_", " "))
                                                        for s in Batch.Status.values]]
 
 
-def _get_batch_for_user(request: HttpRequest, batch_id: str) -> Batch:
+def _get_batch_for_user(request: SignedInRequest, batch_id: str) -> Batch:
     """The signed-in user's batch (with live counts), or 404: another user's id looks
     exactly like one that does not exist."""
     try:
@@ -59,7 +60,7 @@ def _row(batch: Batch, eta: float | None) -> dict[str, Any]:
 
 @login_required
 @require_GET
-def batch_list(request: HttpRequest) -> HttpResponse:
+def batch_list(request: SignedInRequest) -> HttpResponse:
     status = request.GET.get("status", "")
     # Explicit order, the one the API's lists use (newest first, ties by id).
     batches = Batch.objects.filter(owner=request.user).order_by(
@@ -83,7 +84,7 @@ def batch_list(request: HttpRequest) -> HttpResponse:
 
 @login_required
 @require_GET
-def batch_row(request: HttpRequest, batch_id: str) -> HttpResponse:
+def batch_row(request: SignedInRequest, batch_id: str) -> HttpResponse:
     """One row of the list, polled while the batch runs; 286 stops polling once it ended."""
     batch = _get_batch_for_user(request, batch_id)
     eta = dashboard.list_etas([batch]).get(batch.pk)
@@ -97,7 +98,7 @@ def batch_row(request: HttpRequest, batch_id: str) -> HttpResponse:
 # --- new batch ---
 
 
-def _check(request: HttpRequest, data: dict[str, Any]) -> tuple[File | None,
+def _check(request: SignedInRequest, data: dict[str, Any]) -> tuple[File | None,
                                                                preflight.Preflight]:
     """Check the uploaded or chosen file. An upload is stored only when it has no problems,
     so a bad file never becomes a File (the user fixes it and uploads again)."""
@@ -117,7 +118,7 @@ def _check(request: HttpRequest, data: dict[str, Any]) -> tuple[File | None,
     raise ServiceError("Upload a JSONL file or choose one you uploaded before.")
 
 
-def _submit(request: HttpRequest, data: dict[str, Any]) -> tuple[Batch | None,
+def _submit(request: SignedInRequest, data: dict[str, Any]) -> tuple[Batch | None,
                                                                 preflight.Preflight]:
     file = get_file_for_user(owner=request.user, file_id=data["file_id"])
     endpoint = data.get("endpoint") or None
@@ -135,7 +136,7 @@ def _submit(request: HttpRequest, data: dict[str, Any]) -> tuple[Batch | None,
 
 
 @login_required
-def batch_new(request: HttpRequest) -> HttpResponse:
+def batch_new(request: SignedInRequest) -> HttpResponse:
     result: preflight.Preflight | None = None
     checked: File | None = None
     if request.method == "POST":
@@ -190,14 +191,14 @@ def _overview_context(batch: Batch) -> dict[str, Any]:
 
 @login_required
 @require_GET
-def batch_detail(request: HttpRequest, batch_id: str) -> HttpResponse:
+def batch_detail(request: SignedInRequest, batch_id: str) -> HttpResponse:
     batch = _get_batch_for_user(request, batch_id)
     return render(request, "jobs/batch_detail.html", _overview_context(batch))
 
 
 @login_required
 @require_GET
-def batch_live(request: HttpRequest, batch_id: str) -> HttpResponse:
+def batch_live(request: SignedInRequest, batch_id: str) -> HttpResponse:
     """The live block of the batch page (progress, numbers, report, chart, actions), polled
     every 2 s; 286 once the batch has ended, so htmx shows the final state and stops."""
     batch = _get_batch_for_user(request, batch_id)
@@ -209,7 +210,7 @@ def batch_live(request: HttpRequest, batch_id: str) -> HttpResponse:
 
 
 @login_required
-def batch_cancel(request: HttpRequest, batch_id: str) -> HttpResponse:
+def batch_cancel(request: SignedInRequest, batch_id: str) -> HttpResponse:
     """GET: a confirmation page (the no-JavaScript path). POST: cancel."""
     batch = _get_batch_for_user(request, batch_id)
     if request.method == "POST":
@@ -224,7 +225,7 @@ def batch_cancel(request: HttpRequest, batch_id: str) -> HttpResponse:
 
 @login_required
 @require_POST
-def batch_rerun(request: HttpRequest, batch_id: str) -> HttpResponse:
+def batch_rerun(request: SignedInRequest, batch_id: str) -> HttpResponse:
     batch = _get_batch_for_user(request, batch_id)
     try:
         new = rerun_failed(batch=batch, owner=request.user)
@@ -240,12 +241,13 @@ DOWNLOAD_KINDS = {"input": None, "output": "output", "errors": "error"}
 
 @login_required
 @require_GET
-def batch_download(request: HttpRequest, batch_id: str, kind: str) -> HttpResponse:
+def batch_download(request: SignedInRequest, batch_id: str, kind: str) -> HttpResponseBase:
     """The input, output or error file, streamed as an attachment. While the batch runs,
     output and errors are the finished shards' parts so far."""
     batch = _get_batch_for_user(request, batch_id)
     if kind not in DOWNLOAD_KINDS:
         raise Http404("Unknown download.")
+    file_id: str | None
     if kind == "input":
         file_id = batch.input_file_id
     elif batch.is_ended:
@@ -269,7 +271,7 @@ def batch_download(request: HttpRequest, batch_id: str, kind: str) -> HttpRespon
 # --- tabs ---
 
 
-def _tab(request: HttpRequest, batch_id: str, kind: results.Kind, tab: str,
+def _tab(request: SignedInRequest, batch_id: str, kind: results.Kind, tab: str,
          partial: str) -> HttpResponse:
     batch = _get_batch_for_user(request, batch_id)
     filters = ResultFilterForm(request.GET)
@@ -299,19 +301,19 @@ def _tab(request: HttpRequest, batch_id: str, kind: results.Kind, tab: str,
 
 @login_required
 @require_GET
-def batch_errors(request: HttpRequest, batch_id: str) -> HttpResponse:
+def batch_errors(request: SignedInRequest, batch_id: str) -> HttpResponse:
     return _tab(request, batch_id, "error", "errors", "error-list")
 
 
 @login_required
 @require_GET
-def batch_results(request: HttpRequest, batch_id: str) -> HttpResponse:
+def batch_results(request: SignedInRequest, batch_id: str) -> HttpResponse:
     return _tab(request, batch_id, "output", "results", "result-list")
 
 
 @login_required
 @require_GET
-def batch_flags(request: HttpRequest, batch_id: str) -> HttpResponse:
+def batch_flags(request: SignedInRequest, batch_id: str) -> HttpResponse:
     """Quality flags: the count of each, and the flagged requests (of one flag with
     ?flag=), each beside its input and output, paged by offset in the flags parts."""
     batch = _get_batch_for_user(request, batch_id)
@@ -337,7 +339,7 @@ def batch_flags(request: HttpRequest, batch_id: str) -> HttpResponse:
 
 
 @login_required
-def batch_spot_check(request: HttpRequest, batch_id: str) -> HttpResponse:
+def batch_spot_check(request: SignedInRequest, batch_id: str) -> HttpResponse:
     """GET: the sample with its marks (?flagged=1: drawn among flagged requests only).
     POST: mark one request (htmx swaps that item)."""
     batch = _get_batch_for_user(request, batch_id)

@@ -5,19 +5,20 @@ from __future__ import annotations
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import Http404, HttpResponse
+from django.http.response import HttpResponseBase
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
 from jobs.models import File
 from jobs.services.errors import ServiceError
 from jobs.services.files import delete_file, get_file_for_user
-from jobs.web import download_response
+from jobs.web import SignedInRequest, download_response
 
 PAGE_SIZE = 25
 
 
-def _get_file_for_user(request: HttpRequest, file_id: str) -> File:
+def _get_file_for_user(request: SignedInRequest, file_id: str) -> File:
     try:
         return get_file_for_user(owner=request.user, file_id=file_id)
     except ServiceError:
@@ -26,7 +27,7 @@ def _get_file_for_user(request: HttpRequest, file_id: str) -> File:
 
 @login_required
 @require_GET
-def file_list(request: HttpRequest) -> HttpResponse:
+def file_list(request: SignedInRequest) -> HttpResponse:
     files = File.objects.filter(owner=request.user)
     purpose = request.GET.get("purpose", "")
     if purpose in File.Purpose.values:
@@ -40,13 +41,13 @@ def file_list(request: HttpRequest) -> HttpResponse:
 
 @login_required
 @require_GET
-def file_download(request: HttpRequest, file_id: str) -> HttpResponse:
+def file_download(request: SignedInRequest, file_id: str) -> HttpResponseBase:
     return download_response(_get_file_for_user(request, file_id))
 
 
 @login_required
 @require_POST
-def file_delete(request: HttpRequest, file_id: str) -> HttpResponse:
+def file_delete(request: SignedInRequest, file_id: str) -> HttpResponse:
     file = _get_file_for_user(request, file_id)
     try:
         delete_file(file=file)

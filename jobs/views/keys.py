@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import Http404, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_POST
@@ -12,9 +12,10 @@ from django.views.decorators.http import require_POST
 from jobs.forms import ApiKeyForm
 from jobs.models import ApiKey
 from jobs.services.keys import create_api_key, revoke_api_key
+from jobs.web import SignedInRequest
 
 
-def _get_key_for_user(request: HttpRequest, key_id: int) -> ApiKey:
+def _get_key_for_user(request: SignedInRequest, key_id: int) -> ApiKey:
     key = ApiKey.objects.filter(owner=request.user, pk=key_id).first()
     if key is None:
         raise Http404("No such key.")
@@ -23,7 +24,7 @@ def _get_key_for_user(request: HttpRequest, key_id: int) -> ApiKey:
 
 @never_cache  # the response to a create carries the secret: no cache may keep it
 @login_required
-def key_list(request: HttpRequest) -> HttpResponse:
+def key_list(request: SignedInRequest) -> HttpResponse:
     secret = None
     if request.method == "POST":
         form = ApiKeyForm(request.POST)
@@ -41,7 +42,7 @@ def key_list(request: HttpRequest) -> HttpResponse:
 
 @login_required
 @require_POST
-def key_revoke(request: HttpRequest, key_id: int) -> HttpResponse:
+def key_revoke(request: SignedInRequest, key_id: int) -> HttpResponse:
     key = _get_key_for_user(request, key_id)
     revoke_api_key(key=key)
     messages.success(request, f"Revoked {key.name}.")

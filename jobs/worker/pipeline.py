@@ -3,6 +3,7 @@ flight) and its lifecycle: start, drain on SIGTERM, hand shards back, close."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -100,8 +101,8 @@ class Pipeline:
             with work.lock:
                 unsaved = work.computed - work.saved_computed
             self.drop(work)
-            with_db_retry(lambda w=work, u=unsaved: shard_service.release_shard(
-                shard_id=w.shard_id, attempt=w.attempt, unsaved=u))
+            with_db_retry(functools.partial(shard_service.release_shard, shard_id=work.shard_id,
+                                            attempt=work.attempt, unsaved=unsaved))
             log.info("handed back shard %s (%d results kept)", work.shard_id,
                      len(work.saved.lines))
 
@@ -152,7 +153,7 @@ class Pipeline:
         for work in self.current_works():
             self.drop(work)
             try:
-                with_db_retry(lambda w=work: shard_service.fail_shard(
-                    shard_id=w.shard_id, attempt=w.attempt, reason=reason))
+                with_db_retry(functools.partial(shard_service.fail_shard, shard_id=work.shard_id,
+                                                attempt=work.attempt, reason=reason))
             except Exception:
                 log.exception("could not record failure of shard %s", work.shard_id)

@@ -83,7 +83,7 @@ class Command(BaseCommand):
                 worker = SimpleWorker([queues.queue(q) for q in queue_names],
                                       name=f"{name}.{loops}" if loops else name,
                                       connection=queues.connection())
-                worker.work(logging_level=settings.LOGGING["root"]["level"])
+                worker.work(logging_level=settings.LOG_LEVEL)
             except redis.exceptions.RedisError as exc:
                 # Building the worker and RQ's own shutdown talk to Redis too.
                 self.stderr.write(f"batchworker {name}: Redis unavailable ({exc})")
