@@ -6,9 +6,9 @@ service on one laptop: SQLite, a private Redis started by `make run`, files unde
 
 import json
 import os
-from typing import Any
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import dj_database_url
 from django.core.checks.security.base import (

@@ -14,6 +14,7 @@ setting), or a signed-in staff user.
     batchweb_shards_in_flight{model,state}          shards queued (in Redis or waiting their
                                                     turn in the database) or running
     batchweb_shards_stuck{model}                    running shards with a stale heartbeat
+    batchweb_model_blocked{model}                   1: work waiting, no live worker or no Redis
     batchweb_requests_processed_total{model,outcome} requests of finished shards
                                                     (outcome: completed | failed)
     batchweb_tokens_processed_total{model,kind}     tokens of successful requests
@@ -73,6 +74,10 @@ class ServiceCollector:
                                     labels=["model"])
         stuck = GaugeMetricFamily("batchweb_shards_stuck",
                                   "Running shards whose heartbeat is stale.", labels=["model"])
+        blocked = GaugeMetricFamily(
+            "batchweb_model_blocked",
+            "1 when a model has work waiting and nothing can run it (no live worker, or "
+            "Redis unreachable).", labels=["model"])
         if health.redis_ok:
             depth.add_metric([queues.CONTROL_QUEUE, "", "control"], health.control_depth)
         for model_health in health.models:
@@ -81,9 +86,13 @@ class ServiceCollector:
                 depth.add_metric([queue_name, model_health.model, priority], count)
             workers.add_metric([model_health.model], len(model_health.workers))
             stuck.add_metric([model_health.model], len(model_health.stuck))
+            can_run = health.redis_ok and not model_health.blocked
+            blocked.add_metric([model_health.model], 0 if can_run or not model_health.has_work
+                               else 1)
         yield depth
         yield workers
         yield stuck
+        yield blocked
         total_workers = GaugeMetricFamily("batchweb_workers_total", "Live RQ workers.")
         if health.redis_ok:
             from rq import Worker

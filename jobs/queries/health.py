@@ -3,6 +3,7 @@ of asking: the admin's queue-health page and the /metrics endpoint share it."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -49,6 +50,15 @@ class ModelHealth:
     def stuck(self) -> list[RunningShard]:
         return [s for s in self.running if s.stuck]
 
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting_in_db or any(self.depth.values()))
+
+    @property
+    def blocked(self) -> bool:
+        """Work is waiting and no live worker serves this model's queues."""
+        return self.has_work and not self.workers
+
 
 @dataclass
 class Health:
@@ -57,6 +67,29 @@ class Health:
     control_workers: int
     redis_ok: bool = True
     redis_error: str = ""
+
+
+# Every open batch page asks on each poll: one answer per model serves them for a while.
+_BLOCKER_TTL_SECONDS = 5.0
+_blockers: dict[str, tuple[float, str]] = {}
+
+
+def progress_blocker(model: str) -> str:
+    """Why a running batch of `model` cannot make progress right now, in words for its
+    page; "" when it can (Redis answers and a live worker takes the model's queues)."""
+    now = time.monotonic()
+    cached = _blockers.get(model)
+    if cached and now - cached[0] < _BLOCKER_TTL_SECONDS:
+        return cached[1]
+    own = set(queues.model_queue_names(model))
+    try:
+        alive = any(own & set(w.queue_names()) for w in _workers(queues.connection()))
+        reason = "" if alive else (f"no worker for {model} is running; it resumes as soon "
+                                   "as one starts")
+    except Exception:  # Redis down or unreachable
+        reason = "the queue (Redis) cannot be reached; workers wait for it to come back"
+    _blockers[model] = (now, reason)
+    return reason
 
 
 def _workers(connection: Any) -> list[Any]:

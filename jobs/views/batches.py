@@ -25,7 +25,7 @@ from django_htmx.http import HttpResponseClientRedirect, HttpResponseStopPolling
 from jobs.forms import NewBatchForm, ResultFilterForm, SpotCheckForm
 from jobs.models import Batch, File
 from jobs.quality import FLAG_LABELS, FLAGS
-from jobs.queries import dashboard, flags, results
+from jobs.queries import dashboard, flags, health, results
 from jobs.services import preflight, spotcheck
 from jobs.services.batches import create_batch, get_batch_for_user
 from jobs.services.errors import ServiceError
@@ -185,8 +185,10 @@ def _detail_context(batch: Batch, tab: str) -> dict[str, Any]:
 
 
 def _overview_context(batch: Batch) -> dict[str, Any]:
+    blocker = (health.progress_blocker(batch.model)
+               if batch.status == Batch.Status.IN_PROGRESS and not batch.stop_code else "")
     return {**_detail_context(batch, "overview"), "stats": dashboard.batch_stats(batch),
-            "flag_counts": flags.flag_counts(batch)}
+            "flag_counts": flags.flag_counts(batch), "blocker": blocker}
 
 
 @login_required
