@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import ROOT, chat_line, jsonl, wait_for
+from tests.helpers import ROOT, chat_line, computed_twice, jsonl, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -133,6 +133,10 @@ def finished(service: Service, key: str, batch_id: str, *, timeout: float) -> di
 
 def test_a_second_instance_waits_for_the_first_and_takes_over(service: Service,
                                                               tmp_path: Path) -> None:
+    # Both instances' engines log each request they compute: the restart must not
+    # compute a finished request again (the first drains and hands back checkpoints).
+    request_log = tmp_path / "engine-requests.log"
+    service.env["BATCHWEB_ECHO_REQUEST_LOG"] = str(request_log)
     service.start()
     wait_for(service.up, timeout=90, message="the first service")
     key = api_key(service)
@@ -142,6 +146,7 @@ def test_a_second_instance_waits_for_the_first_and_takes_over(service: Service,
 
     second = Service(service.var_dir, tmp_path / "second.log")
     second.port = service.port
+    second.env["BATCHWEB_ECHO_REQUEST_LOG"] = str(request_log)
     second.start()
     wait_for(lambda: "waiting for it to stop" in second.log(), timeout=60,
              message="the second instance to say it waits")
@@ -156,6 +161,7 @@ def test_a_second_instance_waits_for_the_first_and_takes_over(service: Service,
         batch = finished(second, key, batch_id, timeout=180)
         ids = custom_ids(second, key, batch)
         assert sorted(ids) == sorted(f"req-{i}" for i in range(400))
+        assert computed_twice(request_log) == 0
     finally:
         second.stop()
 
