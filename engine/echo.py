@@ -9,6 +9,8 @@ on a million requests without loading a model.
   max_completion_tokens) words, finish_reason "length", else "stop"; `n` choices.
 - embeddings: an 8-dim vector per input derived from sha256 of the input.
 - prompt words + max_tokens > options["max_model_len"] (default 2048) -> 400 like vLLM.
+- bodies arrive validated (jobs.wire.check_body runs before any engine); a body it still
+  cannot read is one plain 400.
 - options["seconds_per_request"] (default 0) sleeps that long per request (slow shards);
   options["max_in_flight"] (default 64) bounds concurrency like the real engine.
 - options["request_log"] (default none): a file to which the id of every request the engine
@@ -36,26 +38,22 @@ from engine.base import (
     EngineRequest,
     EngineResult,
     ModelSpec,
+    text_parts,
 )
 
 ABORTED_STATUS = 499  # same as engine.vllm_engine.ABORTED_STATUS
 
 
-def _error(message: str, param: str | None = None, code: int = 400) -> tuple[int, dict[str, Any]]:
-    return code, {
-        "error": {"message": message, "type": "BadRequestError", "param": param, "code": code}
-    }
+def _error(message: str, param: str | None = None) -> tuple[int, dict[str, Any]]:
+    return 400, {"error": {"message": message, "type": "BadRequestError", "param": param,
+                           "code": 400}}
 
 
-def _text(content: Any) -> str:
-    """A message's text: a string, or the text parts of a content-part list."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return " ".join(
-            p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
-        )
-    return ""
+def _context_error(tokens: int, limit: int) -> tuple[int, dict[str, Any]]:
+    # The one refusal that depends on the model, not the body: vLLM's own wording.
+    return _error(f"This model's maximum context length is {limit} tokens. However, you "
+                  f"requested {tokens} tokens. Please reduce the length of the input.",
+                  "input_tokens")
 
 
 class EchoEngine(Engine):
@@ -65,150 +63,79 @@ class EchoEngine(Engine):
         self.max_model_len = int(opts.get("max_model_len", 2048))
         self.seconds_per_request = float(opts.get("seconds_per_request", 0))
         self.max_in_flight = int(opts.get("max_in_flight", 64))
+        log_path = opts.get("request_log") or ""
+        self._request_log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
         self._lock = threading.Lock()
         self._in_flight: set[str] = set()
         self._aborted: set[str] = set()
         self._abort_event = threading.Event()  # wakes sleeping requests on abort
         self._closed = False
-        log_path = opts.get("request_log") or ""
-        self._request_log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
 
     # -- one request --------------------------------------------------------------------
 
     def handle(self, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """(status, body) for one request body, as vLLM would shape it."""
-        if body.get("stream"):
-            return _error("stream is not supported in batch requests", "stream")
-        if url == EMBEDDINGS:
-            return self._embeddings(body)
-        if url not in (CHAT, COMPLETIONS):
-            return _error(f"model {self.spec.name!r} does not serve {url}", "url")
-
-        max_tokens = body.get("max_completion_tokens")
-        if max_tokens is None:
-            max_tokens = body.get("max_tokens")
-        n = body.get("n", 1)
-        if n is None:
-            n = 1
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            return _error(f"n must be at least 1, got {n}.", "n")
-        if max_tokens is not None and (
-            not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1
-        ):
-            return _error(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
-
-        if url == CHAT:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                return _error("messages must be a non-empty list", "messages")
-            prompt_tokens = sum(
-                len(_text(m.get("content")).split()) for m in messages if isinstance(m, dict)
-            )
-            last_user = next(
-                (
-                    _text(m.get("content"))
-                    for m in reversed(messages)
-                    if isinstance(m, dict) and m.get("role") == "user"
-                ),
-                "",
-            )
-            words = ["echo:", *last_user.split()]
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list):  # one prompt per batch line; a list is joined
-                prompt = " ".join(str(p) for p in prompt)
-            if not isinstance(prompt, str):
-                return _error("prompt must be a string", "prompt")
-            words = prompt.split()
-            prompt_tokens = len(words)
-
+        """(status, body) for one request body, shaped as vLLM's. Bodies reach an engine
+        validated (jobs.wire.check_body, for every engine alike), so the only checks here
+        are the model's: what it serves, and its context length."""
+        try:
+            if url == EMBEDDINGS:
+                return self._embeddings(body)
+            if url == CHAT:
+                messages = body["messages"]
+                prompt_tokens = sum(len(" ".join(text_parts(m.get("content"))).split())
+                                    for m in messages)
+                last_user = next((" ".join(text_parts(m.get("content")))
+                                  for m in reversed(messages) if m.get("role") == "user"), "")
+                words = ["echo:", *last_user.split()]
+            elif url == COMPLETIONS:
+                words = " ".join(text_parts(body["prompt"])).split()
+                prompt_tokens = len(words)
+            else:
+                return _error(f"model {self.spec.name!r} does not serve {url}", "url")
+        except (KeyError, TypeError, AttributeError):
+            return _error("The echo engine cannot answer this request body.")
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        n = body.get("n") or 1
         if prompt_tokens + (max_tokens or 0) > self.max_model_len:
-            return _error(
-                f"This model's maximum context length is {self.max_model_len} tokens. "
-                f"However, you requested {prompt_tokens + (max_tokens or 0)} tokens "
-                f"({prompt_tokens} in the messages, {max_tokens or 0} in the completion). "
-                "Please reduce the length of the messages or completion.",
-                "input_tokens",
-            )
-
-        if max_tokens is not None and len(words) > max_tokens:
-            words, finish = words[:max_tokens], "length"
-        else:
-            finish = "stop"
-        text = " ".join(words)
-        completion_tokens = len(words) * n
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens,
-            "prompt_tokens_details": None,
-        }
-        model = body.get("model") or self.spec.name
-        created = int(time.time())
+            return _context_error(prompt_tokens + (max_tokens or 0), self.max_model_len)
+        finish = "length" if max_tokens is not None and len(words) > max_tokens else "stop"
+        text = " ".join(words[:max_tokens])
+        completion_tokens = len(words[:max_tokens]) * n
+        common = {"created": int(time.time()), "model": body.get("model") or self.spec.name,
+                  "usage": {"prompt_tokens": prompt_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens,
+                            "completion_tokens": completion_tokens,
+                            "prompt_tokens_details": None}}
         if url == CHAT:
-            choices: list[dict[str, Any]] = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text, "refusal": None,
-                                "tool_calls": []},
-                    "logprobs": None,
-                    "finish_reason": finish,
-                    "stop_reason": None,
-                }
-                for i in range(n)
-            ]
-            return 200, {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": created,
-                "model": model,
-                "choices": choices,
-                "usage": usage,
-            }
-        choices = [
-            {"index": i, "text": text, "logprobs": None, "finish_reason": finish,
-             "stop_reason": None}
-            for i in range(n)
-        ]
-        return 200, {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": choices,
-            "usage": usage,
-        }
+            message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": []}
+            return 200, {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                         **common, "choices": [
+                             {"index": i, "message": message, "logprobs": None,
+                              "finish_reason": finish, "stop_reason": None}
+                             for i in range(n)]}
+        return 200, {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", **common,
+                     "choices": [{"index": i, "text": text, "logprobs": None,
+                                  "finish_reason": finish, "stop_reason": None}
+                                 for i in range(n)]}
 
     def _embeddings(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        inputs = body.get("input")
+        inputs = body["input"]
         if isinstance(inputs, str):
             inputs = [inputs]
-        if not isinstance(inputs, list) or not inputs or not all(
-            isinstance(x, str) for x in inputs
-        ):
-            return _error("input must be a string or a non-empty list of strings", "input")
         data = []
         prompt_tokens = 0
         for i, text in enumerate(inputs):
             tokens = len(text.split())
             if tokens > self.max_model_len:
-                return _error(
-                    f"This model's maximum context length is {self.max_model_len} tokens. "
-                    f"However, you requested {tokens} tokens in the input for embedding "
-                    "generation. Please reduce the length of the input.",
-                    "input_tokens",
-                )
+                return _context_error(tokens, self.max_model_len)
             prompt_tokens += tokens
             # 8 floats in [-1, 1) from the 32 bytes of sha256: deterministic, input-specific.
             digest = hashlib.sha256(text.encode()).digest()
             vector = [(v / 32768.0) for v in struct.unpack("<16h", digest)[:8]]
             data.append({"index": i, "object": "embedding", "embedding": vector})
         return 200, {
-            "id": f"embd-{uuid.uuid4().hex}",
-            "object": "list",
-            "created": int(time.time()),
-            "model": body.get("model") or self.spec.name,
-            "data": data,
+            "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+            "model": body.get("model") or self.spec.name, "data": data,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
                       "completion_tokens": 0, "prompt_tokens_details": None},
         }
