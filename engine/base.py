@@ -36,6 +36,11 @@ def text_parts(value: Any) -> list[str]:
     return parts
 
 
+# The status an aborted request's EngineResult carries (nginx's "client closed request");
+# callers look at `aborted` first.
+ABORTED_STATUS = 499
+
+
 class EngineError(Exception):
     """The engine itself failed (could not start, crashed): the whole shard is retried.
 

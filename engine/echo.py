@@ -30,6 +30,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from engine.base import (
+    ABORTED_STATUS,
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
@@ -40,8 +41,6 @@ from engine.base import (
     ModelSpec,
     text_parts,
 )
-
-ABORTED_STATUS = 499  # same as engine.vllm_engine.ABORTED_STATUS
 
 
 def _error(message: str, param: str | None = None) -> tuple[int, dict[str, Any]]:

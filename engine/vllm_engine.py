@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from engine.base import (
+    ABORTED_STATUS,
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
@@ -42,10 +43,6 @@ from engine.base import (
     EngineResult,
     ModelSpec,
 )
-
-# The status an aborted request's EngineResult carries (nginx's "client closed request");
-# callers look at `aborted` first.
-ABORTED_STATUS = 499
 
 T = TypeVar("T")
 
