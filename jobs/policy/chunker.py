@@ -11,7 +11,7 @@ from jobs.wire import RequestLine
 # reach CHUNK_TOKENS (one sum per line). So a chunk is at most CHUNK_TOKENS / LINE_TOKENS
 # lines (enough that the calls into RE2 and the chunk's bookkeeping cost little per line,
 # few enough that the lines are still in the CPU's caches when their texts are gathered:
-# bench/screening-notes.md) and holds about CHUNK_TOKENS tokens of text at most.
+# bench/RESULTS.md, section 8) and holds about CHUNK_TOKENS tokens of text at most.
 CHUNK_TOKENS = 65_536
 LINE_TOKENS = 1_024
 

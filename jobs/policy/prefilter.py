@@ -2,7 +2,7 @@
 
 RE2's DFA reads a byte at a time, and that pass was most of screening's cost; Hyperscan
 (Intel's SIMD regex library) finds where any of many patterns may match faster
-(bench/screening-notes.md), and reports every match's end with its pattern. It decides
+(bench/RESULTS.md, section 8), and reports every match's end with its pattern. It decides
 nothing here: it only names, for each line of a chunk, the rules that may match it, and RE2
 then searches that line for those rules alone. So it must never miss a match RE2 would
 find, and it is used only where its patterns are known to accept at least what RE2's do:

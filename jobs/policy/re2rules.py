@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 # A word character, for whole-word terms: a letter, mark or digit in any script, or "_"
 # (RE2's \b and \w are ASCII only). Terms are scanned with ASCII edges, which accept more
 # (an é next to a term is not a word character to them) but compile far faster
-# (bench/screening-notes.md); a line they flag is then checked with the real edges.
+# (bench/RESULTS.md, section 8); a line they flag is then checked with the real edges.
 _NOT_WORD = r"[^\p{L}\p{M}\p{N}_]"
 _NOT_ASCII_WORD = "[^0-9A-Za-z_]"
 

@@ -40,7 +40,7 @@ class Screener:
         lets one model through): when a prompt-size rule counts that model's own tokens.
         Else a line is only its number, custom_id, estimate and text, and validation lets
         go of the rest of it at once (holding the parsed requests costs more than the
-        search: bench/screening-notes.md)."""
+        search: bench/RESULTS.md, section 8)."""
         return self.size.count_for(model)
 
     def screen(self, chunk: list[tuple[int, str, int, str]], sink: ViolationSink,
