@@ -106,7 +106,8 @@ class EchoEngine(Engine):
                             "completion_tokens": completion_tokens,
                             "prompt_tokens_details": None}}
         if url == CHAT:
-            message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": []}
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None,
+                                       "tool_calls": []}
             return 200, {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                          **common, "choices": [
                              {"index": i, "message": message, "logprobs": None,

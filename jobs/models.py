@@ -426,7 +426,8 @@ class RequestCopy(models.Model):
 
 class SpotCheck(models.Model):
     """A person's verdict on one finished request of a batch (the dashboard's spot check):
-    seed 003's quality check. One mark per request; marking again replaces it."""
+    a person samples outputs to catch what no flag does. One mark per request; marking
+    again replaces it."""
 
     class Verdict(models.TextChoices):
         GOOD = "good"

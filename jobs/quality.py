@@ -1,5 +1,5 @@
 """Quality flags on finished requests: outputs that look wrong even though the request
-succeeded, so a run cannot "finish but drift" unnoticed (seed 003's advice). The output
+succeeded, so a long run cannot "finish but drift" unnoticed. The output
 line format is never changed; flags are kept beside it."""
 
 from __future__ import annotations

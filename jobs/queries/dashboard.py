@@ -1,5 +1,5 @@
 """Read-side numbers of the dashboard: progress, throughput (now, average, over time), ETA,
-the run report of seed 003 and the throughput behind the new-batch (preflight) estimate.
+the run report (what a finished run cost and how it went) and the throughput behind the new-batch (preflight) estimate.
 The throughput-over-time series is data only; `templatetags.dashboard.throughput_chart`
 draws it.
 
@@ -85,7 +85,7 @@ def shard_rows(batch_ids: Iterable[str]) -> dict[str, list[ShardRow]]:
 
 @dataclass
 class Report:
-    """Seed 003's run report."""
+    """The run report: retries, failures and cost of a run, for the batch page."""
 
     completions_per_minute: float | None
     # The share of request runs that were repeats: the requests computed again because

@@ -142,6 +142,6 @@ def queue_health(*, now: datetime | None = None) -> Health:
 
 def shard_counts_by_model() -> dict[tuple[str, str], int]:
     """(model, status) -> shards, for queued and running shards."""
-    rows = Shard.objects.filter(status__in=(Shard.Status.QUEUED, Shard.Status.RUNNING)).values(
+    rows = Shard.objects.in_line().values(
         model=F("batch__model"), st=F("status")).annotate(n=Count("id"))
     return {(r["model"], r["st"]): r["n"] for r in rows}

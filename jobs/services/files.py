@@ -424,12 +424,9 @@ def get_file_for_user(*, owner: Any, file_id: str) -> File:
     return file
 
 
-ACTIVE_STATUSES = (Batch.Status.VALIDATING, Batch.Status.IN_PROGRESS,
-                   Batch.Status.FINALIZING, Batch.Status.CANCELLING)
-
 
 def file_in_use(file: File) -> bool:
-    return Batch.objects.filter(input_file=file, status__in=ACTIVE_STATUSES).exists()
+    return Batch.objects.active().filter(input_file=file).exists()
 
 
 def delete_file(*, file: File) -> None:

@@ -36,8 +36,7 @@ def finalize_batch(*, batch_id: str) -> Batch | None:
         drop_queued_shards(batch_id, batch.stop_code)
     elif batch.status != Batch.Status.IN_PROGRESS:
         return batch
-    if Shard.objects.filter(batch_id=batch_id,
-                            status__in=(Shard.Status.QUEUED, Shard.Status.RUNNING)).exists():
+    if Shard.objects.in_line().filter(batch_id=batch_id).exists():
         return batch
     now = timezone.now()
     claim = Batch.objects.filter(pk=batch_id).exclude(status__in=Batch.ENDED).filter(

@@ -35,9 +35,6 @@ from django.utils import timezone
 from jobs.models import Batch, File, Quota, Shard
 from jobs.services.errors import ServiceError
 
-ACTIVE_STATUSES = (Batch.Status.VALIDATING, Batch.Status.IN_PROGRESS,
-                   Batch.Status.FINALIZING, Batch.Status.CANCELLING)
-
 LABELS = {
     "max_file_bytes": "file size",
     "max_requests_per_batch": "requests per batch",
@@ -94,8 +91,7 @@ def usage_for(owner: Any, *, now: datetime | None = None) -> dict[str, int]:
     return {
         "max_stored_bytes": int(File.objects.filter(owner=owner).aggregate(
             total=Sum("bytes"))["total"] or 0),
-        "max_active_batches": Batch.objects.filter(owner=owner,
-                                                   status__in=ACTIVE_STATUSES).count(),
+        "max_active_batches": Batch.objects.active().filter(owner=owner).count(),
         "tokens_per_day": tokens_since(owner, day),
         "tokens_per_month": tokens_since(owner, month),
     }

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from django.conf import settings
 from django.db.models import Q
 from django.utils import timezone
 
@@ -26,15 +25,11 @@ VALIDATION_GRACE = timedelta(seconds=30)
 def reconcile() -> dict[str, int]:
     """Expire overdue batches, retry shards of dead workers, re-create lost jobs, and
     finalize batches that have nothing left to run. Returns counts of what it did."""
-    conf = settings.BATCHWEB
     now = timezone.now()
     done = {"expired": len(expire_due_batches()), "stale": 0, "lost": 0, "validations": 0,
             "finalize": 0, "enqueued": 0}
 
-    stale_before = now - timedelta(seconds=conf["HEARTBEAT_TIMEOUT_SECONDS"])
-    for shard_id, attempt in Shard.objects.filter(
-            status=Shard.Status.RUNNING, heartbeat_at__lt=stale_before).values_list(
-            "pk", "attempt"):
+    for shard_id, attempt in Shard.objects.stale(now).values_list("pk", "attempt"):
         fail_shard(shard_id=shard_id, attempt=attempt, reason="worker lost (no heartbeat)")
         done["stale"] += 1
 
@@ -62,7 +57,7 @@ def reconcile() -> dict[str, int]:
         Q(status__in=(Batch.Status.IN_PROGRESS, Batch.Status.CANCELLING))
         | Q(status=Batch.Status.FINALIZING, finalize_claimed_at__lt=now - FINALIZE_STALE_AFTER)
         | Q(status=Batch.Status.VALIDATING) & ~Q(stop_code="")
-    ).exclude(shards__status__in=(Shard.Status.QUEUED, Shard.Status.RUNNING)).distinct()
+    ).exclude(pk__in=Shard.objects.in_line().values("batch_id"))
     for batch_id in unfinished.values_list("pk", flat=True):
         if not queues.job_is_waiting(f"{batch_id}-finalize", queues.CONTROL_QUEUE):
             request_finalize(batch_id=batch_id)

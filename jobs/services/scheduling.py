@@ -47,6 +47,5 @@ def enqueue_next_shards(*, batch_id: str) -> int:
 def request_finalize(*, batch_id: str) -> None:
     """Enqueue finalization (`services.finalize.finalize_batch`, through the
     `jobs.tasks.finalize_batch` job) if nothing of the batch is left to run."""
-    if not Shard.objects.filter(batch_id=batch_id, status__in=(
-            Shard.Status.QUEUED, Shard.Status.RUNNING)).exists():
+    if not Shard.objects.in_line().filter(batch_id=batch_id).exists():
         queues.enqueue_control("jobs.tasks.finalize_batch", batch_id, suffix="finalize")

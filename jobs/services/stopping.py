@@ -43,15 +43,13 @@ def cancel_batch(*, batch: Batch) -> Batch:
 def expire_due_batches() -> list[str]:
     """Stop every batch whose completion window has closed. Returns their ids."""
     now = timezone.now()
-    due = list(Batch.objects.filter(
-        status__in=(Batch.Status.VALIDATING, Batch.Status.IN_PROGRESS), stop_code="",
-        expires_at__lte=now).values_list("pk", flat=True))
+    due = list(Batch.objects.accepting_work().filter(expires_at__lte=now)
+               .values_list("pk", flat=True))
     expired = []
     for batch_id in due:
         with transaction.atomic():
-            if not Batch.objects.filter(
-                    pk=batch_id, status__in=(Batch.Status.VALIDATING, Batch.Status.IN_PROGRESS),
-                    stop_code="").update(stop_code=Code.BATCH_EXPIRED):
+            if not Batch.objects.accepting_work().filter(pk=batch_id).update(
+                    stop_code=Code.BATCH_EXPIRED):
                 continue
             drop_queued_shards(batch_id, Code.BATCH_EXPIRED)
         expired.append(batch_id)

@@ -3,7 +3,6 @@ all are handed in and the engine's batch has room (the dispatcher finishes the s
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import time
@@ -15,7 +14,7 @@ from engine.base import EngineRequest
 from jobs.models import Shard
 from jobs.policy import VIOLATION
 from jobs.services import shards as shard_service
-from jobs.services.files import open_range_lines
+from jobs.services.shard_input import shard_requests
 from jobs.services.shards import Checkpoint
 from jobs.wire import RequestLine
 from jobs.worker.db import with_db_retry
@@ -92,26 +91,20 @@ class Intake:
             time.sleep(0.02)
 
     def _submit_lines(self, shard: Shard, work: ShardWork) -> None:
-        storage_name = shard.batch.input_file.storage_name
-        with open_range_lines(storage_name, start=shard.start_byte, end=shard.end_byte,
-                              first_number=shard.first_line) as lines:
-            for line in lines:
-                if (line.content is None or not line.content.strip() or line.number in work.skip
-                        or line.number in work.adopted):
-                    continue
-                request = json.loads(line.content)
+        with shard_requests(shard, work.skip | work.adopted) as requests:
+            for number, request in requests:
                 if work.dead or work.handing_back:
                     return
                 if work.stop_code:
                     with work.lock:
-                        work.write_unrun(request["custom_id"], line.number, work.stop_code)
+                        work.write_unrun(request["custom_id"], number, work.stop_code)
                     continue
-                if line.number in work.screened:
+                if number in work.screened:
                     with work.lock:
-                        work.write_failure(request["custom_id"], line.number, VIOLATION,
-                                           work.screened[line.number])
+                        work.write_failure(request["custom_id"], number, VIOLATION,
+                                           work.screened[number])
                     continue
-                engine_request = EngineRequest(request_id=work.request_id(line.number),
+                engine_request = EngineRequest(request_id=work.request_id(number),
                                                url=request["url"], body=request["body"])
                 with work.lock:
                     work.pending[engine_request.request_id] = RequestLine(

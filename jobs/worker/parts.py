@@ -21,11 +21,11 @@ from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 
 from engine.base import EngineResult
-from jobs.models import ContentRule, RequestCopy, ScreenedLine, Shard
+from jobs.models import ContentRule, ScreenedLine, Shard
 from jobs.policy import Violation
 from jobs.quality import flags_for
 from jobs.services.files import open_range, temp_dir
-from jobs.services.shard_input import shard_last_line
+from jobs.services.shard_input import shard_lines
 from jobs.services.shards import Checkpoint, Progress
 from jobs.wire import RequestLine, failure_line, response_line, unrun_message, usage_of
 
@@ -179,20 +179,12 @@ def open_work(shard: Shard) -> ShardWork:
     """Read what the shard's lines need besides their text (dedup copies, copies to skip,
     screened lines) and open its attempt's part files. Only reads before it opens the
     files: safe to repeat on a dropped connection."""
-    last_line = shard_last_line(shard)
-    copies: dict[int, list[str]] = {}
-    for primary, custom_id in RequestCopy.objects.filter(
-            batch_id=shard.batch_id, primary_line__gte=shard.first_line,
-            primary_line__lte=last_line).values_list("primary_line", "custom_id").iterator():
-        copies.setdefault(primary, []).append(custom_id)
-    skip = set(RequestCopy.objects.filter(
-        batch_id=shard.batch_id, line__gte=shard.first_line, line__lte=last_line
-    ).values_list("line", flat=True))
+    lines = shard_lines(shard)
     reasons = dict(ContentRule.objects.values_list("name", "reason"))
     screened = {
         line: Violation(rule=rule, action="skip", reason=reasons.get(rule, "")).message
         for line, rule in ScreenedLine.objects.filter(
-            batch_id=shard.batch_id, line__gte=shard.first_line, line__lte=last_line
+            batch_id=shard.batch_id, line__gte=shard.first_line, line__lte=lines.last_line
         ).values_list("line", "rule")}
     base = temp_dir() / f"{shard.id}-{shard.attempt}"
     out_path, err_path, flags_path = (base.with_suffix(suffix) for _, suffix in PART_KINDS)
@@ -203,7 +195,7 @@ def open_work(shard: Shard) -> ShardWork:
                      err=open(err_path, "wb"),  # noqa: SIM115
                      flags_path=flags_path,
                      flags=open(flags_path, "wb"),  # noqa: SIM115
-                     copies=copies, skip=skip, screened=screened)
+                     copies=lines.copies, skip=lines.skip, screened=screened)
 
 
 def adopt_checkpoint(work: ShardWork, value: dict[str, Any]) -> None:
