@@ -1,5 +1,6 @@
 """Read-side numbers of the dashboard: progress, throughput (now, average, over time), ETA,
-the run report (what a finished run cost and how it went) and the throughput behind the new-batch (preflight) estimate.
+the run report (what a run cost and how it went) and the throughput behind the new-batch
+(preflight) estimate.
 The throughput-over-time series is data only; `templatetags.dashboard.throughput_chart`
 draws it.
 
