@@ -147,16 +147,16 @@ def test_a_second_instance_waits_for_the_first_and_takes_over(service: Service,
     second = Service(service.var_dir, tmp_path / "second.log")
     second.port = service.port
     second.env["BATCHWEB_ECHO_REQUEST_LOG"] = str(request_log)
-    second.start()
-    wait_for(lambda: "waiting for it to stop" in second.log(), timeout=60,
-             message="the second instance to say it waits")
-    # While it waits the first keeps working: its Redis is its own.
-    before = batch_state(service, key, batch_id)["request_counts"]["completed"]
-    wait_for(lambda: batch_state(service, key, batch_id)["request_counts"]["completed"]
-             > before, timeout=30, message="the first service to keep going")
-
-    service.stop()  # the second takes over once the first has drained and released var/
     try:
+        second.start()
+        wait_for(lambda: "waiting for it to stop" in second.log(), timeout=60,
+                 message="the second instance to say it waits")
+        # While it waits the first keeps working: its Redis is its own.
+        before = batch_state(service, key, batch_id)["request_counts"]["completed"]
+        wait_for(lambda: batch_state(service, key, batch_id)["request_counts"]["completed"]
+                 > before, timeout=30, message="the first service to keep going")
+
+        service.stop()  # the second takes over once the first drained and released var/
         wait_for(second.up, timeout=120, message="the second service")
         batch = finished(second, key, batch_id, timeout=180)
         ids = custom_ids(second, key, batch)
