@@ -15,7 +15,14 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from jobs.models import Batch, File, RequestCopy, Shard, Upload
 from jobs.services.keys import create_api_key
 from jobs.tasks import validate_batch
-from tests.bad_inputs import (
+from tests.reliability_support import (
+    Api,
+    assert_openai_error,
+    db_snapshot,
+    storage_snapshot,
+    use_private_storage,
+)
+from tests.security.bad_inputs import (
     ALL_CASES,
     API_CASES,
     FILE_CASES,
@@ -28,13 +35,6 @@ from tests.bad_inputs import (
     FileCase,
     LenientCase,
     LineCase,
-)
-from tests.reliability_support import (
-    Api,
-    assert_openai_error,
-    db_snapshot,
-    storage_snapshot,
-    use_private_storage,
 )
 
 pytestmark = pytest.mark.django_db

@@ -11,8 +11,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 from batchweb.settings import env_bool, env_float, env_int
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
 
 
 @pytest.mark.parametrize(("value", "expected"), [
