@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import Workers
+from tests.factories import Workers
 
 EPOCH = time.time()
 

@@ -11,7 +11,7 @@ from jobs.models import ApiKey, Batch, Shard
 from jobs.services.batches import create_batch
 from jobs.services.files import create_input_file
 from jobs.services.validation import run_validation
-from tests.helpers import chat_line, jsonl
+from tests.factories import chat_line, jsonl
 
 pytestmark = pytest.mark.django_db
 

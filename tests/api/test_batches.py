@@ -5,32 +5,21 @@ test_execution.py."""
 
 from __future__ import annotations
 
-import io
-
 import openai
 import pytest
 import requests
 
 from jobs.models import Batch, Shard
 from jobs.tasks import validate_batch
-from tests.helpers import chat_line, jsonl
+from tests.factories import chat_line, jsonl, new_batch, upload
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def upload(client, lines) -> str:
-    return client.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))), purpose="batch").id
-
-
-def create(client, file_id, **extra):
-    return client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                 completion_window="24h", **extra)
-
-
 def test_create_validate_and_retrieve(openai_client, settings):
     settings.BATCHWEB = {**settings.BATCHWEB, "SHARD_SIZE": 2}
-    file_id = upload(openai_client, [chat_line(f"r{i}", f"hi {i}") for i in range(5)])
-    batch = create(openai_client, file_id, metadata={"project": "demo"})
+    file_id = upload(openai_client, jsonl([chat_line(f"r{i}", f"hi {i}") for i in range(5)])).id
+    batch = new_batch(openai_client, file_id, metadata={"project": "demo"})
     assert batch.status == "validating"
     assert batch.input_file_id == file_id
     assert batch.metadata == {"project": "demo"}
@@ -62,7 +51,7 @@ def test_validation_reports_every_bad_line(openai_client):
         chat_line("neg", "x", max_tokens=-5),
         {"method": "POST", "url": "/v1/chat/completions", "body": {"model": "echo-test"}},
     ]
-    batch = create(openai_client, upload(openai_client, lines))
+    batch = new_batch(openai_client, upload(openai_client, jsonl(lines)).id)
     validate_batch(batch.id)
     batch = openai_client.batches.retrieve(batch.id)
     assert batch.status == "failed"
@@ -79,8 +68,8 @@ def test_validation_reports_every_bad_line(openai_client):
 def test_mixed_models_fail_validation(openai_client, settings):
     settings.BATCHWEB_MODELS = [*settings.BATCHWEB_MODELS,
                                 {**settings.ECHO_MODEL, "name": "echo-other"}]
-    batch = create(openai_client, upload(openai_client, [
-        chat_line("a", "x"), chat_line("b", "y", model="echo-other")]))
+    batch = new_batch(openai_client, upload(openai_client, jsonl([
+        chat_line("a", "x"), chat_line("b", "y", model="echo-other")])).id)
     validate_batch(batch.id)
     batch = openai_client.batches.retrieve(batch.id)
     assert batch.status == "failed"
@@ -95,7 +84,7 @@ def test_mixed_models_fail_validation(openai_client, settings):
     ("metadata", {"k": "v" * 513}, "metadata.k"),
 ])
 def test_bad_create_parameters_are_400(openai_client, field, value, param):
-    file_id = upload(openai_client, [chat_line("a", "x")])
+    file_id = upload(openai_client, jsonl([chat_line("a", "x")])).id
     args = {"input_file_id": file_id, "endpoint": "/v1/chat/completions",
             "completion_window": "24h", field: value}
     with pytest.raises(openai.BadRequestError) as caught:
@@ -105,15 +94,15 @@ def test_bad_create_parameters_are_400(openai_client, field, value, param):
 
 
 def test_other_completion_windows(openai_client):
-    file_id = upload(openai_client, [chat_line("a", "x")])
+    file_id = upload(openai_client, jsonl([chat_line("a", "x")])).id
     batch = openai_client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
                                          completion_window="1h")
     assert batch.expires_at - batch.created_at == 3600
 
 
 def test_list_batches_paginates(openai_client):
-    file_id = upload(openai_client, [chat_line("a", "x")])
-    ids = [create(openai_client, file_id).id for _ in range(5)]
+    file_id = upload(openai_client, jsonl([chat_line("a", "x")])).id
+    ids = [new_batch(openai_client, file_id).id for _ in range(5)]
     page = openai_client.batches.list(limit=2)
     assert [b.id for b in page.data] == ids[::-1][:2]
     assert page.has_more
@@ -132,8 +121,8 @@ def test_bad_pagination_is_400(live_server, api_key, query):
 def test_cancel_before_running(openai_client):
     from jobs.tasks import finalize_batch
 
-    batch = create(openai_client, upload(openai_client, [chat_line(f"r{i}", "x")
-                                                         for i in range(3)]))
+    data = jsonl([chat_line(f"r{i}", "x") for i in range(3)])
+    batch = new_batch(openai_client, upload(openai_client, data).id)
     validate_batch(batch.id)
     cancelled = openai_client.batches.cancel(batch.id)
     assert cancelled.status == "cancelling"
@@ -156,14 +145,14 @@ def test_models_lists_the_deployment(openai_client, settings):
 
 
 def test_another_users_batches_are_404(openai_client, other_client):
-    file_id = upload(openai_client, [chat_line("a", "x")])
-    batch = create(openai_client, file_id)
+    file_id = upload(openai_client, jsonl([chat_line("a", "x")])).id
+    batch = new_batch(openai_client, file_id)
     with pytest.raises(openai.NotFoundError):
         other_client.batches.retrieve(batch.id)
     with pytest.raises(openai.NotFoundError):
         other_client.batches.cancel(batch.id)
     with pytest.raises(openai.NotFoundError):
-        create(other_client, file_id)
+        new_batch(other_client, file_id)
     assert other_client.batches.list().data == []
     assert Batch.objects.get(pk=batch.id).status == "validating"
 

@@ -11,7 +11,7 @@ import requests
 from django.core.files.storage import default_storage
 
 from jobs.models import File, Upload
-from tests.helpers import chat_line, jsonl
+from tests.factories import chat_line, jsonl
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

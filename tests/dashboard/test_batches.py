@@ -18,22 +18,24 @@ from jobs.services import spotcheck
 from jobs.services.keys import create_api_key
 from jobs.services.progress import refresh_progress
 from jobs.templatetags.dashboard import clip
-from tests.dashboard_support import lines_of, make_batch, make_file, run_batch, run_shard
-from tests.helpers import chat_line, jsonl
+from tests.factories import (
+    HTMX,
+    chat_line,
+    chat_lines,
+    jsonl,
+    lines_of,
+    make_batch,
+    make_file,
+    run_batch,
+    run_shard,
+)
 
 pytestmark = pytest.mark.django_db
-
-HTMX = {"HTTP_HX_REQUEST": "true"}
-
 
 @pytest.fixture
 def other_site(client, other_user):
     client.force_login(other_user)
     return client
-
-
-def lines(n: int, prefix: str = "r") -> list[dict]:
-    return [chat_line(f"{prefix}{i}", f"question {i}", max_tokens=10) for i in range(n)]
 
 
 def body(response) -> str:
@@ -66,9 +68,9 @@ def test_sign_in_and_out(client, user):
 
 
 def test_batch_list_shows_only_mine_with_progress(site, user, other_user, tmp_path, settings):
-    mine = make_batch(user, lines(10), tmp_path, shard_size=5, settings=settings)
+    mine = make_batch(user, chat_lines(10), tmp_path, shard_size=5, settings=settings)
     run_shard(Shard.objects.get(batch=mine, index=0))
-    theirs = make_batch(other_user, lines(3), tmp_path)
+    theirs = make_batch(other_user, chat_lines(3), tmp_path)
     page = site.get(reverse("batch_list")).content.decode()
     assert mine.pk in page and theirs.pk not in page
     assert "5 / 10" in page
@@ -79,8 +81,8 @@ def test_batch_list_shows_only_mine_with_progress(site, user, other_user, tmp_pa
 
 
 def test_batch_list_filter_and_partial(site, user, tmp_path):
-    running = make_batch(user, lines(2), tmp_path)
-    done = run_batch(make_batch(user, lines(2, "d"), tmp_path))
+    running = make_batch(user, chat_lines(2), tmp_path)
+    done = run_batch(make_batch(user, chat_lines(2, "d"), tmp_path))
     assert done.status == "completed"
     page = site.get(reverse("batch_list"), {"status": "completed"}).content.decode()
     assert done.pk in page and running.pk not in page
@@ -94,11 +96,11 @@ def test_batch_list_filter_and_partial(site, user, tmp_path):
 def test_batch_list_is_paginated_with_bounded_queries(site, user, tmp_path,
                                                       django_assert_max_num_queries):
     for i in range(3):
-        make_batch(user, lines(2, f"a{i}-"), tmp_path)
+        make_batch(user, chat_lines(2, f"a{i}-"), tmp_path)
     with django_assert_max_num_queries(8):
         site.get(reverse("batch_list"))
     for i in range(22):
-        make_batch(user, lines(2, f"b{i}-"), tmp_path)
+        make_batch(user, chat_lines(2, f"b{i}-"), tmp_path)
     with django_assert_max_num_queries(8):
         page = site.get(reverse("batch_list")).content.decode()
     assert page.count('<tr id="row-') == 20
@@ -107,7 +109,7 @@ def test_batch_list_is_paginated_with_bounded_queries(site, user, tmp_path,
 
 
 def test_batch_row_polls_until_ended(site, user, tmp_path):
-    batch = make_batch(user, lines(2), tmp_path)
+    batch = make_batch(user, chat_lines(2), tmp_path)
     response = site.get(reverse("batch_row", args=[batch.pk]), **HTMX)
     assert response.status_code == 200 and b'hx-trigger="every 2s"' in response.content
     run_batch(batch)
@@ -120,7 +122,7 @@ def test_batch_row_polls_until_ended(site, user, tmp_path):
 
 
 def test_other_users_ids_are_404(site, other_user, tmp_path):
-    theirs = run_batch(make_batch(other_user, lines(3), tmp_path), fails=lambda c: c == "r1")
+    theirs = run_batch(make_batch(other_user, chat_lines(3), tmp_path), fails=lambda c: c == "r1")
     key, _ = create_api_key(owner=other_user, name="theirs")
     gets = ["batch_detail", "batch_live", "batch_row", "batch_cancel", "batch_errors",
             "batch_results", "batch_spot_check"]
@@ -167,7 +169,7 @@ def test_new_batch_shows_line_problems_and_stores_nothing(site, user):
 
 
 def test_new_batch_preflight_then_submit(site, user):
-    good = jsonl(lines(4))
+    good = jsonl(chat_lines(4))
     response = site.post(reverse("batch_new"), {
         "upload": upload(good), "action": "check", "completion_window": "24h",
         "priority": "low", "metadata": "project=alpha"})
@@ -189,7 +191,7 @@ def test_new_batch_preflight_then_submit(site, user):
 
 
 def test_new_batch_with_htmx_returns_partial_and_client_redirect(site, user, tmp_path):
-    file = make_file(user, lines(2), tmp_path)
+    file = make_file(user, chat_lines(2), tmp_path)
     response = site.post(reverse("batch_new"), {"file_id": file.pk, "action": "check",
                                                 "completion_window": "24h",
                                                 "priority": "default"}, **HTMX)
@@ -202,7 +204,7 @@ def test_new_batch_with_htmx_returns_partial_and_client_redirect(site, user, tmp
 
 
 def test_new_batch_refuses_bad_window_and_metadata(site, user, tmp_path):
-    file = make_file(user, lines(2), tmp_path)
+    file = make_file(user, chat_lines(2), tmp_path)
     response = site.post(reverse("batch_new"), {"file_id": file.pk, "action": "submit",
                                                 "completion_window": "2days",
                                                 "priority": "default"})
@@ -215,7 +217,7 @@ def test_new_batch_refuses_bad_window_and_metadata(site, user, tmp_path):
 
 
 def test_new_batch_other_model_rewrites_the_file(site, user, tmp_path):
-    file = make_file(user, lines(3), tmp_path)
+    file = make_file(user, chat_lines(3), tmp_path)
     site.post(reverse("batch_new"), {"file_id": file.pk, "action": "submit",
                                      "completion_window": "24h", "priority": "default",
                                      "model": "SmolLM2-135M-Instruct"})
@@ -227,10 +229,10 @@ def test_new_batch_other_model_rewrites_the_file(site, user, tmp_path):
 
 
 def test_preflight_estimates_time_from_recent_history(site, user, tmp_path):
-    done = make_batch(user, lines(20), tmp_path)
+    done = make_batch(user, chat_lines(20), tmp_path)
     run_batch(done, seconds=10)  # 20 requests in 10 s: 2 requests/s
     assert dashboard.model_throughput("echo-test") == pytest.approx(2.0)
-    file = make_file(user, lines(120), tmp_path)
+    file = make_file(user, chat_lines(120), tmp_path)
     page = site.post(reverse("batch_new"), {"file_id": file.pk, "action": "check",
                                             "completion_window": "24h",
                                             "priority": "default"}).content.decode()
@@ -241,7 +243,7 @@ def test_preflight_estimates_time_from_recent_history(site, user, tmp_path):
 
 
 def test_batch_page_running_and_live_partial(site, user, tmp_path, settings):
-    batch = make_batch(user, lines(30), tmp_path, shard_size=10, settings=settings)
+    batch = make_batch(user, chat_lines(30), tmp_path, shard_size=10, settings=settings)
     now = timezone.now()
     run_shard(Shard.objects.get(batch=batch, index=0), started=now - timedelta(seconds=20),
               seconds=10)
@@ -263,7 +265,7 @@ def test_batch_page_running_and_live_partial(site, user, tmp_path, settings):
 
 
 def test_live_partial_stops_polling_when_ended(site, user, tmp_path):
-    batch = run_batch(make_batch(user, lines(3), tmp_path), fails=lambda c: c == "r2")
+    batch = run_batch(make_batch(user, chat_lines(3), tmp_path), fails=lambda c: c == "r2")
     live = site.get(reverse("batch_live", args=[batch.pk]), **HTMX)
     assert live.status_code == 286
     html = live.content.decode()
@@ -328,21 +330,21 @@ def test_throughput_series_matches_its_definition_bucket_by_bucket():
 
 
 def test_cancel_confirm_page_and_post(site, user, tmp_path):
-    batch = make_batch(user, lines(3), tmp_path)
+    batch = make_batch(user, chat_lines(3), tmp_path)
     page = site.get(reverse("batch_cancel", args=[batch.pk]))
     assert page.status_code == 200 and b"Cancel this batch?" in page.content
     response = site.post(reverse("batch_cancel", args=[batch.pk]))
     assert response.status_code == 302
     assert Batch.objects.get(pk=batch.pk).status == "cancelling"
     # Cancelling an ended batch is refused with a message, not an error page.
-    ended = run_batch(make_batch(user, lines(2, "e"), tmp_path))
+    ended = run_batch(make_batch(user, chat_lines(2, "e"), tmp_path))
     response = site.post(reverse("batch_cancel", args=[ended.pk]), follow=True)
     assert b"Cannot cancel a batch that is completed" in response.content
 
 
 def test_rerun_failed_creates_batch_of_exactly_the_failed_lines(site, user, tmp_path,
                                                                  settings):
-    batch = make_batch(user, lines(12), tmp_path, shard_size=5, settings=settings,
+    batch = make_batch(user, chat_lines(12), tmp_path, shard_size=5, settings=settings,
                        metadata={"team": "x"})
     batch = run_batch(batch, fails=lambda c: c in {"r1", "r7", "r11"})
     response = site.post(reverse("batch_rerun", args=[batch.pk]))
@@ -356,7 +358,7 @@ def test_rerun_failed_creates_batch_of_exactly_the_failed_lines(site, user, tmp_
     original = {line["custom_id"]: line for line in lines_of(user, batch.input_file_id)}
     assert lines_of(user, new.input_file_id)[0] == original["r1"]
     # Nothing failed: a message, no batch.
-    clean = run_batch(make_batch(user, lines(2, "ok"), tmp_path))
+    clean = run_batch(make_batch(user, chat_lines(2, "ok"), tmp_path))
     response = site.post(reverse("batch_rerun", args=[clean.pk]), follow=True)
     assert b"no failed requests" in response.content
 
@@ -365,7 +367,7 @@ def test_rerun_failed_creates_batch_of_exactly_the_failed_lines(site, user, tmp_
 
 
 def test_downloads_final_and_partial(site, user, tmp_path, settings):
-    batch = make_batch(user, lines(10), tmp_path, shard_size=5, settings=settings)
+    batch = make_batch(user, chat_lines(10), tmp_path, shard_size=5, settings=settings)
     run_shard(Shard.objects.get(batch=batch, index=0), fails=lambda c: c == "r3")
     partial = site.get(reverse("batch_download", args=[batch.pk, "output"]))
     assert partial.status_code == 200 and partial.streaming
@@ -383,7 +385,7 @@ def test_downloads_final_and_partial(site, user, tmp_path, settings):
     assert len(body(output).splitlines()) == 9
     source = site.get(reverse("batch_download", args=[batch.pk, "input"]))
     assert source["Content-Disposition"] == 'attachment; filename="in.jsonl"'
-    assert body(source).encode() == jsonl(lines(10))
+    assert body(source).encode() == jsonl(chat_lines(10))
     assert site.get(reverse("batch_download", args=[batch.pk, "nope"])).status_code == 404
 
 
@@ -391,7 +393,7 @@ def test_downloads_final_and_partial(site, user, tmp_path, settings):
 
 
 def test_errors_tab_counts_filter_search_and_paging(site, user, tmp_path, settings):
-    batch = make_batch(user, lines(60), tmp_path, shard_size=10, settings=settings)
+    batch = make_batch(user, chat_lines(60), tmp_path, shard_size=10, settings=settings)
     batch = run_batch(batch, fails=lambda c: int(c[1:]) % 2 == 0 or int(c[1:]) > 54)
     page = site.get(reverse("batch_errors", args=[batch.pk])).content.decode()
     assert "http_400" in page and '<span class="count">33</span>' in page
@@ -458,7 +460,7 @@ def test_clip_filter():
 
 
 def test_results_tab_while_running_and_search(site, user, tmp_path, settings):
-    batch = make_batch(user, lines(10), tmp_path, shard_size=5, settings=settings)
+    batch = make_batch(user, chat_lines(10), tmp_path, shard_size=5, settings=settings)
     empty = site.get(reverse("batch_results", args=[batch.pk])).content.decode()
     assert "No shard has finished yet" in empty
     run_shard(Shard.objects.get(batch=batch, index=1))
@@ -479,7 +481,7 @@ def test_results_tab_while_running_and_search(site, user, tmp_path, settings):
 
 
 def test_spot_check_sample_and_marks(site, user, tmp_path):
-    batch = run_batch(make_batch(user, lines(300), tmp_path))
+    batch = run_batch(make_batch(user, chat_lines(300), tmp_path))
     assert spotcheck.spot_sample_size(300) == 15
     assert spotcheck.spot_sample_size(5) == 5 and spotcheck.spot_sample_size(10_000) == 200
     page = site.get(reverse("batch_spot_check", args=[batch.pk])).content.decode()
@@ -507,9 +509,9 @@ def test_spot_check_sample_and_marks(site, user, tmp_path):
 
 def test_files_page_download_delete(site, user, other_user, tmp_path,
                                     django_assert_max_num_queries):
-    batch = run_batch(make_batch(user, lines(3), tmp_path))
-    theirs = make_file(other_user, lines(1), tmp_path, name="secret.jsonl")
-    spare = make_file(user, lines(2), tmp_path, name="spare.jsonl")
+    batch = run_batch(make_batch(user, chat_lines(3), tmp_path))
+    theirs = make_file(other_user, chat_lines(1), tmp_path, name="secret.jsonl")
+    spare = make_file(user, chat_lines(2), tmp_path, name="spare.jsonl")
     with django_assert_max_num_queries(6):
         page = site.get(reverse("file_list")).content.decode()
     assert "spare.jsonl" in page and f"{batch.pk}_output.jsonl" in page
@@ -518,11 +520,11 @@ def test_files_page_download_delete(site, user, other_user, tmp_path,
     assert "spare.jsonl" not in only
     download = site.get(reverse("file_download", args=[spare.pk]))
     assert download["Content-Disposition"] == 'attachment; filename="spare.jsonl"'
-    assert body(download).encode() == jsonl(lines(2))
+    assert body(download).encode() == jsonl(chat_lines(2))
     assert site.post(reverse("file_delete", args=[spare.pk])).status_code == 302
     assert not File.objects.filter(pk=spare.pk).exists()
     assert site.get(reverse("file_download", args=[spare.pk])).status_code == 404
-    running = make_batch(user, lines(2, "x"), tmp_path)
+    running = make_batch(user, chat_lines(2, "x"), tmp_path)
     refused = site.post(reverse("file_delete", args=[running.input_file_id]), follow=True)
     assert b"still running" in refused.content
     assert File.objects.filter(pk=running.input_file_id).exists()
@@ -552,8 +554,8 @@ def test_static_and_htmx_are_local(site):
 
 
 def test_every_form_has_csrf(site, user, tmp_path):
-    batch = run_batch(make_batch(user, lines(12), tmp_path), fails=lambda c: c == "r1")
-    running = make_batch(user, lines(2, "x"), tmp_path)
+    batch = run_batch(make_batch(user, chat_lines(12), tmp_path), fails=lambda c: c == "r1")
+    running = make_batch(user, chat_lines(2, "x"), tmp_path)
     for url in (reverse("batch_new"), reverse("key_list"), reverse("file_list"),
                 reverse("batch_detail", args=[batch.pk]),
                 reverse("batch_detail", args=[running.pk]),
@@ -568,7 +570,7 @@ def test_upload_reads_stream_not_memory(site, user, settings):
     # A file bigger than the in-memory upload limit arrives as a temporary file and is
     # checked from disk; the whole flow still works.
     settings.FILE_UPLOAD_MAX_MEMORY_SIZE = 1024
-    big = jsonl(lines(200))
+    big = jsonl(chat_lines(200))
     assert len(big) > 1024
     response = site.post(reverse("batch_new"), {
         "upload": SimpleUploadedFile("big.jsonl", big), "action": "check",

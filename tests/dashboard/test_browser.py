@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import chat_line, jsonl
+from tests.factories import chat_line, jsonl
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"

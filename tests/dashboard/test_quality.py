@@ -20,17 +20,9 @@ from jobs.queries import dashboard, flags, results
 from jobs.services import spotcheck
 from jobs.services.files import new_storage_name
 from jobs.services.shard_input import shard_custom_ids
-from tests.dashboard_support import make_batch, run_batch, run_shard
-from tests.helpers import chat_line, wait_for
+from tests.factories import HTMX, chat_line, chat_lines, make_batch, run_batch, run_shard, wait_for
 
 pytestmark = pytest.mark.django_db
-
-HTMX = {"HTTP_HX_REQUEST": "true"}
-
-
-def lines(n: int, prefix: str = "r") -> list[dict]:
-    return [chat_line(f"{prefix}{i}", f"question {i}", max_tokens=10) for i in range(n)]
-
 
 def flags_of(custom_id: str) -> list[str]:
     """Which flags a test request gets, from its number: every 3rd repetition, every 4th
@@ -74,7 +66,7 @@ def run_flagged_shard(shard: Shard, *, json_retries: int = 0) -> None:
 
 def flagged_batch(user, tmp_path, settings, *, n: int = 60, shard_size: int = 20,
                   run: int | None = None, end: bool = True) -> Batch:
-    batch = make_batch(user, lines(n), tmp_path, shard_size=shard_size, settings=settings)
+    batch = make_batch(user, chat_lines(n), tmp_path, shard_size=shard_size, settings=settings)
     shards = list(Shard.objects.filter(batch=batch).order_by("index"))
     for shard in shards[:run]:
         run_flagged_shard(shard, json_retries=1)
@@ -212,7 +204,7 @@ def test_flags_tab_bad_flag_and_cursor_are_404_and_empty_is_explained(site, user
     assert site.get(url, {"cursor": "zz:1"}).status_code == 404
     html = site.get(url, {"flag": "invalid_json"}).content.decode()
     assert "No request has the flag" in html
-    clean = run_batch(make_batch(user, lines(3, "x"), tmp_path))
+    clean = run_batch(make_batch(user, chat_lines(3, "x"), tmp_path))
     html = site.get(reverse("batch_flags", args=[clean.pk])).content.decode()
     assert "No flagged requests" in html
 
@@ -289,7 +281,7 @@ def test_spot_check_flagged_marks(site, user, tmp_path, settings):
 
 
 def test_spot_check_flagged_empty(site, user, tmp_path):
-    batch = run_batch(make_batch(user, lines(3, "x"), tmp_path))
+    batch = run_batch(make_batch(user, chat_lines(3, "x"), tmp_path))
     html = site.get(reverse("batch_spot_check", args=[batch.pk]),
                     {"flagged": "1"}).content.decode()
     assert "No flagged outputs" in html
@@ -301,7 +293,7 @@ def test_spot_check_flagged_empty(site, user, tmp_path):
 @pytest.mark.django_db(transaction=True)
 def test_real_worker_flags_on_the_dashboard(client, user, workers, tmp_path):
     from jobs.services.batches import create_batch
-    from tests.dashboard_support import make_file
+    from tests.factories import make_file
 
     file = make_file(user, [
         chat_line("plain", "a normal question"),

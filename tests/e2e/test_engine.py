@@ -11,7 +11,7 @@ import re
 import pytest
 from django.urls import reverse
 
-from tests.helpers import jsonl, wait_for
+from tests.factories import jsonl, submit, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 
@@ -163,13 +163,6 @@ def create_content_rules(action, size_limit):
                                pattern="How can I build a bomb at home?")
 
 
-def submit(client, lines):
-    file_id = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))),
-                                  purpose="batch").id
-    return client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                 completion_window="24h").id
-
-
 def until_ended(client, batch_id, timeout=900):
     return wait_for(lambda: (b := client.batches.retrieve(batch_id)).status in (
         "completed", "failed", "expired", "cancelled") and b, timeout=timeout, every=1,
@@ -227,14 +220,15 @@ def test_content_policy_under_both_policies_and_quality_flags_with_the_real_engi
 
     # 1. Every rule `reject`: validation fails the batch, naming each line and rule.
     create_content_rules("reject", size_limit)
-    rejected_id = submit(openai_client, [*policy_lines, flag_lines[0]])
+    rejected_id = submit(openai_client, [*policy_lines, flag_lines[0]]).id
     worker = workers.start(CHAT_MODEL, env=ENGINE_ENV)
     try:
         rejected = until_ended(openai_client, rejected_id)
         # 2. The operator switches the rules to `skip`: the same lines are left out of the
         # run and written to the error file; the rest runs.
         assert ContentRule.objects.update(action="skip") == 4
-        skipped_id = submit(openai_client, [*flag_lines[:3], *policy_lines, *flag_lines[3:]])
+        skipped_id = submit(openai_client,
+                            [*flag_lines[:3], *policy_lines, *flag_lines[3:]]).id
         done = until_ended(openai_client, skipped_id)
     finally:
         workers.stop_all()

@@ -17,17 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import ROOT, chat_line, jsonl, wait_for
+from tests.factories import ROOT, chat_line, free_port, jsonl, wait_for
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Service:
@@ -35,7 +27,7 @@ class Service:
 
     def __init__(self, var_dir: Path, log: Path) -> None:
         self.var_dir = var_dir
-        self.port = _free_port()
+        self.port = free_port()
         self.log_path = log
         self.env = {key: value for key, value in os.environ.items()
                     if key not in ("DATABASE_URL", "REDIS_URL", "BATCHWEB_TMP_DIR",

@@ -17,12 +17,7 @@ from jobs import queues
 from jobs.models import Batch, File, Quota, Shard, UserSettings, WebhookDelivery, WebhookEvent
 from jobs.queries import health
 from jobs.services.health import periodic_operations
-from tests.dashboard_support import make_batch, make_file, run_batch
-from tests.helpers import chat_line, jsonl, wait_for
-
-
-def lines(n: int) -> list[dict]:
-    return [chat_line(f"r{i}", f"q {i}") for i in range(n)]
+from tests.factories import chat_lines, jsonl, make_batch, make_file, run_batch, wait_for
 
 
 def metrics(text: str) -> dict[tuple[str, tuple], float]:
@@ -36,7 +31,7 @@ def metrics(text: str) -> dict[tuple[str, tuple], float]:
 
 @pytest.mark.django_db
 def test_new_admin_pages_render(admin_client, user, tmp_path):
-    batch = run_batch(make_batch(user, lines(1), tmp_path))
+    batch = run_batch(make_batch(user, chat_lines(1), tmp_path))
     event = WebhookEvent.objects.create(owner=user, type="batch.completed", batch_id=batch.pk)
     WebhookDelivery.objects.create(event=event, attempt=1, url="http://x/", status_code=500,
                                    error="HTTP 500")
@@ -82,9 +77,9 @@ def test_admin_edits_the_default_and_user_quotas(admin_client, user):
 
 @pytest.mark.django_db(transaction=True)
 def test_delete_expired_files_action(admin_client, user, tmp_path):
-    expired = make_file(user, lines(1), tmp_path)
-    fresh = make_file(user, lines(1), tmp_path)
-    running = make_batch(user, lines(1), tmp_path)
+    expired = make_file(user, chat_lines(1), tmp_path)
+    fresh = make_file(user, chat_lines(1), tmp_path)
+    running = make_batch(user, chat_lines(1), tmp_path)
     File.objects.filter(pk__in=[expired.pk, running.input_file_id]).update(
         expires_at=timezone.now() - timedelta(days=1))
     response = admin_client.post("/admin/jobs/file/", {
@@ -103,7 +98,7 @@ def test_delete_expired_files_action(admin_client, user, tmp_path):
 @pytest.mark.django_db
 def test_requeue_action_retries_stuck_and_failed_shards(admin_client, user, tmp_path,
                                                         settings):
-    batch = make_batch(user, lines(6), tmp_path, shard_size=2, settings=settings)
+    batch = make_batch(user, chat_lines(6), tmp_path, shard_size=2, settings=settings)
     stuck, failed, waiting = Shard.objects.filter(batch=batch).order_by("index")
     long_ago = timezone.now() - timedelta(hours=1)
     Shard.objects.filter(pk=stuck.pk).update(status=Shard.Status.RUNNING, attempt=1,
@@ -159,7 +154,7 @@ def test_queue_health_page_with_a_live_worker(admin_client, openai_client, worke
                        "BATCHWEB_SHARD_SIZE": "100"})
     wait_for(lambda: Worker.count(connection=queues.connection()) == 1, timeout=60,
              message="the worker to register")
-    file_id = openai_client.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines(600)))),
+    file_id = openai_client.files.create(file=("in.jsonl", io.BytesIO(jsonl(chat_lines(600)))),
                                          purpose="batch").id
     batch = openai_client.batches.create(input_file_id=file_id,
                                          endpoint="/v1/chat/completions",
@@ -195,7 +190,7 @@ def test_queue_health_page_with_a_live_worker(admin_client, openai_client, worke
 @pytest.mark.django_db
 def test_queue_health_without_redis_still_shows_the_database(admin_client, user, tmp_path,
                                                             monkeypatch):
-    batch = make_batch(user, lines(1), tmp_path)
+    batch = make_batch(user, chat_lines(1), tmp_path)
     Shard.objects.filter(batch=batch).update(status=Shard.Status.RUNNING, worker="w",
                                              heartbeat_at=timezone.now(),
                                              started_at=timezone.now())
@@ -229,8 +224,8 @@ def test_metrics_needs_a_token_or_staff(client, admin_client, user, settings):
 
 @pytest.mark.django_db
 def test_metrics_content(admin_client, user, tmp_path, settings):
-    done = run_batch(make_batch(user, lines(3), tmp_path))  # 3 completed, 5+3 tokens each
-    running = make_batch(user, lines(4), tmp_path, shard_size=2, settings=settings)
+    done = run_batch(make_batch(user, chat_lines(3), tmp_path))  # 3 completed, 5+3 tokens each
+    running = make_batch(user, chat_lines(4), tmp_path, shard_size=2, settings=settings)
     run_batch(running, only=1)
     Shard.objects.filter(batch=running, index=1).update(
         status=Shard.Status.RUNNING, heartbeat_at=timezone.now() - timedelta(minutes=5))

@@ -11,7 +11,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 
 from batchweb.settings import env_bool, env_float, env_int
-from tests.helpers import ROOT
+from tests.factories import ROOT
 
 
 @pytest.mark.parametrize(("value", "expected"), [

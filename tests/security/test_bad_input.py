@@ -15,7 +15,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from jobs.models import Batch, File, RequestCopy, Shard, Upload
 from jobs.services.keys import create_api_key
 from jobs.tasks import validate_batch
-from tests.reliability_support import (
+from tests.factories import (
     Api,
     assert_openai_error,
     db_snapshot,

@@ -235,7 +235,7 @@ API_SETTINGS = settings(max_examples=60, deadline=None,
 @pytest.fixture
 def api(db: Any, settings: Any, tmp_path: Any, django_user_model: Any) -> Any:
     from jobs.services.keys import create_api_key
-    from tests.reliability_support import Api, use_private_storage
+    from tests.factories import Api, use_private_storage
 
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
     use_private_storage(settings, tmp_path)

@@ -23,12 +23,15 @@ from django.urls import URLPattern, reverse
 
 from jobs.models import ApiKey, Batch, File, Shard
 from jobs.services.keys import create_api_key, revoke_api_key
-from tests.dashboard_support import make_batch, run_batch
-from tests.helpers import ROOT, chat_line, jsonl
-from tests.reliability_support import (
+from tests.factories import (
+    ROOT,
     Api,
     assert_openai_error,
+    chat_line,
     db_snapshot,
+    jsonl,
+    make_batch,
+    run_batch,
     storage_snapshot,
     use_private_storage,
 )

@@ -19,8 +19,7 @@ from jobs import queues, tasks
 from jobs.models import Batch, File, Shard, Upload, UploadPart
 from jobs.services import cleanup
 from jobs.services.uploads import add_upload_part, create_upload
-from tests.dashboard_support import make_batch, make_file, run_batch
-from tests.helpers import chat_line
+from tests.factories import chat_line, make_batch, make_file, run_batch
 
 # Transactional: file deletion removes the content once the row's deletion commits.
 pytestmark = pytest.mark.django_db(transaction=True)

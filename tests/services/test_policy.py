@@ -21,7 +21,7 @@ from jobs.services.batches import create_batch
 from jobs.services.files import create_input_file
 from jobs.services.validation import run_validation
 from jobs.wire import RequestLine, estimate_tokens, prompt_text
-from tests.helpers import chat_line, jsonl, wait_for
+from tests.factories import chat_line, jsonl, wait_for
 
 LINES = [
     chat_line("ok-1", "Translate 'good morning' to French."),

@@ -4,7 +4,6 @@ overrides; the account page showing usage."""
 
 from __future__ import annotations
 
-import io
 from datetime import UTC, timedelta
 
 import openai
@@ -16,8 +15,7 @@ from django.utils import timezone
 from jobs.models import Batch, File, Quota, Shard
 from jobs.services import quotas
 from jobs.services.errors import ServiceError
-from tests.dashboard_support import make_batch, make_file
-from tests.helpers import chat_line, jsonl
+from tests.factories import chat_line, jsonl, make_batch, make_file, new_batch, upload
 
 ONE = jsonl([chat_line("r0", "hello")])
 THREE = jsonl([chat_line(f"r{i}", f"hello {i}") for i in range(3)])
@@ -27,15 +25,6 @@ FOUR = jsonl([chat_line(f"r{i}", f"hello {i}") for i in range(4)])
 def set_quota(user, **limits) -> Quota:
     quota, _ = Quota.objects.update_or_create(user=user, defaults=limits)
     return quota
-
-
-def upload(client, content: bytes):
-    return client.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
-
-
-def new_batch(client, file_id: str):
-    return client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                 completion_window="24h")
 
 
 def used_tokens(user, tmp_path, tokens: int, *, finished_at) -> Batch:

@@ -19,14 +19,14 @@ from jobs.services.files import create_input_file, open_file
 from jobs.services.finalize import finalize_batch
 from jobs.services.shards import Checkpoint, Progress
 from jobs.services.validation import run_validation
-from tests.helpers import (
+from tests.factories import (
+    assert_exactly_once,
     chat_line,
     computed_twice,
     engine_request_log,
     jsonl,
     wait_for,
 )
-from tests.reliability_support import assert_exactly_once
 
 pytestmark = pytest.mark.django_db
 

@@ -24,8 +24,7 @@ from jobs.services.batches import create_batch
 from jobs.services.finalize import finalize_batch, notify_ended
 from jobs.services.stopping import cancel_batch, expire_due_batches
 from jobs.services.validation import run_validation
-from tests.dashboard_support import make_batch, make_file, run_batch
-from tests.helpers import chat_line, jsonl, wait_for
+from tests.factories import chat_line, jsonl, make_batch, make_file, run_batch, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -4,7 +4,6 @@ fair share."""
 
 from __future__ import annotations
 
-import io
 import json
 import signal
 from datetime import timedelta
@@ -14,29 +13,9 @@ from django.utils import timezone
 
 from jobs import queues
 from jobs.models import Batch, Shard
-from tests.helpers import chat_line, jsonl, wait_for
+from tests.factories import assert_exactly_once, chat_line, submit, wait_for, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-def submit(client, lines, **extra):
-    file_id = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))),
-                                  purpose="batch").id
-    return client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                 completion_window="24h", **extra)
-
-
-def wait_status(client, batch_id, statuses, timeout=60):
-    try:
-        return wait_for(
-            lambda: (b := client.batches.retrieve(batch_id)).status in statuses and b,
-            timeout=timeout, message=f"{batch_id} to reach {statuses}")
-    except AssertionError:
-        batch = Batch.objects.get(pk=batch_id)
-        shards = list(Shard.objects.filter(batch_id=batch_id).values_list(
-            "index", "status", "attempt", "completed", "failed", "last_error"))
-        raise AssertionError(f"{batch.status} stop={batch.stop_code} "
-                             f"claimed={batch.finalize_claimed_at} shards={shards}") from None
 
 
 def results(client, file_id) -> list[dict]:
@@ -48,9 +27,7 @@ def results(client, file_id) -> list[dict]:
 def every_custom_id_once(client, batch, expected: set[str]) -> tuple[list, list]:
     out = results(client, batch.output_file_id)
     err = results(client, batch.error_file_id)
-    ids = [r["custom_id"] for r in out + err]
-    assert len(ids) == len(set(ids)), "a custom_id appears twice"
-    assert set(ids) == expected
+    assert_exactly_once(out, err, expected)
     return out, err
 
 

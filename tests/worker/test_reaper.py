@@ -11,7 +11,7 @@ import sys
 import psutil
 import pytest
 
-from tests.helpers import ROOT, wait_for
+from tests.factories import ROOT, wait_for
 
 # A stand-in worker: one exec'd child (vLLM's "spawn") and, started after the watchdog, one
 # forked child (vLLM's "fork": it inherits the worker's descriptors), both registered.
