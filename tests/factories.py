@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,9 @@ from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
+from prometheus_client.parser import text_string_to_metric_families
 
-from jobs.models import Batch, File, Shard
+from jobs.models import Batch, File, Quota, Shard
 from jobs.services.batches import create_batch
 from jobs.services.files import create_input_file, new_storage_name, open_file
 from jobs.services.finalize import finalize_batch
@@ -492,3 +494,67 @@ def engine_request_log(path: Path) -> dict[tuple[str, int], int]:
 def computed_twice(path: Path) -> int:
     """Computations beyond the first of each line in an echo engine's request log."""
     return sum(n - 1 for n in engine_request_log(path).values())
+
+
+def prometheus_values(text: str) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of a Prometheus text page."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def set_quota(user, **limits) -> Quota:
+    quota, _ = Quota.objects.update_or_create(user=user, defaults=limits)
+    return quota
+
+
+def used_tokens(user, tmp_path, tokens: int, *, finished_at) -> Batch:
+    """An ended batch of `user` whose one shard used `tokens` tokens, finished then."""
+    batch = make_batch(user, [chat_line("t", "x")], tmp_path)
+    Shard.objects.filter(batch=batch).update(
+        status=Shard.Status.DONE, completed=1, input_tokens=tokens - tokens // 2,
+        output_tokens=tokens // 2, finished_at=finished_at)
+    Batch.objects.filter(pk=batch.pk).update(status=Batch.Status.COMPLETED,
+                                             completed_at=finished_at)
+    return batch
+
+
+class Receiver:
+    """An HTTP server on loopback that records every request and answers with the next
+    scripted status (then 200), optionally after a delay."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict] = []
+        self.script: list[int] = []
+        self.delay = 0.0
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                receiver.requests.append({"path": self.path, "headers": dict(self.headers),
+                                          "body": body})
+                time.sleep(receiver.delay)
+                status = receiver.script.pop(0) if receiver.script else 200
+                self.send_response(status)
+                if status in (301, 302):
+                    self.send_header("Location", "http://127.0.0.1:1/elsewhere")
+                self.end_headers()
+                self.wfile.write(b"ok" if status == 200 else b"nope")
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hooks/batch?src=bw"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def response_text(response) -> str:
+    """A response's body as text, streamed (downloads) or not."""
+    return b"".join(response.streaming_content).decode() if response.streaming else \
+        response.content.decode()

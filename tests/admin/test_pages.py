@@ -1,35 +1,16 @@
-"""The Django admin: every model's pages render, keys are created hashed, actions work."""
+"""The Django admin's pages: every model's render (the site default quota made on the
+way, its secret fields hidden), and only staff opens them."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 from django.contrib.admin.utils import quote  # ids in admin URLs are quoted
+from django.urls import reverse
 
-from jobs.models import ApiKey, Batch, Shard
-from jobs.services.batches import create_batch
-from jobs.services.files import create_input_file
-from jobs.services.validation import run_validation
-from tests.factories import chat_line, jsonl
+from jobs.models import Quota, Shard, UserSettings, WebhookDelivery, WebhookEvent
+from tests.factories import chat_lines, make_batch, run_batch
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def staff(admin_client):
-    return admin_client
-
-
-@pytest.fixture
-def running_batch(user, tmp_path):
-    path = tmp_path / "in.jsonl"
-    path.write_bytes(jsonl([chat_line(f"r{i}", "x") for i in range(3)]))
-    file = create_input_file(owner=user, path=path, filename="in.jsonl", purpose="batch")
-    batch = create_batch(owner=user, input_file_id=file.pk, endpoint="/v1/chat/completions",
-                         completion_window="24h")
-    run_validation(batch_id=batch.pk)
-    return Batch.objects.get(pk=batch.pk)
 
 
 def test_every_admin_page_renders(staff, running_batch):
@@ -49,39 +30,28 @@ def test_plain_users_cannot_open_the_admin(client, user):
     assert "/admin/login/" in response["Location"]
 
 
-def test_admin_creates_a_hashed_key_shown_once(staff, user):
-    response = staff.post("/admin/jobs/apikey/add/", {"owner": user.pk, "name": "ops"})
-    assert response.status_code == 200
-    key = ApiKey.objects.get(name="ops")
-    # On the response itself, never cached, and in no message that a later page shows.
-    shown = set(re.findall(r"sk-bw-[A-Za-z0-9_\-]{20,}", response.content.decode()))
-    assert len(shown) == 1
-    assert "no-store" in response["Cache-Control"]
-    assert not list(response.context["messages"])
-    secret = shown.pop()
-    assert secret not in staff.get("/admin/jobs/apikey/").content.decode()
-    assert key.secret_hash != secret and secret not in key.secret_hash
-    from jobs.services.keys import authenticate_key
-
-    assert authenticate_key(secret).pk == key.pk
-
-
-def test_revoke_action(staff, user):
-    from jobs.services.keys import create_api_key
-
-    key, secret = create_api_key(owner=user, name="x")
-    staff.post("/admin/jobs/apikey/", {"action": "revoke", "_selected_action": [key.pk]})
-    key.refresh_from_db()
-    assert key.revoked_at is not None
-
-
-def test_cancel_and_requeue_actions(staff, running_batch):
-    Shard.objects.filter(batch=running_batch).update(enqueued_at=None)
-    staff.post("/admin/jobs/batch/", {"action": "requeue_shards",
-                                      "_selected_action": [running_batch.pk]})
-    assert Shard.objects.filter(batch=running_batch, enqueued_at__isnull=False).exists()
-    staff.post("/admin/jobs/batch/", {"action": "cancel", "_selected_action": [running_batch.pk]})
-    running_batch.refresh_from_db()
-    assert running_batch.status == "cancelling"
-    assert set(Shard.objects.filter(batch=running_batch).values_list("status", flat=True)) == {
-        "abandoned"}
+@pytest.mark.django_db
+def test_new_admin_pages_render(admin_client, user, tmp_path):
+    batch = run_batch(make_batch(user, chat_lines(1), tmp_path))
+    event = WebhookEvent.objects.create(owner=user, type="batch.completed", batch_id=batch.pk)
+    WebhookDelivery.objects.create(event=event, attempt=1, url="http://x/", status_code=500,
+                                   error="HTTP 500")
+    UserSettings.objects.create(user=user, webhook_url="https://example.com/hook")
+    quota = Quota.objects.create(user=user, max_active_batches=2)
+    for url in ["/admin/", "/admin/jobs/quota/", "/admin/jobs/quota/add/",
+                f"/admin/jobs/quota/{quota.pk}/change/", "/admin/jobs/usersettings/",
+                "/admin/jobs/webhookevent/", f"/admin/jobs/webhookevent/{quote(event.pk)}/change/",
+                "/admin/jobs/webhookdelivery/", "/admin/jobs/shard/health/",
+                "/admin/jobs/shard/"]:
+        response = admin_client.get(url)
+        assert response.status_code == 200, url
+    # The changelist creates the site default row for the operator to edit.
+    assert Quota.objects.filter(user__isnull=True).exists()
+    default = Quota.objects.get(user__isnull=True)
+    assert admin_client.get(f"/admin/jobs/quota/{default.pk}/delete/").status_code == 403
+    index = admin_client.get("/admin/").content.decode()
+    assert reverse("admin:jobs_queue_health") in index and "/admin/rq/" in index
+    # The signing secret is the user's; the admin page does not show it.
+    settings_row = UserSettings.objects.get(user=user)
+    page = admin_client.get(f"/admin/jobs/usersettings/{settings_row.pk}/change/")
+    assert settings_row.webhook_secret not in page.content.decode()

@@ -1,9 +1,11 @@
 """The Batches and Models APIs: creation, validation errors, listing, cancel, isolation.
 
 These run the validation job in-process (no worker): the engine-side path is in
-test_execution.py."""
+tests/worker/test_execution.py. The queries of GET /v1/batches[/{id}] are bounded."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import openai
 import pytest
@@ -11,7 +13,7 @@ import requests
 
 from jobs.models import Batch, Shard
 from jobs.tasks import validate_batch
-from tests.factories import chat_line, jsonl, new_batch, upload
+from tests.factories import chat_line, jsonl, new_batch, partly_run_batch, query_count, upload
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -166,3 +168,41 @@ def test_json_body_errors(live_server, api_key):
                              headers={**headers, "Content-Type": "text/plain"})
     assert response.status_code == 400
     assert "application/json" in response.json()["error"]["message"]
+
+
+# Bounded queries on what is listed and polled most: the count must not grow with the
+# shards or batches, and stays under a small absolute bound.
+
+
+@pytest.fixture
+def api(client: Any, api_key: str) -> Any:
+    """GET through Django's test client with the user's key."""
+    def get(url: str, **params: Any) -> Any:
+        return client.get(url, params, HTTP_AUTHORIZATION=f"Bearer {api_key}")
+    return get
+
+
+@pytest.mark.django_db
+def test_api_batch_retrieve_queries_do_not_grow_with_shards(api, user, tmp_path, settings):
+    small = partly_run_batch(user, tmp_path, settings, requests=4, shard_size=2, done=1)
+    big = partly_run_batch(user, tmp_path, settings, requests=80, shard_size=2, done=25, prefix="b")
+    counts = [query_count(lambda b=b: api(f"/v1/batches/{b.pk}")) for b in (small, big)]
+    assert counts[0] == counts[1] <= 3, counts
+
+
+@pytest.mark.django_db
+def test_api_batch_list_queries_do_not_grow_with_batches(api, user, tmp_path, settings):
+    for i in range(3):
+        partly_run_batch(user, tmp_path, settings, requests=6, shard_size=2, done=1,
+                         prefix=f"a{i}-")
+    few = query_count(lambda: api("/v1/batches", limit=20))
+    for i in range(30):
+        partly_run_batch(user, tmp_path, settings, requests=6, shard_size=2, done=1,
+                         prefix=f"b{i}-")
+    many = query_count(lambda: api("/v1/batches", limit=20))
+    assert api("/v1/batches", limit=20).json()["has_more"] is True
+    assert few == many <= 3, (few, many)
+    # Paging on: `after` adds only the anchor lookup.
+    after = api("/v1/batches", limit=20).json()["last_id"]
+    paged = query_count(lambda: api("/v1/batches", limit=20, after=after))
+    assert paged <= many + 1, (paged, many)

@@ -1,6 +1,6 @@
 """Quotas: each limit on the API (official openai client, live server) and on the dashboard,
 at the limit, just over it, and after its period resets; the site default and per-user
-overrides; the account page showing usage."""
+overrides (the account page showing usage is in tests/dashboard/test_account.py)."""
 
 from __future__ import annotations
 
@@ -15,27 +15,20 @@ from django.utils import timezone
 from jobs.models import Batch, File, Quota, Shard
 from jobs.services import quotas
 from jobs.services.errors import ServiceError
-from tests.factories import chat_line, jsonl, make_batch, make_file, new_batch, upload
+from tests.factories import (
+    chat_line,
+    jsonl,
+    make_batch,
+    make_file,
+    new_batch,
+    set_quota,
+    upload,
+    used_tokens,
+)
 
 ONE = jsonl([chat_line("r0", "hello")])
 THREE = jsonl([chat_line(f"r{i}", f"hello {i}") for i in range(3)])
 FOUR = jsonl([chat_line(f"r{i}", f"hello {i}") for i in range(4)])
-
-
-def set_quota(user, **limits) -> Quota:
-    quota, _ = Quota.objects.update_or_create(user=user, defaults=limits)
-    return quota
-
-
-def used_tokens(user, tmp_path, tokens: int, *, finished_at) -> Batch:
-    """An ended batch of `user` whose one shard used `tokens` tokens, finished then."""
-    batch = make_batch(user, [chat_line("t", "x")], tmp_path)
-    Shard.objects.filter(batch=batch).update(
-        status=Shard.Status.DONE, completed=1, input_tokens=tokens - tokens // 2,
-        output_tokens=tokens // 2, finished_at=finished_at)
-    Batch.objects.filter(pk=batch.pk).update(status=Batch.Status.COMPLETED,
-                                             completed_at=finished_at)
-    return batch
 
 
 # --- the API ---
@@ -229,23 +222,6 @@ class TestDashboard:
         page = dashboard_submit(site, file).content.decode()
         assert "Quota exceeded (tokens today)" in page
         assert "you have used 100 of 100 tokens today" in page
-
-
-@pytest.mark.django_db
-def test_account_page_shows_usage_and_limits(site, user, tmp_path):
-    set_quota(user, max_stored_bytes=10_000, tokens_per_day=1000, max_active_batches=3)
-    make_file(user, [chat_line("r", "x")], tmp_path)
-    used_tokens(user, tmp_path, 250, finished_at=timezone.now())
-    stored = sum(File.objects.filter(owner=user).values_list("bytes", flat=True))
-    page = site.get(reverse("account")).content.decode()
-    assert 'href="/account/"' in page  # the nav link
-    assert "Usage and limits" in page
-    row = page.split('id="quota-tokens_per_day"')[1].split("</tr>")[0]
-    assert ">250<" in row and ">1,000<" in row
-    row = page.split('id="quota-max_stored_bytes"')[1].split("</tr>")[0]
-    assert f"{stored}\xa0bytes" in row and "9.8\xa0KB" in row
-    row = page.split('id="quota-max_file_bytes"')[1].split("</tr>")[0]
-    assert "no limit" in row
 
 
 @pytest.mark.django_db

@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import io
 import json
-import threading
 import time
-from collections.abc import Iterator
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
-from django.urls import reverse
 from django.utils import timezone
 
 from jobs import queues, safehttp
@@ -27,57 +23,6 @@ from jobs.services.validation import run_validation
 from tests.factories import chat_line, jsonl, make_batch, make_file, run_batch, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-
-class Receiver:
-    """An HTTP server on loopback that records every request and answers with the next
-    scripted status (then 200), optionally after a delay."""
-
-    def __init__(self) -> None:
-        self.requests: list[dict] = []
-        self.script: list[int] = []
-        self.delay = 0.0
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                receiver.requests.append({"path": self.path, "headers": dict(self.headers),
-                                          "body": body})
-                time.sleep(receiver.delay)
-                status = receiver.script.pop(0) if receiver.script else 200
-                self.send_response(status)
-                if status in (301, 302):
-                    self.send_header("Location", "http://127.0.0.1:1/elsewhere")
-                self.end_headers()
-                self.wfile.write(b"ok" if status == 200 else b"nope")
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_port}/hooks/batch?src=bw"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def receiver() -> Iterator[Receiver]:
-    server = Receiver()
-    yield server
-    server.close()
-
-
-@pytest.fixture
-def loopback_allowed(settings):
-    settings.BATCHWEB = {**settings.BATCHWEB, "WEBHOOK_ALLOWED_NETWORKS": ["127.0.0.1/32"],
-                         "WEBHOOK_ALLOWED_HOSTS": [], "WEBHOOK_RETRY_BASE_SECONDS": 10,
-                         "WEBHOOK_MAX_ATTEMPTS": 4, "WEBHOOK_TIMEOUT_SECONDS": 2}
-    return settings
 
 
 @pytest.fixture
@@ -278,28 +223,6 @@ def test_allowed_host_names(user, receiver, settings):
     assert outcome.ok, outcome.error
     with pytest.raises(safehttp.NotAllowed):
         safehttp.check_url(f"http://127.0.0.1:{port}/x")  # the name was allowed, not the IP
-
-
-def test_dashboard_sets_the_webhook_and_rotates_the_secret(client, user, receiver,
-                                                           loopback_allowed, settings):
-    client.force_login(user)
-    page = client.get(reverse("account")).content.decode()
-    secret = UserSettings.objects.get(user=user).webhook_secret
-    assert secret.startswith("whsec_") and secret in page
-    assert "webhook-signature" in page
-    response = client.post(reverse("account"), {"webhook_url": receiver.url})
-    assert response.status_code == 302
-    assert UserSettings.objects.get(user=user).webhook_url == receiver.url
-
-    settings.BATCHWEB = {**settings.BATCHWEB, "WEBHOOK_ALLOWED_NETWORKS": []}
-    page = client.post(reverse("account"), {"webhook_url": "http://127.0.0.1:1/x"})
-    assert "is not allowed by this service" in page.content.decode()
-    assert UserSettings.objects.get(user=user).webhook_url == receiver.url
-
-    client.post(reverse("rotate_webhook_secret"))
-    assert UserSettings.objects.get(user=user).webhook_secret != secret
-    client.post(reverse("account"), {"webhook_url": ""})
-    assert UserSettings.objects.get(user=user).webhook_url == ""
 
 
 def test_delivered_by_a_live_worker(openai_client, hooked_user, receiver, workers):
