@@ -17,11 +17,9 @@ from jobs.policy import CHUNK_TOKENS, LINE_TOKENS, Screener, Violation
 from jobs.policy.prefilter import Prefilter
 from jobs.policy.re2rules import ChunkText, term_pattern
 from jobs.services import preflight
-from jobs.services.batches import create_batch
 from jobs.services.files import create_input_file
-from jobs.services.validation import run_validation
 from jobs.wire import RequestLine, estimate_tokens, prompt_text
-from tests.factories import chat_line, jsonl, wait_for
+from tests.factories import chat_line, jsonl, make_batch, wait_for
 
 LINES = [
     chat_line("ok-1", "Translate 'good morning' to French."),
@@ -33,13 +31,7 @@ LINES = [
 
 
 def validate(user, tmp_path, lines=LINES) -> Batch:
-    path = tmp_path / "in.jsonl"
-    path.write_bytes(jsonl(lines))
-    file = create_input_file(owner=user, path=path, filename="in.jsonl", purpose="batch")
-    batch = create_batch(owner=user, input_file_id=file.pk, endpoint="/v1/chat/completions",
-                         completion_window="24h")
-    run_validation(batch_id=batch.pk)
-    return Batch.objects.get(pk=batch.pk)
+    return make_batch(user, lines, tmp_path)
 
 
 def rules(action: str) -> None:

@@ -25,6 +25,7 @@ from tests.factories import (
     computed_twice,
     engine_request_log,
     jsonl,
+    make_batch,
     wait_for,
 )
 
@@ -34,13 +35,7 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture
 def batch(user, tmp_path, settings):
     settings.BATCHWEB = {**settings.BATCHWEB, "SHARD_SIZE": 2, "SHARD_MAX_ATTEMPTS": 3}
-    path = tmp_path / "in.jsonl"
-    path.write_bytes(jsonl([chat_line(f"r{i}", "x") for i in range(4)]))
-    file = create_input_file(owner=user, path=path, filename="in.jsonl", purpose="batch")
-    created = create_batch(owner=user, input_file_id=file.pk, endpoint="/v1/chat/completions",
-                           completion_window="24h")
-    run_validation(batch_id=created.pk)
-    return Batch.objects.get(pk=created.pk)
+    return make_batch(user, [chat_line(f"r{i}", "x") for i in range(4)], tmp_path)
 
 
 def first_shard(batch: Batch) -> Shard:
@@ -354,9 +349,6 @@ def test_vllm_worker_sigkilled_at_half_a_shard_resumes_from_its_checkpoint(
 
     import psutil
 
-    from jobs.services.batches import create_batch
-    from jobs.services.files import create_input_file
-    from jobs.services.validation import run_validation
 
     model = "SmolLM2-135M-Instruct"
     n = 48
