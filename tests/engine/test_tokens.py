@@ -90,7 +90,7 @@ def test_completions_and_embeddings_prompts(chat_counter, embed_counter):
 
 def test_the_prompt_size_rule_counts_the_models_tokens(chat_counter):
     """The max_prompt_tokens rule refuses by the count the engine reports as prompt_tokens
-    (tests/test_engine_e2e.py checks it against vLLM), not by the 4-characters estimate:
+    (tests/e2e/test_engine.py checks it against vLLM), not by the 4-characters estimate:
     exactly at the limit runs, one word more is refused, and Japanese far under the limit
     by the estimate is refused by its real count."""
     from jobs.models import ContentRule

@@ -9,7 +9,7 @@
 - UPLOAD_FLOW_CASES (in test_bad_input.py, they need parts first): the Uploads API refusing
   parts and completions.
 
-Run by tests/test_bad_input.py; `len(ALL_CASES)` is the number the note reports.
+Run by tests/security/test_bad_input.py; `len(ALL_CASES)` is the number the note reports.
 """
 
 from __future__ import annotations
