@@ -1,5 +1,6 @@
 """Shared fixtures: users and keys, the official openai client against a live server, a real
-Redis (flushed per test) and real `batchworker` processes on the test database."""
+Redis (flushed per test), real `batchworker` processes on the test database, and a webhook
+receiver on loopback with the settings that let the service call it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import Workers
+from tests.factories import Receiver, Workers
 
 EPOCH = time.time()
 
@@ -75,3 +76,18 @@ def workers(transactional_db: Any, tmp_path: Path) -> Iterator[Workers]:
     pool.stop_all()
     # Shown by pytest only when the test failed.
     print("--- worker logs ---\n" + pool.logs())
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    server = Receiver()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def loopback_allowed(settings):
+    settings.BATCHWEB = {**settings.BATCHWEB, "WEBHOOK_ALLOWED_NETWORKS": ["127.0.0.1/32"],
+                         "WEBHOOK_ALLOWED_HOSTS": [], "WEBHOOK_RETRY_BASE_SECONDS": 10,
+                         "WEBHOOK_MAX_ATTEMPTS": 4, "WEBHOOK_TIMEOUT_SECONDS": 2}
+    return settings

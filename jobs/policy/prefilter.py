@@ -18,7 +18,7 @@ find, and it is used only where its patterns are known to accept at least what R
 Its patterns are looser than the rules, which only adds lines to check: a term without
 its word edges, a regex with each \\b and \\B made an empty group (Hyperscan is faster
 without them).
-tests/test_policy.py checks both paths against each rule searched alone.
+tests/services/test_policy.py checks both paths against each rule searched alone.
 """
 
 from __future__ import annotations

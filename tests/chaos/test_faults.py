@@ -25,9 +25,18 @@ from jobs.models import Batch, File, Shard
 from jobs.services.batches import create_batch
 from jobs.services.files import create_input_file
 from jobs.services.validation import run_validation
-from tests.chaos.conftest import PrivateRedis, assert_every_custom_id_once, free_port
-from tests.helpers import ROOT, Workers, chat_line, database_url, jsonl, wait_for
-from tests.reliability_support import storage_snapshot
+from tests.factories import (
+    ROOT,
+    PrivateRedis,
+    Workers,
+    assert_every_custom_id_once,
+    chat_line,
+    database_url,
+    free_port,
+    jsonl,
+    storage_snapshot,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.chaos, pytest.mark.django_db(transaction=True)]
 

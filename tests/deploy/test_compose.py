@@ -19,7 +19,7 @@ from django.core.management.base import CommandError
 
 from engine.base import ModelSpec
 from jobs.management.commands.gpuworkers import STOP_MARGIN_SECONDS, gpus_per_engine
-from tests.helpers import ROOT
+from tests.factories import ROOT
 
 DEPLOY = ROOT / "deploy"
 COMPOSE = yaml.safe_load((DEPLOY / "compose.yaml").read_text())

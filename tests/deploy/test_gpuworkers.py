@@ -36,7 +36,7 @@ from jobs.management.commands.gpuworkers import (
     registered,
     visible_devices,
 )
-from tests.helpers import ROOT, chat_line, database_url, wait_for
+from tests.factories import ROOT, chat_line, database_url, wait_for
 
 NVIDIA_SMI = """\
 GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-1b4c0c6e-0000-0000-0000-000000000000)
@@ -417,7 +417,7 @@ def test_gpuworkers_runs_a_batch_on_one_worker_per_gpu_and_drains_on_sigterm(
     import io
 
     from jobs.models import Shard
-    from tests.helpers import jsonl
+    from tests.factories import jsonl
 
     wait_for(lambda: rq_workers() >= NAMES, timeout=90, message="both workers registered")
     assert gpu_host.workers() == NAMES

@@ -27,6 +27,8 @@ from typing import Any
 
 import pytest
 
+from tests.factories import free_port
+
 try:
     import boto3
     import moto.server  # noqa: F401
@@ -38,12 +40,6 @@ except ImportError:  # an environment installed before the S3 extras: skipped, e
 
 ACCESS_KEY = "batchweb-test"
 SECRET_KEY = "batchweb-test-secret"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class S3Server:

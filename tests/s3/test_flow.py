@@ -7,7 +7,6 @@ fetch."""
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 from datetime import timedelta
 
@@ -19,20 +18,14 @@ from django.utils import timezone
 from jobs.models import Batch, File, Quota, Shard, UploadPart
 from jobs.services import cleanup
 from jobs.storage import backend
-from tests.helpers import chat_line, jsonl, wait_for
+from tests.factories import chat_line, jsonl, new_batch, upload, wait_for, wait_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def wait_status(client, batch_id: str, statuses: set[str], timeout: float = 90):
-    return wait_for(lambda: (b := client.batches.retrieve(batch_id)).status in statuses and b,
-                    timeout=timeout, message=f"batch {batch_id} to reach {statuses}")
-
-
 def submit(client, data: bytes):
-    file = client.files.create(file=("in.jsonl", io.BytesIO(data)), purpose="batch")
-    return file, client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                       completion_window="24h")
+    file = upload(client, data)
+    return file, new_batch(client, file.id)
 
 
 def test_a_batch_runs_on_s3_and_each_shard_reads_only_its_bytes(
@@ -43,7 +36,7 @@ def test_a_batch_runs_on_s3_and_each_shard_reads_only_its_bytes(
     file, batch = submit(openai_client, data)
     assert s3.stored() == [s3.key(File.objects.get(pk=file.id).storage_name)]
     workers.start(env={**s3.worker_env, "BATCHWEB_SHARD_SIZE": "25"})
-    batch = wait_status(openai_client, batch.id, {"completed"})
+    batch = wait_status(openai_client, batch.id, {"completed"}, timeout=90)
     assert batch.request_counts.completed == 400
 
     output = openai_client.files.content(batch.output_file_id).text.splitlines()
@@ -138,7 +131,7 @@ def test_cancel_on_s3_keeps_finished_results(s3, openai_client, workers):
     wait_for(lambda: openai_client.batches.retrieve(batch.id).request_counts.completed >= 5,
              timeout=60, message="some results")
     assert openai_client.batches.cancel(batch.id).status == "cancelling"
-    batch = wait_status(openai_client, batch.id, {"cancelled"})
+    batch = wait_status(openai_client, batch.id, {"cancelled"}, timeout=90)
     done = batch.request_counts.completed
     errors = openai_client.files.content(batch.error_file_id).text.splitlines()
     assert len(errors) == 60 - done
@@ -150,7 +143,7 @@ def test_cancel_on_s3_keeps_finished_results(s3, openai_client, workers):
 def test_cleanup_lists_and_deletes_by_prefix_on_s3(s3, openai_client, workers):
     file, batch = submit(openai_client, jsonl([chat_line(f"k{i}", "z") for i in range(30)]))
     workers.start(env={**s3.worker_env, "BATCHWEB_SHARD_SIZE": "10"})
-    batch = wait_status(openai_client, batch.id, {"completed"})
+    batch = wait_status(openai_client, batch.id, {"completed"}, timeout=90)
     workers.stop_all()
     parts = [n for s in Shard.objects.filter(batch_id=batch.id)
              for n in (s.output_part, s.error_part) if n]

@@ -20,8 +20,8 @@ from django.utils import timezone
 
 from jobs import storage
 from jobs.services.files import open_range_lines
-from tests.helpers import ROOT
-from tests.s3.conftest import S3Server, free_port, storage_env
+from tests.factories import ROOT, free_port
+from tests.s3.conftest import S3Server, storage_env
 
 MIB = 1024 * 1024
 

@@ -13,8 +13,7 @@ from django.test import Client
 
 from jobs.models import ApiKey, Batch
 from jobs.services.keys import create_api_key
-from tests.dashboard_support import make_batch
-from tests.helpers import chat_line
+from tests.factories import chat_line, make_batch
 
 pytestmark = pytest.mark.django_db
 

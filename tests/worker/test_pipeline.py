@@ -12,8 +12,7 @@ from jobs.models import Shard
 from jobs.services.stopping import cancel_batch
 from jobs.worker.idle import IdleMeter
 from jobs.worker.parts import ShardWork
-from tests.helpers import chat_line, wait_for
-from tests.worker.conftest import finalized, run_all_shards, start_shard
+from tests.factories import chat_line, finalized, run_all_shards, start_shard, wait_for
 
 # The pipeline's threads use connections of their own: the rows must be committed.
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -14,9 +14,16 @@ from django.core.files.storage import default_storage
 from jobs.models import Shard
 from jobs.services import shards as shard_service
 from jobs.services.shards import Checkpoint
-from tests.helpers import chat_line, computed_twice, engine_request_log, wait_for
-from tests.reliability_support import assert_exactly_once
-from tests.worker.conftest import finalized, run_all_shards, start_shard
+from tests.factories import (
+    assert_exactly_once,
+    chat_line,
+    computed_twice,
+    engine_request_log,
+    finalized,
+    run_all_shards,
+    start_shard,
+    wait_for,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -1,0 +1,171 @@
+"""The Files and Uploads APIs, driven by the official openai client against a live server."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+
+import openai
+import pytest
+import requests
+from django.core.files.storage import default_storage
+
+from jobs.models import File, Upload
+from tests.factories import chat_line, jsonl
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+GOOD = jsonl([chat_line(f"r{i}", f"hello {i}") for i in range(3)])
+
+
+def test_upload_retrieve_download_delete(openai_client):
+    created = openai_client.files.create(file=("in.jsonl", io.BytesIO(GOOD)), purpose="batch")
+    assert created.id.startswith("file-")
+    assert created.bytes == len(GOOD)
+    assert created.filename == "in.jsonl"
+    assert created.purpose == "batch"
+    assert created.status == "processed"
+    assert created.expires_at > created.created_at  # batch input defaults to 30 days
+
+    row = File.objects.get(pk=created.id)
+    assert row.line_count == 3
+    assert row.sha256 == hashlib.sha256(GOOD).hexdigest()
+    assert "in.jsonl" not in row.storage_name  # random name, not the user's
+
+    assert openai_client.files.retrieve(created.id).id == created.id
+    assert openai_client.files.content(created.id).read() == GOOD
+
+    deleted = openai_client.files.delete(created.id)
+    assert deleted.deleted is True
+    assert not File.objects.filter(pk=created.id).exists()
+    assert not default_storage.exists(row.storage_name)
+    with pytest.raises(openai.NotFoundError):
+        openai_client.files.retrieve(created.id)
+
+
+def test_expires_after_is_honoured(openai_client):
+    created = openai_client.files.create(
+        file=("in.jsonl", io.BytesIO(GOOD)), purpose="batch",
+        expires_after={"anchor": "created_at", "seconds": 3600})
+    assert created.expires_at - created.created_at == 3600
+
+
+def test_list_files_paginates_and_filters(openai_client):
+    ids = [openai_client.files.create(file=(f"f{i}.jsonl", io.BytesIO(GOOD)),
+                                      purpose="batch").id for i in range(5)]
+    first = openai_client.files.list(limit=2)
+    assert [f.id for f in first.data] == ids[::-1][:2]
+    assert first.has_more is True
+    every = [f.id for f in openai_client.files.list(limit=2)]  # the client follows cursors
+    assert every == ids[::-1]
+    ascending = openai_client.files.list(order="asc", limit=10)
+    assert [f.id for f in ascending.data] == ids
+    assert openai_client.files.list(purpose="batch_output").data == []
+
+
+@pytest.mark.parametrize("content, fragment", [
+    (b"", "no requests"),
+    (b"\n\n  \n", "no requests"),
+    (b"\x1f\x8b\x08\x00binary", "not UTF-8"),
+    (b'{"a": 1}\nnot json\n', "Line 2 is not valid JSON"),
+    (b'[1, 2]\n', "not a JSON object"),
+])
+def test_not_jsonl_is_refused_at_once(openai_client, content, fragment):
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.files.create(file=("x.jsonl", io.BytesIO(content)), purpose="batch")
+    assert fragment in caught.value.body["message"]
+    assert File.objects.count() == 0
+
+
+def test_bad_purpose_is_refused(openai_client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.files.create(file=("x.jsonl", io.BytesIO(GOOD)), purpose="fine-tune")
+    assert caught.value.body["param"] == "purpose"
+
+
+def test_too_large_is_413_before_reading(live_server, api_key, settings):
+    settings.BATCHWEB = {**settings.BATCHWEB, "MAX_FILE_BYTES": 1000}
+    response = requests.post(f"{live_server.url}/v1/files",
+                             headers={"Authorization": f"Bearer {api_key}"},
+                             files={"file": ("x.jsonl", GOOD * 200)}, data={"purpose": "batch"})
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "file_too_large"
+    assert File.objects.count() == 0
+
+
+def test_uploads_api_assembles_parts_in_the_given_order(openai_client):
+    half = len(GOOD) // 2
+    first, second = GOOD[:half], GOOD[half:]
+    upload = openai_client.uploads.create(bytes=len(GOOD), filename="big.jsonl",
+                                          mime_type="application/jsonl", purpose="batch")
+    assert upload.status == "pending"
+    # Sent out of order; the order of part_ids decides.
+    part2 = openai_client.uploads.parts.create(upload.id, data=second)
+    part1 = openai_client.uploads.parts.create(upload.id, data=first)
+    done = openai_client.uploads.complete(upload.id, part_ids=[part1.id, part2.id],
+                                          md5=hashlib.md5(GOOD).hexdigest())
+    assert done.status == "completed"
+    assert done.file.bytes == len(GOOD)
+    assert openai_client.files.content(done.file.id).read() == GOOD
+    assert not default_storage.exists(f"uploads/{upload.id}") or \
+        default_storage.listdir(f"uploads/{upload.id}")[1] == []
+    with pytest.raises(openai.ConflictError):
+        openai_client.uploads.complete(upload.id, part_ids=[part1.id, part2.id])
+
+
+def test_uploads_api_refuses_wrong_total_md5_and_cancel(openai_client):
+    upload = openai_client.uploads.create(bytes=len(GOOD), filename="big.jsonl",
+                                          mime_type="application/jsonl", purpose="batch")
+    part = openai_client.uploads.parts.create(upload.id, data=GOOD[:10])
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.uploads.complete(upload.id, part_ids=[part.id])
+    assert "bytes" in caught.value.body["message"]
+    rest = openai_client.uploads.parts.create(upload.id, data=GOOD[10:])
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.uploads.complete(upload.id, part_ids=[part.id, rest.id], md5="0" * 32)
+    assert caught.value.body["param"] == "md5"
+    with pytest.raises(openai.BadRequestError):  # more than the declared bytes
+        openai_client.uploads.parts.create(upload.id, data=b"x")
+    cancelled = openai_client.uploads.cancel(upload.id)
+    assert cancelled.status == "cancelled"
+    assert Upload.objects.get(pk=upload.id).parts.count() == 0
+    assert File.objects.count() == 0
+    with pytest.raises(openai.ConflictError):
+        openai_client.uploads.parts.create(upload.id, data=GOOD)
+
+
+def test_missing_and_bad_keys_are_401(live_server, api_key):
+    for header in (None, "Bearer nope", "Bearer sk-bw-" + "x" * 43, f"Basic {api_key}"):
+        headers = {"Authorization": header} if header else {}
+        response = requests.get(f"{live_server.url}/v1/files", headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_revoked_key_is_401(live_server, user):
+    from jobs.services.keys import create_api_key, revoke_api_key
+
+    key, secret = create_api_key(owner=user, name="old")
+    headers = {"Authorization": f"Bearer {secret}"}
+    assert requests.get(f"{live_server.url}/v1/files", headers=headers).status_code == 200
+    revoke_api_key(key=key)
+    assert requests.get(f"{live_server.url}/v1/files", headers=headers).status_code == 401
+
+
+def test_another_users_files_and_uploads_are_404(openai_client, other_client):
+    mine = openai_client.files.create(file=("in.jsonl", io.BytesIO(GOOD)), purpose="batch")
+    upload = openai_client.uploads.create(bytes=len(GOOD), filename="a.jsonl",
+                                          mime_type="application/jsonl", purpose="batch")
+    part = openai_client.uploads.parts.create(upload.id, data=GOOD)
+    for call in (
+        lambda: other_client.files.retrieve(mine.id),
+        lambda: other_client.files.content(mine.id),
+        lambda: other_client.files.delete(mine.id),
+        lambda: other_client.uploads.parts.create(upload.id, data=GOOD),
+        lambda: other_client.uploads.complete(upload.id, part_ids=[part.id]),
+        lambda: other_client.uploads.cancel(upload.id),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert other_client.files.list().data == []
+    assert File.objects.filter(pk=mine.id).exists()

@@ -1,0 +1,186 @@
+"""The dashboard in a real browser: headless Chromium (Debian's package, driven by
+Playwright's Python API) against a live server and a real worker process (echo engine).
+
+Screenshots of the batch page go to tests/artifacts/ (git-ignored) for people to look at.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.factories import chat_line, jsonl
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.skipif(not CHROMIUM.exists(),
+                       reason="needs Debian's chromium at /usr/bin/chromium "
+                              "(apt-get install -y chromium)"),
+]
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+def sign_in(page: Any, base: str) -> None:
+    page.goto(base + "/accounts/login/")
+    page.fill("input[name=username]", "alice")
+    page.fill("input[name=password]", "pw-alice-123")
+    page.click("button[type=submit]")
+    page.wait_for_url(base + "/")
+
+
+def test_upload_watch_inspect_download_rerun(live_server, user, workers, browser, tmp_path):
+    ARTIFACTS.mkdir(exist_ok=True)
+    # Slow enough to watch: 40 requests, two at a time, 0.2 s each, in shards of 5.
+    workers.start(env={"BATCHWEB_ECHO_SECONDS": "0.2", "BATCHWEB_ECHO_MAX_IN_FLIGHT": "2",
+                       "BATCHWEB_SHARD_SIZE": "5"})
+    good = [chat_line(f"req-{i}", f"hello number {i}", max_tokens=5) for i in range(39)]
+    # Too long for the echo model's context: this request fails at run time.
+    good.append(chat_line("too-long", "word " * 3000, max_tokens=10))
+    bad_file = tmp_path / "bad.jsonl"
+    bad_file.write_bytes(jsonl(good[:3] + ['{"custom_id": "broken", "method": "POST"'] +
+                               good[3:]))
+    good_file = tmp_path / "good.jsonl"
+    good_file.write_bytes(jsonl(good))
+
+    base = live_server.url
+    context = browser.new_context(viewport={"width": 1280, "height": 900},
+                                  accept_downloads=True)
+    page = context.new_page()
+    page.on("dialog", lambda dialog: dialog.accept())
+    sign_in(page, base)
+
+    # Upload a file with one bad line: the line's problem is shown, nothing is created.
+    page.click("text=New batch")
+    page.set_input_files("input[name=upload]", str(bad_file))
+    page.click("button[value=check]")
+    problems = page.locator("#problems")
+    problems.wait_for()
+    assert "1 line to fix" in problems.inner_text()
+    assert re.search(r"4\s+invalid_json_line", problems.inner_text())
+    page.screenshot(path=str(ARTIFACTS / "new-batch-problems.png"), full_page=True)
+
+    # Fixed: the preflight says what the batch will cost; submit.
+    page.set_input_files("input[name=upload]", str(good_file))
+    page.click("button[value=check]")
+    preflight = page.locator("#preflight")
+    preflight.wait_for()
+    text = preflight.inner_text()
+    assert "Requests\n40" in text and "Output tokens (ceiling)" in text
+    page.screenshot(path=str(ARTIFACTS / "new-batch-preflight.png"), full_page=True)
+    page.click("#submit-batch")
+    page.wait_for_url(re.compile(r".*/batches/batch_\w+/$"))
+    batch_url = page.url
+    # Marks this document: if the page reloaded, the mark would be gone.
+    page.evaluate("window.__notReloaded = true")
+
+    # Watch the progress move without reloading.
+    seen: list[int] = []
+    shot_running = False
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        status = page.locator("#status").inner_text().strip()
+        done = int(page.locator("#done-count").inner_text().replace(",", ""))
+        if not seen or seen[-1] != done:
+            seen.append(done)
+        if not shot_running and 5 <= done <= 30:
+            page.screenshot(path=str(ARTIFACTS / "batch-running.png"), full_page=True)
+            shot_running = True
+        if status == "Completed":
+            break
+        time.sleep(0.25)
+    assert status == "Completed", seen
+    assert page.evaluate("window.__notReloaded") is True
+    assert any(0 < v < 40 for v in seen), f"no intermediate progress seen: {seen}"
+    assert seen[-1] == 40 and seen == sorted(seen)
+    assert shot_running
+    page.locator("#download-output").wait_for()
+    page.screenshot(path=str(ARTIFACTS / "batch-completed.png"), full_page=True)
+    phone = context.new_page()
+    phone.set_viewport_size({"width": 390, "height": 844})
+    phone.goto(batch_url)
+    phone.screenshot(path=str(ARTIFACTS / "batch-completed-phone.png"), full_page=True)
+    phone.close()
+
+    # Download the output and check it.
+    with page.expect_download() as info:
+        page.click("#download-output")
+    download = info.value
+    assert re.fullmatch(r"batch_\w+_output\.jsonl", download.suggested_filename)
+    rows = [json.loads(line) for line in Path(download.path()).read_text().splitlines()]
+    assert sorted(r["custom_id"] for r in rows) == sorted(f"req-{i}" for i in range(39))
+    first = next(r for r in rows if r["custom_id"] == "req-3")
+    assert first["response"]["body"]["choices"][0]["message"]["content"] == \
+        "echo: hello number 3"
+
+    # Errors: the count by code, the failed request with its input, search by custom_id.
+    page.click("nav.tabs >> text=Errors")
+    page.wait_for_url(re.compile(r".*/errors$"))
+    assert "http_400" in page.locator(".code-counts").inner_text()
+    errors = page.locator("#error-list")
+    assert "too-long" in errors.inner_text()
+    assert "maximum context length" in errors.inner_text()
+    page.screenshot(path=str(ARTIFACTS / "batch-errors.png"), full_page=True)
+
+    page.click("nav.tabs >> text=Results")
+    page.fill("#search-result-list", "req-17")
+    page.click("form.search button")
+    page.wait_for_function(
+        "document.querySelectorAll('#result-list article').length === 1")
+    found = page.locator("#result-list").inner_text()
+    assert "req-17" in found and "hello number 17" in found and "echo: hello number 17" in found
+    assert page.evaluate("location.search").startswith("?q=req-17")
+
+    # Rerun the failed request: a new batch of exactly that line.
+    page.goto(batch_url)
+    page.click("#rerun")
+    page.wait_for_url(lambda url: url != batch_url and "/batches/batch_" in url)
+    assert "Rerunning the failed requests" in page.locator(".messages").inner_text()
+    page.locator("#status").filter(has_text="Completed").wait_for(timeout=60_000)
+    assert "1 of 1 requests" in page.locator(".status-line").inner_text().replace(
+        "\n", " ").replace("  ", " ")
+    assert "rerun_of" in page.locator(".metadata").inner_text()
+    page.goto(base + "/")
+    page.screenshot(path=str(ARTIFACTS / "batch-list.png"), full_page=True)
+    context.close()
+
+
+def test_phone_layout_and_no_javascript(live_server, user, browser):
+    """Pages fit a phone, and a browser without JavaScript still signs in and navigates."""
+    base = live_server.url
+    context = browser.new_context(viewport={"width": 390, "height": 844},
+                                  java_script_enabled=False)
+    page = context.new_page()
+    sign_in(page, base)
+    for path in ("/", "/batches/new", "/files/", "/keys/"):
+        page.goto(base + path)
+        width = page.evaluate("document.documentElement.scrollWidth")
+        assert width <= 390, (path, width)
+    page.goto(base + "/keys/")
+    page.fill("input[name=name]", "phone")
+    page.click("text=Create key")
+    assert page.locator("#new-key").inner_text().startswith("sk-bw-")
+    context.close()

@@ -1,0 +1,69 @@
+"""A running batch that cannot make progress says why: on its page, on the admin's queue
+health and in /metrics, when no worker for its model is alive or Redis cannot be reached."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from jobs import queues
+from jobs.queries import health
+from tests.factories import Workers, chat_line, make_batch, wait_for
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def _fresh_answers() -> Iterator[None]:
+    health._blockers.clear()
+    yield
+    health._blockers.clear()
+
+
+def _blocked_metric(client: Any) -> float:
+    text = client.get("/metrics").content.decode()
+    return next(sample.value for family in text_string_to_metric_families(text)
+                for sample in family.samples
+                if sample.name == "batchweb_model_blocked"
+                and sample.labels == {"model": "echo-test"})
+
+
+def test_no_worker_is_shown_everywhere_until_one_starts(site: Any, admin_client: Any, user: Any,
+                                                        tmp_path: Path) -> None:
+    batch = make_batch(user, [chat_line(f"r{i}", "hi") for i in range(3)], tmp_path)
+    page = site.get(f"/batches/{batch.pk}/live").content.decode()
+    assert 'id="blocker"' in page
+    assert "no worker for echo-test is running" in page
+    assert _blocked_metric(admin_client) == 1
+    assert "no worker for this model is alive" in admin_client.get(
+        "/admin/jobs/shard/health/").content.decode()
+
+    workers = Workers(tmp_path)
+    workers.start()
+    try:
+        def unblocked() -> bool:
+            health._blockers.clear()
+            return health.progress_blocker("echo-test") == ""
+
+        wait_for(unblocked, timeout=60, message="the worker to register")
+        # The worker may already have finished the batch: either way nothing says blocked.
+        assert 'id="blocker"' not in site.get(f"/batches/{batch.pk}/live").content.decode()
+        assert _blocked_metric(admin_client) == 0
+    finally:
+        workers.stop_all()
+
+
+def test_an_unreachable_queue_is_named(site: Any, user: Any, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    batch = make_batch(user, [chat_line("r0", "hi")], tmp_path)
+
+    def down() -> Any:
+        raise ConnectionError("Redis is down")
+
+    monkeypatch.setattr(queues, "connection", down)
+    page = site.get(f"/batches/{batch.pk}/live").content.decode()
+    assert "the queue (Redis) cannot be reached" in page

@@ -1,0 +1,286 @@
+"""Batches through the real vLLM CPU engine in a real worker process: chat and embeddings,
+output format, usage and token counts; content rules of each type under both policies,
+every quality flag and the JSON retry. Slow (an engine starts in ~25 s): marked `engine`."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+
+import pytest
+from django.urls import reverse
+
+from tests.factories import jsonl, submit, wait_for
+
+pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
+
+CHAT_MODEL = "SmolLM2-135M-Instruct"
+EMBED_MODEL = "all-MiniLM-L6-v2"
+# float32: greedy output is then identical run to run (bf16 changes with batching).
+ENGINE_ENV = {"BATCHWEB_DTYPE": "float32", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def run_batch(client, workers, model, endpoint, lines, timeout=600):
+    file_id = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(lines))),
+                                  purpose="batch").id
+    batch = client.batches.create(input_file_id=file_id, endpoint=endpoint,
+                                  completion_window="24h")
+    worker = workers.start(model, env=ENGINE_ENV)
+    try:
+        done = wait_for(
+            lambda: (b := client.batches.retrieve(batch.id)).status in (
+                "completed", "failed") and b, timeout=timeout, every=1,
+            message=f"{model} batch to finish")
+    finally:
+        workers.stop_all()
+    assert worker.returncode == 0, workers.logs()
+    return done
+
+
+def lines_of(client, file_id):
+    if file_id is None:
+        return {}
+    return {(r := json.loads(line))["custom_id"]: r
+            for line in client.files.content(file_id).text.splitlines()}
+
+
+def chat(custom_id, content, **body):
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": CHAT_MODEL, "messages": [{"role": "user", "content": content}],
+                     "temperature": 0, "max_tokens": 24, **body}}
+
+
+def test_chat_batch_through_vllm(openai_client, workers):
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}},
+              "required": ["answer"]}
+    lines = [
+        chat("capital", "What is the capital of France?"),
+        chat("capital-again", "What is the capital of France?"),  # deduplicated
+        chat("count", "Count from 1 to 5.", max_tokens=40),
+        chat("two", "Say hello.", n=2, temperature=0.8, seed=3),
+        chat("stop", "List three colors, one per line.", stop=["\n"]),
+        chat("json", "Answer in JSON: what is 2+2?", max_tokens=40,
+             response_format={"type": "json_schema",
+                              "json_schema": {"name": "a", "schema": schema}}),
+        chat("too-long", "word " * 3000),
+        chat("bad-param", "hi", top_logprobs=50, logprobs=True),
+    ]
+    batch = run_batch(openai_client, workers, CHAT_MODEL, "/v1/chat/completions", lines)
+    assert batch.status == "completed"
+    out = lines_of(openai_client, batch.output_file_id)
+    err = lines_of(openai_client, batch.error_file_id)
+    assert set(out) | set(err) == {line["custom_id"] for line in lines}
+    assert not set(out) & set(err)
+    assert set(err) == {"too-long", "bad-param"}
+    for record in err.values():
+        assert record["response"]["status_code"] == 400
+        assert record["response"]["body"]["error"]["message"]
+
+    for custom_id, record in out.items():
+        assert record["id"].startswith("batch_req_")
+        body = record["response"]["body"]
+        assert record["response"]["status_code"] == 200, custom_id
+        assert body["object"] == "chat.completion"
+        assert body["model"] == CHAT_MODEL
+        assert body["usage"]["prompt_tokens"] > 0
+        assert body["usage"]["total_tokens"] == (body["usage"]["prompt_tokens"]
+                                                 + body["usage"]["completion_tokens"])
+        assert body["choices"][0]["message"]["content"]
+    assert out["capital"]["response"]["body"] == out["capital-again"]["response"]["body"]
+    assert "paris" in out["capital"]["response"]["body"]["choices"][0]["message"][
+        "content"].lower()
+    assert len(out["two"]["response"]["body"]["choices"]) == 2
+    assert "\n" not in out["stop"]["response"]["body"]["choices"][0]["message"]["content"]
+    parsed = json.loads(out["json"]["response"]["body"]["choices"][0]["message"]["content"])
+    assert isinstance(parsed["answer"], str)
+
+    computed = [r for cid, r in out.items() if cid != "capital-again"]
+    assert batch.request_counts.completed == 6 and batch.request_counts.failed == 2
+    assert batch.usage.input_tokens == sum(
+        r["response"]["body"]["usage"]["prompt_tokens"] for r in computed)
+    assert batch.usage.output_tokens == sum(
+        r["response"]["body"]["usage"]["completion_tokens"] for r in computed)
+
+
+def test_embeddings_batch_through_vllm(openai_client, workers):
+    texts = ["a cat sits on the mat", "a dog lies on the rug", "quarterly revenue grew"]
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": EMBED_MODEL, "input": text}} for i, text in enumerate(texts)]
+    batch = run_batch(openai_client, workers, EMBED_MODEL, "/v1/embeddings", lines)
+    assert batch.status == "completed"
+    assert batch.request_counts.completed == 3
+    out = lines_of(openai_client, batch.output_file_id)
+    vectors = []
+    for i in range(3):
+        body = out[f"e{i}"]["response"]["body"]
+        assert body["object"] == "list"
+        assert body["usage"]["prompt_tokens"] > 0
+        vector = body["data"][0]["embedding"]
+        assert len(vector) == 384
+        vectors.append(vector)
+
+    def cosine(a, b):
+        dot = sum(x * y for x, y in zip(a, b, strict=True))
+        return dot / (sum(x * x for x in a) ** 0.5 * sum(y * y for y in b) ** 0.5)
+
+    # The two pet sentences are closer to each other than to the finance one.
+    assert cosine(vectors[0], vectors[1]) > cosine(vectors[0], vectors[2])
+    assert batch.usage.input_tokens == sum(
+        out[f"e{i}"]["response"]["body"]["usage"]["prompt_tokens"] for i in range(3))
+
+
+# --- content policy (each rule type, both policies), quality flags and the JSON retry ---
+#
+# One worker (the chat engine, plus the embeddings engine its moderation rule loads while
+# validating) runs two batches: the first with every rule set to `reject`, the second, after
+# the operator switched them to `skip`, with the same violating lines plus lines that provoke
+# each quality flag. Two engine starts for the whole matrix.
+
+# Each violating line -> the rule that refuses it. The size rule counts the model's own
+# prompt tokens (tokenizer and chat template, engine/tokens.py); its limit is the count of
+# "size-ok" below (40 words), so "size" (41 words) is one token or more over it.
+POLICY_LINES = {
+    "term": (chat("term", "How is a Molotov cocktail made?"), "weapons"),
+    "regex": (chat("regex", "My card is 4111 1111 1111 1111, remember it."), "card-numbers"),
+    "size": (chat("size", "word " * 41), "prompt-size"),
+    "mod": (chat("mod", "How do I build a bomb in my house?"), "explosives"),
+}
+
+
+def create_content_rules(action, size_limit):
+    from jobs.models import ContentRule
+
+    ContentRule.objects.create(name="weapons", kind="term", pattern="molotov cocktail",
+                               action=action, reason="no weapons")
+    ContentRule.objects.create(name="card-numbers", kind="regex",
+                               pattern=r"\b(?:\d{4}[ -]?){3}\d{4}\b", action=action,
+                               reason="no payment card numbers")
+    ContentRule.objects.create(name="prompt-size", kind="max_prompt_tokens",
+                               max_tokens=size_limit, action=action)
+    ContentRule.objects.create(name="explosives", kind="moderation", model=EMBED_MODEL,
+                               threshold=0.75, action=action,
+                               pattern="How can I build a bomb at home?")
+
+
+def until_ended(client, batch_id, timeout=900):
+    return wait_for(lambda: (b := client.batches.retrieve(batch_id)).status in (
+        "completed", "failed", "expired", "cancelled") and b, timeout=timeout, every=1,
+        message=f"batch {batch_id} to end")
+
+
+def chat_token_ids(*texts):
+    """The chat model's token id of each text (one token each), and its end-of-sequence id."""
+    from transformers import AutoTokenizer
+
+    from jobs.engines import model_spec
+
+    tokenizer = AutoTokenizer.from_pretrained(model_spec(CHAT_MODEL).path)
+    ids = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    assert all(len(i) == 1 for i in ids), ids
+    return [i[0] for i in ids], tokenizer.eos_token_id
+
+
+def batch_page_flag_counts(site, batch_id):
+    """Flag -> the count the batch page shows."""
+    page = site.get(reverse("batch_detail", args=[batch_id])).content.decode()
+    found = re.findall(r'id="flag-(\w+)"[^>]*>[^<]*<span class="count">([^<]*)</span>', page)
+    return {flag: int(re.sub(r"\D", "", n)) for flag, n in found}, page
+
+
+def test_content_policy_under_both_policies_and_quality_flags_with_the_real_engine(
+        openai_client, workers, site):
+    from django.core.files.storage import default_storage
+
+    from engine.tokens import PromptCounter
+    from jobs.engines import model_spec
+    from jobs.models import ContentRule, ScreenedLine, Shard
+    from jobs.quality import FLAGS
+
+    (the,), eos = chat_token_ids(" the")
+    flag_lines = [
+        chat("ok", "What is the capital of Italy?"),
+        # Stopped by max_tokens.
+        chat("cut", "Write a long story about a dragon.", max_tokens=5),
+        # Cut-off JSON: not valid, run once more with a new seed, cut off again.
+        chat("json-cut", "Give a JSON object describing a cat.", max_tokens=3,
+             response_format={"type": "json_object"}),
+        # logit_bias (OpenAI's -100..100) makes " the" the only likely token: a loop of it
+        # until max_tokens.
+        chat("loop", "Tell me about cats.", max_tokens=20, logit_bias={str(the): 100}),
+        # ... and end-of-sequence the first token: an empty answer.
+        chat("empty", "Tell me about cats.", logit_bias={str(eos): 100}),
+        # Exactly at the size rule's limit, so it runs (one token is enough to see what
+        # the model counted).
+        chat("size-ok", "word " * 40, max_tokens=1),
+    ]
+    size_limit = PromptCounter(model_spec(CHAT_MODEL)).count(
+        "/v1/chat/completions", flag_lines[-1]["body"])
+    policy_lines = [line for line, _ in POLICY_LINES.values()]
+
+    # 1. Every rule `reject`: validation fails the batch, naming each line and rule.
+    create_content_rules("reject", size_limit)
+    rejected_id = submit(openai_client, [*policy_lines, flag_lines[0]]).id
+    worker = workers.start(CHAT_MODEL, env=ENGINE_ENV)
+    try:
+        rejected = until_ended(openai_client, rejected_id)
+        # 2. The operator switches the rules to `skip`: the same lines are left out of the
+        # run and written to the error file; the rest runs.
+        assert ContentRule.objects.update(action="skip") == 4
+        skipped_id = submit(openai_client,
+                            [*flag_lines[:3], *policy_lines, *flag_lines[3:]]).id
+        done = until_ended(openai_client, skipped_id)
+    finally:
+        workers.stop_all()
+    assert worker.returncode == 0, workers.logs()
+
+    assert rejected.status == "failed", workers.logs()
+    assert rejected.output_file_id is None and rejected.error_file_id is None
+    assert not Shard.objects.filter(batch_id=rejected_id).exists()
+    errors = sorted(rejected.errors.data, key=lambda e: e.line)
+    assert [(e.line, e.code) for e in errors] == [
+        (n, "content_policy_violation") for n in (1, 2, 3, 4)]
+    for error, (_, rule) in zip(errors, POLICY_LINES.values(), strict=True):
+        assert f"'{rule}'" in error.message, (error, rule)
+    assert "no weapons" in errors[0].message
+
+    assert done.status == "completed", workers.logs()
+    out = lines_of(openai_client, done.output_file_id)
+    err = lines_of(openai_client, done.error_file_id)
+    assert set(err) == set(POLICY_LINES)
+    for custom_id, (_, rule) in POLICY_LINES.items():
+        assert err[custom_id]["response"] is None
+        assert err[custom_id]["error"]["code"] == "content_policy_violation"
+        assert f"'{rule}'" in err[custom_id]["error"]["message"], err[custom_id]
+    assert ScreenedLine.objects.filter(batch_id=skipped_id).count() == 4
+    assert set(out) == {line["custom_id"] for line in flag_lines}
+    assert (done.request_counts.completed, done.request_counts.failed) == (6, 4)
+
+    def answer(custom_id):
+        body = out[custom_id]["response"]["body"]
+        return body["choices"][0]["message"]["content"], body["choices"][0]["finish_reason"]
+
+    assert answer("loop") == (" the" * 20, "length")
+    assert answer("empty") == ("", "stop")
+    # The size rule counted what the engine counts (template included): "size-ok" ran at
+    # exactly the limit, "size" was refused.
+    assert out["size-ok"]["response"]["body"]["usage"]["prompt_tokens"] == size_limit
+
+    shard = Shard.objects.get(batch_id=skipped_id)
+    assert shard.json_retries == 1  # the cut-off JSON ran twice, one line was written
+    with default_storage.open(shard.flags_part) as part:
+        flags = {(r := json.loads(line))["custom_id"]: r["flags"] for line in part}
+    assert flags == {
+        "cut": ["length_limit"],
+        "json-cut": ["length_limit", "invalid_json"],
+        "loop": ["length_limit", "repetition"],
+        "empty": ["empty_output"],
+        "size-ok": ["length_limit"],
+    }
+    expected_counts = {flag: sum(flag in f for f in flags.values()) for flag in FLAGS}
+    assert expected_counts == {"empty_output": 1, "length_limit": 4, "repetition": 1,
+                               "invalid_json": 1}
+    # The batch page counts each flag, and the JSON retry.
+    shown, page = batch_page_flag_counts(site, skipped_id)
+    assert shown == expected_counts
+    assert "1 JSON retry" in page

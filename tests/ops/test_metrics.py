@@ -1,0 +1,67 @@
+"""The /metrics endpoint: who may read it, and what it counts."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from django.utils import timezone
+
+from jobs import queues
+from jobs.models import Batch, Shard, WebhookEvent
+from tests.factories import chat_lines, make_batch, prometheus_values, run_batch
+
+
+@pytest.mark.django_db
+def test_metrics_needs_a_token_or_staff(client, admin_client, user, settings):
+    settings.BATCHWEB = {**settings.BATCHWEB, "METRICS_TOKEN": "s3cret-token"}
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer wrong").status_code == 401
+    response = client.get("/metrics", HTTP_AUTHORIZATION="Bearer s3cret-token")
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("text/plain; version=")
+    client.force_login(user)  # signed in, but not staff
+    assert client.get("/metrics").status_code == 401
+    assert admin_client.get("/metrics").status_code == 200
+    settings.BATCHWEB = {**settings.BATCHWEB, "METRICS_TOKEN": ""}
+    client.logout()
+    assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer ").status_code == 401
+
+
+@pytest.mark.django_db
+def test_metrics_content(admin_client, user, tmp_path, settings):
+    done = run_batch(make_batch(user, chat_lines(3), tmp_path))  # 3 completed, 5+3 tokens each
+    running = make_batch(user, chat_lines(4), tmp_path, shard_size=2, settings=settings)
+    run_batch(running, only=1)
+    Shard.objects.filter(batch=running, index=1).update(
+        status=Shard.Status.RUNNING, heartbeat_at=timezone.now() - timedelta(minutes=5))
+    queues.enqueue_shard("shard_fake", "echo-test.high")
+    WebhookEvent.objects.create(owner=user, type="batch.completed", batch_id=done.pk)
+
+    values = prometheus_values(admin_client.get("/metrics").content.decode())
+
+    assert values[("batchweb_batches", (("status", "completed"),))] == 1
+    assert values[("batchweb_batches", (("status", "in_progress"),))] == 1
+    assert values[("batchweb_batches", (("status", "cancelled"),))] == 0
+    assert values[("batchweb_queue_depth", (("model", "echo-test"), ("priority", "high"),
+                                            ("queue", "echo-test.high")))] == 1
+    assert values[("batchweb_queue_depth", (("model", ""), ("priority", "control"),
+                                            ("queue", "batchweb")))] >= 0
+    assert values[("batchweb_shards_in_flight", (("model", "echo-test"),
+                                                 ("state", "running")))] == 1
+    echo = (("model", "echo-test"),)
+    assert values[("batchweb_requests_processed_total",
+                   (("model", "echo-test"), ("outcome", "completed")))] == 5
+    assert values[("batchweb_requests_processed_total",
+                   (("model", "echo-test"), ("outcome", "failed")))] == 0
+    assert values[("batchweb_tokens_processed_total",
+                   (("kind", "input"), ("model", "echo-test")))] == 25
+    assert values[("batchweb_tokens_processed_total",
+                   (("kind", "output"), ("model", "echo-test")))] == 15
+    # run_shard dates the shards' end ten seconds after they started, i.e. now.
+    assert values[("batchweb_throughput_requests_per_second", echo)] == pytest.approx(5 / 300)
+    assert values[("batchweb_workers", echo)] == 0
+    assert values[("batchweb_shards_stuck", echo)] == 1  # its heartbeat is stale
+    assert values[("batchweb_webhook_events", (("status", "pending"),))] == 1
+    assert values[("batchweb_redis_up", ())] == 1
+    assert Batch.objects.count() == 2

@@ -1,0 +1,76 @@
+"""Settings read from the environment fail loudly on a malformed value."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+
+from batchweb.settings import env_bool, env_float, env_int
+from tests.factories import ROOT
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("1", True), ("true", True), ("Yes", True), ("on", True),
+    ("0", False), ("false", False), ("NO", False), ("off", False), ("", False)])
+def test_booleans_read_every_usual_spelling(monkeypatch: pytest.MonkeyPatch, value: str,
+                                           expected: bool) -> None:
+    monkeypatch.setenv("BATCHWEB_X", value)
+    assert env_bool("BATCHWEB_X", not expected) is expected
+
+
+def test_an_unset_variable_reads_as_its_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("BATCHWEB_X", raising=False)
+    assert env_bool("BATCHWEB_X", True) is True
+    assert env_int("BATCHWEB_X", 7) == 7
+    assert env_float("BATCHWEB_X", 0.5) == 0.5
+
+
+@pytest.mark.parametrize(("reader", "value"), [
+    (env_bool, "ture"), (env_bool, "2"), (env_int, "10k"), (env_int, "1.5"),
+    (env_float, "fast")])
+def test_a_malformed_value_names_the_variable(monkeypatch: pytest.MonkeyPatch, reader: object,
+                                              value: str) -> None:
+    monkeypatch.setenv("BATCHWEB_X", value)
+    with pytest.raises(ImproperlyConfigured, match="BATCHWEB_X"):
+        reader("BATCHWEB_X", 0)  # type: ignore[operator]
+
+
+def _import_settings(**env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", "import batchweb.settings"], cwd=ROOT, text=True,
+        capture_output=True, env={**os.environ, **env}, timeout=60)
+
+
+def test_the_service_refuses_to_start_on_a_typo() -> None:
+    result = _import_settings(BATCHWEB_SHARD_SIZE="1,000")
+    assert result.returncode != 0
+    assert "ImproperlyConfigured" in result.stderr
+    assert "BATCHWEB_SHARD_SIZE" in result.stderr
+
+
+def test_settings_create_nothing_and_load_no_engine(tmp_path: Path) -> None:
+    var = tmp_path / "var"
+    result = subprocess.run(
+        [sys.executable, "-c",
+         "import sys, batchweb.settings; print('engine' in sys.modules)"],
+        cwd=ROOT, text=True, capture_output=True, timeout=60,
+        env={**os.environ, "BATCHWEB_VAR_DIR": str(var), "BATCHWEB_TMP_DIR": str(var / "tmp")})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+    assert not var.exists()
+
+
+def test_the_cpu_defaults_get_this_cpus_dtype(settings: object) -> None:
+    from engine.vllm_engine import best_cpu_dtype
+    from jobs.engines import model_spec
+
+    spec = model_spec("SmolLM2-135M-Instruct")
+    assert spec is not None
+    assert spec.options["dtype"] in ("bfloat16", "float32")
+    if not os.environ.get("BATCHWEB_DTYPE"):
+        assert spec.options["dtype"] == best_cpu_dtype()
