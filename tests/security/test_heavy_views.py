@@ -90,15 +90,22 @@ def test_error_counts_of_a_running_batch_are_counted_once_per_progress(
     assert results.error_counts(batch) == [("http_400", 10)]
 
 
+def drawn_once(batch: Batch, draw: Callable[[Batch], list[spotcheck.SampleItem]],
+               passes: list[Any]) -> list[str]:
+    """The custom_ids `draw` samples, drawn 4 times: the same, and read from the files once
+    (`passes` records the reads)."""
+    first = [item.custom_id for item in draw(batch)]
+    for _ in range(3):
+        assert [item.custom_id for item in draw(Batch.objects.get(pk=batch.pk))] == first
+    assert len(passes) == 1
+    return first
+
+
 def test_the_spot_sample_of_a_running_batch_is_drawn_once_per_progress(
         user: Any, tmp_path: Path, settings: Any) -> None:
     batch = running_batch(user, tmp_path, settings, run=1)
     with counting(spotcheck, "scan") as passes:
-        first = [item.custom_id for item in spotcheck.spot_sample(batch)]
-        for _ in range(3):
-            again = spotcheck.spot_sample(Batch.objects.get(pk=batch.pk))
-            assert [item.custom_id for item in again] == first
-    assert len(passes) == 1
+        first = drawn_once(batch, spotcheck.spot_sample, passes)
     assert set(first) <= {f"r{i}" for i in range(20)} and len(first) == 10
     batch = run_next_shard(batch)
     drawn = {item.custom_id for item in spotcheck.spot_sample(batch)}
@@ -121,11 +128,7 @@ def test_the_flagged_sample_is_drawn_once_per_progress(
     batch = running_batch(user, tmp_path, settings, run=1)
     _flag_shard(Shard.objects.get(batch=batch, index=0))
     with counting(spotcheck, "iter_flagged") as passes:
-        first = [item.custom_id for item in spotcheck.flagged_sample(batch)]
-        for _ in range(3):
-            again = spotcheck.flagged_sample(Batch.objects.get(pk=batch.pk))
-            assert [item.custom_id for item in again] == first
-    assert len(passes) == 1
+        first = drawn_once(batch, spotcheck.flagged_sample, passes)
     assert first == [f"r{i}" for i in range(0, 20, 3) if i % 4]  # failed ones have no output
     batch = run_next_shard(batch)
     _flag_shard(Shard.objects.get(batch=batch, index=1))
