@@ -255,6 +255,11 @@ FILE_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
 
 # Passed to redis-py unchanged: redis://:password@host/0 authenticates, rediss:// uses TLS.
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+# The cache of the dashboard's heavy views (preflight of a stored file, spot-check samples,
+# error counts) lives in that Redis too: every gunicorn worker and host shares it, where
+# Django's default per-process memory would compute each result once per process.
+CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
+                      "LOCATION": REDIS_URL, "KEY_PREFIX": "batchweb-cache"}}
 # django-rq's pages are only at /admin/rq/, for superusers (batchweb/urls.py): its own admin
 # entry would open them to every staff user.
 RQ_SHOW_ADMIN_LINK = False
@@ -392,6 +397,11 @@ BATCHWEB.update({
     # ranges are never implied; list them explicitly (tests allow 127.0.0.1/32).
     "WEBHOOK_ALLOWED_HOSTS": env_list("BATCHWEB_WEBHOOK_ALLOWED_HOSTS"),
     "WEBHOOK_ALLOWED_NETWORKS": env_list("BATCHWEB_WEBHOOK_ALLOWED_NETWORKS"),
+    # Domains that media URLs in request bodies (image_url, input_audio, file, video_url,
+    # audio_url content parts) may point to: exact, or ".example.com" for its subdomains.
+    # Empty (the default): only data: URLs, carried in the line itself. Anything else would
+    # have the engine fetch what a user names, from inside the operator's network.
+    "MEDIA_ALLOWED_DOMAINS": env_list("BATCHWEB_MEDIA_ALLOWED_DOMAINS"),
     "WEBHOOK_TIMEOUT_SECONDS": env_float("BATCHWEB_WEBHOOK_TIMEOUT_SECONDS", 5.0),
     "WEBHOOK_MAX_ATTEMPTS": env_int("BATCHWEB_WEBHOOK_MAX_ATTEMPTS", 8),
     # Attempt n+1 waits base * 2**(n-1) seconds (30 s, 1 min, 2 min, ... ~1 h).

@@ -18,8 +18,15 @@ each client waiting --interval seconds after each answer (2 s: the page's own po
 period; 0 = as fast as possible). Reports per endpoint: requests, p50, p99, max, errors
 (non-2xx answers or transport errors), and the web server's CPU time per request.
 
+--heavy instead has --heavy-clients clients (the one signed-in user, as from several tabs)
+hammer the views that read whole files (--interval 0 unless given): the running batch's
+errors tab (error counts; every 4th request of the batch fails) and spot-check tab (the
+sample), and the new-batch page's preflight of the batch's stored input file. A 429 ("already
+being computed", the per-user guard) is counted as `busy`, not as an error.
+
     .venv/bin/python bench/dashboard_load.py [--seconds 60] [--pollers 50] [--listers 10]
         [--database-url postgres://postgres@127.0.0.1:5432/batchweb_dashboard_bench]
+    .venv/bin/python bench/dashboard_load.py --heavy [--seconds 20] [--heavy-clients 8]
 """
 
 from __future__ import annotations
@@ -51,6 +58,13 @@ ENDPOINTS = {
     "list_partial": "batch list partial (htmx)",
     "list_api": "GET /v1/batches?limit=20",
 }
+HEAVY_ENDPOINTS = {
+    "errors": "errors tab (error counts)",
+    "spot_check": "spot-check tab (sample)",
+    "preflight": "preflight of a stored file",
+}
+# (name, url, headers, form data: POSTed when not None)
+Op = tuple[str, str, dict[str, str], dict[str, str] | None]
 
 
 def login(base: str) -> dict[str, str]:
@@ -72,6 +86,7 @@ class Stats:
     def __init__(self) -> None:
         self.latency: dict[str, list[float]] = defaultdict(list)
         self.errors: dict[str, int] = defaultdict(int)
+        self.busy: dict[str, int] = defaultdict(int)
         self.samples: list[str] = []
 
     def error(self, op: str, message: str) -> None:
@@ -80,7 +95,7 @@ class Stats:
             self.samples.append(f"{op}: {message}")
 
 
-async def client_loop(ops: list[tuple[str, str, dict[str, str]]], base: str,
+async def client_loop(ops: list[Op], base: str,
                       cookies: dict[str, str], deadline: float, interval: float,
                       stats: Stats, rng: random.Random) -> None:
     limits = httpx.Limits(keepalive_expiry=10)
@@ -90,24 +105,29 @@ async def client_loop(ops: list[tuple[str, str, dict[str, str]]], base: str,
             await asyncio.sleep(rng.uniform(0, interval))  # spread the clients out
         turn = rng.randrange(len(ops))
         while time.monotonic() < deadline:
-            op, url, headers = ops[turn % len(ops)]
+            op, url, headers, form = ops[turn % len(ops)]
             turn += 1
             started = time.perf_counter()
             try:
-                response = await client.get(url, headers=headers)
+                if form is None:
+                    response = await client.get(url, headers=headers)
+                else:
+                    response = await client.post(url, headers=headers, data=form)
                 await response.aread()
             except Exception as exc:  # transport errors and timeouts count as errors
                 stats.error(op, f"{type(exc).__name__}: {exc}")
             else:
                 stats.latency[op].append(time.perf_counter() - started)
-                if not 200 <= response.status_code < 300:
+                if response.status_code == 429:
+                    stats.busy[op] += 1
+                elif not 200 <= response.status_code < 300:
                     stats.error(op, f"{response.status_code} {response.text[:200]!r}")
             if interval:
                 pause = interval * rng.uniform(0.9, 1.1)
                 await asyncio.sleep(max(0.0, min(pause, deadline - time.monotonic())))
 
 
-async def warm_up(ops: list[tuple[str, str, dict[str, str]]], base: str,
+async def warm_up(ops: list[Op], base: str,
                   cookies: dict[str, str], stats: Stats) -> None:
     await asyncio.gather(*(client_loop([op], base, cookies, time.monotonic() + 2, 0, stats,
                                        random.Random(i)) for i, op in enumerate(ops * 4)))
@@ -118,8 +138,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--pollers", type=int, default=50)
     parser.add_argument("--listers", type=int, default=10)
-    parser.add_argument("--interval", type=float, default=2.0,
-                        help="seconds a client waits after each answer (0: none)")
+    parser.add_argument("--interval", type=float, default=None,
+                        help="seconds a client waits after each answer (0: none; default 2, "
+                             "0 with --heavy)")
+    parser.add_argument("--heavy", action="store_true",
+                        help="hammer the heavy views instead (see above)")
+    parser.add_argument("--heavy-clients", type=int, default=8)
     parser.add_argument("--history", type=int, default=199,
                         help="ended batches of the user besides the running one")
     parser.add_argument("--batch-requests", type=int, default=2000)
@@ -131,6 +155,8 @@ def main() -> None:
                         help="a scratch database (default: SQLite in a temporary directory)")
     harness.add_json_option(parser)
     args = parser.parse_args()
+    if args.interval is None:
+        args.interval = 0.0 if args.heavy else 2.0
 
     scratch = Path(tempfile.mkdtemp(prefix="bw-dash-bench-"))
     with harness.private_redis(scratch):  # private: no other worker sees the jobs
@@ -173,9 +199,12 @@ def measure(args: argparse.Namespace, scratch: Path) -> None:
         base = f"http://127.0.0.1:{web_port}"
         harness.wait_http(base + "/accounts/login/")
         api = {"Authorization": f"Bearer {key}"}
-        content = harness.jsonl([harness.chat_request(f"run-{i}", f"question number {i}",
-                                                      max_tokens=16)
-                                 for i in range(args.batch_requests)])
+        # --heavy: every 4th request asks for more than the echo model's context (2048
+        # tokens), so the batch has error lines to count.
+        content = harness.jsonl([harness.chat_request(
+            f"run-{i}", f"question number {i}",
+            max_tokens=4000 if args.heavy and i % 4 == 0 else 16)
+            for i in range(args.batch_requests)])
         file = httpx.post(base + "/v1/files", headers=api, timeout=60, data={"purpose": "batch"},
                           files={"file": ("run.jsonl", content)}).json()
         batch = httpx.post(base + "/v1/batches", headers=api, timeout=60, json={
@@ -189,10 +218,25 @@ def measure(args: argparse.Namespace, scratch: Path) -> None:
         assert batch["status"] == "in_progress", batch
         cookies = login(base)
         htmx = {"HX-Request": "true"}
-        pollers = [("live", f"/batches/{batch_id}/live", htmx),
-                   ("retrieve", f"/v1/batches/{batch_id}", api)]
-        listers = [("list_api", "/v1/batches?limit=20", api), ("list_partial", "/", htmx)]
-        print(f"load: {args.pollers} pollers + {args.listers} listers, every "
+        pollers: list[Op] = [("live", f"/batches/{batch_id}/live", htmx, None),
+                             ("retrieve", f"/v1/batches/{batch_id}", api, None)]
+        listers: list[Op] = [("list_api", "/v1/batches?limit=20", api, None),
+                             ("list_partial", "/", htmx, None)]
+        heavy: list[Op] = [
+            ("errors", f"/batches/{batch_id}/errors", {}, None),
+            ("spot_check", f"/batches/{batch_id}/spot-check", {}, None),
+            ("preflight", "/batches/new", {"X-CSRFToken": cookies["csrftoken"]},
+             {"file_id": file["id"], "action": "check", "completion_window": "24h",
+              "priority": "default"})]
+        if args.heavy:
+            # Let a few shards finish first, so the tabs have results to read.
+            time.sleep(min(10.0, args.seconds / 2))
+            groups = [(heavy, args.heavy_clients)]
+            clients = f"{args.heavy_clients} clients on the heavy views"
+        else:
+            groups = [(pollers, args.pollers), (listers, args.listers)]
+            clients = f"{args.pollers} pollers + {args.listers} listers"
+        print(f"load: {clients}, every "
               f"{args.interval:g} s, for {args.seconds:g} s against gunicorn "
               f"{args.gunicorn_workers}x{args.threads} threads ({database}); batch {batch_id} "
               f"of {args.batch_requests} requests in shards of {args.shard_size} on "
@@ -201,17 +245,16 @@ def measure(args: argparse.Namespace, scratch: Path) -> None:
         # Warm up (not counted): each gunicorn process imports views and compiles
         # templates on its first requests.
         warm = Stats()
-        asyncio.run(warm_up(pollers + listers, base, cookies, warm))
+        asyncio.run(warm_up([op for ops, _ in groups for op in ops], base, cookies, warm))
         stats = Stats()
         cpu_before = harness.cpu_seconds(server.pid)
 
         async def run() -> None:
             end = time.monotonic() + args.seconds
-            await asyncio.gather(
-                *(client_loop(pollers, base, cookies, end, args.interval, stats,
-                              random.Random(i)) for i in range(args.pollers)),
-                *(client_loop(listers, base, cookies, end, args.interval, stats,
-                              random.Random(1000 + i)) for i in range(args.listers)))
+            await asyncio.gather(*(
+                client_loop(ops, base, cookies, end, args.interval, stats,
+                            random.Random(1000 * g + i))
+                for g, (ops, count) in enumerate(groups) for i in range(count)))
 
         load_started = time.monotonic()
         asyncio.run(run())
@@ -233,25 +276,29 @@ def measure(args: argparse.Namespace, scratch: Path) -> None:
 
     rows = []
     every: list[float] = []
-    for op, label in ENDPOINTS.items():
+    for op, label in (HEAVY_ENDPOINTS if args.heavy else ENDPOINTS).items():
         values = stats.latency[op]
         every += values
-        rows.append((label, len(values) + stats.errors[op], values, stats.errors[op]))
+        rows.append((label, len(values) + stats.errors[op], values, stats.errors[op],
+                     stats.busy[op]))
     rows.append(("all", len(every) + sum(stats.errors.values()), every,
-                 sum(stats.errors.values())))
+                 sum(stats.errors.values()), sum(stats.busy.values())))
     print(f"\n{'endpoint':<32} {'requests':>8} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} "
-          f"{'errors':>6}")
+          f"{'errors':>6} {'busy':>6}")
     report: dict[str, Any] = {"seconds": round(elapsed, 1), "pollers": args.pollers,
                               "listers": args.listers, "interval": args.interval,
                               "gunicorn": f"{args.gunicorn_workers}x{args.threads}",
                               "database": database, "endpoints": {}}
-    for label, count, values, errors in rows:
+    if args.heavy:
+        report.update(mode="heavy", heavy_clients=args.heavy_clients)
+    for label, count, values, errors, busy in rows:
         p50, p99 = percentile(values, 0.5) * 1000, percentile(values, 0.99) * 1000
         top = max(values, default=0) * 1000
-        print(f"{label:<32} {count:>8} {p50:>7.1f} {p99:>7.1f} {top:>7.1f} {errors:>6}")
+        print(f"{label:<32} {count:>8} {p50:>7.1f} {p99:>7.1f} {top:>7.1f} {errors:>6} "
+              f"{busy:>6}")
         report["endpoints"][label] = {"requests": count, "p50_ms": round(p50, 1),
                                       "p99_ms": round(p99, 1), "max_ms": round(top, 1),
-                                      "errors": errors}
+                                      "errors": errors, "busy": busy}
     total = rows[-1][1]
     print(f"{total / elapsed:.1f} requests/s; web server CPU {cpu:.1f} s "
           f"({1000 * cpu / max(total, 1):.1f} ms a request)")

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 from django.conf import settings
 
 from jobs.services.errors import ServiceError
+from jobs.wire import host_listed
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +32,7 @@ class NotAllowed(ServiceError):
 
 
 def _host_allowed(host: str) -> bool:
-    host = host.lower().rstrip(".")
-    for pattern in settings.BATCHWEB["WEBHOOK_ALLOWED_HOSTS"]:
-        pattern = pattern.lower().rstrip(".")
-        if pattern.startswith("."):
-            if host == pattern[1:] or host.endswith(pattern):
-                return True
-        elif host == pattern:
-            return True
-    return False
+    return host_listed(host, settings.BATCHWEB["WEBHOOK_ALLOWED_HOSTS"])
 
 
 def _address_allowed(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:

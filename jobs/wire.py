@@ -17,8 +17,10 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS, text_parts
 
@@ -127,7 +129,8 @@ def _is_unicode(value: Any) -> bool:
     return True
 
 
-def parse_line(raw: bytes, *, max_tokens_cap: int) -> RequestLine | LineError:
+def parse_line(raw: bytes, *, max_tokens_cap: int,
+               media_domains: Sequence[str] = ()) -> RequestLine | LineError:
     """Check one input line on its own (uniqueness and the batch's endpoint/model are the
     caller's). `raw` has its line ending stripped."""
     try:
@@ -171,13 +174,121 @@ def parse_line(raw: bytes, *, max_tokens_cap: int) -> RequestLine | LineError:
     body = obj.get("body")
     if not isinstance(body, dict):
         return LineError(Code.INVALID_BODY, "body must be a JSON object.", "body")
-    problem = check_body(url, body, max_tokens_cap=max_tokens_cap)
+    problem = check_body(url, body, max_tokens_cap=max_tokens_cap, media_domains=media_domains)
     if problem:
         return problem
     return RequestLine(custom_id=custom_id, url=url, body=body)
 
 
-def _check_messages(messages: Any) -> LineError | None:
+# The request fields each endpoint documents: OpenAI's request parameters of
+# chat.completions, completions and embeddings, plus vLLM's documented extra sampling
+# parameters (fields of its ChatCompletionRequest / CompletionRequest / EmbeddingRequest).
+# Anything else never reaches the engine: vLLM accepts unknown and engine-internal fields
+# (chat_template, kv_transfer_params, priority, vllm_xargs, prompt_embeds...) that a
+# batch user must not steer. The fields engine/vllm_engine.py's _IGNORED_PARAMETERS names
+# are OpenAI's, so they pass here and the engine decides about them.
+_VLLM_SAMPLING_FIELDS = frozenset({
+    "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty",
+    "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
+    "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
+    "prompt_logprobs", "allowed_token_ids", "bad_words"})
+DOCUMENTED_FIELDS: dict[str, frozenset[str]] = {
+    CHAT: frozenset({
+        "messages", "model", "audio", "frequency_penalty", "function_call", "functions",
+        "logit_bias", "logprobs", "max_completion_tokens", "max_tokens", "metadata",
+        "modalities", "n", "parallel_tool_calls", "prediction", "presence_penalty",
+        "prompt_cache_key", "reasoning_effort", "response_format", "safety_identifier",
+        "seed", "service_tier", "stop", "store", "stream", "stream_options", "temperature",
+        "tool_choice", "tools", "top_logprobs", "top_p", "user", "verbosity",
+        "web_search_options"}) | _VLLM_SAMPLING_FIELDS,
+    COMPLETIONS: frozenset({
+        "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
+        "max_tokens", "n", "presence_penalty", "seed", "stop", "stream", "stream_options",
+        "suffix", "temperature", "top_p", "user"}) | _VLLM_SAMPLING_FIELDS,
+    EMBEDDINGS: frozenset({"input", "model", "dimensions", "encoding_format", "user",
+                           "truncate_prompt_tokens"}),
+}
+
+# Content part types of a chat message: OpenAI's, plus vLLM's video_url and audio_url.
+# Other types vLLM reads (image_embeds, prompt_embeds, image_pil...) are not documented
+# request content and are refused.
+TEXT_PART_TYPES = frozenset({"text", "refusal"})
+MEDIA_PART_TYPES = frozenset({"image_url", "input_audio", "file", "video_url", "audio_url"})
+
+
+def host_listed(host: str, patterns: Sequence[str]) -> bool:
+    """Whether `host` is one of `patterns`: an exact name, or ".example.com" for that name
+    and its subdomains (the operator's allow-lists of webhook hosts and media domains)."""
+    host = host.lower().rstrip(".")
+    for pattern in patterns:
+        pattern = pattern.lower().rstrip(".")
+        if pattern.startswith("."):
+            if host == pattern[1:] or host.endswith(pattern):
+                return True
+        elif host == pattern:
+            return True
+    return False
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
+
+
+def _media_problem(part: dict[str, Any], param: str,
+                   media_domains: Sequence[str]) -> LineError | None:
+    """A media part may carry its data (data: URLs, base64) but point only to the domains
+    the operator allows: the engine would fetch any other URL from inside its network."""
+    for text in _strings(part):
+        if ":" not in text:
+            continue  # base64 data, a file id, a format name: no URL
+        parts = urlsplit(text.strip())
+        scheme = parts.scheme.lower()
+        if scheme == "data":
+            continue
+        if scheme in ("http", "https"):
+            host = parts.hostname or ""
+            if host and host_listed(host, media_domains):
+                continue
+            return LineError(Code.INVALID_PARAMETER,
+                             f"{param}: media URLs from {host or 'that address'} are not "
+                             "allowed; send the media inline as a data: URL, or ask the "
+                             "operator to allow the domain (BATCHWEB_MEDIA_ALLOWED_DOMAINS).",
+                             param)
+        if "://" in text or scheme == "file":
+            return LineError(Code.INVALID_PARAMETER,
+                             f"{param}: only data: URLs and http(s) URLs of allowed domains "
+                             "are accepted in media parts.", param)
+    return None
+
+
+def _check_parts(content: list[Any], param: str,
+                 media_domains: Sequence[str]) -> LineError | None:
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            continue  # a plain string part: text
+        where = f"{param}[{j}]"
+        kind = part.get("type")
+        if kind in TEXT_PART_TYPES:
+            continue
+        if kind not in MEDIA_PART_TYPES:
+            return LineError(Code.INVALID_PARAMETER,
+                             f"{where}.type must be one of "
+                             f"{', '.join(sorted(TEXT_PART_TYPES | MEDIA_PART_TYPES))}.",
+                             f"{where}.type")
+        problem = _media_problem(part, where, media_domains)
+        if problem:
+            return problem
+    return None
+
+
+def _check_messages(messages: Any, media_domains: Sequence[str]) -> LineError | None:
     if not isinstance(messages, list) or not messages:
         return LineError(Code.INVALID_BODY, "body.messages must be a non-empty array.",
                          "body.messages")
@@ -190,10 +301,15 @@ def _check_messages(messages: Any) -> LineError | None:
             return LineError(Code.INVALID_BODY,
                              f"{param}.content must be a string or an array of parts.",
                              f"{param}.content")
+        if isinstance(content, list):
+            problem = _check_parts(content, f"{param}.content", media_domains)
+            if problem:
+                return problem
     return None
 
 
-def check_body(url: str, body: dict[str, Any], *, max_tokens_cap: int) -> LineError | None:
+def check_body(url: str, body: dict[str, Any], *, max_tokens_cap: int,
+               media_domains: Sequence[str] = ()) -> LineError | None:
     """The request-body rules we can check without the model; the engine checks the rest
     and answers a per-request 400 for what it cannot honour."""
     model = body.get("model")
@@ -202,11 +318,18 @@ def check_body(url: str, body: dict[str, Any], *, max_tokens_cap: int) -> LineEr
     if not isinstance(model, str) or not model:
         return LineError(Code.INVALID_BODY, "body.model must be a non-empty string.",
                          "body.model")
+    documented = DOCUMENTED_FIELDS.get(url, frozenset())
+    for name in body:
+        if name not in documented:
+            return LineError(Code.INVALID_PARAMETER,
+                             f"body.{name[:100]} is not a parameter of {url}; only the "
+                             "endpoint's documented parameters are accepted.",
+                             f"body.{name[:100]}")
     if body.get("stream"):
         return LineError(Code.INVALID_PARAMETER, "Streaming is not supported in a batch.",
                          "body.stream")
     if url == CHAT:
-        problem = _check_messages(body.get("messages"))
+        problem = _check_messages(body.get("messages"), media_domains)
         if problem:
             return problem
     elif url == COMPLETIONS:

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from typing import IO, Any, Literal
 
 from django.conf import settings
-from django.core.cache import cache
 from django.core.files.storage import default_storage
 
 from jobs.models import Batch, File, Shard
 from jobs.services.errors import ServiceError
 from jobs.services.files import CHUNK, iter_lines, open_file, open_range
+from jobs.services.heavy import Guard, cached, version
 from jobs.wire import read_result_line
 
 Kind = Literal["output", "error"]
@@ -148,22 +148,23 @@ def read_page(batch: Batch, kind: Kind, *, cursor: str | None = None,
     return Page(rows, None)
 
 
-def error_counts(batch: Batch) -> list[tuple[str, int]]:
-    """(code, lines) over the whole error file, most frequent first. One streaming pass;
-    cached for ended batches, whose error file never changes."""
+def error_counts(batch: Batch, *, guard: Guard | None = None) -> list[tuple[str, int]]:
+    """(code, lines) over the whole error file (the finished shards' parts while the batch
+    runs), most frequent first. One streaming pass, cached by progress: the key names the
+    parts read, so a finished shard counts again and repeated views are a cache read
+    (`guard` is entered only to count)."""
     segs = segments(batch, "error")
-    cache_key = f"errcounts:{segs[0].storage_name}" if batch.is_ended and segs else None
-    if cache_key and (cached := cache.get(cache_key)) is not None:
-        return cached
+    return cached(f"errcounts:{batch.pk}:{version(segs)}", lambda: _count_errors(segs),
+                  guard=guard)
+
+
+def _count_errors(segs: list[Segment]) -> list[tuple[str, int]]:
     counts: dict[str, int] = {}
     for here, content, length in scan(
             segs, None, max_line_bytes=settings.BATCHWEB["MAX_LINE_BYTES"]):
         code = parse_result_line(here, content, length).code or "unknown"
         counts[code] = counts.get(code, 0) + 1
-    result = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
-    if cache_key:
-        cache.set(cache_key, result, 3600)
-    return result
+    return sorted(counts.items(), key=lambda item: (-item[1], item[0]))
 
 
 def failed_custom_ids(batch: Batch) -> set[str]:

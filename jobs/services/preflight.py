@@ -11,9 +11,11 @@ from typing import Any
 
 from django.conf import settings
 
-from jobs.models import File
+from jobs.engines import served_endpoints
+from jobs.models import ContentRule, File
 from jobs.queries import dashboard
 from jobs.services.files import create_input_file, iter_lines, local_temp, open_file
+from jobs.services.heavy import Guard, cached, version
 from jobs.services.validation import InputReport, check_batch_input
 
 
@@ -34,9 +36,27 @@ def check_path(path: str | Path, *, endpoint: str | None = None) -> Preflight:
         return _preflight(check_batch_input(stream, endpoint=endpoint))
 
 
-def check_file(file: File, *, endpoint: str | None = None) -> Preflight:
-    with open_file(file) as stream:
-        return _preflight(check_batch_input(stream, endpoint=endpoint))
+def check_file(file: File, *, endpoint: str | None = None,
+               guard: Guard | None = None) -> Preflight:
+    """The preflight of a stored file. Its check (a pass over the whole file) is cached by
+    what decides it: the file's content, the endpoint asked for, the enabled content rules
+    (any change to one makes a new key) and this deployment's limits and models; so
+    picking the same file again costs one cache read. `guard` is entered only to check."""
+    depends = version(file.sha256 or file.storage_name, endpoint, _rules_version(),
+                      sorted(settings.BATCHWEB.items()), served_endpoints())
+    key = f"preflight:{file.pk}:{depends}"
+
+    def check() -> InputReport:
+        with open_file(file) as stream:
+            return check_batch_input(stream, endpoint=endpoint)
+
+    return _preflight(cached(key, check, guard=guard))
+
+
+def _rules_version() -> list[tuple[Any, ...]]:
+    """Every field of every enabled content rule: what `Screener.load` reads."""
+    fields = [f.attname for f in ContentRule._meta.concrete_fields]
+    return list(ContentRule.objects.filter(enabled=True).order_by("pk").values_list(*fields))
 
 
 def _preflight(report: InputReport) -> Preflight:

@@ -9,13 +9,19 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from django.core.cache import cache
 from django.db.models import Count, Q
 
 from jobs.models import Batch, SpotCheck
 from jobs.queries.flags import FlagRow, find_outputs, flag_labels, flag_segments, iter_flagged
-from jobs.queries.results import PREVIEW_LINE_BYTES, parse_result_line, scan, segments
+from jobs.queries.results import (
+    PREVIEW_LINE_BYTES,
+    Segment,
+    parse_result_line,
+    scan,
+    segments,
+)
 from jobs.services.errors import ServiceError
+from jobs.services.heavy import Guard, cached, version
 
 SPOT_SHARE = 0.05
 SPOT_MIN = 10
@@ -39,15 +45,19 @@ class SampleItem:
         return flag_labels(self.flags)
 
 
-def spot_sample(batch: Batch) -> list[SampleItem]:
+def spot_sample(batch: Batch, *, guard: Guard | None = None) -> list[SampleItem]:
     """A random sample of the batch's successful results, drawn in one pass (reservoir
-    sampling) with the batch id as seed, so the same batch shows the same sample; cached
-    for ended batches."""
+    sampling) with the batch id as seed, so the same batch shows the same sample. Cached
+    by progress: the key names the result parts read and the count the size comes from,
+    so a finished shard gives a new sample and repeated views of the same one are a cache
+    read (`guard` is entered only to compute)."""
     segs = segments(batch, "output")
-    cache_key = f"spot:{segs[0].storage_name}" if batch.is_ended and segs else None
-    if cache_key and (cached := cache.get(cache_key)) is not None:
-        return cached
     finished = batch.progress()["completed"]
+    key = f"spot:{batch.pk}:{version(finished, segs)}"
+    return cached(key, lambda: _spot_sample(batch, segs, finished), guard=guard)
+
+
+def _spot_sample(batch: Batch, segs: list[Segment], finished: int) -> list[SampleItem]:
     k = spot_sample_size(finished)
     if k == 0:
         return []
@@ -66,19 +76,20 @@ def spot_sample(batch: Batch) -> list[SampleItem]:
         row = parse_result_line(here, content, length)
         if row.custom_id is not None:
             items.append(SampleItem(row.custom_id, row.body))
-    if cache_key:
-        cache.set(cache_key, items, 3600)
     return items
 
 
-def flagged_sample(batch: Batch) -> list[SampleItem]:
+def flagged_sample(batch: Batch, *, guard: Guard | None = None) -> list[SampleItem]:
     """The spot-check sample drawn among flagged requests only: same rules as spot_sample
     (5% of them, at least 10, at most 200; reservoir sampling seeded by the batch id;
-    cached once the batch ended), over the flags parts, then their output lines."""
+    cached by progress), over the flags parts, then their output lines (the shards' parts
+    while the batch runs, its output file once it ended)."""
     segs = flag_segments(batch)
-    cache_key = (f"spotflag:{batch.pk}:{batch.output_file_id}" if batch.is_ended else None)
-    if cache_key and (cached := cache.get(cache_key)) is not None:
-        return cached
+    key = f"spotflag:{batch.pk}:{version(batch.is_ended, batch.output_file_id, segs)}"
+    return cached(key, lambda: _flagged_sample(batch, segs), guard=guard)
+
+
+def _flagged_sample(batch: Batch, segs: list[Segment]) -> list[SampleItem]:
     rng = random.Random(batch.pk)
     reservoir: list[FlagRow] = []
     seen = 0
@@ -96,16 +107,15 @@ def flagged_sample(batch: Batch) -> list[SampleItem]:
     chosen = sorted(rng.sample(reservoir, k) if k < len(reservoir) else reservoir,
                     key=lambda r: (r.shard_index, int(r.cursor.partition(":")[2])))
     outputs = find_outputs(batch, chosen)
-    items = [SampleItem(r.custom_id, outputs[r.custom_id].body, tuple(r.flags)) for r in chosen
-             if r.custom_id in outputs]
-    if cache_key:
-        cache.set(cache_key, items, 3600)
-    return items
+    return [SampleItem(r.custom_id, outputs[r.custom_id].body, tuple(r.flags)) for r in chosen
+            if r.custom_id in outputs]
 
 
-def sample(batch: Batch, *, flagged: bool = False) -> list[SampleItem]:
+def sample(batch: Batch, *, flagged: bool = False,
+           guard: Guard | None = None) -> list[SampleItem]:
     """The spot-check sample: of all finished requests, or of the flagged ones only."""
-    return flagged_sample(batch) if flagged else spot_sample(batch)
+    return (flagged_sample(batch, guard=guard) if flagged
+            else spot_sample(batch, guard=guard))
 
 
 @dataclass
@@ -129,12 +139,12 @@ def marks(batch: Batch) -> dict[str, SpotCheck]:
 
 
 def mark(*, batch: Batch, custom_id: str, verdict: str, note: str, user: Any,
-         flagged: bool = False) -> SpotCheck:
+         flagged: bool = False, guard: Guard | None = None) -> SpotCheck:
     """Record (or replace) the verdict on one sampled request. Only requests of the
     batch's current sample (the flagged-only one with `flagged`) can be marked."""
     if verdict not in SpotCheck.Verdict.values:
         raise ServiceError("verdict must be good or bad.", param="verdict")
-    if custom_id not in {item.custom_id for item in sample(batch, flagged=flagged)}:
+    if custom_id not in {item.custom_id for item in sample(batch, flagged=flagged, guard=guard)}:
         raise ServiceError("That request is not in this batch's spot-check sample.",
                            param="custom_id")
     spot, _ = SpotCheck.objects.update_or_create(

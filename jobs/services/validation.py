@@ -61,6 +61,7 @@ class LineChecker:
         conf = settings.BATCHWEB
         self.max_line_bytes: int = conf["MAX_LINE_BYTES"]
         self.max_tokens_cap: int = conf["MAX_TOKENS_CAP"]
+        self.media_domains: list[str] = conf["MEDIA_ALLOWED_DOMAINS"]
         self.max_requests: int = conf["MAX_REQUESTS_PER_BATCH"]
         self.models = served_endpoints()
         self.endpoint = endpoint  # None (the dashboard's preflight) takes the first line's
@@ -81,7 +82,8 @@ class LineChecker:
                              f"Line is longer than {self.max_line_bytes} bytes.")
         if not line.content.strip():
             return None
-        parsed = parse_line(line.content, max_tokens_cap=self.max_tokens_cap)
+        parsed = parse_line(line.content, max_tokens_cap=self.max_tokens_cap,
+                            media_domains=self.media_domains)
         if isinstance(parsed, LineError):
             return parsed
         error = self._against_batch(parsed)

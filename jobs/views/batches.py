@@ -26,7 +26,7 @@ from jobs.forms import NewBatchForm, ResultFilterForm, SpotCheckForm
 from jobs.models import Batch, File
 from jobs.quality import FLAG_LABELS, FLAGS
 from jobs.queries import dashboard, flags, health, results
-from jobs.services import preflight, spotcheck
+from jobs.services import heavy, preflight, spotcheck
 from jobs.services.batches import create_batch, get_batch_for_user
 from jobs.services.errors import ServiceError
 from jobs.services.files import create_input_file, get_file_for_user
@@ -35,6 +35,7 @@ from jobs.services.stopping import cancel_batch
 from jobs.web import SignedInRequest, download_response, uploaded_path
 
 LIST_PAGE_SIZE = 20
+BUSY_RETRY_SECONDS = 2
 STATUS_FILTERS = [("", "all"), ("active", "active"), *[(s, s.replace("_", " "))
                                                        for s in Batch.Status.values]]
 
@@ -46,6 +47,18 @@ def _get_batch_for_user(request: SignedInRequest, batch_id: str) -> Batch:
         return get_batch_for_user(owner=request.user, batch_id=batch_id)
     except ServiceError:
         raise Http404("No such batch.") from None
+
+
+def _busy(request: SignedInRequest) -> HttpResponse:
+    """429 for a heavy view while the same user's previous one still computes (see
+    jobs.services.heavy): said plainly, with when to try again."""
+    response = render(request, "jobs/busy.html", status=429)
+    response["Retry-After"] = str(BUSY_RETRY_SECONDS)
+    return response
+
+
+def _guard(request: SignedInRequest) -> heavy.Guard:
+    return heavy.one_per_user(request.user.pk)
 
 
 def _row(batch: Batch, eta: float | None) -> dict[str, Any]:
@@ -114,7 +127,7 @@ def _check(request: SignedInRequest, data: dict[str, Any]) -> tuple[File | None,
         return file, result
     if data.get("file_id"):
         file = get_file_for_user(owner=request.user, file_id=data["file_id"])
-        return file, preflight.check_file(file, endpoint=endpoint)
+        return file, preflight.check_file(file, endpoint=endpoint, guard=_guard(request))
     raise ServiceError("Upload a JSONL file or choose one you uploaded before.")
 
 
@@ -122,10 +135,10 @@ def _submit(request: SignedInRequest, data: dict[str, Any]) -> tuple[Batch | Non
                                                                 preflight.Preflight]:
     file = get_file_for_user(owner=request.user, file_id=data["file_id"])
     endpoint = data.get("endpoint") or None
-    result = preflight.check_file(file, endpoint=endpoint)
+    result = preflight.check_file(file, endpoint=endpoint, guard=_guard(request))
     if result.ok and data.get("model") and data["model"] != result.report.model:
         file = preflight.with_model(file=file, model=data["model"], owner=request.user)
-        result = preflight.check_file(file, endpoint=endpoint)
+        result = preflight.check_file(file, endpoint=endpoint, guard=_guard(request))
     if not result.ok:
         return None, result
     batch = create_batch(owner=request.user, input_file_id=file.pk,
@@ -156,6 +169,8 @@ def batch_new(request: SignedInRequest) -> HttpResponse:
                     checked, result = _check(request, data)
             except ServiceError as exc:
                 form.add_error(None, exc.message)
+            except heavy.Busy:
+                return _busy(request)
             if checked is not None and result is not None and result.ok:
                 # A fresh form: the stored file is now the one to submit, with the endpoint
                 # and model the file asks for as suggestions.
@@ -292,7 +307,10 @@ def _tab(request: SignedInRequest, batch_id: str, kind: results.Kind, tab: str,
         "paged": bool(data.get("cursor")),
     })
     if kind == "error":
-        context["counts"] = results.error_counts(batch)
+        try:
+            context["counts"] = results.error_counts(batch, guard=_guard(request))
+        except heavy.Busy:
+            return _busy(request)
         # A batch that failed validation has no error file: its problems are errors.data.
         context["validation_errors"] = batch.errors or []
     template = f"jobs/batch_{tab}.html"
@@ -352,14 +370,19 @@ def batch_spot_check(request: SignedInRequest, batch_id: str) -> HttpResponse:
             return HttpResponse("Choose good or bad.", status=400)
         try:
             spotcheck.mark(batch=batch, user=request.user, flagged=flagged,
-                           **form.cleaned_data)
+                           guard=_guard(request), **form.cleaned_data)
         except ServiceError as exc:
             return HttpResponse(exc.message, status=400)
+        except heavy.Busy:
+            return _busy(request)
         if not request.htmx:
             return redirect(reverse("batch_spot_check", args=[batch.pk]) +
                             ("?flagged=1" if flagged else "") +
                             f"#spot-{slugify(form.cleaned_data['custom_id'])[:60]}")
-    sample = spotcheck.sample(batch, flagged=flagged)
+    try:
+        sample = spotcheck.sample(batch, flagged=flagged, guard=_guard(request))
+    except heavy.Busy:
+        return _busy(request)
     if request.method == "POST":
         # htmx: only the marked item is re-rendered (and the summary, out of band).
         sample = [i for i in sample if i.custom_id == form.cleaned_data["custom_id"]]

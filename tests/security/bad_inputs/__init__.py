@@ -226,6 +226,24 @@ LINE_CASES = [
          {"body__temperature": "hot"}, code="invalid_parameter"),
     _bad("bad top_p", {"body__top_p": 0}, {"body__top_p": 1.5}, code="invalid_parameter"),
     _bad("streaming", {"body__stream": True}, code="invalid_parameter"),
+    _bad("undocumented body fields", {"body__chat_template": "{{ 7 * 7 }}"},
+         {"body__kv_transfer_params": {"do_remote_decode": True}}, {"body__priority": -100},
+         {"body__vllm_xargs": {"a": 1}}, {"body__temperatur": 0}, code="invalid_parameter"),
+    LineCase("undocumented fields of other endpoints",
+             jsonl({"custom_id": "c", "method": "POST", "url": COMPLETIONS,
+                    "body": {"model": MODEL, "prompt": "x", "prompt_embeds": "AAAA"}}),
+             [(1, "invalid_parameter")], endpoint=COMPLETIONS),
+    _bad("media URL of a domain not allowed",
+         {"body__messages": [{"role": "user", "content": [
+             {"type": "text", "text": "what is this?"},
+             {"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest/x"}}]}]},
+         {"body__messages": [{"role": "user", "content": [
+             {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}]}]},
+         {"body__messages": [{"role": "user", "content": [
+             {"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}]}]},
+         {"body__messages": [{"role": "user", "content": [
+             {"type": "image_embeds", "image_embeds": "AAAA"}]}]},
+         code="invalid_parameter"),
     LineCase("errors counted by physical line", b"\n" + jsonl(request("a")) + b"\n" +
              jsonl(request("a")), [(4, "duplicate_custom_id")]),
     LineCase("line too long inside the limit file", jsonl(request("a")) +
