@@ -22,9 +22,7 @@ from jobs.queries import results
 from jobs.services import heavy, preflight, spotcheck
 from jobs.services.files import new_storage_name
 from jobs.services.shard_input import shard_custom_ids
-from tests.dashboard_support import make_batch, make_file, run_batch, run_shard
-from tests.helpers import chat_line
-from tests.reliability_support import Api
+from tests.factories import Api, chat_line, make_batch, make_file, run_batch, run_shard
 
 pytestmark = pytest.mark.django_db
 
