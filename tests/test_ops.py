@@ -143,7 +143,7 @@ def test_webhook_retry_action(admin_client, user, tmp_path):
     event.refresh_from_db()
     assert event.status == "pending" and event.next_attempt_at <= timezone.now()
     assert WebhookEvent.objects.get(pk=delivered.pk).status == "delivered"
-    assert queues.queue(queues.CONTROL_QUEUE).job_ids == [f"{event.pk}-webhook"]
+    assert queues.queue(queues.WEBHOOK_QUEUE).job_ids == [f"{event.pk}-webhook"]
 
 
 # --- queue health ---
@@ -277,8 +277,8 @@ def test_periodic_operations_enqueue_due_webhooks_and_cleanup(user, settings):
     WebhookEvent.objects.create(owner=user, type="batch.failed", batch_id="batch_b",
                                 next_attempt_at=timezone.now() + timedelta(minutes=5))
     assert periodic_operations() == {"webhooks": 1, "cleanup": 1}
-    assert sorted(queues.queue(queues.CONTROL_QUEUE).job_ids) == sorted(
-        [f"{due.pk}-webhook", "batchweb-cleanup"])
+    assert queues.queue(queues.CONTROL_QUEUE).job_ids == ["batchweb-cleanup"]
+    assert queues.queue(queues.WEBHOOK_QUEUE).job_ids == [f"{due.pk}-webhook"]
     assert periodic_operations() == {"webhooks": 1, "cleanup": 0}
 
 
@@ -291,4 +291,4 @@ def test_the_reconciler_runs_the_periodic_operations(user):
                                       next_attempt_at=timezone.now())
     done = reconcile()
     assert done["webhooks"] == 1 and done["cleanup"] == 1
-    assert f"{due.pk}-webhook" in queues.queue(queues.CONTROL_QUEUE).job_ids
+    assert f"{due.pk}-webhook" in queues.queue(queues.WEBHOOK_QUEUE).job_ids
