@@ -122,23 +122,32 @@ def batch_ended(*, batch_id: str) -> str | None:
     return event_id
 
 
+def _job_id(event_id: str) -> str:
+    return f"{event_id}-webhook"
+
+
 def enqueue_delivery(event_id: str) -> None:
-    # A fixed job id: enqueuing a due event twice replaces the job instead of doubling it,
-    # and the claim in deliver_event makes a duplicate run a no-op anyway.
+    # A fixed job id: enqueuing a due event twice keeps one job (though RQ lists its id
+    # twice), and the claim in deliver_event makes a duplicate run a no-op anyway.
     queues.queue(queues.WEBHOOK_QUEUE).enqueue(
-        "jobs.tasks.deliver_webhook", event_id, job_id=f"{event_id}-webhook",
+        "jobs.tasks.deliver_webhook", event_id, job_id=_job_id(event_id),
         job_timeout=int(_lease_seconds()),
         result_ttl=600, failure_ttl=7 * 24 * 3600)
 
 
 def enqueue_due() -> int:
     """Enqueue the deliveries that are due (new events whose job was lost, retries whose
-    backoff has passed). Called by the reconciler's pass."""
+    backoff has passed, events held back by their user's limit in flight) and not already
+    waiting in the queue; returns how many are due. Called by the reconciler's pass."""
     due = list(WebhookEvent.objects.filter(
         status=WebhookEvent.Status.PENDING, next_attempt_at__lte=timezone.now()
     ).order_by("next_attempt_at").values_list("pk", flat=True)[:DUE_PER_PASS])
+    # Every worker's reconciler runs this pass: an event held back for a while would
+    # otherwise be listed again by each of them, every few seconds.
+    waiting = set(queues.queue(queues.WEBHOOK_QUEUE).job_ids) if due else set()
     for event_id in due:
-        enqueue_delivery(event_id)
+        if _job_id(event_id) not in waiting:
+            enqueue_delivery(event_id)
     return len(due)
 
 
