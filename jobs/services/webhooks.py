@@ -181,9 +181,10 @@ def _take_place(owner_id: int, event_id: str) -> bool:
     """A place among the user's attempts in flight (WEBHOOK_MAX_IN_FLIGHT_PER_USER)."""
     now = time.time()
     lease = _lease_seconds()
-    taken = queues.connection().eval(
-        _TAKE_PLACE, 1, _in_flight_key(owner_id), now, now + lease,
-        settings.BATCHWEB["WEBHOOK_MAX_IN_FLIGHT_PER_USER"], event_id, int(lease) + 1)
+    take_place = queues.connection().register_script(_TAKE_PLACE)
+    taken = take_place(keys=[_in_flight_key(owner_id)], args=[
+        now, now + lease, settings.BATCHWEB["WEBHOOK_MAX_IN_FLIGHT_PER_USER"], event_id,
+        int(lease) + 1])
     return bool(taken)
 
 
