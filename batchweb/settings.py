@@ -402,10 +402,17 @@ BATCHWEB.update({
     # Empty (the default): only data: URLs, carried in the line itself. Anything else would
     # have the engine fetch what a user names, from inside the operator's network.
     "MEDIA_ALLOWED_DOMAINS": env_list("BATCHWEB_MEDIA_ALLOWED_DOMAINS"),
+    # One attempt in all (connect, send, read), not one socket wait.
     "WEBHOOK_TIMEOUT_SECONDS": env_float("BATCHWEB_WEBHOOK_TIMEOUT_SECONDS", 5.0),
+    # Attempts of one user's events running at once, across all workers; the others wait
+    # for the reconciler's next pass. One slow receiver holds at most this many workers.
+    "WEBHOOK_MAX_IN_FLIGHT_PER_USER": env_int("BATCHWEB_WEBHOOK_MAX_IN_FLIGHT_PER_USER", 2),
     "WEBHOOK_MAX_ATTEMPTS": env_int("BATCHWEB_WEBHOOK_MAX_ATTEMPTS", 8),
     # Attempt n+1 waits base * 2**(n-1) seconds (30 s, 1 min, 2 min, ... ~1 h).
     "WEBHOOK_RETRY_BASE_SECONDS": env_int("BATCHWEB_WEBHOOK_RETRY_BASE_SECONDS", 30),
+    # Uploads (Uploads API) a user may have pending at once: each reserves its declared
+    # size in the stored-bytes quota until it is completed, cancelled or expires.
+    "MAX_OPEN_UPLOADS": env_int("BATCHWEB_MAX_OPEN_UPLOADS", 10),
     # The reconciler (in every worker) enqueues `cleanup` at most once per interval;
     # 0 turns the schedule off (run `manage.py cleanup` from cron instead).
     "CLEANUP_INTERVAL_SECONDS": env_int("BATCHWEB_CLEANUP_INTERVAL_SECONDS", 3600),

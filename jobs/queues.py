@@ -13,6 +13,11 @@ from rq.job import Job
 
 # Validation and finalization: short jobs every worker takes before any shard.
 CONTROL_QUEUE = "batchweb"
+# Webhook deliveries: calls to users' servers, which may be slow (up to
+# WEBHOOK_TIMEOUT_SECONDS each). Never on the control queue, so a user's slow receiver
+# cannot hold back the validation or finalization of anyone's batch; every batchworker
+# takes this queue after its control and shard queues.
+WEBHOOK_QUEUE = "batchweb.webhooks"
 PRIORITIES = ("high", "default", "low")
 
 

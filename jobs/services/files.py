@@ -364,7 +364,8 @@ def create_input_file(*, owner: Any, path: str | Path, filename: str, purpose: A
 
 
 def create_input_file_from_parts(*, owner: Any, part_names: list[str], size: int,
-                                 filename: str, purpose: Any, md5: str | None = None) -> File:
+                                 filename: str, purpose: Any, md5: str | None = None,
+                                 from_upload: str | None = None) -> File:
     """The Uploads API's assembly: the stored parts (`size` bytes in all) are read once, in
     order, streamed (md5, the UTF-8 JSONL check, the hash), then joined inside the storage
     into the new file (on S3 by UploadPartCopy): never downloaded to a local copy.
@@ -385,7 +386,8 @@ def create_input_file_from_parts(*, owner: Any, part_names: list[str], size: int
                     pass
     if md5 and digest.hexdigest() != md5.lower():
         raise ServiceError("The md5 of the assembled file does not match.", param="md5")
-    expires_at = _admit_input(owner=owner, purpose=purpose, expires_after=None, size=size)
+    expires_at = _admit_input(owner=owner, purpose=purpose, expires_after=None, size=size,
+                              from_upload=from_upload)
     if refusal is not None:
         raise refusal
     assert scan is not None
@@ -396,14 +398,15 @@ def create_input_file_from_parts(*, owner: Any, part_names: list[str], size: int
                        purpose=purpose, expires_at=expires_at, scan=scan)
 
 
-def _admit_input(*, owner: Any, purpose: Any, expires_after: Any, size: int) -> Any:
+def _admit_input(*, owner: Any, purpose: Any, expires_after: Any, size: int,
+                 from_upload: str | None = None) -> Any:
     """Checks on a new input file before its content is read; returns its expiry."""
     check_purpose(purpose)
     lifetime = parse_expires_after(expires_after)
     if size > limits()["MAX_FILE_BYTES"]:
         raise ServiceError(f"File is larger than {limits()['MAX_FILE_BYTES']} bytes.",
                            status=413, code="file_too_large", param="file")
-    check_quota(owner=owner, file_bytes=size)
+    check_quota(owner=owner, file_bytes=size, from_upload=from_upload)
     if lifetime is None:
         lifetime = timedelta(days=limits()["INPUT_FILE_TTL_DAYS"])
     return timezone.now() + lifetime

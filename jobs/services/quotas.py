@@ -7,7 +7,12 @@ row (see `Quota`). What counts:
 - max_file_bytes, max_requests_per_batch: the file or batch being submitted (400: a smaller
   one is needed, waiting does not help).
 - max_stored_bytes: the sum of `File.bytes` over all of the user's files (input, output and
-  error files) plus the new file (429: delete files or wait for them to expire).
+  error files), plus the declared size of each pending upload (its parts are on their way
+  to it, and completing it must not need more room), plus the parts left of uploads no
+  longer pending until cleanup deletes them, plus the new file (429: delete files or wait
+  for them to expire).
+- open uploads: at most BATCHWEB_MAX_OPEN_UPLOADS pending uploads per user (a site-wide
+  setting, 429), so reserving storage through uploads that are never completed is bounded.
 - max_active_batches: the user's batches validating, in progress, finalizing or cancelling,
   plus the new one (429).
 - tokens_per_day / tokens_per_month: input + output tokens of successful requests (what
@@ -32,7 +37,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import F, Sum
 from django.utils import timezone
 
-from jobs.models import Batch, File, Quota, Shard
+from jobs.models import Batch, File, Quota, Shard, Upload, UploadPart
 from jobs.services.errors import ServiceError
 
 LABELS = {
@@ -42,6 +47,7 @@ LABELS = {
     "max_stored_bytes": "stored bytes",
     "tokens_per_day": "tokens today",
     "tokens_per_month": "tokens this month",
+    "max_open_uploads": "open uploads",
 }
 
 
@@ -86,11 +92,33 @@ def tokens_since(owner: Any, start: datetime) -> int:
     return int(total or 0)
 
 
-def usage_for(owner: Any, *, now: datetime | None = None) -> dict[str, int]:
+def stored_bytes(owner: Any, *, but_upload: str | None = None) -> int:
+    """What the user stores or has reserved (see max_stored_bytes above). `but_upload`: a
+    pending upload being assembled, whose reservation becomes the new file."""
+    def total(rows: Any) -> int:
+        return int(rows.aggregate(total=Sum("bytes"))["total"] or 0)
+
+    now = timezone.now()
+    # An upload past its expiry is pending only until someone looks: its parts count, as
+    # for any upload no longer open, until cleanup deletes them.
+    pending = _open_uploads(owner, now=now)
+    leftover_parts = UploadPart.objects.filter(upload__owner=owner).exclude(
+        upload__status=Upload.Status.PENDING, upload__expires_at__gt=now)
+    if but_upload is not None:
+        pending = pending.exclude(pk=but_upload)
+    return total(File.objects.filter(owner=owner)) + total(pending) + total(leftover_parts)
+
+
+def _open_uploads(owner: Any, *, now: datetime) -> Any:
+    return Upload.objects.filter(owner=owner, status=Upload.Status.PENDING,
+                                 expires_at__gt=now)
+
+
+def usage_for(owner: Any, *, now: datetime | None = None,
+              but_upload: str | None = None) -> dict[str, int]:
     day, month = period_starts(now)
     return {
-        "max_stored_bytes": int(File.objects.filter(owner=owner).aggregate(
-            total=Sum("bytes"))["total"] or 0),
+        "max_stored_bytes": stored_bytes(owner, but_upload=but_upload),
         "max_active_batches": Batch.objects.active().filter(owner=owner).count(),
         "tokens_per_day": tokens_since(owner, day),
         "tokens_per_month": tokens_since(owner, month),
@@ -99,7 +127,7 @@ def usage_for(owner: Any, *, now: datetime | None = None) -> dict[str, int]:
 
 def _refuse(limit: str, message: str) -> ServiceError:
     usage_limit = limit in ("max_stored_bytes", "max_active_batches", "tokens_per_day",
-                            "tokens_per_month")
+                            "tokens_per_month", "max_open_uploads")
     # Limits on the submission itself are a 400 (waiting does not help); limits on what the
     # user has or has used are a 429 in OpenAI's quota shape.
     return ServiceError(f"Quota exceeded ({LABELS[limit]}): {message}",
@@ -108,14 +136,15 @@ def _refuse(limit: str, message: str) -> ServiceError:
 
 
 def check_quota(*, owner: Any, file_bytes: int | None = None,
-                batch_requests: int | None = None) -> None:
+                batch_requests: int | None = None, from_upload: str | None = None) -> None:
     """Refuse (ServiceError 400 or 429, saying which limit and the current usage) a new
     file of `file_bytes` or a new batch of `batch_requests` requests beyond the user's
-    quota. Nothing else is checked: pass what is being submitted."""
+    quota. Nothing else is checked: pass what is being submitted, and `from_upload` when
+    the file is a pending upload being assembled (its reservation is not counted twice)."""
     limits = limits_for(owner)
     if not any(v is not None for v in limits.values()):
         return
-    usage = usage_for(owner)
+    usage = usage_for(owner, but_upload=from_upload)
     if file_bytes is not None:
         limit = limits["max_file_bytes"]
         if limit is not None and file_bytes > limit:
@@ -146,6 +175,16 @@ def check_quota(*, owner: Any, file_bytes: int | None = None,
             if limit is not None and used >= limit:
                 raise _refuse(name, f"you have used {used:,} of {limit:,} tokens {period}; "
                                     "new batches are accepted again when the period resets.")
+
+
+def check_open_uploads(*, owner: Any) -> None:
+    """Refuse (429) a new upload while the user has BATCHWEB_MAX_OPEN_UPLOADS pending."""
+    limit = settings.BATCHWEB["MAX_OPEN_UPLOADS"]
+    open_uploads = _open_uploads(owner, now=timezone.now()).count()
+    if open_uploads >= limit:
+        raise _refuse("max_open_uploads",
+                      f"you have {open_uploads:,} uploads pending and at most {limit:,} "
+                      "may be; complete or cancel one, or wait for it to expire.")
 
 
 @dataclass

@@ -1,5 +1,10 @@
 """The Uploads API: a big file sent as parts (any order, up to 64 MB each), assembled in the
-order the client names on completion, checked like any other batch file."""
+order the client names on completion, checked like any other batch file.
+
+A pending upload reserves its declared size in the stored-bytes quota (`quotas`), and a
+user may have BATCHWEB_MAX_OPEN_UPLOADS pending at once. Parts may arrive in parallel:
+each is stored first, then checked against the declared size with the upload's row locked,
+so together they never exceed it."""
 
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ from jobs.services.files import (
     delete_file,
     new_storage_name,
 )
-from jobs.services.quotas import check_quota
+from jobs.services.quotas import check_open_uploads, check_quota
 from jobs.storage import backend
 
 JSONL_MIME_TYPES = {"application/jsonl", "application/x-ndjson", "application/json",
@@ -42,6 +47,7 @@ def create_upload(*, owner: Any, filename: Any, purpose: Any, bytes: Any,
         raise ServiceError(f"bytes must be at most {limit}.", status=413,
                            code="file_too_large", param="bytes")
     # Refused before any part is sent, not only when the parts are assembled.
+    check_open_uploads(owner=owner)
     check_quota(owner=owner, file_bytes=bytes)
     if mime_type not in JSONL_MIME_TYPES:
         raise ServiceError("mime_type must be a JSONL type such as application/jsonl.",
@@ -78,14 +84,31 @@ def add_upload_part(*, upload: Upload, path: str | Path) -> UploadPart:
     if size > settings.BATCHWEB["MAX_UPLOAD_PART_BYTES"]:
         raise ServiceError(f"A part is at most {settings.BATCHWEB['MAX_UPLOAD_PART_BYTES']} bytes.",
                            status=413, code="file_too_large", param="data")
+    _check_room(upload, size)  # before storing anything, when it is plainly too much
+    with open(path, "rb") as handle:
+        storage_name = default_storage.save(new_storage_name(f"uploads/{upload.pk}"),
+                                            DjangoFile(handle))
+    try:
+        with transaction.atomic():
+            # Parts sent in parallel each passed the check above against the same total:
+            # with the row locked they are counted one after another (SQLite serializes
+            # writers anyway). The storage write stays outside, so parts still upload
+            # in parallel.
+            locked = Upload.objects.select_for_update().get(pk=upload.pk)
+            _check_pending(locked)
+            _check_room(locked, size)
+            return UploadPart.objects.create(upload=locked, storage_name=storage_name,
+                                             bytes=size)
+    except Exception:
+        default_storage.delete(storage_name)
+        raise
+
+
+def _check_room(upload: Upload, size: int) -> None:
     so_far = upload.parts.aggregate(total=Sum("bytes"))["total"] or 0
     if so_far + size > upload.bytes:
         raise ServiceError(f"The parts would exceed the upload's {upload.bytes} bytes.",
                            param="data")
-    with open(path, "rb") as handle:
-        storage_name = default_storage.save(new_storage_name(f"uploads/{upload.pk}"),
-                                            DjangoFile(handle))
-    return UploadPart.objects.create(upload=upload, storage_name=storage_name, bytes=size)
 
 
 def complete_upload(*, upload: Upload, part_ids: Any, md5: Any = None) -> Upload:
@@ -110,7 +133,8 @@ def complete_upload(*, upload: Upload, part_ids: Any, md5: Any = None) -> Upload
     # Assembled inside the storage (S3: UploadPartCopy), never downloaded to this machine.
     file = create_input_file_from_parts(
         owner=upload.owner, part_names=[parts[p].storage_name for p in part_ids], size=total,
-        filename=upload.filename, purpose=upload.purpose, md5=md5 or None)
+        filename=upload.filename, purpose=upload.purpose, md5=md5 or None,
+        from_upload=upload.pk)
     with transaction.atomic():
         if not Upload.objects.filter(pk=upload.pk, status=Upload.Status.PENDING).update(
                 status=Upload.Status.COMPLETED, file=file):

@@ -14,10 +14,17 @@ where key is the base64-decoded part of the user's secret after "whsec_". Signin
 timestamp with the body lets receivers refuse replays of old deliveries.
 
 Delivery never runs in the finalizer: the batch's end inserts a WebhookEvent row and
-enqueues `jobs.tasks.deliver_webhook(event_id)` on the control queue. An attempt that fails
-(connection error, timeout, non-2xx; redirects are not followed) is retried after
-WEBHOOK_RETRY_BASE_SECONDS * 2**(attempt-1) by the reconciler's pass (`enqueue_due`), up to
-WEBHOOK_MAX_ATTEMPTS. Each attempt is a WebhookDelivery row (shown in the admin).
+enqueues `jobs.tasks.deliver_webhook(event_id)` on the webhook queue (`queues.WEBHOOK_QUEUE`,
+which every batchworker takes after its control and shard queues). An attempt that fails
+(connection error, no answer within WEBHOOK_TIMEOUT_SECONDS in all, non-2xx; redirects are
+not followed) is retried after WEBHOOK_RETRY_BASE_SECONDS * 2**(attempt-1) by the
+reconciler's pass (`enqueue_due`), up to WEBHOOK_MAX_ATTEMPTS. Each attempt is a
+WebhookDelivery row (shown in the admin).
+
+At most WEBHOOK_MAX_IN_FLIGHT_PER_USER attempts of one user's events run at once (a Redis
+count across all workers): a job beyond that leaves its event due, untouched, and the
+reconciler's next pass enqueues it again. So one user's slow receiver ties up that many
+workers at most, not every worker taking the webhook queue.
 
 Only allowed addresses are called (settings WEBHOOK_ALLOWED_HOSTS / _NETWORKS), through the
 SSRF-safe client in `jobs.safehttp`.
@@ -115,23 +122,32 @@ def batch_ended(*, batch_id: str) -> str | None:
     return event_id
 
 
+def _job_id(event_id: str) -> str:
+    return f"{event_id}-webhook"
+
+
 def enqueue_delivery(event_id: str) -> None:
-    # A fixed job id: enqueuing a due event twice replaces the job instead of doubling it,
-    # and the claim in deliver_event makes a duplicate run a no-op anyway.
-    queues.queue(queues.CONTROL_QUEUE).enqueue(
-        "jobs.tasks.deliver_webhook", event_id, job_id=f"{event_id}-webhook",
-        job_timeout=int(settings.BATCHWEB["WEBHOOK_TIMEOUT_SECONDS"] * 4 + 60),
+    # A fixed job id: enqueuing a due event twice keeps one job (though RQ lists its id
+    # twice), and the claim in deliver_event makes a duplicate run a no-op anyway.
+    queues.queue(queues.WEBHOOK_QUEUE).enqueue(
+        "jobs.tasks.deliver_webhook", event_id, job_id=_job_id(event_id),
+        job_timeout=int(_lease_seconds()),
         result_ttl=600, failure_ttl=7 * 24 * 3600)
 
 
 def enqueue_due() -> int:
     """Enqueue the deliveries that are due (new events whose job was lost, retries whose
-    backoff has passed). Called by the reconciler's pass."""
+    backoff has passed, events held back by their user's limit in flight) and not already
+    waiting in the queue; returns how many are due. Called by the reconciler's pass."""
     due = list(WebhookEvent.objects.filter(
         status=WebhookEvent.Status.PENDING, next_attempt_at__lte=timezone.now()
     ).order_by("next_attempt_at").values_list("pk", flat=True)[:DUE_PER_PASS])
+    # Every worker's reconciler runs this pass: an event held back for a while would
+    # otherwise be listed again by each of them, every few seconds.
+    waiting = set(queues.queue(queues.WEBHOOK_QUEUE).job_ids) if due else set()
     for event_id in due:
-        enqueue_delivery(event_id)
+        if _job_id(event_id) not in waiting:
+            enqueue_delivery(event_id)
     return len(due)
 
 
@@ -139,14 +155,68 @@ def retry_delay(attempt: int) -> timedelta:
     return timedelta(seconds=settings.BATCHWEB["WEBHOOK_RETRY_BASE_SECONDS"] * 2 ** (attempt - 1))
 
 
+def _lease_seconds() -> float:
+    """The longest an attempt may take, with room to spare: how long it keeps its event
+    claimed and its place among the user's attempts in flight."""
+    return settings.BATCHWEB["WEBHOOK_TIMEOUT_SECONDS"] * 4 + 60
+
+
+def _in_flight_key(owner_id: int) -> str:
+    return f"batchweb:webhooks:in-flight:{owner_id}"
+
+
+# Drop the places of attempts whose lease ran out (their worker died mid-attempt), then
+# take a place if fewer than the limit are held. In one script: two workers checking at
+# the same instant cannot both take the last place.
+_TAKE_PLACE = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+return 1
+"""
+
+
+def _take_place(owner_id: int, event_id: str) -> bool:
+    """A place among the user's attempts in flight (WEBHOOK_MAX_IN_FLIGHT_PER_USER)."""
+    now = time.time()
+    lease = _lease_seconds()
+    take_place = queues.connection().register_script(_TAKE_PLACE)
+    taken = take_place(keys=[_in_flight_key(owner_id)], args=[
+        now, now + lease, settings.BATCHWEB["WEBHOOK_MAX_IN_FLIGHT_PER_USER"], event_id,
+        int(lease) + 1])
+    return bool(taken)
+
+
+def _give_place_back(owner_id: int, event_id: str) -> None:
+    queues.connection().zrem(_in_flight_key(owner_id), event_id)
+
+
 def deliver_event(event_id: str) -> str:
     """One delivery attempt of a due event (the `jobs.tasks.deliver_webhook` job).
     Returns the event's status."""
+    due = WebhookEvent.objects.filter(pk=event_id, status=WebhookEvent.Status.PENDING,
+                                      next_attempt_at__lte=timezone.now())
+    owner_id = due.values_list("owner_id", flat=True).first()
+    if owner_id is None:
+        event = WebhookEvent.objects.filter(pk=event_id).first()
+        return event.status if event else "missing"
+    if not _take_place(owner_id, event_id):
+        # The user's limit of attempts in flight is reached: the event stays due, and the
+        # reconciler's next pass enqueues it again.
+        return WebhookEvent.Status.PENDING
+    try:
+        return _attempt(event_id)
+    finally:
+        _give_place_back(owner_id, event_id)
+
+
+def _attempt(event_id: str) -> str:
     conf = settings.BATCHWEB
     now = timezone.now()
     # Claim the attempt: push next_attempt_at past this attempt's longest run, so the
     # reconciler does not enqueue it again meanwhile, and a second job finds nothing due.
-    lease = now + timedelta(seconds=conf["WEBHOOK_TIMEOUT_SECONDS"] * 4 + 60)
+    lease = now + timedelta(seconds=_lease_seconds())
     if not WebhookEvent.objects.filter(
             pk=event_id, status=WebhookEvent.Status.PENDING, next_attempt_at__lte=now
     ).update(next_attempt_at=lease, attempts=F("attempts") + 1):

@@ -138,7 +138,7 @@ def test_webhook_retry_action(admin_client, user, tmp_path):
     event.refresh_from_db()
     assert event.status == "pending" and event.next_attempt_at <= timezone.now()
     assert WebhookEvent.objects.get(pk=delivered.pk).status == "delivered"
-    assert queues.queue(queues.CONTROL_QUEUE).job_ids == [f"{event.pk}-webhook"]
+    assert queues.queue(queues.WEBHOOK_QUEUE).job_ids == [f"{event.pk}-webhook"]
 
 
 @pytest.mark.django_db

@@ -48,7 +48,7 @@ def test_batch_end_enqueues_ids_only_and_the_signature_verifies(hooked_user, rec
                                                           hooked_user.pk)
     # The finalizer only enqueued a job (ids only); nothing was sent from it.
     assert receiver.requests == []
-    job = queues.queue(queues.CONTROL_QUEUE).fetch_job(f"{event.pk}-webhook")
+    job = queues.queue(queues.WEBHOOK_QUEUE).fetch_job(f"{event.pk}-webhook")
     assert job.func_name == "jobs.tasks.deliver_webhook"
     assert job.args == (event.pk,) and not job.kwargs
 
@@ -216,11 +216,18 @@ def test_allowed_host_names(user, receiver, settings):
     settings.BATCHWEB = {**settings.BATCHWEB, "WEBHOOK_ALLOWED_HOSTS": [".localhost"],
                          "WEBHOOK_ALLOWED_NETWORKS": []}
     port = receiver.server.server_port
+    # A listed name vouches for the name, not for a loopback or private address behind it.
+    with pytest.raises(safehttp.NotAllowed):
+        safehttp.check_url(f"http://localhost:{port}/x")
+    settings.BATCHWEB = {**settings.BATCHWEB, "WEBHOOK_ALLOWED_HOSTS": [".localhost"],
+                         "WEBHOOK_ALLOWED_NETWORKS": ["127.0.0.0/8", "::1/128"]}
     target = safehttp.check_url(f"http://localhost:{port}/x")
     assert "127.0.0.1" in target.addresses
     # Whatever order the resolver gives (::1 first, maybe), the loopback receiver is reached.
     outcome = safehttp.post(f"http://localhost:{port}/x", body=b"{}", headers={})
     assert outcome.ok, outcome.error
+    settings.BATCHWEB = {**settings.BATCHWEB, "WEBHOOK_ALLOWED_HOSTS": [".localhost"],
+                         "WEBHOOK_ALLOWED_NETWORKS": []}
     with pytest.raises(safehttp.NotAllowed):
         safehttp.check_url(f"http://127.0.0.1:{port}/x")  # the name was allowed, not the IP
 

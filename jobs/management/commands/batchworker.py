@@ -50,6 +50,9 @@ class Command(BaseCommand):
             # Control jobs first: they are short, and a new batch should not wait for
             # a long queue of shards to be validated.
             queue_names = [queues.CONTROL_QUEUE, *queue_names]
+        # Webhooks last, and in every worker (--no-control too), so deliveries need no
+        # process of their own yet never delay a batch's own work.
+        queue_names = [*queue_names, queues.WEBHOOK_QUEUE]
         # What a killed predecessor on this machine left in TMP_DIR.
         sweep_temp_dir()
         self.stdout.write(f"batchworker {name}: loading {spec.name} ({spec.backend})")
