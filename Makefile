@@ -46,7 +46,7 @@ lint: install
 typecheck: install
 	.venv/bin/mypy
 
-# The fast tier (about 2 minutes, no engine installed): lint, types, and every test that
+# The fast tier (no engine installed; ~5 minutes on 2 cores): lint, types, and every test that
 # needs neither vLLM nor the prepared models.
 check: lint typecheck
 	$(PY) -m batchweb.embedded $(PY) -m pytest -q -m "not engine and not models and not chaos" $(PYTEST_ARGS)
