@@ -245,6 +245,10 @@ class Batch(models.Model):
     failed = models.PositiveIntegerField(default=0)
     input_tokens = models.BigIntegerField(default=0)
     output_tokens = models.BigIntegerField(default=0)
+    # Bumped by the same UPDATE that copies the sums (refresh_progress): what a poll of the
+    # batch compares to answer 304 Not Modified and to key its cached partial, so a new
+    # count can never hide behind an old answer.
+    progress_version = models.PositiveBigIntegerField(default=0)
 
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     in_progress_at = models.DateTimeField(null=True, blank=True)

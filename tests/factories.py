@@ -10,6 +10,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -253,6 +254,15 @@ def query_count(get: Callable[[], Any]) -> int:
         response = get()
     assert response.status_code in (200, 286), response.status_code
     return len(queries)
+
+
+def poll_of(html: str | bytes) -> tuple[str, float]:
+    """The polling URL and interval (seconds) of the first polled block of a page or
+    partial (hx-get and `hx-trigger="every Ns"`)."""
+    text = html.decode() if isinstance(html, bytes) else html
+    found = re.search(r'hx-get="([^"]*)" hx-trigger="every ([0-9.]+)s"', text)
+    assert found, text[:2000]
+    return found[1].replace("&amp;", "&"), float(found[2])
 
 
 # --- storage, snapshots and what a batch wrote ---

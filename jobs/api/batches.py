@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.utils.cache import get_conditional_response, patch_cache_control, set_response_etag
 
 from jobs.api.base import api_view, json_body, paginate
 from jobs.engines import model_names
@@ -28,7 +29,15 @@ def list_batches(request: HttpRequest, user: Any) -> HttpResponse:
 
 
 def retrieve(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
-    return JsonResponse(batches.get_batch_for_user(owner=user, batch_id=batch_id).to_openai())
+    """The batch; a poller that sends back the ETag of its last answer gets 304 Not Modified
+    (no body) while nothing it shows changed. The ETag is the body's hash, so it covers
+    every field shown, counters and status alike."""
+    response = JsonResponse(batches.get_batch_for_user(owner=user, batch_id=batch_id)
+                            .to_openai())
+    set_response_etag(response)
+    # Revalidated on every use (a shared cache must never keep one owner's batch).
+    patch_cache_control(response, private=True, no_cache=True)
+    return get_conditional_response(request, etag=response["ETag"], response=response)
 
 
 def cancel(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:

@@ -4,8 +4,10 @@ batch has. The shards stay the truth."""
 
 from __future__ import annotations
 
+import hashlib
+
 from django.db import transaction
-from django.db.models import OuterRef, Subquery, Sum
+from django.db.models import F, OuterRef, Subquery, Sum
 from django.db.models.functions import Coalesce
 
 from jobs.models import PROGRESS_FIELDS, Batch, Shard
@@ -23,5 +25,23 @@ def refresh_progress(*, batch_id: str) -> None:
         locked = Batch.objects.select_for_update().filter(pk=batch_id)
         if not locked.values_list("pk", flat=True):
             return
-        locked.update(**{k: Coalesce(Subquery(shards.annotate(total=Sum(k)).values("total")), 0)
+        locked.update(progress_version=F("progress_version") + 1,
+                      **{k: Coalesce(Subquery(shards.annotate(total=Sum(k)).values("total")), 0)
                          for k in PROGRESS_FIELDS})
+
+
+# What a poll shows of the batch row that changes without a progress write: a status move
+# and its timestamp, the files the finalizer writes, a stop being asked.
+_SHOWN_WITHOUT_PROGRESS = (
+    "status", "stop_code", "total", "dedup_saved", "model", "output_file_id", "error_file_id",
+    "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
+    "cancelling_at", "cancelled_at")
+
+
+def batch_version(batch: Batch, *extra: object) -> str:
+    """A strong validator of what a poll of `batch` shows: its progress_version (bumped by
+    every progress write) with the row's other shown fields and whatever else the caller's
+    answer depends on (`extra`). Equal versions mean an unchanged answer."""
+    parts = [batch.pk, batch.progress_version, len(batch.errors or ()), *extra,
+             *(getattr(batch, name) for name in _SHOWN_WITHOUT_PROGRESS)]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]

@@ -8,16 +8,25 @@ without htmx renders the whole page, so every link works without JavaScript.
 
 from __future__ import annotations
 
+import hashlib
+import math
+import random
+import re
+import time
 from typing import Any
+from urllib.parse import urlencode
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
+from django.core.cache import cache
 from django.core.paginator import Paginator
 from django.http import Http404, HttpResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from django.shortcuts import redirect, render
 from django.template.loader import render_to_string
 from django.urls import reverse
+from django.utils.cache import get_conditional_response, patch_cache_control
+from django.utils.safestring import mark_safe
 from django.utils.text import slugify
 from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import HttpResponseClientRedirect, HttpResponseStopPolling
@@ -30,12 +39,24 @@ from jobs.services import heavy, preflight, spotcheck
 from jobs.services.batches import create_batch, get_batch_for_user
 from jobs.services.errors import ServiceError
 from jobs.services.files import create_input_file, get_file_for_user
+from jobs.services.progress import batch_version
 from jobs.services.rerun import rerun_failed
 from jobs.services.stopping import cancel_batch
 from jobs.web import SignedInRequest, download_response, uploaded_path
 
 LIST_PAGE_SIZE = 20
 BUSY_RETRY_SECONDS = 2
+# Polling of a running batch (its page's live block, its row in the list): every 2 s while
+# it changes, doubling up to 30 s while it does not, each interval spread by +-15% so that
+# many open pages do not all ask at the same instant.
+POLL_MIN_SECONDS = 2
+POLL_MAX_SECONDS = 30
+POLL_JITTER = 0.15
+_SEED = re.compile(r"[0-9a-f]{1,16}")
+# Time-derived figures of the live block (elapsed, throughput now, ETA) are refreshed at
+# least this often even when nothing else changed.
+LIVE_STALE_SECONDS = 60
+LIVE_CACHE_SECONDS = 300
 STATUS_FILTERS = [("", "all"), ("active", "active"), *[(s, s.replace("_", " "))
                                                        for s in Batch.Status.values]]
 
@@ -61,11 +82,36 @@ def _guard(request: SignedInRequest) -> heavy.Guard:
     return heavy.one_per_user(request.user.pk)
 
 
-def _row(batch: Batch, eta: float | None) -> dict[str, Any]:
+def _poll(batch: Batch, url_name: str, version: str,
+          params: dict[str, str] | None = None) -> dict[str, Any]:
+    """When and where a running batch's block polls next. `params` are the query of the
+    poll being answered (none on a first render): the interval it was given (`every`), the
+    version it saw (`v`), and the page's jitter seed, which stays the page's own so that a
+    repeated poll gets the same answer (and its 304)."""
+    params = params or {}
+    try:
+        previous = float(params.get("every", ""))
+    except ValueError:
+        previous = 0.0
+    unchanged = params.get("v") == version and math.isfinite(previous)
+    base = (min(POLL_MAX_SECONDS, max(POLL_MIN_SECONDS, int(previous) * 2)) if unchanged
+            else POLL_MIN_SECONDS)
+    seed = params.get("seed", "")
+    if not _SEED.fullmatch(seed):
+        seed = f"{random.getrandbits(32):08x}"
+    spread = random.Random(f"{seed}:{base}").uniform(1 - POLL_JITTER, 1 + POLL_JITTER)
+    query = urlencode({"v": version, "every": base, "seed": seed})
+    return {"url": f"{reverse(url_name, args=[batch.pk])}?{query}",
+            "every": f"{base * spread:.1f}"}
+
+
+def _row(batch: Batch, eta: float | None, params: dict[str, str] | None = None
+         ) -> dict[str, Any]:
     shares = dashboard.BatchProgress.of(batch)
     return {"batch": batch, "progress": batch.progress(), "done": shares.done, "eta": eta,
             "pct": shares.percent, "pct_completed": shares.percent_completed,
-            "pct_failed": shares.percent_failed}
+            "pct_failed": shares.percent_failed,
+            "poll": _poll(batch, "batch_row", batch_version(batch), params)}
 
 
 # --- list ---
@@ -101,7 +147,7 @@ def batch_row(request: SignedInRequest, batch_id: str) -> HttpResponse:
     """One row of the list, polled while the batch runs; 286 stops polling once it ended."""
     batch = _get_batch_for_user(request, batch_id)
     eta = dashboard.list_etas([batch]).get(batch.pk)
-    context = {"row": _row(batch, eta)}
+    context = {"row": _row(batch, eta, request.GET.dict())}
     if batch.is_ended:
         return HttpResponseStopPolling(
             render_to_string("jobs/batch_list.html#batch-row", context, request=request))
@@ -199,31 +245,70 @@ def _detail_context(batch: Batch, tab: str) -> dict[str, Any]:
     return {"batch": batch, "tab": tab, "spot": spotcheck.summary(batch)}
 
 
-def _overview_context(batch: Batch) -> dict[str, Any]:
+def _live_head(batch: Batch) -> dict[str, Any]:
+    """What the live block shows beside the batch row that is cheap to read: the spot-check
+    summary and why the batch cannot progress. With the row they make its version."""
     blocker = (health.progress_blocker(batch.model)
                if batch.status == Batch.Status.IN_PROGRESS and not batch.stop_code else "")
-    return {**_detail_context(batch, "overview"), "stats": dashboard.batch_stats(batch),
-            "flag_counts": flags.flag_counts(batch), "blocker": blocker}
+    context = {**_detail_context(batch, "overview"), "blocker": blocker}
+    spot = context["spot"]
+    context["version"] = batch_version(batch, blocker, spot.marked, spot.good)
+    return context
+
+
+def _overview_context(batch: Batch, head: dict[str, Any]) -> dict[str, Any]:
+    return {**head, "stats": dashboard.batch_stats(batch), "flag_counts": flags.flag_counts(batch)}
 
 
 @login_required
 @require_GET
 def batch_detail(request: SignedInRequest, batch_id: str) -> HttpResponse:
     batch = _get_batch_for_user(request, batch_id)
-    return render(request, "jobs/batch_detail.html", _overview_context(batch))
+    head = _live_head(batch)
+    return render(request, "jobs/batch_detail.html", {
+        **_overview_context(batch, head),
+        "poll": _poll(batch, "batch_live", head["version"])})
 
 
 @login_required
 @require_GET
 def batch_live(request: SignedInRequest, batch_id: str) -> HttpResponse:
     """The live block of the batch page (progress, numbers, report, chart, actions), polled
-    every 2 s; 286 once the batch has ended, so htmx shows the final state and stops."""
+    every 2 to 30 s (see _poll); 286 once the batch has ended, so htmx shows the final state
+    and stops.
+
+    While the batch is unchanged a poll that sends back its ETag gets 304 Not Modified (the
+    browser shows the copy it has) without the block being computed; a changed batch's block
+    is rendered once per version and CSRF secret and then served from the cache."""
     batch = _get_batch_for_user(request, batch_id)
-    context = _overview_context(batch)
+    head = _live_head(batch)
     if batch.is_ended:
-        return HttpResponseStopPolling(
-            render_to_string("jobs/batch_detail.html#live", context, request=request))
-    return render(request, "jobs/batch_detail.html#live", context)
+        return HttpResponseStopPolling(render_to_string(
+            "jobs/batch_detail.html#live", {**_overview_context(batch, head), "poll": {}},
+            request=request))
+    params = request.GET.dict()
+    poll = _poll(batch, "batch_live", head["version"], params)
+    # The block holds the cancel form's CSRF token: one copy per CSRF secret (per browser).
+    csrf = request.META.get("CSRF_COOKIE") or ""
+    body_key = hashlib.sha256(repr((head["version"], int(time.time() // LIVE_STALE_SECONDS),
+                                    csrf)).encode()).hexdigest()
+    etag = '"' + hashlib.sha256(f"{body_key}?{sorted(params.items())}".encode()
+                                ).hexdigest()[:32] + '"'
+    response = get_conditional_response(request, etag=etag)
+    if response is None:
+        cache_key = f"batch-live:{batch.pk}:{body_key}"
+        body = cache.get(cache_key) if csrf else None
+        if body is None:
+            body = render_to_string("jobs/batch_detail.html#live-body",
+                                    _overview_context(batch, head), request=request)
+            if csrf:
+                cache.set(cache_key, body, LIVE_CACHE_SECONDS)
+        response = render(request, "jobs/batch_detail.html#live",
+                          {**head, "poll": poll, "live_body": mark_safe(body)})
+    response["ETag"] = etag
+    # Kept by the browser but checked with us on every poll (If-None-Match).
+    patch_cache_control(response, private=True, no_cache=True)
+    return response
 
 
 @login_required

@@ -1,0 +1,211 @@
+"""Polling a running batch from the dashboard: the live block of the batch page answers
+304 Not Modified while the batch is unchanged and is rendered once per version (then
+served from the cache), never showing old counts after a progress write; the polling
+interval is spread per page and grows while the batch does not change; a poll writes no
+session and reads few rows."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+from django.db import connection
+from django.middleware.csrf import _does_token_match
+from django.test import Client
+from django.test.utils import CaptureQueriesContext
+from django.urls import reverse
+
+from jobs.models import Batch, Shard
+from jobs.services.progress import refresh_progress
+from jobs.services.shards import Progress, claim_shard, finish_shard, heartbeat
+from jobs.views import batches as views
+from tests.factories import HTMX, chat_lines, make_batch, poll_of
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def clock(monkeypatch: Any) -> list[float]:
+    """The views' clock, fixed (moved by hand) so that the live block's refresh of its
+    time-derived figures falls where the test says."""
+    now = [1_000_000.0]
+    monkeypatch.setattr(views, "time", types.SimpleNamespace(time=lambda: now[0]))
+    return now
+
+
+@pytest.fixture
+def running(user: Any, tmp_path: Any, settings: Any) -> tuple[Batch, Shard]:
+    """A running batch of 10 requests in two shards, its first shard claimed by a worker."""
+    batch = make_batch(user, chat_lines(10), tmp_path, shard_size=5, settings=settings)
+    shard = claim_shard(shard_id=Shard.objects.get(batch=batch, index=0).pk, worker="w1")
+    assert shard is not None
+    return batch, shard
+
+
+def _live(site: Any, batch: Batch, etag: str | None = None, url: str | None = None) -> Any:
+    extra = {"HTTP_IF_NONE_MATCH": etag} if etag else {}
+    return site.get(url or reverse("batch_live", args=[batch.pk]), **HTMX, **extra)
+
+
+def _warm(site: Any, batch: Batch) -> Any:
+    """A first poll (the test client then holds the CSRF cookie a browser would have)."""
+    _live(site, batch)
+    return _live(site, batch)
+
+
+def _done(response: Any) -> str:
+    return response.content.decode().split('id="done-count">', 1)[1].split("<", 1)[0]
+
+
+# --- 304 and the cache ---
+
+
+def test_unchanged_live_block_is_304_with_the_etag_and_no_body(site, running, clock):
+    batch, _ = running
+    first = _warm(site, batch)
+    assert first.status_code == 200 and first["ETag"]
+    assert "no-cache" in first["Cache-Control"]
+    response = _live(site, batch, first["ETag"])
+    assert response.status_code == 304
+    assert response["ETag"] == first["ETag"]
+    assert response.content == b""
+
+
+def test_304_reads_no_more_than_the_batch(site, running, clock, django_assert_max_num_queries):
+    batch, _ = running
+    etag = _warm(site, batch)["ETag"]
+    # The session, its user, the batch, the spot-check summary: no shard is read.
+    with django_assert_max_num_queries(4):
+        assert _live(site, batch, etag).status_code == 304
+
+
+def test_every_progress_write_shows_the_new_counts(site, running, clock):
+    batch, shard = running
+    first = _warm(site, batch)
+    assert _done(first) == "0"
+    etag = first["ETag"]
+
+    heartbeat(shard_id=shard.pk, attempt=shard.attempt,
+              progress=Progress(completed=2, failed=1, input_tokens=10, output_tokens=6))
+    response = _live(site, batch, etag)
+    assert response.status_code == 200 and _done(response) == "3"
+    # Without a validator (another tab): the cache holds the new version, not the old.
+    assert _done(_live(site, batch)) == "3"
+    etag = response["ETag"]
+    assert _live(site, batch, etag).status_code == 304
+
+    finish_shard(shard_id=shard.pk, attempt=shard.attempt, output_part="", error_part="",
+                 progress=Progress(completed=4, failed=1, input_tokens=20, output_tokens=12))
+    response = _live(site, batch, etag)
+    assert response.status_code == 200 and _done(response) == "5"
+    assert _done(_live(site, batch)) == "5"
+    etag = response["ETag"]
+
+    Shard.objects.filter(batch=batch, index=1).update(completed=3, input_tokens=15)
+    refresh_progress(batch_id=batch.pk)
+    response = _live(site, batch, etag)
+    assert response.status_code == 200 and _done(response) == "8"
+    assert _done(_live(site, batch)) == "8"
+
+
+def test_same_version_is_served_from_the_cache(site, running, clock,
+                                               django_assert_max_num_queries):
+    batch, _ = running
+    first = _warm(site, batch)
+    with django_assert_max_num_queries(4):
+        again = _live(site, batch)
+    # The same block inside (the section's own polling attributes are each poll's).
+    assert again.status_code == 200
+    assert again.content.split(b">", 1)[1] == first.content.split(b">", 1)[1]
+
+
+def test_time_derived_figures_refresh_within_a_minute(site, running, clock):
+    batch, _ = running
+    etag = _warm(site, batch)["ETag"]
+    clock[0] += views.LIVE_STALE_SECONDS
+    assert _live(site, batch, etag).status_code == 200
+
+
+def test_a_status_change_is_a_full_answer_that_stops_polling(site, running, clock):
+    batch, _ = running
+    etag = _warm(site, batch)["ETag"]
+    Batch.objects.filter(pk=batch.pk).update(status=Batch.Status.CANCELLING)
+    response = _live(site, batch, etag)
+    assert response.status_code == 200 and "Cancelling" in response.content.decode()
+    Batch.objects.filter(pk=batch.pk).update(status=Batch.Status.CANCELLED)
+    assert _live(site, batch, response["ETag"]).status_code == 286
+
+
+def test_each_browser_gets_its_own_csrf_token(site, running, clock):
+    """The cached block holds the cancel form's CSRF token: another browser of the same
+    user must get one for its own cookie, not the first browser's."""
+    batch, _ = running
+    mine = _warm(site, batch)
+    other = Client()
+    other.force_login(batch.owner)
+    _live(other, batch)
+    theirs = _live(other, batch)
+    assert mine["ETag"] != theirs["ETag"]
+    for browser, response in ((site, mine), (other, theirs)):
+        token = response.content.decode().split('name="csrfmiddlewaretoken" value="', 1)[1]
+        assert _does_token_match(token.split('"', 1)[0], browser.cookies["csrftoken"].value)
+
+
+# --- intervals ---
+
+
+def test_interval_is_spread_per_page(site, running):
+    batch, _ = running
+    polls = [poll_of(site.get(reverse("batch_detail", args=[batch.pk])).content)
+             for _ in range(12)]
+    intervals = {every for _, every in polls}
+    assert all(1.7 <= every <= 2.3 for every in intervals), intervals
+    assert len(intervals) > 1, intervals  # pages do not all poll in step
+    # The same poll gets the same answer (so its ETag holds): the spread is the page's own.
+    url, _ = polls[0]
+    again = [poll_of(_live(site, batch, url=url).content) for _ in range(2)]
+    assert again[0] == again[1]
+
+
+@pytest.mark.parametrize("view", ["batch_detail", "batch_row"])
+def test_interval_grows_while_unchanged_and_resets_on_change(site, running, view):
+    batch, shard = running
+    if view == "batch_detail":
+        url, every = poll_of(site.get(reverse("batch_detail", args=[batch.pk])).content)
+    else:
+        url, every = poll_of(site.get(reverse("batch_list")).content)
+    bases = []
+    for _ in range(6):
+        bases.append(int(parse_qs(urlsplit(url).query)["every"][0]))
+        assert bases[-1] * 0.85 <= every <= bases[-1] * 1.15, (bases, every)
+        url, every = poll_of(site.get(url, **HTMX).content)
+    assert bases == [2, 4, 8, 16, 30, 30]
+
+    heartbeat(shard_id=shard.pk, attempt=shard.attempt, progress=Progress(completed=1))
+    url, every = poll_of(site.get(url, **HTMX).content)
+    assert parse_qs(urlsplit(url).query)["every"] == ["2"] and 1.7 <= every <= 2.3
+
+
+def test_bad_interval_parameters_start_again(site, running):
+    batch, _ = running
+    base = reverse("batch_live", args=[batch.pk])
+    for query in ("every=x", "every=nan", "every=inf&v=0", "every=-5", "seed=<script>"):
+        url, every = poll_of(site.get(f"{base}?{query}", **HTMX).content)
+        assert 1.7 <= every <= 2.3 and "<" not in url, (query, url)
+
+
+# --- a light poll ---
+
+
+def test_a_poll_writes_no_session(site, running):
+    batch, _ = running
+    _warm(site, batch)
+    with CaptureQueriesContext(connection) as queries:
+        response = _live(site, batch)
+        row = site.get(reverse("batch_row", args=[batch.pk]), **HTMX)
+    assert response.status_code == row.status_code == 200
+    assert "sessionid" not in response.cookies and "sessionid" not in row.cookies
+    writes = [q["sql"] for q in queries if not q["sql"].lstrip().upper().startswith("SELECT")]
+    assert writes == [], writes
