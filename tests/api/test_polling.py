@@ -1,14 +1,18 @@
 """Polling GET /v1/batches/{id}: an ETag on every answer, 304 Not Modified (the ETag, no
 body) while the batch is unchanged, a full answer with the new counts after any progress
-write, and the same body as ever for a client that sends no If-None-Match."""
+write, and the same body as ever for a client that sends no If-None-Match; the API key
+from the cache (revoking takes effect at once), so a poll reads the batch row only."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import pytest
+from django.core.cache import cache
 
-from jobs.models import Batch, Shard
+from jobs.models import ApiKey, Batch, Shard
+from jobs.services.keys import authenticate_key, revoke_api_key
 from jobs.services.progress import refresh_progress
 from jobs.services.shards import Progress, claim_shard, finish_shard, heartbeat
 from tests.factories import Api, chat_lines, make_batch
@@ -104,3 +108,44 @@ def test_another_users_etag_poll_is_still_404(running, other_key):
     batch, _ = running
     response = Api(other_key).get(f"/v1/batches/{batch.pk}", HTTP_IF_NONE_MATCH="*")
     assert response.status_code == 404
+
+
+# --- a light poll: the key from the cache, the batch row and nothing else ---
+
+
+def test_a_poll_reads_only_the_batch_row(api, running, django_assert_max_num_queries):
+    batch, _ = running
+    etag = _poll(api, batch)["ETag"]  # the key's first use records last_used_at
+    with django_assert_max_num_queries(1):
+        assert _poll(api, batch).status_code == 200
+    with django_assert_max_num_queries(1):
+        assert _poll(api, batch, etag).status_code == 304
+
+
+def test_a_revoked_key_is_refused_at_once(api, api_key, running):
+    batch, _ = running
+    assert _poll(api, batch).status_code == 200  # now in the cache
+    revoke_api_key(key=ApiKey.objects.get())
+    assert _poll(api, batch).status_code == 401
+    assert authenticate_key(api_key) is None
+
+
+def test_the_cached_key_holds_no_password_hash(api, api_key, running):
+    batch, _ = running
+    _poll(api, batch)
+    key = cache.get(f"api-key:{hashlib.sha256(api_key.encode()).hexdigest()}")
+    assert key is not None and key.owner_id == batch.owner_id
+    assert "password" not in key.owner.__dict__
+
+
+def test_without_the_cache_keys_still_work(api, running, monkeypatch):
+    batch, _ = running
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        raise ConnectionError("redis down")
+
+    for name in ("get", "set", "delete"):
+        monkeypatch.setattr(cache, name, down)
+    assert _poll(api, batch).status_code == 200
+    revoke_api_key(key=ApiKey.objects.get())
+    assert _poll(api, batch).status_code == 401
