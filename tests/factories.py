@@ -149,6 +149,17 @@ def partly_run_batch(owner: Any, tmp_path: Path, settings: Any, *, requests: int
     return batch
 
 
+def claimed_batch(owner: Any, tmp_path: Path, settings: Any) -> tuple[Batch, Shard]:
+    """A running batch of 10 requests in two shards, its first shard claimed by a worker
+    (whose heartbeat and finish_shard the test then calls)."""
+    from jobs.services.shards import claim_shard
+
+    batch = make_batch(owner, chat_lines(10), tmp_path, shard_size=5, settings=settings)
+    shard = claim_shard(shard_id=Shard.objects.get(batch=batch, index=0).pk, worker="w1")
+    assert shard is not None
+    return batch, shard
+
+
 def lines_of(owner: Any, file_id: str) -> list[dict]:
     file = File.objects.get(pk=file_id, owner=owner)
     with default_storage.open(file.storage_name, "rb") as handle:

@@ -14,8 +14,8 @@ from django.core.cache import cache
 from jobs.models import ApiKey, Batch, Shard
 from jobs.services.keys import authenticate_key, revoke_api_key
 from jobs.services.progress import refresh_progress
-from jobs.services.shards import Progress, claim_shard, finish_shard, heartbeat
-from tests.factories import Api, chat_lines, make_batch
+from jobs.services.shards import Progress, finish_shard, heartbeat
+from tests.factories import Api, claimed_batch
 
 pytestmark = pytest.mark.django_db
 
@@ -27,11 +27,7 @@ def api(api_key: str) -> Api:
 
 @pytest.fixture
 def running(user: Any, tmp_path: Any, settings: Any) -> tuple[Batch, Shard]:
-    """A running batch of 10 requests in two shards, its first shard claimed by a worker."""
-    batch = make_batch(user, chat_lines(10), tmp_path, shard_size=5, settings=settings)
-    shard = claim_shard(shard_id=Shard.objects.get(batch=batch, index=0).pk, worker="w1")
-    assert shard is not None
-    return batch, shard
+    return claimed_batch(user, tmp_path, settings)
 
 
 def _poll(api: Api, batch: Batch, etag: str | None = None) -> Any:

@@ -19,9 +19,9 @@ from django.urls import reverse
 
 from jobs.models import Batch, Shard
 from jobs.services.progress import refresh_progress
-from jobs.services.shards import Progress, claim_shard, finish_shard, heartbeat
+from jobs.services.shards import Progress, finish_shard, heartbeat
 from jobs.views import batches as views
-from tests.factories import HTMX, chat_lines, make_batch, poll_of
+from tests.factories import HTMX, claimed_batch, poll_of
 
 pytestmark = pytest.mark.django_db
 
@@ -37,11 +37,7 @@ def clock(monkeypatch: Any) -> list[float]:
 
 @pytest.fixture
 def running(user: Any, tmp_path: Any, settings: Any) -> tuple[Batch, Shard]:
-    """A running batch of 10 requests in two shards, its first shard claimed by a worker."""
-    batch = make_batch(user, chat_lines(10), tmp_path, shard_size=5, settings=settings)
-    shard = claim_shard(shard_id=Shard.objects.get(batch=batch, index=0).pk, worker="w1")
-    assert shard is not None
-    return batch, shard
+    return claimed_batch(user, tmp_path, settings)
 
 
 def _live(site: Any, batch: Batch, etag: str | None = None, url: str | None = None) -> Any:
