@@ -37,7 +37,7 @@ def retrieve(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
     set_response_etag(response)
     # Revalidated on every use (a shared cache must never keep one owner's batch).
     patch_cache_control(response, private=True, no_cache=True)
-    return get_conditional_response(request, etag=response["ETag"], response=response)
+    return get_conditional_response(request, etag=response["ETag"], response=response) or response
 
 
 def cancel(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
