@@ -56,7 +56,10 @@ class Intake:
             raise
         with work.lock:
             work.all_submitted = True
-            finish_now = not work.pending and not work.finishing and not work.dead
+            # A shard being handed back is never finished here: its submission may have
+            # stopped early, and finishing it would drop the lines it never ran.
+            finish_now = (not work.pending and not work.finishing and not work.dead
+                          and not work.handing_back)
             work.finishing = work.finishing or finish_now
         if finish_now:
             pipeline.dispatcher.finish(work)

@@ -119,8 +119,11 @@ def test_a_zombie_worker_cannot_record_a_late_checkpoint(
 
 def test_a_checkpoint_lost_from_storage_makes_the_shard_run_whole(
         make_batch, make_pipeline, checkpoint_often, tmp_path):
-    lines = [chat_line(f"l{i}", f"q {i}") for i in range(12)]
-    batch = make_batch(lines, shard_size=12)
+    # Long enough (about 2 s of engine time) that the first pipeline is still running the
+    # shard when it hands it back: with a short shard it may finish it first, and then
+    # there is nothing left for the second one to compute.
+    lines = [chat_line(f"l{i}", f"q {i}") for i in range(40)]
+    batch = make_batch(lines, shard_size=40)
     shard = Shard.objects.get(batch=batch)
     first = make_pipeline(seconds_per_request=0.1, max_in_flight=2, inbox_size=2)
     start_shard(first, shard.pk)
@@ -134,9 +137,9 @@ def test_a_checkpoint_lost_from_storage_makes_the_shard_run_whole(
     log = tmp_path / "requests.log"
     second = make_pipeline(request_log=str(log))
     run_all_shards(second, batch)
-    assert len(engine_request_log(log)) == 12  # every line computed by the second run
+    assert len(engine_request_log(log)) == 40  # every line computed by the second run
     done, out, err = finalized(batch)
     assert_exactly_once(out, err, {line["custom_id"] for line in lines})
-    assert done.completed == 12 and err == []
+    assert done.completed == 40 and err == []
     assert json.dumps(done.to_openai()["request_counts"]) == json.dumps(
-        {"total": 12, "completed": 12, "failed": 0})
+        {"total": 40, "completed": 40, "failed": 0})
