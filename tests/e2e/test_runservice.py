@@ -123,18 +123,24 @@ def finished(service: Service, key: str, batch_id: str, *, timeout: float) -> di
                     and b, timeout=timeout, every=0.5, message="the batch to complete")
 
 
+def running_batch(service: Service, n: int) -> tuple[str, str]:
+    """Start the service, submit `n` requests and wait until some are done: (key, batch id)."""
+    service.start()
+    wait_for(service.up, timeout=90, message="the service")
+    key = api_key(service)
+    batch_id = submit(service, key, n)
+    wait_for(lambda: batch_state(service, key, batch_id)["request_counts"]["completed"] > 20,
+             timeout=90, message="progress")
+    return key, batch_id
+
+
 def test_a_second_instance_waits_for_the_first_and_takes_over(service: Service,
                                                               tmp_path: Path) -> None:
     # Both instances' engines log each request they compute: the restart must not
     # compute a finished request again (the first drains and hands back checkpoints).
     request_log = tmp_path / "engine-requests.log"
     service.env["BATCHWEB_ECHO_REQUEST_LOG"] = str(request_log)
-    service.start()
-    wait_for(service.up, timeout=90, message="the first service")
-    key = api_key(service)
-    batch_id = submit(service, key, 400)
-    wait_for(lambda: batch_state(service, key, batch_id)["request_counts"]["completed"] > 20,
-             timeout=90, message="progress")
+    key, batch_id = running_batch(service, 400)
 
     second = Service(service.var_dir, tmp_path / "second.log")
     second.port = service.port
@@ -173,12 +179,7 @@ def test_the_test_command_beside_a_service_leaves_it_alone(service: Service) -> 
 
 
 def test_a_killed_private_redis_is_started_again(service: Service) -> None:
-    service.start()
-    wait_for(service.up, timeout=90, message="the service")
-    key = api_key(service)
-    batch_id = submit(service, key, 300)
-    wait_for(lambda: batch_state(service, key, batch_id)["request_counts"]["completed"] > 20,
-             timeout=90, message="progress")
+    key, batch_id = running_batch(service, 300)
     os.kill(int((service.var_dir / "run" / "redis.pid").read_text()), signal.SIGKILL)
     wait_for(lambda: "private Redis exited; starting it again" in service.log(), timeout=30,
              message="runservice to notice")
