@@ -26,7 +26,6 @@ from jobs.services.heavy import Guard, cached, version
 SPOT_SHARE = 0.05
 SPOT_MIN = 10
 SPOT_MAX = 200
-SPOT_TEXT_CHARS = 4000
 
 
 def spot_sample_size(finished: int) -> int:
