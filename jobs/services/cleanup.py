@@ -35,7 +35,6 @@ neither, so the reconciler is the clock.)
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -227,37 +226,23 @@ def _orphans(report: CleanupReport, *, now: datetime) -> None:
 
 # --- 5. this machine's scratch files ---
 
-# A shard attempt's part files, as jobs.worker.parts names them: <shard id>-<attempt>.<kind>
-_SHARD_PART = re.compile(r"^(?P<shard>[\w-]+)-(?P<attempt>\d+)\.(?:out|err|flags)$")
-
-
 def sweep_temp_dir(*, dry_run: bool = False, now: datetime | None = None) -> list[str]:
-    """Remove what killed processes left in this machine's TMP_DIR. A shard attempt's part
-    files go once that attempt is no longer the shard's running one: the shard is fenced,
-    so they can never be published. Any other file (an upload being received, a
-    validation's scratch lists) goes once not written to for STALE_TEMP_SECONDS: its
-    process keeps writing it while alive. Returns the paths removed."""
+    """Remove what killed processes left in this machine's TMP_DIR (an upload being
+    received, a validation's scratch lists, a storage writer's local copy): a file goes once
+    not written to for STALE_TEMP_SECONDS, as its process keeps writing it while alive.
+    Returns the paths removed."""
     now = now or timezone.now()
     stale_before = now.timestamp() - settings.BATCHWEB["STALE_TEMP_SECONDS"]
     removed = []
     for path in sorted(temp_dir().iterdir()):
         try:
-            modified = path.stat().st_mtime
+            if not path.is_file() or path.stat().st_mtime >= stale_before:
+                continue
         except FileNotFoundError:  # its process finished with it meanwhile
             continue
-        if not path.is_file():
-            continue
-        part = _SHARD_PART.match(path.name)
-        if part:
-            garbage = not Shard.objects.filter(
-                pk=part["shard"], attempt=int(part["attempt"]),
-                status=Shard.Status.RUNNING).exists()
-        else:
-            garbage = modified < stale_before
-        if garbage:
-            if not dry_run:
-                path.unlink(missing_ok=True)
-            removed.append(str(path))
+        if not dry_run:
+            path.unlink(missing_ok=True)
+        removed.append(str(path))
     if removed:
         log.info("temp sweep%s: %d files", " (dry run)" if dry_run else "", len(removed))
     return removed

@@ -1,7 +1,7 @@
 """Checkpoints: a running shard's finished results saved to storage every
 CHECKPOINT_SECONDS or CHECKPOINT_REQUESTS new results, so the attempt that follows an
 unfinished one (worker killed, handed back on SIGTERM, failed) computes only what was not
-saved. Each checkpoint stores what the part files got since the last one as a segment
+saved. Each checkpoint stores what the parts got since the last one as a segment
 (shared storage: any machine's worker can adopt it) and records it on the shard row under
 this attempt; a worker presumed dead records nothing and deletes what it stored."""
 
@@ -99,10 +99,7 @@ class Checkpointer(Loop):
                 delete_stored(new)
                 return False
             with work.lock:
-                work.saved = checkpoint
-                work.saved_bytes = sizes
-                work.saved_computed = computed
-                work.saved_at = time.monotonic()
+                work.mark_saved(checkpoint, sizes, computed)
             return True
         finally:
             work.checkpoint_lock.release()

@@ -1,5 +1,5 @@
 """The dispatcher thread: feeds the engine (JSON retries first, then the inbox), writes each
-result to its shard's part files, and finishes a shard when its last result is written."""
+result to its shard's parts, and finishes a shard when its last result is written."""
 
 from __future__ import annotations
 
@@ -74,10 +74,7 @@ class Dispatcher(Loop):
         pipeline = self.pipeline
         try:
             for result in pipeline.engine.run(self._requests()):
-                try:
-                    self.on_result(result)
-                except OSError as exc:
-                    self._write_failed(result, exc)
+                self.on_result(result)
         except BaseException as exc:
             log.exception("engine failed")
             pipeline.broken = exc
@@ -115,30 +112,13 @@ class Dispatcher(Loop):
         if finish_now:
             self.finish(work)
 
-    def _write_failed(self, result: EngineResult, exc: OSError) -> None:
-        """A shard's part file could not be written (disk full, I/O error): that attempt
-        fails and is retried; the engine and the other shards carry on."""
-        pipeline = self.pipeline
-        work = pipeline.works.get(parse_request_id(result.request_id)[0])
-        if work is None:
-            return
-        reason = f"writing results failed: {type(exc).__name__}: {exc}"
-        log.error("shard %s: %s", work.shard_id, reason)
-        pipeline.drop(work)
-        try:
-            with_db_retry(lambda: shard_service.fail_shard(
-                shard_id=work.shard_id, attempt=work.attempt, reason=reason))
-        except Exception:
-            log.exception("could not record failure of shard %s", work.shard_id)
-
     def finish(self, work: ShardWork) -> None:
         """Store the shard's parts and record it done, or fail the attempt if storing fails;
         a part is attached to the shard only if the attempt is still current."""
         stored: list[str] = []
-        # No checkpoint may be half taken while the files close, nor start after.
+        # No checkpoint may be half taken while the parts are stored, nor start after.
         work.checkpoint_lock.acquire()
         try:
-            work.close_files()
             store_parts(work, stored)
             finished = with_db_retry(lambda: shard_service.finish_shard(
                 shard_id=work.shard_id, attempt=work.attempt, output_part=stored[0],
@@ -159,5 +139,5 @@ class Dispatcher(Loop):
                 shard_id=work.shard_id, attempt=work.attempt, reason=reason))
         finally:
             work.checkpoint_lock.release()
-            work.remove_files()
+            work.discard()
             self.pipeline.unregister(work)

@@ -1,8 +1,11 @@
-"""A claimed shard while its requests are in the engine (`ShardWork`), and its part files:
-one local file each for output lines, error lines and quality flags, stored whole when the
-shard finishes. A checkpoint stores what was appended to them since the last one as a
-segment (jobs.worker.checkpoint); the next attempt of the shard starts its files from the
-segments it adopts."""
+"""A claimed shard while its requests are in the engine (`ShardWork`), and its parts: output
+lines, error lines and quality flags. Nothing of a shard goes to local disk: each part is
+held in memory only from one checkpoint to the next (`PartBuffer`); a checkpoint stores what
+was written since the last one as a segment (jobs.worker.checkpoint) and lets it go, so a
+worker holds at most one checkpoint interval of results, and a host needs no scratch space
+for them. When the shard finishes, each part is its segments joined inside the storage
+(server-side copies on S3) with the last unsaved bytes. The next attempt of an unfinished
+shard adopts its segments as they are."""
 
 from __future__ import annotations
 
@@ -10,13 +13,9 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from django.core.files import File as DjangoFile
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 
@@ -24,16 +23,43 @@ from engine.base import EngineResult
 from jobs.models import ContentRule, ScreenedLine, Shard
 from jobs.policy import Violation
 from jobs.quality import flags_for
-from jobs.services.files import open_range, temp_dir
 from jobs.services.shard_input import shard_lines
 from jobs.services.shards import Checkpoint, Progress
+from jobs.storage import Source, backend
 from jobs.wire import RequestLine, failure_line, response_line, unrun_message, usage_of
 
 log = logging.getLogger(__name__)
 
-# The kinds of part a shard attempt writes, with their local suffix (jobs.services.cleanup
-# recognises these names when it sweeps TMP_DIR).
-PART_KINDS = (("output", ".out"), ("error", ".err"), ("flags", ".flags"))
+# The kinds of part a shard attempt writes, in the order of a checkpoint segment's names.
+PART_KINDS = ("output", "error", "flags")
+
+
+class PartBuffer:
+    """One part of a shard attempt, in memory from its last checkpoint on. Offsets count
+    every byte the attempt wrote to it; only those at or after `saved` are held."""
+
+    def __init__(self) -> None:
+        self.saved = 0  # bytes stored as segments (and released)
+        self.held = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self.held += data
+
+    def tell(self) -> int:
+        return self.saved + len(self.held)
+
+    def between(self, start: int, end: int) -> bytes:
+        """The bytes written between two offsets, both at or after the last release."""
+        assert self.saved <= start <= end <= self.tell(), (self.saved, start, end)
+        return bytes(self.held[start - self.saved:end - self.saved])
+
+    def release(self, upto: int) -> None:
+        """Let go of what a recorded checkpoint holds now."""
+        del self.held[:upto - self.saved]
+        self.saved = upto
+
+    def discard(self) -> None:
+        self.held = bytearray()
 
 
 @dataclass
@@ -43,19 +69,16 @@ class ShardWork:
     shard_id: str
     attempt: int
     batch_id: str
-    out_path: Path
-    err_path: Path
-    out: IO[bytes]
-    err: IO[bytes]
     # Primary line -> custom_ids of the identical requests it answers for (dedup).
     copies: dict[int, list[str]]
     # Lines in this shard's range that are copies answered by another line.
     skip: set[int]
     # Lines a `skip` content rule kept from running -> the error message they get.
     screened: dict[int, str]
-    # Local file of quality flags: one {"custom_id", "flags"} line per flagged request.
-    flags_path: Path
-    flags: IO[bytes]
+    out: PartBuffer = field(default_factory=PartBuffer)
+    err: PartBuffer = field(default_factory=PartBuffer)
+    # Quality flags: one {"custom_id", "flags"} line per flagged request.
+    flags: PartBuffer = field(default_factory=PartBuffer)
     # request_id -> the request, while it is in the engine.
     pending: dict[str, RequestLine] = field(default_factory=dict)
     progress: Progress = field(default_factory=Progress)
@@ -80,8 +103,8 @@ class ShardWork:
     # counted: what a checkpoint may claim (a retry still in flight is run again).
     retries_answered: int = 0
     adopted_json_retries: int = 0
-    # The last checkpoint recorded on the row (or the adopted one), the part files' sizes it
-    # covers, this attempt's results it holds, and when it was taken.
+    # The last checkpoint recorded on the row (or the adopted one), how much of this
+    # attempt's parts it covers, this attempt's results it holds, and when it was taken.
     saved: Checkpoint = field(default_factory=Checkpoint)
     saved_bytes: tuple[int, int, int] = (0, 0, 0)
     saved_computed: int = 0
@@ -92,24 +115,13 @@ class ShardWork:
     def request_id(self, line: int) -> str:
         return f"{self.shard_id}:{self.attempt}:{line}"
 
-    @contextmanager
-    def _writing(self, line: int) -> Iterator[None]:
-        # A write that fails (disk full) may leave half a line in the files: the attempt is
-        # dead from then on, so no checkpoint takes those bytes before it is dropped.
-        try:
-            yield
-        except OSError:
-            self.dead = True
-            raise
-        self.answered.add(line)
-
     def unsaved_results(self) -> int:
         """Lines answered since the last checkpoint (with the lock held)."""
         return len(self.answered) - len(self.saved.lines)
 
     def write_result(self, request: RequestLine, line: int, result: EngineResult) -> None:
-        with self._writing(line):
-            self._write_result(request, line, result)
+        self._write_result(request, line, result)
+        self.answered.add(line)
         self.computed += 1
 
     def _write_result(self, request: RequestLine, line: int, result: EngineResult) -> None:
@@ -137,48 +149,43 @@ class ShardWork:
         self.write_failure(custom_id, line, code, unrun_message(code))
 
     def write_failure(self, custom_id: str, line: int, code: str, message: str) -> None:
-        with self._writing(line):
-            for cid in [custom_id, *self.copies.get(line, ())]:
-                self.err.write(failure_line(cid, code, message))
-                self.progress.failed += 1
+        for cid in [custom_id, *self.copies.get(line, ())]:
+            self.err.write(failure_line(cid, code, message))
+            self.progress.failed += 1
+        self.answered.add(line)
+
+    def parts(self) -> tuple[PartBuffer, PartBuffer, PartBuffer]:
+        return self.out, self.err, self.flags
 
     def snapshot(self) -> tuple[Checkpoint, tuple[int, int, int], int]:
         """With the lock held: (what a checkpoint taken now holds, without its segments; the
-        part files' sizes it covers; this attempt's computed results it holds)."""
-        for handle in (self.out, self.err, self.flags):
-            handle.flush()
-        out_size, err_size, flags_size = (h.tell() for h in (self.out, self.err, self.flags))
+        offsets in the parts it covers; this attempt's computed results it holds)."""
+        out_size, err_size, flags_size = (part.tell() for part in self.parts())
         return (Checkpoint(attempt=self.attempt, lines=set(self.answered),
                            progress=Progress(**self.progress.as_fields()),
                            flag_counts=dict(self.flag_counts),
                            json_retries=self.adopted_json_retries + self.retries_answered),
                 (out_size, err_size, flags_size), self.computed)
 
-    def paths(self) -> tuple[Path, Path, Path]:
-        return self.out_path, self.err_path, self.flags_path
+    def mark_saved(self, checkpoint: Checkpoint, sizes: tuple[int, int, int],
+                   computed: int) -> None:
+        """With the lock held: `checkpoint` is recorded; what it covers leaves memory."""
+        for part, upto in zip(self.parts(), sizes, strict=True):
+            part.release(upto)
+        self.saved = checkpoint
+        self.saved_bytes = sizes
+        self.saved_computed = computed
+        self.saved_at = time.monotonic()
 
-    def close_files(self) -> None:
-        for handle in (self.out, self.err, self.flags):
-            if not handle.closed:
-                handle.close()
-
-    def remove_files(self) -> None:
-        # The attempt's files are discarded: a last flush that fails (disk full) does not
-        # matter. A close that raises still closes its handle, so retrying closes the rest.
-        for _ in range(4):
-            try:
-                self.close_files()
-                break
-            except OSError:
-                continue
-        for path in self.paths():
-            path.unlink(missing_ok=True)
+    def discard(self) -> None:
+        """The attempt's unsaved results are thrown away (it was dropped or has finished)."""
+        for part in self.parts():
+            part.discard()
 
 
 def open_work(shard: Shard) -> ShardWork:
     """Read what the shard's lines need besides their text (dedup copies, copies to skip,
-    screened lines) and open its attempt's part files. Only reads before it opens the
-    files: safe to repeat on a dropped connection."""
+    screened lines). Only reads: safe to repeat on a dropped connection."""
     lines = shard_lines(shard)
     reasons = dict(ContentRule.objects.values_list("name", "reason"))
     screened = {
@@ -186,34 +193,22 @@ def open_work(shard: Shard) -> ShardWork:
         for line, rule in ScreenedLine.objects.filter(
             batch_id=shard.batch_id, line__gte=shard.first_line, line__lte=lines.last_line
         ).values_list("line", "rule")}
-    base = temp_dir() / f"{shard.id}-{shard.attempt}"
-    out_path, err_path, flags_path = (base.with_suffix(suffix) for _, suffix in PART_KINDS)
-    # Closed by ShardWork.close_files when the shard finishes or is dropped.
     return ShardWork(shard_id=shard.id, attempt=shard.attempt, batch_id=shard.batch_id,
-                     out_path=out_path, err_path=err_path,
-                     out=open(out_path, "wb"),  # noqa: SIM115
-                     err=open(err_path, "wb"),  # noqa: SIM115
-                     flags_path=flags_path,
-                     flags=open(flags_path, "wb"),  # noqa: SIM115
                      copies=lines.copies, skip=lines.skip, screened=screened)
 
 
 def adopt_checkpoint(work: ShardWork, value: dict[str, Any]) -> None:
-    """Start the attempt from the checkpoint the claim handed on: its segments become the
-    beginning of the part files (streamed), its lines are not run again, and its counters
+    """Start the attempt from the checkpoint the claim handed on: its segments stay where
+    they are and begin this attempt's parts, its lines are not run again, and its counters
     are where this attempt's start."""
     checkpoint = Checkpoint.from_json(value)
     if not checkpoint.lines:
         return
-    for segment in checkpoint.segments:
-        for handle, name in zip((work.out, work.err, work.flags), segment, strict=True):
-            if name:
-                with open_range(name, 0) as source:
-                    while chunk := source.read(1024 * 1024):
-                        handle.write(chunk)
+    # Read only when the shard finishes: one lost now would fail every later attempt.
+    for name in checkpoint.storage_names():
+        if not default_storage.exists(name):
+            raise FileNotFoundError(f"checkpoint segment {name} is not in storage")
     with work.lock:
-        work.snapshot()  # flushes
-        work.saved_bytes = (work.out.tell(), work.err.tell(), work.flags.tell())
         work.saved = checkpoint
         work.adopted = set(checkpoint.lines)
         work.answered = set(checkpoint.lines)
@@ -226,35 +221,34 @@ def adopt_checkpoint(work: ShardWork, value: dict[str, Any]) -> None:
 
 def store_segment(work: ShardWork, start: tuple[int, int, int],
                   end: tuple[int, int, int]) -> tuple[str, str, str]:
-    """Save what the part files got between two sizes (whole lines, flushed) as the next
-    checkpoint segment; "" for a kind with nothing new."""
+    """Save what each part got between two offsets (whole lines) as the next checkpoint
+    segment; "" for a kind with nothing new."""
     names = []
     number = len(work.saved.segments)
-    for path, (kind, _), first, last in zip(work.paths(), PART_KINDS, start, end, strict=True):
+    for part, kind, first, last in zip(work.parts(), PART_KINDS, start, end, strict=True):
         if last <= first:
             names.append("")
             continue
-        with open(path, "rb") as handle:
-            handle.seek(first)
-            content = handle.read(last - first)
         names.append(default_storage.save(
             f"parts/{work.batch_id}/{work.shard_id}-{work.attempt}.ckpt{number}.{kind}.jsonl",
-            ContentFile(content)))
+            ContentFile(part.between(first, last))))
     return names[0], names[1], names[2]
 
 
 def store_parts(work: ShardWork, stored: list[str]) -> None:
-    """Save the attempt's closed part files to storage, appending each storage name ("" for
-    an empty part) to `stored` as it goes, so the caller can delete what was saved if a
-    later step fails."""
-    for path, (kind, _) in zip(work.paths(), PART_KINDS, strict=True):
-        if path.stat().st_size == 0:
-            stored.append("")
-            continue
-        with open(path, "rb") as handle:
-            stored.append(default_storage.save(
-                f"parts/{work.batch_id}/{work.shard_id}-{work.attempt}.{kind}.jsonl",
-                DjangoFile(handle)))
+    """Save the finished attempt's parts, each its checkpoint segments joined inside the
+    storage with the bytes written since, appending each storage name ("" for an empty part)
+    to `stored` as it goes, so the caller can delete what was saved if a later step fails.
+    Called once the results have stopped coming in."""
+    storage = backend()
+    for index, (part, kind) in enumerate(zip(work.parts(), PART_KINDS, strict=True)):
+        sources: list[Source] = [segment[index] for segment in work.saved.segments
+                                 if segment[index]]
+        rest = part.between(part.saved, part.tell())
+        if rest:
+            sources.append([rest])
+        name = f"parts/{work.batch_id}/{work.shard_id}-{work.attempt}.{kind}.jsonl"
+        stored.append(name if sources and storage.concatenate(name, sources) else "")
 
 
 def delete_stored(names: list[str]) -> None:

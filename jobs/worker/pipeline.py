@@ -139,14 +139,14 @@ class Pipeline:
             return list(self.works.values())
 
     def drop(self, work: ShardWork) -> None:
-        """Forget a shard's attempt: abort its requests in the engine, discard its files."""
+        """Forget a shard's attempt: abort its requests in the engine, discard its results."""
         with work.lock:
             work.dead = True
             in_flight = list(work.pending)
             work.pending.clear()
         if in_flight:
             self.engine.abort(in_flight)
-        work.remove_files()
+        work.discard()
         self.unregister(work)
 
     def fail_all(self, reason: str) -> None:

@@ -366,13 +366,15 @@ def test_web_killed_during_uploads_leaves_no_half_file(user, chaos_env, tmp_path
             master.kill()
 
 
-# --- the disk fills up while results are written ---
+# --- the disk fills up while results are stored ---
 
 
-def test_disk_full_while_writing_results_fails_and_retries_the_shard(user, chaos_env, workers,
+def test_disk_full_while_storing_results_fails_and_retries_the_shard(user, chaos_env, workers,
                                                                      settings, tmp_path):
-    disk = tmp_path / "tiny-disk"
-    disk.mkdir()
+    # Workers hold results in memory and store them as checkpoint segments and parts under
+    # parts/: that is the directory that fills up.
+    disk = Path(chaos_env["BATCHWEB_STORAGE_DIR"]) / "parts"
+    disk.mkdir(parents=True, exist_ok=True)
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
                       capture_output=True).returncode != 0:
         pytest.skip("cannot mount a tmpfs (needs root)")
@@ -382,7 +384,7 @@ def test_disk_full_while_writing_results_fails_and_retries_the_shard(user, chaos
             handle.write(b"\0" * (1024 * 1024 - 8 * 1024))
         n = 600
         batch = submit(user, n, tmp_path, settings, shard_size=100)
-        env = {**chaos_env, "BATCHWEB_TMP_DIR": str(disk), "BATCHWEB_ECHO_SECONDS": "0.01",
+        env = {**chaos_env, "BATCHWEB_ECHO_SECONDS": "0.01",
                "BATCHWEB_ECHO_MAX_IN_FLIGHT": "8", "BATCHWEB_SHARD_MAX_ATTEMPTS": "50"}
         pool = Supervisor(workers, env, 1)
         wait_for(lambda: failures(batch) >= 3, timeout=120, message="shards failing on ENOSPC")

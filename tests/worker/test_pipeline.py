@@ -10,8 +10,8 @@ import pytest
 
 from jobs.models import Shard
 from jobs.services.stopping import cancel_batch
+from jobs.worker import parts
 from jobs.worker.idle import IdleMeter
-from jobs.worker.parts import ShardWork
 from tests.factories import chat_line, finalized, run_all_shards, start_shard, wait_for
 
 # The pipeline's threads use connections of their own: the rows must be committed.
@@ -85,21 +85,23 @@ def test_a_cancelled_batch_stops_its_running_shard(make_batch, make_pipeline):
     assert any(e["error"]["code"] == "batch_cancelled" for e in err)
 
 
-def test_a_part_file_that_cannot_be_written_fails_only_that_attempt(
+def test_a_part_that_cannot_be_stored_fails_only_that_attempt(
         make_batch, make_pipeline, monkeypatch):
     lines = [chat_line(f"w{i}", f"disk {i}") for i in range(6)]
     batch = make_batch(lines, shard_size=3)
     first, second = Shard.objects.filter(batch=batch).order_by("index")
-    real_write = ShardWork.write_result
+    storage = parts.backend()
+    real_concatenate = storage.concatenate
     failed: list[str] = []
 
-    def disk_full_once(self, request, line, result):
-        if self.shard_id == first.pk and not failed:
-            failed.append(request.custom_id)
+    def disk_full_once(target, sources):
+        if first.pk in target and not failed:
+            failed.append(target)
             raise OSError(28, "No space left on device")
-        return real_write(self, request, line, result)
+        return real_concatenate(target, sources)
 
-    monkeypatch.setattr(ShardWork, "write_result", disk_full_once)
+    monkeypatch.setattr(storage, "concatenate", disk_full_once)
+    monkeypatch.setattr(parts, "backend", lambda: storage)
     pipeline = make_pipeline()
     pipeline.run_shard(first.pk)
     pipeline.run_shard(second.pk)

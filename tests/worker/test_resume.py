@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 from django.core.files.storage import default_storage
@@ -143,3 +144,27 @@ def test_a_checkpoint_lost_from_storage_makes_the_shard_run_whole(
     assert done.completed == 40 and err == []
     assert json.dumps(done.to_openai()["request_counts"]) == json.dumps(
         {"total": 40, "completed": 40, "failed": 0})
+
+
+def test_a_running_shard_holds_only_what_its_last_checkpoint_did_not_store(
+        make_batch, make_pipeline, checkpoint_often, settings):
+    # Results never go to the worker's disk, and what a checkpoint stored leaves memory;
+    # the finished part is the segments joined with the rest, in the order written.
+    lines = [chat_line(f"m{i}", f"q {i}") for i in range(30)]
+    batch = make_batch(lines, shard_size=30)
+    shard = Shard.objects.get(batch=batch)
+    pipeline = make_pipeline(seconds_per_request=0.05, max_in_flight=2, inbox_size=2)
+    start_shard(pipeline, shard.pk)
+    wait_for(lambda: len(Checkpoint.from_json(
+        Shard.objects.get(pk=shard.pk).checkpoint).segments) >= 2,
+        timeout=20, message="two checkpoints")
+    work = pipeline.works[shard.pk]
+    with work.lock:
+        released, held, written = work.out.saved, len(work.out.held), work.out.tell()
+    assert released > 0 and held == written - released < written
+    assert list(Path(settings.TMP_DIR).iterdir()) == []
+    wait_for(lambda: Shard.objects.get(pk=shard.pk).status == "done", timeout=30,
+             message="the shard done")
+    done, out, err = finalized(batch)
+    assert [r["custom_id"] for r in out] == [f"m{i}" for i in range(30)] and err == []
+    assert list(Path(settings.TMP_DIR).iterdir()) == []
