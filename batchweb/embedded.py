@@ -13,6 +13,10 @@ the first one's Redis and left its workers without a queue.)
   fresh temporary directory, so the tests never touch a running service's Redis or files.
 
 Real deployments set REDIS_URL and never start this.
+
+`PrivateS3` is the same for object storage, for the S3 tests and benchmarks only: moto's
+standalone server (the test extra), which speaks S3's HTTP API (ranges, multipart uploads,
+UploadPartCopy, presigned URLs). `make run` keeps its files on the filesystem.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ import fcntl
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 
 class EmbeddedRedisError(RuntimeError):
@@ -154,6 +159,59 @@ def ensure_redis(directory: Path) -> PrivateRedis | None:
     server.start()
     os.environ["REDIS_URL"] = server.url
     return server
+
+
+class PrivateS3:
+    """One `python -m moto.server` process on a free port of `host`, keeping everything in
+    memory. `storage_env` gives the settings that point batchweb at one of its buckets."""
+
+    ACCESS_KEY = "batchweb-test"
+    SECRET_KEY = "batchweb-test-secret"
+
+    def __init__(self, log_dir: Path, *, host: str = "127.0.0.1",
+                 env: dict[str, str] | None = None) -> None:
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self.log = open(log_dir / f"moto-{self.port}.log", "wb")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", host, "-p", str(self.port)],
+            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection((host, self.port), timeout=1):
+                    break
+            except OSError as exc:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise EmbeddedRedisError(
+                        f"moto server did not start: see {self.log.name}") from exc
+                time.sleep(0.1)
+
+    def client(self, url: str | None = None, **keys: str) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3", endpoint_url=url or self.url, region_name="us-east-1",
+            aws_access_key_id=keys.get("access_key", self.ACCESS_KEY),
+            aws_secret_access_key=keys.get("secret_key", self.SECRET_KEY),
+            config=Config(s3={"addressing_style": "path"}))
+
+    def storage_env(self, bucket: str, prefix: str = "", *, url: str | None = None
+                    ) -> dict[str, str]:
+        """The variables that store batchweb's files in `bucket`, under `prefix`."""
+        return {"BATCHWEB_STORAGE_BACKEND": "s3", "BATCHWEB_S3_ENDPOINT_URL": url or self.url,
+                "BATCHWEB_S3_BUCKET": bucket, "BATCHWEB_S3_REGION": "us-east-1",
+                "BATCHWEB_S3_ACCESS_KEY_ID": self.ACCESS_KEY,
+                "BATCHWEB_S3_SECRET_ACCESS_KEY": self.SECRET_KEY,
+                "BATCHWEB_S3_PATH_STYLE": "true", "BATCHWEB_S3_PREFIX": prefix}
+
+    def stop(self) -> None:
+        self.process.kill()  # it keeps everything in memory: nothing to flush
+        self.process.wait()
+        self.log.close()
 
 
 # In the checkout's var/, not BATCHWEB_VAR_DIR: benchmarks and tests give each run a scratch

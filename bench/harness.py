@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,17 @@ def wait_http(url: str, timeout: float = 60) -> None:
 
 def remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def private_s3(stack: ExitStack, scratch: Path) -> dict[str, str]:
+    """A local S3 server (stopped when `stack` closes) with a bucket for the scratch
+    deployment: the variables that point batchweb's storage at it."""
+    from batchweb.embedded import PrivateS3
+
+    server = PrivateS3(scratch)
+    stack.callback(server.stop)
+    server.client().create_bucket(Bucket="batchweb-bench")
+    return server.storage_env("batchweb-bench")
 
 
 @contextmanager

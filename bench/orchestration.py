@@ -4,9 +4,11 @@ For each size: write an N-request JSONL file, upload it through the Uploads API,
 batch, let 2 `batchworker` processes validate, shard, run and finalize it, download the
 output. Reports requests/s of each stage and the peak RSS of the web server and of each
 worker (VmHWM). Uses its own scratch SQLite database, storage and (unless REDIS_URL is set)
-a private Redis.
+a private Redis. With `--storage s3` every file lives in a bucket of a local S3 server
+(moto's, batchweb.embedded.PrivateS3) instead of the filesystem.
 
     .venv/bin/python bench/orchestration.py [--sizes 100000,1000000] [--workers 2]
+    .venv/bin/python bench/orchestration.py --sizes 1000000 --storage s3
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import subprocess
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 try:
@@ -102,17 +105,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="100000,1000000")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--storage", choices=("filesystem", "s3"), default="filesystem")
     harness.add_json_option(parser)
     args = parser.parse_args()
 
     scratch = Path(tempfile.mkdtemp(prefix="bw-orch-bench-"))
     rows = []
     try:
-        with harness.private_redis(scratch, reuse=True):
+        with ExitStack() as stack:
+            stack.enter_context(harness.private_redis(scratch, reuse=True))
             env = {**os.environ, "BATCHWEB_VAR_DIR": str(scratch), "BATCHWEB_ECHO_MODEL": "1",
                    "BATCHWEB_MAX_FILE_BYTES": str(4 * 1024**3),
                    "BATCHWEB_MAX_REQUESTS_PER_BATCH": str(10_000_000), "LOG_LEVEL": "WARNING"}
             env.pop("DATABASE_URL", None)
+            if args.storage == "s3":
+                env.update(harness.private_s3(stack, scratch))
             env["BENCH_KEY"] = harness.prepare(env)
             for size in (int(s) for s in args.sizes.split(",")):
                 rows.append(run_size(size, args.workers, env, scratch))
@@ -124,7 +131,8 @@ def main() -> None:
     for row in rows:
         print(" | ".join(f"{row[c]:.0f}" if isinstance(row[c], float) else str(row[c])
                          for c in columns))
-    harness.write_json(args.json, {"workers": args.workers, "sizes": rows})
+    harness.write_json(args.json, {"workers": args.workers, "storage": args.storage,
+                                   "sizes": rows})
 
 
 if __name__ == "__main__":

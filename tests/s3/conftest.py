@@ -14,66 +14,23 @@ from __future__ import annotations
 import http.client
 import os
 import secrets
-import socket
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.factories import free_port
+from batchweb.embedded import PrivateS3
 
 try:
     import boto3
     import moto.server  # noqa: F401
-    from botocore.config import Config
 except ImportError:  # an environment installed before the S3 extras: skipped, except in CI
     if os.environ.get("CI"):
         raise  # CI installs the test extras: a missing S3 server is a broken install
     boto3 = None
-
-ACCESS_KEY = "batchweb-test"
-SECRET_KEY = "batchweb-test-secret"
-
-
-class S3Server:
-    """One `python -m moto.server` process on 127.0.0.1."""
-
-    def __init__(self, log_dir: Path, *, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(log_dir / f"moto-{self.port}.log", "wb")  # noqa: SIM115
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    break
-            except OSError as exc:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"moto server did not start: see {self.log.name}") from exc
-                time.sleep(0.1)
-
-    def client(self, url: str | None = None, **keys: str) -> Any:
-        return boto3.client(
-            "s3", endpoint_url=url or self.url, region_name="us-east-1",
-            aws_access_key_id=keys.get("access_key", ACCESS_KEY),
-            aws_secret_access_key=keys.get("secret_key", SECRET_KEY),
-            config=Config(s3={"addressing_style": "path"}))
-
-    def stop(self) -> None:
-        self.process.kill()  # it keeps everything in memory: nothing to flush
-        self.process.wait()
-        self.log.close()
 
 
 @dataclass
@@ -177,17 +134,17 @@ class CountingProxy:
 
 
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: Any) -> Iterator[S3Server]:
+def s3_server(tmp_path_factory: Any) -> Iterator[PrivateS3]:
     if boto3 is None:
         pytest.skip("moto[server] and boto3 are not installed (pip install -e '.[test]')")
-    server = S3Server(tmp_path_factory.mktemp("s3"))
+    server = PrivateS3(tmp_path_factory.mktemp("s3"))
     yield server
     server.stop()
 
 
 @dataclass
 class S3Setup:
-    server: S3Server
+    server: PrivateS3
     bucket: str
     prefix: str
     env: dict[str, str]  # the storage settings, as every process reads them
@@ -206,14 +163,6 @@ class S3Setup:
         return sorted(o["Key"] for page in pages for o in page.get("Contents", ()))
 
 
-def storage_env(url: str, bucket: str, prefix: str) -> dict[str, str]:
-    return {"BATCHWEB_STORAGE_BACKEND": "s3", "BATCHWEB_S3_ENDPOINT_URL": url,
-            "BATCHWEB_S3_BUCKET": bucket, "BATCHWEB_S3_REGION": "us-east-1",
-            "BATCHWEB_S3_ACCESS_KEY_ID": ACCESS_KEY,
-            "BATCHWEB_S3_SECRET_ACCESS_KEY": SECRET_KEY, "BATCHWEB_S3_PATH_STYLE": "true",
-            "BATCHWEB_S3_PREFIX": prefix}
-
-
 def point_storage_at(settings: Any, monkeypatch: Any, env: dict[str, str]) -> None:
     """The storage settings of this process as `env` makes them (the settings module's
     own reading of the variables), and `env` for the processes it starts."""
@@ -226,11 +175,11 @@ def point_storage_at(settings: Any, monkeypatch: Any, env: dict[str, str]) -> No
 
 
 @pytest.fixture
-def s3(s3_server: S3Server, settings: Any, monkeypatch: Any) -> Iterator[S3Setup]:
+def s3(s3_server: PrivateS3, settings: Any, monkeypatch: Any) -> Iterator[S3Setup]:
     bucket = f"bw-{secrets.token_hex(6)}"
     s3_server.client().create_bucket(Bucket=bucket)
     prefix = "deploy-a"  # a key prefix, as a bucket shared with other things would use
-    env = storage_env(s3_server.url, bucket, prefix)
+    env = s3_server.storage_env(bucket, prefix)
     proxy = CountingProxy(s3_server.port)
     counted = {**env, "BATCHWEB_S3_ENDPOINT_URL": proxy.start()}
     point_storage_at(settings, monkeypatch, counted)

@@ -18,10 +18,10 @@ from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from django.utils import timezone
 
+from batchweb.embedded import PrivateS3
 from jobs import storage
 from jobs.services.files import open_range_lines
 from tests.factories import ROOT, free_port
-from tests.s3.conftest import S3Server, storage_env
 
 MIB = 1024 * 1024
 
@@ -181,7 +181,7 @@ def test_bad_configuration_fails_at_start_naming_the_setting(s3):
 def test_refused_credentials_fail_at_start_naming_the_setting(s3_server, tmp_path):
     # A server of its own that checks signatures (the shared one accepts any key, which
     # its presigned URLs need): the first three calls set up a user and its key.
-    server = S3Server(tmp_path, env={"INITIAL_NO_AUTH_ACTION_COUNT": "3"})
+    server = PrivateS3(tmp_path, env={"INITIAL_NO_AUTH_ACTION_COUNT": "3"})
     try:
         import boto3
 
@@ -192,7 +192,7 @@ def test_refused_credentials_fail_at_start_naming_the_setting(s3_server, tmp_pat
         iam.put_user_policy(UserName="batchweb", PolicyName="s3", PolicyDocument=json.dumps(
             {"Version": "2012-10-17",
              "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}))
-        good = {**storage_env(server.url, "bw-auth", ""),
+        good = {**server.storage_env("bw-auth"),
                 "BATCHWEB_S3_ACCESS_KEY_ID": key["AccessKeyId"],
                 "BATCHWEB_S3_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
         server.client(access_key=key["AccessKeyId"],
