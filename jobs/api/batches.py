@@ -5,13 +5,19 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.db.models import QuerySet, TextField
+from django.db.models.fields.json import KeyTextTransform
+from django.db.models.functions import Cast
+from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.http.response import HttpResponseBase
 from django.utils.cache import get_conditional_response, patch_cache_control, set_response_etag
 
-from jobs.api.base import api_view, json_body, paginate
+from jobs.api.base import api_view, json_body, paginate, parse_limit
 from jobs.engines import model_names
 from jobs.models import Batch
+from jobs.queries import results as result_pages
 from jobs.services import batches, stopping
+from jobs.services.errors import ServiceError
 
 
 def create(request: HttpRequest, user: Any) -> HttpResponse:
@@ -24,8 +30,26 @@ def create(request: HttpRequest, user: Any) -> HttpResponse:
 
 
 def list_batches(request: HttpRequest, user: Any) -> HttpResponse:
-    objects = Batch.objects.filter(owner=user)
+    """OpenAI's list, with two filters of our own: `status` (one or several, comma
+    separated) and `metadata[KEY]=VALUE` (every one given must match)."""
+    objects = _filtered(Batch.objects.filter(owner=user), request)
     return paginate(request, objects, default_limit=20, max_limit=100)
+
+
+def _filtered(objects: QuerySet[Batch], request: HttpRequest) -> QuerySet[Batch]:
+    if statuses := request.GET.get("status"):
+        wanted = statuses.split(",")
+        if unknown := sorted(set(wanted) - set(Batch.Status.values)):
+            raise ServiceError(f"Unknown batch status {unknown[0]!r}; one of: "
+                               f"{', '.join(Batch.Status.values)}.", param="status")
+        objects = objects.filter(status__in=wanted)
+    for number, (name, value) in enumerate(request.GET.items()):
+        if name.startswith("metadata[") and name.endswith("]"):
+            # The key is taken literally (never as a lookup path), matched as text.
+            alias = f"metadata_{number}"
+            text = Cast(KeyTextTransform(name[9:-1], "metadata"), TextField())
+            objects = objects.alias(**{alias: text}).filter(**{alias: value})
+    return objects
 
 
 def retrieve(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
@@ -38,6 +62,29 @@ def retrieve(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
     # Revalidated on every use (a shared cache must never keep one owner's batch).
     patch_cache_control(response, private=True, no_cache=True)
     return get_conditional_response(request, etag=response["ETag"], response=response) or response
+
+
+def results(request: HttpRequest, user: Any, batch_id: str) -> HttpResponseBase:
+    """An extension: the results finished so far, before the batch ends and after, as
+    JSONL lines in the output-file format (see jobs.queries.results.results_page). The
+    headers say whether the batch has ended, whether more lines are there now, and where
+    the next page starts."""
+    batch = batches.get_batch_for_user(owner=user, batch_id=batch_id)
+    status = request.GET.get("status")
+    if status not in (None, "", *result_pages.STATUSES):
+        raise ServiceError("status must be 'succeeded' or 'failed'.", param="status")
+    page = result_pages.results_page(
+        batch, statuses=(status,) if status else tuple(result_pages.STATUSES),
+        custom_id=request.GET.get("custom_id") or None, after=request.GET.get("after"),
+        limit=parse_limit(request.GET.get("limit"), default=100, maximum=1000))
+    response = StreamingHttpResponse(iter(page.lines), content_type="application/jsonl")
+    response["X-Batch-Ended"] = "true" if page.ended else "false"
+    response["X-Has-More"] = "true" if page.has_more else "false"
+    response["X-Next-After"] = page.after
+    if page.restarted:
+        response["X-Results-Restarted"] = "true"
+    patch_cache_control(response, private=True, no_store=True)
+    return response
 
 
 def cancel(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
@@ -55,4 +102,5 @@ def list_models(request: HttpRequest, user: Any) -> HttpResponse:
 batch_list = api_view({"GET": list_batches, "POST": create})
 batch_detail = api_view({"GET": retrieve})
 batch_cancel = api_view({"POST": cancel})
+batch_results = api_view({"GET": results})
 models = api_view({"GET": list_models})

@@ -13,5 +13,6 @@ urlpatterns = [
     path("batches", batches.batch_list),
     path("batches/<str:batch_id>", batches.batch_detail),
     path("batches/<str:batch_id>/cancel", batches.batch_cancel),
+    path("batches/<str:batch_id>/results", batches.batch_results),
     path("models", batches.models),
 ]

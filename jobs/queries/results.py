@@ -11,10 +11,13 @@ shards finish.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
+import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Any, Literal
 
 from django.conf import settings
@@ -233,3 +236,160 @@ def stream_segments(segs: list[Segment]) -> Iterator[bytes]:
         with open_range(seg.storage_name, 0) as source:
             while chunk := source.read(CHUNK):
                 yield chunk
+
+
+# --- the API's results, while the batch runs and after ---
+
+# A page of `GET /v1/batches/{id}/results` holds at most this much (and at least one line).
+API_PAGE_BYTES = 8 * 1024 * 1024
+# The API's line kinds by the `status` it filters on.
+STATUSES: dict[str, Kind] = {"succeeded": "output", "failed": "error"}
+
+
+@dataclass
+class ResultsCursor:
+    """Where an API reader of a batch's results stopped. While the batch runs: the shards
+    whose parts it read to the end (a shard may finish after a later one, so a position in
+    shard order alone would skip it), and the part it is inside. Once the batch has ended:
+    a position in its output or error File."""
+
+    ended: bool = False
+    consumed: set[int] = field(default_factory=set)
+    shard: int | None = None  # the shard index being read (running), None between shards
+    kind: Kind = "output"
+    offset: int = 0
+
+    def encode(self) -> str:
+        if self.ended:
+            return f"f~{self.kind}~{self.offset}"
+        size = max(self.consumed, default=-1) + 1
+        bitmap = bytearray((size + 7) // 8)
+        for index in self.consumed:
+            bitmap[index // 8] |= 1 << (index % 8)
+        packed = base64.urlsafe_b64encode(zlib.compress(bytes(bitmap))).decode().rstrip("=")
+        here = "" if self.shard is None else f"{self.shard}.{self.kind}.{self.offset}"
+        return f"r~{packed}~{here}"
+
+    @classmethod
+    def decode(cls, value: str) -> ResultsCursor:
+        bad = ServiceError("Bad `after` cursor: pass back the X-Next-After header of the "
+                           "previous page.", param="after")
+        try:
+            phase, first, second = value.split("~")
+            if phase == "f" and first in ("output", "error") and second.isdigit():
+                return cls(ended=True, kind=first, offset=int(second))  # type: ignore[arg-type]
+            if phase != "r" or not re.fullmatch(r"[A-Za-z0-9_-]+", first):
+                raise bad
+            bitmap = zlib.decompressobj().decompress(
+                base64.urlsafe_b64decode(first + "=" * (-len(first) % 4)), 1 << 20)
+            consumed = {i * 8 + bit for i, byte in enumerate(bitmap) for bit in range(8)
+                        if byte >> bit & 1}
+            if not second:
+                return cls(consumed=consumed)
+            shard, kind, offset = second.split(".")
+            if kind not in ("output", "error"):
+                raise bad
+            return cls(consumed=consumed, shard=int(shard), kind=kind,  # type: ignore[arg-type]
+                       offset=int(offset))
+        except (ValueError, zlib.error, binascii.Error):
+            raise bad from None
+
+
+@dataclass
+class ResultsPage:
+    lines: list[bytes]
+    after: str  # where the next page starts (valid while the batch runs and after)
+    has_more: bool  # more lines are there now (a running batch may have more later)
+    ended: bool
+    restarted: bool = False  # a running batch's cursor, after it ended: read again from the top
+
+
+def _running_units(batch: Batch, kinds: tuple[Kind, ...], cursor: ResultsCursor
+                   ) -> list[tuple[int, Kind, str, int]]:
+    """(shard index, kind, part, offset to start at) of what the cursor has not read of the
+    finished shards: the rest of the one it is inside first, then the others in shard order
+    (those that finished since, before it or after it)."""
+    done = (Shard.objects.filter(batch=batch, status=Shard.Status.DONE)
+            .order_by("index").values_list("index", "output_part", "error_part"))
+    current, others = [], []
+    for index, output_part, error_part in done.iterator():
+        if index in cursor.consumed:
+            continue
+        parts = {"output": output_part, "error": error_part}
+        for kind in kinds:
+            if not parts[kind]:
+                continue
+            if index != cursor.shard:
+                others.append((index, kind, parts[kind], 0))
+            elif cursor.kind not in kinds or kinds.index(kind) >= kinds.index(cursor.kind):
+                offset = cursor.offset if kind == cursor.kind else 0
+                current.append((index, kind, parts[kind], offset))
+    return current + others
+
+
+def results_page(batch: Batch, *, statuses: tuple[str, ...], custom_id: str | None,
+                 after: str | None, limit: int) -> ResultsPage:
+    """Up to `limit` result lines in the output-file format (API_PAGE_BYTES at most, and
+    SCAN_BUDGET_BYTES read at most when looking for a custom_id), from where `after` left
+    off: those of the finished shards while the batch runs, of its files once it ended."""
+    kinds = tuple(STATUSES[s] for s in statuses)
+    cursor = ResultsCursor.decode(after) if after else ResultsCursor(ended=batch.is_ended)
+    restarted = bool(batch.is_ended and not cursor.ended)
+    if restarted:
+        cursor = ResultsCursor(ended=True)
+    needles = ({json.dumps(custom_id, ensure_ascii=False)[1:-1].encode(),
+                json.dumps(custom_id)[1:-1].encode()} if custom_id else set())
+    lines: list[bytes] = []
+    budget = {"bytes": 0, "scanned": 0}
+
+    def take(content: bytes) -> bool:
+        """Add a line if it matches; False once the page is full."""
+        if needles and not (any(n in content for n in needles)
+                            and read_result_line(content).custom_id == custom_id):
+            return True
+        lines.append(content + b"\n")
+        budget["bytes"] += len(content) + 1
+        return len(lines) < limit and budget["bytes"] < API_PAGE_BYTES
+
+    def read(name: str, offset: int) -> int | None:
+        """Read one segment from `offset`: None when finished, else where to go on."""
+        with open_range(name, offset) as stream:
+            for line in iter_lines(stream, max_line_bytes=API_PAGE_BYTES, start=offset):
+                budget["scanned"] += line.end - line.start
+                if line.content is None:  # a line over the page size: never answered
+                    continue
+                if not take(line.content) or (
+                        custom_id and budget["scanned"] > SCAN_BUDGET_BYTES):
+                    return line.end
+        return None
+
+    if cursor.ended:
+        files = {"output": batch.output_file_id, "error": batch.error_file_id}
+        order = [k for k in kinds if k in ("output", "error")]
+        start = order.index(cursor.kind) if cursor.kind in order else 0
+        for position, kind in enumerate(order[start:]):
+            offset = cursor.offset if position == 0 and kind == cursor.kind else 0
+            file = File.objects.filter(pk=files[kind]).first() if files[kind] else None
+            stop = read(file.storage_name, offset) if file else None
+            if stop is not None:
+                at = ResultsCursor(ended=True, kind=kind, offset=stop)
+                return ResultsPage(lines, at.encode(), True, True, restarted)
+        last = ResultsCursor(ended=True, kind=order[-1], offset=_file_size(files[order[-1]]))
+        return ResultsPage(lines, last.encode(), False, True, restarted)
+
+    consumed = set(cursor.consumed)
+    units = _running_units(batch, kinds, cursor)
+    for number, (index, kind, name, offset) in enumerate(units):
+        stop = read(name, offset)
+        if stop is not None:
+            here = ResultsCursor(consumed=consumed, shard=index, kind=kind, offset=stop)
+            return ResultsPage(lines, here.encode(), True, False)
+        if number + 1 == len(units) or units[number + 1][0] != index:
+            consumed.add(index)
+    return ResultsPage(lines, ResultsCursor(consumed=consumed).encode(), False, False)
+
+
+def _file_size(file_id: str | None) -> int:
+    size = File.objects.filter(pk=file_id).values_list("bytes", flat=True).first() if file_id \
+        else None
+    return size or 0
