@@ -136,3 +136,16 @@ def test_list_filters_by_status_and_metadata(user, api_key, tmp_path, settings):
     assert listed(**{"metadata[project__x]": "eval"}) == []  # a key, never a lookup path
     assert_openai_error(api.get("/v1/batches", data={"status": "running"}), 400,
                         param="status")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_openai_client_reads_results_as_the_readme_says(openai_client, user, tmp_path,
+                                                             settings):
+    import httpx
+
+    batch = make_batch(user, chat_lines(10), tmp_path, shard_size=5, settings=settings)
+    run(Shard.objects.get(batch=batch, index=0))
+    response = openai_client.get(f"/batches/{batch.pk}/results", cast_to=httpx.Response,
+                                 options={"params": {"status": "failed"}})
+    assert [json.loads(line)["custom_id"] for line in response.text.splitlines()] == ["r3"]
+    assert response.headers["X-Batch-Ended"] == "false"
