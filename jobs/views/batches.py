@@ -179,10 +179,13 @@ def _check(request: SignedInRequest, data: dict[str, Any]) -> tuple[File | None,
 
 def _submit(request: SignedInRequest, data: dict[str, Any]) -> tuple[Batch | None,
                                                                 preflight.Preflight]:
-    file = get_file_for_user(owner=request.user, file_id=data["file_id"])
+    """Create the batch from the uploaded or chosen file in one step, unless the file has
+    problems (then they are shown, as a check would)."""
     endpoint = data.get("endpoint") or None
-    result = preflight.check_file(file, endpoint=endpoint, guard=_guard(request))
-    if result.ok and data.get("model") and data["model"] != result.report.model:
+    file, result = _check(request, data)
+    if file is None or not result.ok:
+        return None, result
+    if data.get("model") and data["model"] != result.report.model:
         file = preflight.with_model(file=file, model=data["model"], owner=request.user)
         result = preflight.check_file(file, endpoint=endpoint, guard=_guard(request))
     if not result.ok:
@@ -203,8 +206,7 @@ def batch_new(request: SignedInRequest) -> HttpResponse:
         if form.is_valid():
             data = form.cleaned_data
             try:
-                if request.POST.get("action") == "submit" and data["file_id"] and \
-                        not data["upload"]:
+                if request.POST.get("action") == "submit":
                     batch, result = _submit(request, data)
                     if batch is not None:
                         url = reverse("batch_detail", args=[batch.pk])

@@ -192,6 +192,25 @@ def test_new_batch_shows_line_problems_and_stores_nothing(site, user):
     assert File.objects.count() == files_before and not Batch.objects.exists()
 
 
+def test_new_batch_is_created_in_one_click_from_a_new_upload(site, user):
+    response = site.post(reverse("batch_new"), {
+        "upload": upload(jsonl(chat_lines(4))), "action": "submit",
+        "completion_window": "24h", "priority": "default", "metadata": "project=beta"})
+    batch = Batch.objects.get(owner=user)
+    assert response.status_code == 302 and response.url == reverse("batch_detail",
+                                                                   args=[batch.pk])
+    assert batch.input_file.line_count == 4 and batch.metadata == {"project": "beta"}
+
+
+def test_one_click_with_a_bad_upload_shows_its_problems_and_creates_nothing(site, user):
+    bad = jsonl([chat_line("a", "hi"), "{not json"])
+    response = site.post(reverse("batch_new"), {
+        "upload": upload(bad), "action": "submit", "completion_window": "24h",
+        "priority": "default"})
+    assert response.status_code == 200 and "1 line to fix" in response.content.decode()
+    assert not File.objects.exists() and not Batch.objects.exists()
+
+
 def test_new_batch_preflight_then_submit(site, user):
     good = jsonl(chat_lines(4))
     response = site.post(reverse("batch_new"), {

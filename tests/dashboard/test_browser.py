@@ -73,17 +73,8 @@ def test_upload_watch_inspect_download_rerun(live_server, user, workers, browser
     page.on("dialog", lambda dialog: dialog.accept())
     sign_in(page, base)
 
-    # Upload a file with one bad line: the line's problem is shown, nothing is created.
+    # "Check file" says what the batch will cost, and creates nothing.
     page.click("text=New batch")
-    page.set_input_files("input[name=upload]", str(bad_file))
-    page.click("button[value=check]")
-    problems = page.locator("#problems")
-    problems.wait_for()
-    assert "1 line to fix" in problems.inner_text()
-    assert re.search(r"4\s+invalid_json_line", problems.inner_text())
-    page.screenshot(path=str(ARTIFACTS / "new-batch-problems.png"), full_page=True)
-
-    # Fixed: the preflight says what the batch will cost; submit.
     page.set_input_files("input[name=upload]", str(good_file))
     page.click("button[value=check]")
     preflight = page.locator("#preflight")
@@ -91,6 +82,22 @@ def test_upload_watch_inspect_download_rerun(live_server, user, workers, browser
     text = preflight.inner_text()
     assert "Requests\n40" in text and "Output tokens (ceiling)" in text
     page.screenshot(path=str(ARTIFACTS / "new-batch-preflight.png"), full_page=True)
+    assert page.url.endswith("/batches/new")
+
+    # "Create batch" with a file with one bad line: the line's problem is shown, nothing
+    # is created.
+    page.goto(f"{base}/batches/new")
+    page.set_input_files("input[name=upload]", str(bad_file))
+    page.click("#submit-batch")
+    problems = page.locator("#problems")
+    problems.wait_for()
+    assert "1 line to fix" in problems.inner_text()
+    assert re.search(r"4\s+invalid_json_line", problems.inner_text())
+    page.screenshot(path=str(ARTIFACTS / "new-batch-problems.png"), full_page=True)
+    assert page.url.endswith("/batches/new")
+
+    # Fixed: one click on "Create batch" creates it and opens its page.
+    page.set_input_files("input[name=upload]", str(good_file))
     page.click("#submit-batch")
     page.wait_for_url(re.compile(r".*/batches/batch_\w+/$"))
     batch_url = page.url
