@@ -45,7 +45,6 @@ def private_redis(tmp_path: Path, monkeypatch: Any) -> Iterator[PrivateRedis]:
 def chaos_env(settings: Any, tmp_path: Path, private_redis: PrivateRedis) -> dict[str, str]:
     """The environment of this test's worker processes: the test database (added by
     Workers), the private Redis, storage and scratch dirs shared with this process."""
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
     storage = use_private_storage(settings, tmp_path / "shared")
     return {"REDIS_URL": private_redis.url, "BATCHWEB_STORAGE_DIR": str(storage),
             "BATCHWEB_TMP_DIR": str(tmp_path / "shared" / "tmp"),

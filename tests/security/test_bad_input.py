@@ -70,8 +70,6 @@ class World:
 
 @pytest.fixture
 def world(settings: Any, tmp_path: Path, django_user_model: Any) -> Iterator[World]:
-    # A fast hasher: these users never sign in, and PBKDF2 would dominate the run time.
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
     user = django_user_model.objects.create_user("alice", password="pw")
     other_user = django_user_model.objects.create_user("bob", password="pw")
     storage = use_private_storage(settings, tmp_path)

@@ -20,8 +20,7 @@ ADMIN = "/admin/login/"
 
 
 @pytest.fixture
-def people(django_user_model: Any, settings: Any) -> dict[str, Any]:
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+def people(django_user_model: Any) -> dict[str, Any]:
     return {"alice": django_user_model.objects.create_user("alice", password="alice-pw",
                                                           is_staff=True),
             "bob": django_user_model.objects.create_user("bob", password="bob-pw")}

@@ -237,7 +237,6 @@ def api(db: Any, settings: Any, tmp_path: Any, django_user_model: Any) -> Any:
     from jobs.services.keys import create_api_key
     from tests.factories import Api, use_private_storage
 
-    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
     use_private_storage(settings, tmp_path)
     user = django_user_model.objects.create_user("prop", password="pw")
     client = Api(create_api_key(owner=user, name="p")[1])

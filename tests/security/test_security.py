@@ -38,7 +38,6 @@ from tests.factories import (
 
 pytestmark = pytest.mark.django_db
 
-FAST_HASHER = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 EVIL = '<script>alert("x")</script>'
 
 
@@ -46,7 +45,6 @@ EVIL = '<script>alert("x")</script>'
 def people(settings: Any, tmp_path: Path, django_user_model: Any) -> dict[str, Any]:
     """Alice and Bob with keys, Bob with a finished batch (output and error files), an
     upload with a part, and a running batch."""
-    settings.PASSWORD_HASHERS = FAST_HASHER
     storage = use_private_storage(settings, tmp_path)
     alice = django_user_model.objects.create_user("alice", password="pw")
     bob = django_user_model.objects.create_user("bob", password="pw")
@@ -399,7 +397,6 @@ def _post_headers_only(url: str, path: str, headers: dict[str, str], length: int
 def test_oversized_uploads_are_refused_before_the_body_is_read(live_server: Any,
                                                                settings: Any, tmp_path: Path,
                                                                django_user_model: Any) -> None:
-    settings.PASSWORD_HASHERS = FAST_HASHER
     use_private_storage(settings, tmp_path)
     user = django_user_model.objects.create_user("alice", password="pw")
     key = create_api_key(owner=user, name="k")[1]
@@ -442,7 +439,6 @@ def test_rq_jobs_carry_ids_only(settings: Any, tmp_path: Path, django_user_model
     from jobs import queues
     from jobs.tasks import validate_batch
 
-    settings.PASSWORD_HASHERS = FAST_HASHER
     settings.BATCHWEB = {**settings.BATCHWEB, "SHARD_SIZE": 2}
     use_private_storage(settings, tmp_path)
     user = django_user_model.objects.create_user("alice", password="pw")
