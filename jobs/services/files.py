@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from django.conf import settings
-from django.core.files import File as DjangoFile
+from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from django.db import transaction
 from django.utils import timezone
@@ -44,6 +44,19 @@ def limits() -> dict[str, int]:
 def new_storage_name(prefix: str) -> str:
     # Random, never from the user's filename: nothing the user sends can pick a path.
     return f"{prefix}/{secrets.token_hex(16)}"
+
+
+def save_local(path: str | Path, prefix: str) -> str:
+    """Store a local file under a new name in `prefix`, streamed through our own writer: on
+    S3 at most one part is held in memory (boto3's managed upload holds several at once,
+    in threads, for every request doing it)."""
+    name = new_storage_name(prefix)
+    if Path(path).stat().st_size == 0:  # a writer makes no object of nothing
+        return default_storage.save(name, ContentFile(b""))
+    with open(path, "rb") as handle, backend().open_writer(name) as writer:
+        while chunk := handle.read(CHUNK):
+            writer.write(chunk)
+    return name
 
 
 def temp_dir() -> Path:
@@ -254,8 +267,7 @@ def store_file(*, owner: Any, source_path: str | Path, filename: str, purpose: s
     if scan is None:
         with open(source_path, "rb") as handle:
             scan = _count(handle)
-    with open(source_path, "rb") as handle:
-        storage_name = default_storage.save(new_storage_name("files"), DjangoFile(handle))
+    storage_name = save_local(source_path, "files")
     return _create_row(owner=owner, storage_name=storage_name, filename=filename,
                        purpose=purpose, expires_at=expires_at, scan=scan)
 

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.core.files import File as DjangoFile
 from django.core.files.storage import default_storage
 from django.db import transaction
 from django.db.models import Sum
@@ -26,7 +25,7 @@ from jobs.services.files import (
     clean_filename,
     create_input_file_from_parts,
     delete_file,
-    new_storage_name,
+    save_local,
 )
 from jobs.services.quotas import check_open_uploads, check_quota
 from jobs.storage import backend
@@ -85,9 +84,7 @@ def add_upload_part(*, upload: Upload, path: str | Path) -> UploadPart:
         raise ServiceError(f"A part is at most {settings.BATCHWEB['MAX_UPLOAD_PART_BYTES']} bytes.",
                            status=413, code="file_too_large", param="data")
     _check_room(upload, size)  # before storing anything, when it is plainly too much
-    with open(path, "rb") as handle:
-        storage_name = default_storage.save(new_storage_name(f"uploads/{upload.pk}"),
-                                            DjangoFile(handle))
+    storage_name = save_local(path, f"uploads/{upload.pk}")
     try:
         with transaction.atomic():
             # Parts sent in parallel each passed the check above against the same total:
