@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import signal
+import time
 
 import pytest
 from django.urls import reverse
@@ -135,4 +136,13 @@ def test_queue_health_shows_workers_per_host_and_a_lost_host(admin_client, user,
     assert values[("batchweb_host_workers", (("host", "host-b"), ("model", "echo-test"),
                                              ("state", "lost")))] == 1
     assert values[("batchweb_workers", (("model", "echo-test"),))] == 1
-    cancel_batch(batch=batch)  # so the surviving worker stops quickly
+
+    # An idle worker is not lost: RQ itself would refresh its heartbeat only when its wait
+    # for a job times out (minutes), batchworker's presence thread does every second.
+    cancel_batch(batch=batch)
+    wait_for(lambda: not Shard.objects.filter(batch=batch, status="running").exists(),
+             timeout=30, message="the batch's shards to stop")
+    time.sleep(settings.BATCHWEB["HEARTBEAT_TIMEOUT_SECONDS"] + 2)
+    alive = next(h for h in health.queue_health().hosts if h.hostname == "host-a")
+    assert not alive.lost and alive.workers[0].state == "idle"
+    assert alive.heartbeat_age is not None and alive.heartbeat_age.total_seconds() < 3
