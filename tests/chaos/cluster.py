@@ -8,9 +8,10 @@ directories covered by empty tmpfs mounts).
 - `web`: gunicorn;
 - worker hosts: `batchworker` processes.
 
-Processes reach each other only by address, as on separate machines. `kill_host` cuts a
-host's link and SIGKILLs every process in its namespace: the machine is gone, and the
-services never see its connections close. Needs root (`ip netns`, `unshare`, `mount`)."""
+Processes reach each other only by address, as on separate machines. `Cluster.cut` takes
+a host's link down and `Host.kill_all` SIGKILLs every process in its namespace: together the
+machine is gone, and the services never see its connections close. Needs root (`ip netns`,
+`unshare`, `mount`)."""
 
 from __future__ import annotations
 
@@ -170,12 +171,12 @@ class Cluster:
         dirs = {name: self.root / name for name in host_names}
         for i, name in enumerate(host_names):
             netns = f"{self.tag}-{name}"
-            run("ip", "netns", "add", netns)
             host = Host(name=name, netns=netns, address=str(addresses[i + 1]), dir=dirs[name],
                         link=f"{self.tag}p{i}",
                         hidden=[d for other, d in dirs.items() if other != name])
-            host.dir.mkdir(parents=True)
             self.cleanups.append(lambda h=host: self._remove(h))
+            run("ip", "netns", "add", netns)
+            host.dir.mkdir(parents=True)
             inner = f"{self.tag}v{i}"
             run("ip", "link", "add", host.link, "type", "veth", "peer", "name", inner)
             run("ip", "link", "set", inner, "netns", netns)
@@ -196,10 +197,6 @@ class Cluster:
         """Take a host's link down: its packets (a FIN or RST of its dying sockets
         included) reach no one, as when a machine loses power. Or up again."""
         run("ip", "link", "set", self.hosts[name].link, "down" if down else "up")
-
-    def kill_host(self, name: str) -> int:
-        self.cut(name)
-        return self.hosts[name].kill_all()
 
     def close(self) -> None:
         while self.cleanups:
