@@ -36,7 +36,8 @@ test: models
 	$(PY) -m batchweb.embedded $(PY) -m pytest $(PYTEST_ARGS)
 
 # Fault tests (minutes): workers SIGKILLed, Redis stopped and flushed, PostgreSQL backends
-# terminated, the web process killed mid-upload, a full disk. Needs root for the tmpfs.
+# terminated, the web process killed mid-upload, a full disk, a worker host of a cluster of
+# network namespaces lost mid-batch. Needs root (tmpfs, ip netns, unshare).
 chaos: models
 	BATCHWEB_CHAOS=1 $(PY) -m batchweb.embedded $(PY) -m pytest tests/chaos -m chaos $(PYTEST_ARGS)
 

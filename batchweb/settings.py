@@ -150,6 +150,29 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # Tests start real worker processes: the test database must be a file they can open.
     DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test.sqlite3")}
 
+# PostgreSQL learns that a client machine died only from TCP. A worker host that dies (power,
+# kernel panic, a cut network) while one of its sessions is inside a transaction leaves that
+# session holding its row locks (a batch's, a shard's) until the kernel gives up on the
+# connection, two hours and more by default, and every other worker that touches the batch
+# waits on them, its shard heartbeats too. So every session asks the server to probe it once
+# it has been quiet for BATCHWEB_DB_DEAD_CLIENT_SECONDS and to drop it when the probes (or
+# data it sent) go unanswered: a lost host's locks go within about twice that. A live client
+# answers the probes however long it stays in a transaction. The default, a quarter of the
+# heartbeat timeout, frees the locks before the other workers' waiting heartbeats grow
+# stale. 0 leaves the server's own settings (a pooler such as PgBouncer may refuse the
+# startup `options`: set the same keepalives on the server then).
+DB_DEAD_CLIENT_SECONDS = env_int(
+    "BATCHWEB_DB_DEAD_CLIENT_SECONDS",
+    max(1, env_int("BATCHWEB_HEARTBEAT_TIMEOUT_SECONDS", 30) // 4))
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql" and DB_DEAD_CLIENT_SECONDS:
+    _options = DATABASES["default"].setdefault("OPTIONS", {})
+    _interval = max(1, DB_DEAD_CLIENT_SECONDS // 3)
+    _keepalives = (f"-c tcp_keepalives_idle={DB_DEAD_CLIENT_SECONDS} "
+                   f"-c tcp_keepalives_interval={_interval} -c tcp_keepalives_count=3 "
+                   f"-c tcp_user_timeout={2 * DB_DEAD_CLIENT_SECONDS * 1000}")
+    # Options given in DATABASE_URL (?options=...) come after, so they win.
+    _options["options"] = f"{_keepalives} {_options.get('options', '')}".strip()
+
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},

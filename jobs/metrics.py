@@ -23,6 +23,13 @@ setting), or a signed-in staff user.
                                                     5 minutes, per second
     batchweb_workers{model}                         live batchworkers serving a model
     batchweb_workers_total                          live RQ workers
+    batchweb_host_up{host}                          1 if a worker of the host is alive, 0
+                                                    when all its registered workers are
+                                                    lost (the machine died or is cut off)
+    batchweb_host_workers{host,model,state}         registered workers per host by state
+                                                    (idle, busy, ..., lost)
+    batchweb_host_shards_held{host}                 running shards held by its workers
+    batchweb_host_heartbeat_age_seconds{host}       since its newest worker heartbeat
     batchweb_webhook_events{status}                 webhook events by delivery status
     batchweb_redis_up                               1 if Redis answered
 """
@@ -44,7 +51,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from jobs import queues
 from jobs.models import Batch, Shard, WebhookEvent
-from jobs.queries.health import queue_health, shard_counts_by_model
+from jobs.queries.health import Health, queue_health, shard_counts_by_model
 
 THROUGHPUT_WINDOW = timedelta(minutes=5)
 
@@ -95,10 +102,9 @@ class ServiceCollector:
         yield blocked
         total_workers = GaugeMetricFamily("batchweb_workers_total", "Live RQ workers.")
         if health.redis_ok:
-            from rq import Worker
-
-            total_workers.add_metric([], Worker.count(connection=queues.connection()))
+            total_workers.add_metric([], sum(len(h.live) for h in health.hosts))
         yield total_workers
+        yield from host_metrics(health)
 
         in_flight = GaugeMetricFamily("batchweb_shards_in_flight",
                                       "Shards queued or running.", labels=["model", "state"])
@@ -140,6 +146,39 @@ class ServiceCollector:
         for status in WebhookEvent.Status.values:
             events.add_metric([status], event_counts.get(status, 0))
         yield events
+
+
+def host_metrics(health: Health) -> Iterator[Metric]:
+    """Workers per host: a lost host is one whose registered workers all went silent (they
+    stay registered in Redis for minutes after the machine died)."""
+    up = GaugeMetricFamily("batchweb_host_up",
+                           "1 if a worker of the host sent a heartbeat within "
+                           "HEARTBEAT_TIMEOUT_SECONDS, 0 if all its workers are lost.",
+                           labels=["host"])
+    workers = GaugeMetricFamily("batchweb_host_workers",
+                                "Registered workers per host, model and state (lost: no "
+                                "heartbeat within HEARTBEAT_TIMEOUT_SECONDS).",
+                                labels=["host", "model", "state"])
+    held = GaugeMetricFamily("batchweb_host_shards_held",
+                             "Running shards held by the host's workers.", labels=["host"])
+    age = GaugeMetricFamily("batchweb_host_heartbeat_age_seconds",
+                            "Seconds since the newest heartbeat of the host's workers.",
+                            labels=["host"])
+    for host in health.hosts:
+        up.add_metric([host.hostname], 0 if host.lost else 1)
+        counts: dict[tuple[str, str], int] = {}
+        for worker in host.workers:
+            key = (worker.model, worker.status)
+            counts[key] = counts.get(key, 0) + 1
+        for (model, state), n in sorted(counts.items()):
+            workers.add_metric([host.hostname, model, state], n)
+        held.add_metric([host.hostname], host.shards_held)
+        if host.heartbeat_age is not None:
+            age.add_metric([host.hostname], host.heartbeat_age.total_seconds())
+    yield up
+    yield workers
+    yield held
+    yield age
 
 
 def render_metrics() -> bytes:

@@ -1,13 +1,20 @@
 """What the queues and workers are doing, read from Redis and the database at the moment
-of asking: the admin's queue-health page and the /metrics endpoint share it."""
+of asking: the admin's queue-health page and the /metrics endpoint share it.
+
+A worker is *lost* when its RQ registration's heartbeat (refreshed every
+HEARTBEAT_SECONDS by batchworker's presence thread) is older than
+HEARTBEAT_TIMEOUT_SECONDS: the same rule by which the reconciler takes its shards away. A
+killed worker stays registered until its key expires (minutes), so a host whose machine
+died shows as a host whose every worker is lost, with the shards it still holds."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db.models import Count, F
 from django.utils import timezone
 from rq import Worker
@@ -24,6 +31,55 @@ class WorkerInfo:
     queues: list[str]
     last_heartbeat: datetime | None
     current_job: str | None
+    hostname: str = ""
+    model: str = ""  # the model whose queues it takes ("" for none)
+    heartbeat_age: timedelta | None = None
+    lost: bool = False  # not heard of for HEARTBEAT_TIMEOUT_SECONDS
+    shards_held: int = 0  # running shards recorded under its name
+
+    @property
+    def status(self) -> str:
+        """RQ's state (idle, busy, ...), or "lost"."""
+        return "lost" if self.lost else self.state
+
+
+@dataclass
+class HostHealth:
+    """The workers registered from one machine (RQ's record of its host name)."""
+
+    hostname: str
+    workers: list[WorkerInfo] = field(default_factory=list)
+
+    @property
+    def live(self) -> list[WorkerInfo]:
+        return [w for w in self.workers if not w.lost]
+
+    @property
+    def lost_workers(self) -> list[WorkerInfo]:
+        return [w for w in self.workers if w.lost]
+
+    @property
+    def lost(self) -> bool:
+        """Every worker of the host is silent: the machine (or its network) is gone."""
+        return not self.live
+
+    @property
+    def models(self) -> list[str]:
+        return sorted({w.model for w in self.workers if w.model})
+
+    @property
+    def shards_held(self) -> int:
+        return sum(w.shards_held for w in self.workers)
+
+    @property
+    def last_heartbeat(self) -> datetime | None:
+        beats = [w.last_heartbeat for w in self.workers if w.last_heartbeat is not None]
+        return max(beats) if beats else None
+
+    @property
+    def heartbeat_age(self) -> timedelta | None:
+        ages = [w.heartbeat_age for w in self.workers if w.heartbeat_age is not None]
+        return min(ages) if ages else None
 
 
 @dataclass
@@ -42,7 +98,8 @@ class RunningShard:
 class ModelHealth:
     model: str
     depth: dict[str, int]  # priority -> jobs waiting in Redis
-    workers: list[WorkerInfo] = field(default_factory=list)
+    workers: list[WorkerInfo] = field(default_factory=list)  # alive
+    lost_workers: list[WorkerInfo] = field(default_factory=list)
     running: list[RunningShard] = field(default_factory=list)
     waiting_in_db: int = 0  # queued shards without a job (fair share, backoff)
 
@@ -67,6 +124,11 @@ class Health:
     control_workers: int
     redis_ok: bool = True
     redis_error: str = ""
+    hosts: list[HostHealth] = field(default_factory=list)
+
+    @property
+    def lost_hosts(self) -> list[HostHealth]:
+        return [h for h in self.hosts if h.lost]
 
 
 # Every open batch page asks on each poll: one answer per model serves them for a while.
@@ -96,28 +158,60 @@ def _workers(connection: Any) -> list[Any]:
     return Worker.all(connection=connection)
 
 
-def _info(worker: Any) -> WorkerInfo:
+def _info(worker: Any, *, now: datetime, model: str) -> WorkerInfo:
     job_id = worker.get_current_job_id()
-    return WorkerInfo(name=worker.name, state=str(worker.get_state()),
-                      queues=worker.queue_names(), last_heartbeat=worker.last_heartbeat,
-                      current_job=job_id)
+    beat = worker.last_heartbeat
+    if beat is not None and beat.tzinfo is None:
+        beat = beat.replace(tzinfo=UTC)  # RQ stores UTC
+    age = max(now - beat, timedelta(0)) if beat is not None else None
+    timeout = timedelta(seconds=settings.BATCHWEB["HEARTBEAT_TIMEOUT_SECONDS"])
+    state = worker.get_state()
+    return WorkerInfo(name=worker.name, state=str(getattr(state, "value", state)),
+                      queues=worker.queue_names(), last_heartbeat=beat, current_job=job_id,
+                      hostname=worker.hostname or "", model=model, heartbeat_age=age,
+                      lost=age is None or age > timeout)
+
+
+def _hold(infos: list[WorkerInfo], running: dict[str, int]) -> None:
+    """Give each worker the count of running shards recorded under its name. A shard
+    records batchworker's name; RQ's registration has that name, or `<name>.<n>` once
+    batchworker re-registered after a Redis outage (the newest live one holds them)."""
+    by_name: dict[str, list[WorkerInfo]] = {}
+    for info in infos:
+        by_name.setdefault(info.name, []).append(info)
+        base, _, loop = info.name.rpartition(".")
+        if base and loop.isdigit():
+            by_name.setdefault(base, []).append(info)
+    for name, count in running.items():
+        candidates = by_name.get(name)
+        if candidates:
+            holder = min(candidates, key=lambda w: (w.lost, w.heartbeat_age or timedelta.max))
+            holder.shards_held += count
 
 
 def queue_health(*, now: datetime | None = None) -> Health:
     now = now or timezone.now()
     models = {name: ModelHealth(model=name, depth={}) for name in model_names()}
     redis_ok, redis_error, control_depth, control_workers = True, "", 0, 0
+    infos: list[WorkerInfo] = []
     try:
         connection = queues.connection()
         workers = _workers(connection)
         control_depth = queues.queue(queues.CONTROL_QUEUE).count
-        control_workers = sum(1 for w in workers if queues.CONTROL_QUEUE in w.queue_names())
+        owners = {q: name for name in models for q in queues.model_queue_names(name)}
+        for worker in workers:
+            served = [owners[q] for q in worker.queue_names() if q in owners]
+            info = _info(worker, now=now, model=served[0] if served else "")
+            infos.append(info)
+            if queues.CONTROL_QUEUE in info.queues and not info.lost:
+                control_workers += 1
+            if info.model:
+                health = models[info.model]
+                (health.lost_workers if info.lost else health.workers).append(info)
         for name, health in models.items():
             for priority, queue_name in zip(queues.PRIORITIES, queues.model_queue_names(name),
                                             strict=True):
                 health.depth[priority] = queues.queue(queue_name).count
-            own = set(queues.model_queue_names(name))
-            health.workers = [_info(w) for w in workers if own & set(w.queue_names())]
     except Exception as exc:  # Redis down: the database half of the page still helps
         redis_ok, redis_error = False, f"{type(exc).__name__}: {exc}"
     stale = set(Shard.objects.stale(now).values_list("pk", flat=True))
@@ -136,8 +230,17 @@ def queue_health(*, now: datetime | None = None) -> Health:
                                     ).values("batch__model").annotate(n=Count("id")):
         model = row["batch__model"]
         models.setdefault(model, ModelHealth(model=model, depth={})).waiting_in_db = row["n"]
+    held: dict[str, int] = {}
+    for model_health in models.values():
+        for running_shard in model_health.running:
+            held[running_shard.worker] = held.get(running_shard.worker, 0) + 1
+    _hold(infos, held)
+    hosts: dict[str, HostHealth] = {}
+    for info in sorted(infos, key=lambda w: w.name):
+        hosts.setdefault(info.hostname, HostHealth(hostname=info.hostname)).workers.append(info)
     return Health(models=list(models.values()), control_depth=control_depth,
-                  control_workers=control_workers, redis_ok=redis_ok, redis_error=redis_error)
+                  control_workers=control_workers, redis_ok=redis_ok, redis_error=redis_error,
+                  hosts=sorted(hosts.values(), key=lambda h: h.hostname))
 
 
 def shard_counts_by_model() -> dict[tuple[str, str], int]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import signal
+import time
 
 import pytest
 from django.urls import reverse
@@ -11,6 +13,7 @@ from django.utils import timezone
 from jobs import queues
 from jobs.models import Shard
 from jobs.queries import health
+from jobs.services.stopping import cancel_batch
 from tests.factories import chat_lines, jsonl, make_batch, prometheus_values, wait_for
 
 
@@ -71,3 +74,75 @@ def test_queue_health_without_redis_still_shows_the_database(admin_client, user,
     monkeypatch.setattr(health, "_workers", down)
     page = admin_client.get("/admin/jobs/shard/health/").content.decode()
     assert "Redis did not answer" in page and batch.pk in page
+
+
+def _host_section(page: str, host: str) -> str:
+    return page.split(f'<tbody id="host-{host}"')[1].split("</tbody>")[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_queue_health_shows_workers_per_host_and_a_lost_host(admin_client, user, workers,
+                                                             tmp_path, settings):
+    from rq import Worker
+
+    env = {"BATCHWEB_ECHO_SECONDS": "0.05", "BATCHWEB_ECHO_MAX_IN_FLIGHT": "2"}
+    workers.start(env=env, args=["--host", "host-a"])
+    doomed = workers.start(env=env, args=["--host", "host-b"])
+    wait_for(lambda: Worker.count(connection=queues.connection()) == 2, timeout=60,
+             message="both workers to register")
+    batch = make_batch(user, chat_lines(1200), tmp_path, shard_size=50, settings=settings)
+
+    def both_hosts_hold_shards():
+        snapshot = health.queue_health()
+        hosts = {h.hostname: h for h in snapshot.hosts}
+        return set(hosts) == {"host-a", "host-b"} and all(
+            h.shards_held >= 1 for h in hosts.values()) and snapshot
+
+    snapshot = wait_for(both_hosts_hold_shards, timeout=60, every=0.1,
+                        message="a running shard on each host")
+    for host in snapshot.hosts:
+        assert not host.lost and host.models == ["echo-test"]
+        assert [w.name.split(".")[0] for w in host.workers] == [host.hostname]
+        # What a host holds is what the running shards record under its workers' names.
+        assert host.shards_held == sum(
+            1 for m in snapshot.models for s in m.running
+            if s.worker.startswith(host.hostname + "."))
+
+    page = admin_client.get("/admin/jobs/shard/health/").content.decode()
+    running_rows = page.split("<th>Shard</th>")[1]
+    for host in ("host-a", "host-b"):
+        section = _host_section(page, host)
+        assert 'class="host"' in page.split(f'<tbody id="host-{host}"')[1][:20]
+        assert "of 1 alive" in section and "echo-test" in section
+        held = int(section.split('<td class="host-held">')[1].split("<")[0])
+        assert held == running_rows.count(f"<td>{host}."), section
+
+    # The machine of host-b dies: its worker is SIGKILLed, so it sends no heartbeat.
+    doomed.send_signal(signal.SIGKILL)
+    doomed.wait()
+
+    def host_b_lost():
+        page = admin_client.get("/admin/jobs/shard/health/").content.decode()
+        return 'id="host-host-b" class="host lost"' in page and page
+
+    page = wait_for(host_b_lost, timeout=30, message="host-b shown as lost")
+    assert "<strong>lost</strong>: 1 worker(s) silent" in _host_section(page, "host-b")
+    assert '<td class="worker-state"><strong>lost</strong></td>' in _host_section(
+        page, "host-b")
+    assert 'id="host-host-a" class="host"' in page
+    values = prometheus_values(admin_client.get("/metrics").content.decode())
+    assert values[("batchweb_host_up", (("host", "host-a"),))] == 1
+    assert values[("batchweb_host_up", (("host", "host-b"),))] == 0
+    assert values[("batchweb_host_workers", (("host", "host-b"), ("model", "echo-test"),
+                                             ("state", "lost")))] == 1
+    assert values[("batchweb_workers", (("model", "echo-test"),))] == 1
+
+    # An idle worker is not lost: RQ itself would refresh its heartbeat only when its wait
+    # for a job times out (minutes), batchworker's presence thread does every second.
+    cancel_batch(batch=batch)
+    wait_for(lambda: not Shard.objects.filter(batch=batch, status="running").exists(),
+             timeout=30, message="the batch's shards to stop")
+    time.sleep(settings.BATCHWEB["HEARTBEAT_TIMEOUT_SECONDS"] + 2)
+    alive = next(h for h in health.queue_health().hosts if h.hostname == "host-a")
+    assert not alive.lost and alive.workers[0].state == "idle"
+    assert alive.heartbeat_age is not None and alive.heartbeat_age.total_seconds() < 3

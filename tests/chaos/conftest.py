@@ -49,3 +49,23 @@ def chaos_env(settings: Any, tmp_path: Path, private_redis: PrivateRedis) -> dic
     return {"REDIS_URL": private_redis.url, "BATCHWEB_STORAGE_DIR": str(storage),
             "BATCHWEB_TMP_DIR": str(tmp_path / "shared" / "tmp"),
             "BATCHWEB_CLEANUP_INTERVAL_SECONDS": "0", "LOG_LEVEL": "WARNING"}
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Any]:
+    """Four hosts on a private bridge (tests/chaos/cluster.py): `svc` (PostgreSQL, Redis,
+    S3), `web`, and the worker hosts `host-a` and `host-b`. Every process, namespace and
+    link is taken down afterwards, whatever happened."""
+    from tests.chaos.cluster import Cluster, namespaces_work, postgres_bin
+
+    why = namespaces_work()
+    if why:
+        pytest.skip(f"network namespaces cannot be made here: {why}")
+    if postgres_bin() is None:
+        pytest.skip("PostgreSQL's server binaries (/usr/lib/postgresql/*/bin) are missing")
+    hosts = Cluster(tmp_path / "hosts")
+    try:
+        hosts.build(["svc", "web", "host-a", "host-b"])
+        yield hosts
+    finally:
+        hosts.close()

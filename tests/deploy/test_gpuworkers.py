@@ -127,6 +127,8 @@ def test_one_worker_per_gpu_sees_only_its_gpu_and_is_named_by_host_and_gpu() -> 
         command[3:])
     assert (parsed.model, parsed.name, parsed.drain_seconds) == (
         "llama", "node7.gpu1.llama", 60.0)
+    # The host each worker reports to queue health: the machine's, not a container's.
+    assert parsed.host == "node7"
 
 
 def test_a_tensor_parallel_model_gets_a_group_per_worker() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.utils import timezone
@@ -65,3 +66,54 @@ def test_metrics_content(admin_client, user, tmp_path, settings):
     assert values[("batchweb_webhook_events", (("status", "pending"),))] == 1
     assert values[("batchweb_redis_up", ())] == 1
     assert Batch.objects.count() == 2
+
+
+def register_worker(name: str, host: str, *, heartbeat_age: float = 0.0) -> Any:
+    """An RQ worker registered in Redis as batchworker registers one (its model's queues,
+    its host), its last heartbeat `heartbeat_age` seconds ago."""
+    from rq import SimpleWorker
+    from rq.utils import utcformat
+
+    worker = SimpleWorker([queues.queue(q) for q in queues.model_queue_names("echo-test")],
+                          name=name, connection=queues.connection())
+    worker.hostname = host
+    worker.register_birth()
+    worker.set_state("idle")  # as it is while it waits for a job
+    beat = timezone.now() - timedelta(seconds=heartbeat_age)
+    queues.connection().hset(worker.key, "last_heartbeat", utcformat(beat))
+    return worker
+
+
+@pytest.mark.django_db
+def test_metrics_workers_per_host(admin_client, user, tmp_path, settings):
+    # host-a: two live workers, the second re-registered after a Redis outage (RQ name
+    # `<name>.1`, its shards still recorded under `<name>`); host-b: one worker silent for
+    # longer than the heartbeat timeout (6 s in the tests), as after its machine died.
+    register_worker("host-a.1.echo-test", "host-a")
+    register_worker("host-a.2.echo-test.1", "host-a")
+    register_worker("host-b.1.echo-test", "host-b", heartbeat_age=60)
+    batch = make_batch(user, chat_lines(10), tmp_path, shard_size=2, settings=settings)
+    shards = list(Shard.objects.filter(batch=batch).order_by("index"))
+    for shard, worker in zip(shards, ["host-a.1.echo-test", "host-a.2.echo-test",
+                                      "host-a.2.echo-test", "host-b.1.echo-test"], strict=False):
+        Shard.objects.filter(pk=shard.pk).update(status=Shard.Status.RUNNING, worker=worker,
+                                                 heartbeat_at=timezone.now())
+
+    values = prometheus_values(admin_client.get("/metrics").content.decode())
+
+    def value(name: str, **labels: str) -> float:
+        return values[(name, tuple(sorted(labels.items())))]
+
+    assert value("batchweb_host_up", host="host-a") == 1
+    assert value("batchweb_host_up", host="host-b") == 0
+    assert value("batchweb_host_workers", host="host-a", model="echo-test", state="idle") == 2
+    assert value("batchweb_host_workers", host="host-b", model="echo-test", state="lost") == 1
+    assert ("batchweb_host_workers", (("host", "host-b"), ("model", "echo-test"),
+                                      ("state", "idle"))) not in values
+    assert value("batchweb_host_shards_held", host="host-a") == 3
+    assert value("batchweb_host_shards_held", host="host-b") == 1
+    assert value("batchweb_host_heartbeat_age_seconds", host="host-a") < 6
+    assert value("batchweb_host_heartbeat_age_seconds", host="host-b") >= 60
+    # Lost workers are not counted as serving the model.
+    assert value("batchweb_workers", model="echo-test") == 2
+    assert value("batchweb_workers_total") == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -74,3 +75,45 @@ def test_the_cpu_defaults_get_this_cpus_dtype(settings: object) -> None:
     assert spec.options["dtype"] in ("bfloat16", "float32")
     if not os.environ.get("BATCHWEB_DTYPE"):
         assert spec.options["dtype"] == best_cpu_dtype()
+
+
+def _database_options(**env: str) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-c", "import json, batchweb.settings as s; "
+         "print(json.dumps(s.DATABASES['default'].get('OPTIONS', {})))"],
+        cwd=ROOT, text=True, capture_output=True, timeout=60, env={**os.environ, **env})
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_postgres_sessions_ask_the_server_to_notice_a_dead_host() -> None:
+    url = "postgres://batchweb@db.internal:5432/batchweb"
+    # A quarter of the heartbeat timeout: a dead host's sessions (and their locks) are
+    # dropped within ~2x that, before other workers' waiting heartbeats grow stale.
+    options = _database_options(DATABASE_URL=url, BATCHWEB_HEARTBEAT_TIMEOUT_SECONDS="30")
+    assert options["options"] == ("-c tcp_keepalives_idle=7 -c tcp_keepalives_interval=2 "
+                                  "-c tcp_keepalives_count=3 -c tcp_user_timeout=14000")
+    # Options in DATABASE_URL come after them, so they win; 0 sends nothing.
+    options = _database_options(
+        DATABASE_URL=url + "?options=-c%20tcp_keepalives_idle%3D60",
+        BATCHWEB_DB_DEAD_CLIENT_SECONDS="10")
+    assert options["options"].startswith("-c tcp_keepalives_idle=10 ")
+    assert options["options"].endswith(" -c tcp_keepalives_idle=60")
+    assert "options" not in _database_options(DATABASE_URL=url,
+                                              BATCHWEB_DB_DEAD_CLIENT_SECONDS="0")
+
+
+@pytest.mark.django_db
+def test_a_postgres_session_has_the_keepalives(settings: object) -> None:
+    from django.db import connection
+
+    if connection.vendor != "postgresql" or not connection.settings_dict["HOST"]:
+        pytest.skip("needs PostgreSQL over TCP (DATABASE_URL)")
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW tcp_keepalives_idle")
+        idle = cursor.fetchone()[0]
+        cursor.execute("SHOW tcp_user_timeout")
+        user_timeout = cursor.fetchone()[0]
+    seconds = settings.DB_DEAD_CLIENT_SECONDS  # type: ignore[attr-defined]
+    assert idle in (str(seconds), f"{seconds}s")
+    assert user_timeout in (str(seconds * 2000), f"{seconds * 2}s")

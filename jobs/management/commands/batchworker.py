@@ -26,6 +26,7 @@ from jobs.engines import model_spec
 from jobs.policy import close_engines
 from jobs.services.cleanup import sweep_temp_dir
 from jobs.worker.pipeline import Pipeline
+from jobs.worker.presence import Presence
 
 
 class Command(BaseCommand):
@@ -33,7 +34,12 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--model", required=True, help="A name from BATCHWEB_MODELS.")
-        parser.add_argument("--name", default="", help="Worker name (default host.pid).")
+        parser.add_argument("--name", default="",
+                            help="Worker name (default <host>.<pid>.<model>).")
+        parser.add_argument("--host", default="",
+                            help="This machine's name (default its host name): queue health "
+                                 "and /metrics group workers by it. Set it where the host "
+                                 "name is not the machine's, as in a container.")
         parser.add_argument("--no-control", action="store_true",
                             help="Do not take validation/finalization jobs.")
         parser.add_argument("--drain-seconds", type=float, default=60.0,
@@ -44,7 +50,8 @@ class Command(BaseCommand):
         if spec is None:
             known = ", ".join(m["name"] for m in settings.BATCHWEB_MODELS)
             raise CommandError(f"Unknown model {options['model']!r}; served here: {known}")
-        name = options["name"] or f"{socket.gethostname()}.{os.getpid()}.{spec.name}"
+        host = options["host"] or socket.gethostname()
+        name = options["name"] or f"{host}.{os.getpid()}.{spec.name}"
         queue_names = queues.model_queue_names(spec.name)
         if not options["no_control"]:
             # Control jobs first: they are short, and a new batch should not wait for
@@ -59,10 +66,12 @@ class Command(BaseCommand):
         engine = load_engine(spec)
         pipeline = Pipeline(engine, worker_name=name)
         pipeline.start()
+        presence = Presence(pipeline.closing, every=settings.BATCHWEB["HEARTBEAT_SECONDS"])
+        presence.start()
         self.stdout.write(f"batchworker {name}: ready on {', '.join(queue_names)}")
         cold = False
         try:
-            self.take_jobs(queue_names, name, pipeline)
+            self.take_jobs(queue_names, name, host, pipeline, presence)
             pipeline.drain(timeout=options["drain_seconds"])
         except (SystemExit, KeyboardInterrupt):
             cold = True
@@ -74,7 +83,8 @@ class Command(BaseCommand):
             sys.exit(f"batchworker {name}: engine failed: {pipeline.broken}")
         self.stdout.write(f"batchworker {name}: stopped{' (cold)' if cold else ''}")
 
-    def take_jobs(self, queue_names: list[str], name: str, pipeline: Pipeline) -> None:
+    def take_jobs(self, queue_names: list[str], name: str, host: str, pipeline: Pipeline,
+                  presence: Presence) -> None:
         """Run RQ's work loop until a stop is requested, riding out Redis outages: RQ's
         loop returns when Redis goes away, and reloading the model would cost a minute, so
         the engine stays loaded and a new loop starts once Redis answers again."""
@@ -86,10 +96,14 @@ class Command(BaseCommand):
                 worker = SimpleWorker([queues.queue(q) for q in queue_names],
                                       name=f"{name}.{loops}" if loops else name,
                                       connection=queues.connection())
+                worker.hostname = host  # registered with the worker (RQ's own field)
+                presence.worker = worker
                 worker.work(logging_level=settings.LOG_LEVEL)
             except redis.exceptions.RedisError as exc:
                 # Building the worker and RQ's own shutdown talk to Redis too.
                 self.stderr.write(f"batchworker {name}: Redis unavailable ({exc})")
+            finally:
+                presence.worker = None
             loops += 1
             if worker is not None and worker._shutdown_requested_date is not None:
                 return  # SIGTERM / SIGINT: stop

@@ -151,7 +151,7 @@ def plan_workers(*, spec: ModelSpec, devices: Devices, per_worker: int, host: st
             env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         plans.append(WorkerPlan(devices=group, env=env,
                                 name=worker_name(host=host, devices=group, model=spec.name),
-                                args=("--model", spec.name, *worker_args)))
+                                args=("--model", spec.name, "--host", host, *worker_args)))
     return plans, idle
 
 
@@ -267,9 +267,10 @@ class Supervisor:
 
 class WorkerOptions:
     """batchworker's own options, declared on this command's parser as batchworker declares
-    them, and passed on to every worker; except --model and --name, which gpuworkers sets."""
+    them, and passed on to every worker; except --model, --name and --host, which
+    gpuworkers sets."""
 
-    SET_HERE = ("--model", "--name")
+    SET_HERE = ("--model", "--name", "--host")
 
     def __init__(self, parser: Any) -> None:
         self.parser = parser
@@ -303,8 +304,6 @@ class Command(BaseCommand):
         parser.add_argument("--gpus", default="",
                             help="Comma-separated GPUs to use (default CUDA_VISIBLE_DEVICES, "
                                  "else every GPU nvidia-smi -L lists).")
-        parser.add_argument("--host", default="",
-                            help="Host part of the worker names (default the host name).")
 
     def handle(self, *args: Any, **options: Any) -> None:
         spec = model_spec(options["model"])
