@@ -161,6 +161,16 @@ def ensure_redis(directory: Path) -> PrivateRedis | None:
     return server
 
 
+def s3_storage_env(url: str, bucket: str, prefix: str = "") -> dict[str, str]:
+    """The variables that store batchweb's files in `bucket` of a local S3 server at `url`,
+    under `prefix`."""
+    return {"BATCHWEB_STORAGE_BACKEND": "s3", "BATCHWEB_S3_ENDPOINT_URL": url,
+            "BATCHWEB_S3_BUCKET": bucket, "BATCHWEB_S3_REGION": "us-east-1",
+            "BATCHWEB_S3_ACCESS_KEY_ID": PrivateS3.ACCESS_KEY,
+            "BATCHWEB_S3_SECRET_ACCESS_KEY": PrivateS3.SECRET_KEY,
+            "BATCHWEB_S3_PATH_STYLE": "true", "BATCHWEB_S3_PREFIX": prefix}
+
+
 class PrivateS3:
     """One `python -m moto.server` process on a free port of `host`, keeping everything in
     memory. `storage_env` gives the settings that point batchweb at one of its buckets."""
@@ -199,14 +209,8 @@ class PrivateS3:
             aws_secret_access_key=keys.get("secret_key", self.SECRET_KEY),
             config=Config(s3={"addressing_style": "path"}))
 
-    def storage_env(self, bucket: str, prefix: str = "", *, url: str | None = None
-                    ) -> dict[str, str]:
-        """The variables that store batchweb's files in `bucket`, under `prefix`."""
-        return {"BATCHWEB_STORAGE_BACKEND": "s3", "BATCHWEB_S3_ENDPOINT_URL": url or self.url,
-                "BATCHWEB_S3_BUCKET": bucket, "BATCHWEB_S3_REGION": "us-east-1",
-                "BATCHWEB_S3_ACCESS_KEY_ID": self.ACCESS_KEY,
-                "BATCHWEB_S3_SECRET_ACCESS_KEY": self.SECRET_KEY,
-                "BATCHWEB_S3_PATH_STYLE": "true", "BATCHWEB_S3_PREFIX": prefix}
+    def storage_env(self, bucket: str, prefix: str = "") -> dict[str, str]:
+        return s3_storage_env(self.url, bucket, prefix)
 
     def stop(self) -> None:
         self.process.kill()  # it keeps everything in memory: nothing to flush

@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
+from batchweb.embedded import PrivateS3, s3_storage_env
 from tests.chaos.cluster import PY, Cluster, Host, start_postgres, start_redis, start_s3
 from tests.factories import ROOT, chat_line, jsonl, prometheus_values, wait_for
-from tests.s3.conftest import ACCESS_KEY, SECRET_KEY, storage_env
 
 pytestmark = [pytest.mark.chaos]
 
@@ -105,7 +105,8 @@ def services(cluster: Cluster) -> Iterator[dict[str, str]]:
     redis_url = start_redis(svc)
     s3_url = start_s3(svc)
     boto3.client("s3", endpoint_url=s3_url, region_name="us-east-1",
-                 aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+                 aws_access_key_id=PrivateS3.ACCESS_KEY,
+                 aws_secret_access_key=PrivateS3.SECRET_KEY,
                  config=Config(s3={"addressing_style": "path"})
                  ).create_bucket(Bucket="batchweb")
     yield {"database_url": f"{server}/batchweb_multihost", "redis_url": redis_url,
@@ -116,7 +117,7 @@ def test_a_host_dies_mid_batch_and_the_other_host_finishes_it(cluster: Cluster,
                                                              services: dict[str, str]):
     started = time.monotonic()
     web, victim, survivor = (cluster.hosts[n] for n in ("web", "host-b", "host-a"))
-    s3 = storage_env(services["s3_url"], "batchweb", "multihost")
+    s3 = s3_storage_env(services["s3_url"], "batchweb", "multihost")
 
     def env(host: Host, **extra: str) -> dict[str, str]:
         return {**host_env(host, database_url=services["database_url"],
