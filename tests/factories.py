@@ -579,3 +579,21 @@ def response_text(response) -> str:
     """A response's body as text, streamed (downloads) or not."""
     return b"".join(response.streaming_content).decode() if response.streaming else \
         response.content.decode()
+
+
+def register_worker(name: str, host: str, *, heartbeat_age: float = 0.0) -> Any:
+    """An RQ worker registered in Redis as batchworker registers one (its model's queues,
+    its host), its last heartbeat `heartbeat_age` seconds ago."""
+    from rq import SimpleWorker
+    from rq.utils import utcformat
+
+    from jobs import queues
+
+    worker = SimpleWorker([queues.queue(q) for q in queues.model_queue_names("echo-test")],
+                          name=name, connection=queues.connection())
+    worker.hostname = host
+    worker.register_birth()
+    worker.set_state("idle")  # as it is while it waits for a job
+    beat = timezone.now() - timedelta(seconds=heartbeat_age)
+    queues.connection().hset(worker.key, "last_heartbeat", utcformat(beat))
+    return worker

@@ -145,7 +145,10 @@ def progress_blocker(model: str) -> str:
         return cached[1]
     own = set(queues.model_queue_names(model))
     try:
-        alive = any(own & set(w.queue_names()) for w in _workers(queues.connection()))
+        stamp = timezone.now()
+        # A worker of a host that died stays registered until Redis forgets it: lost.
+        alive = any(own & set(w.queue_names()) and not _heartbeat(w, stamp)[2]
+                    for w in _workers(queues.connection()))
         reason = "" if alive else (f"no worker for {model} is running; it resumes as soon "
                                    "as one starts")
     except Exception:  # Redis down or unreachable
@@ -158,18 +161,24 @@ def _workers(connection: Any) -> list[Any]:
     return Worker.all(connection=connection)
 
 
-def _info(worker: Any, *, now: datetime, model: str) -> WorkerInfo:
-    job_id = worker.get_current_job_id()
+def _heartbeat(worker: Any, now: datetime) -> tuple[datetime | None, timedelta | None, bool]:
+    """(last heartbeat, its age, lost): the one rule of a worker being lost."""
     beat = worker.last_heartbeat
     if beat is not None and beat.tzinfo is None:
         beat = beat.replace(tzinfo=UTC)  # RQ stores UTC
     age = max(now - beat, timedelta(0)) if beat is not None else None
     timeout = timedelta(seconds=settings.BATCHWEB["HEARTBEAT_TIMEOUT_SECONDS"])
+    return beat, age, age is None or age > timeout
+
+
+def _info(worker: Any, *, now: datetime, model: str) -> WorkerInfo:
+    job_id = worker.get_current_job_id()
+    beat, age, lost = _heartbeat(worker, now)
     state = worker.get_state()
     return WorkerInfo(name=worker.name, state=str(getattr(state, "value", state)),
                       queues=worker.queue_names(), last_heartbeat=beat, current_job=job_id,
                       hostname=worker.hostname or "", model=model, heartbeat_age=age,
-                      lost=age is None or age > timeout)
+                      lost=lost)
 
 
 def _hold(infos: list[WorkerInfo], running: dict[str, int]) -> None:

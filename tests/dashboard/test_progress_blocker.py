@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jobs import queues
 from jobs.queries import health
-from tests.factories import Workers, chat_line, make_batch, wait_for
+from tests.factories import Workers, chat_line, make_batch, register_worker, wait_for
 
 pytestmark = pytest.mark.django_db
 
@@ -55,6 +55,18 @@ def test_no_worker_is_shown_everywhere_until_one_starts(site: Any, admin_client:
         assert _blocked_metric(admin_client) == 0
     finally:
         workers.stop_all()
+
+
+def test_a_worker_of_a_dead_host_is_not_counted_as_running(site: Any, user: Any,
+                                                           tmp_path: Path) -> None:
+    # Its registration outlives it in Redis; its heartbeat stopped a minute ago.
+    batch = make_batch(user, [chat_line("r0", "hi")], tmp_path)
+    register_worker("host-b.1.echo-test", "host-b", heartbeat_age=60)
+    assert "no worker for echo-test is running" in health.progress_blocker("echo-test")
+    health._blockers.clear()
+    register_worker("host-a.1.echo-test", "host-a")
+    assert health.progress_blocker("echo-test") == ""
+    assert 'id="blocker"' not in site.get(f"/batches/{batch.pk}/live").content.decode()
 
 
 def test_an_unreachable_queue_is_named(site: Any, user: Any, tmp_path: Path,

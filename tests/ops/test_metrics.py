@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
 
 import pytest
 from django.utils import timezone
 
 from jobs import queues
 from jobs.models import Batch, Shard, WebhookEvent
-from tests.factories import chat_lines, make_batch, prometheus_values, run_batch
+from tests.factories import chat_lines, make_batch, prometheus_values, register_worker, run_batch
 
 
 @pytest.mark.django_db
@@ -66,22 +65,6 @@ def test_metrics_content(admin_client, user, tmp_path, settings):
     assert values[("batchweb_webhook_events", (("status", "pending"),))] == 1
     assert values[("batchweb_redis_up", ())] == 1
     assert Batch.objects.count() == 2
-
-
-def register_worker(name: str, host: str, *, heartbeat_age: float = 0.0) -> Any:
-    """An RQ worker registered in Redis as batchworker registers one (its model's queues,
-    its host), its last heartbeat `heartbeat_age` seconds ago."""
-    from rq import SimpleWorker
-    from rq.utils import utcformat
-
-    worker = SimpleWorker([queues.queue(q) for q in queues.model_queue_names("echo-test")],
-                          name=name, connection=queues.connection())
-    worker.hostname = host
-    worker.register_birth()
-    worker.set_state("idle")  # as it is while it waits for a job
-    beat = timezone.now() - timedelta(seconds=heartbeat_age)
-    queues.connection().hset(worker.key, "last_heartbeat", utcformat(beat))
-    return worker
 
 
 @pytest.mark.django_db
