@@ -118,16 +118,23 @@ def test_a_zombie_worker_cannot_record_a_late_checkpoint(
     assert all(default_storage.exists(name) for name in stored)
 
 
+def one_slow_shard(make_batch, make_pipeline, n: int, *, seconds: float):
+    """A batch of one shard of `n` requests, started on a pipeline that takes `seconds` a
+    request, two at a time: (lines, batch, shard, pipeline)."""
+    lines = [chat_line(f"l{i}", f"q {i}") for i in range(n)]
+    batch = make_batch(lines, shard_size=n)
+    shard = Shard.objects.get(batch=batch)
+    pipeline = make_pipeline(seconds_per_request=seconds, max_in_flight=2, inbox_size=2)
+    start_shard(pipeline, shard.pk)
+    return lines, batch, shard, pipeline
+
+
 def test_a_checkpoint_lost_from_storage_makes_the_shard_run_whole(
         make_batch, make_pipeline, checkpoint_often, tmp_path):
     # Long enough (about 2 s of engine time) that the first pipeline is still running the
     # shard when it hands it back: with a short shard it may finish it first, and then
     # there is nothing left for the second one to compute.
-    lines = [chat_line(f"l{i}", f"q {i}") for i in range(40)]
-    batch = make_batch(lines, shard_size=40)
-    shard = Shard.objects.get(batch=batch)
-    first = make_pipeline(seconds_per_request=0.1, max_in_flight=2, inbox_size=2)
-    start_shard(first, shard.pk)
+    lines, batch, shard, first = one_slow_shard(make_batch, make_pipeline, 40, seconds=0.1)
     wait_for(lambda: Shard.objects.get(pk=shard.pk).checkpoint, timeout=20,
              message="a checkpoint")
     first.hand_back_all()
@@ -150,11 +157,8 @@ def test_a_running_shard_holds_only_what_its_last_checkpoint_did_not_store(
         make_batch, make_pipeline, checkpoint_often, settings):
     # Results never go to the worker's disk, and what a checkpoint stored leaves memory;
     # the finished part is the segments joined with the rest.
-    lines = [chat_line(f"m{i}", f"q {i}") for i in range(30)]
-    batch = make_batch(lines, shard_size=30)
-    shard = Shard.objects.get(batch=batch)
-    pipeline = make_pipeline(seconds_per_request=0.05, max_in_flight=2, inbox_size=2)
-    start_shard(pipeline, shard.pk)
+    lines, batch, shard, pipeline = one_slow_shard(make_batch, make_pipeline, 30,
+                                                   seconds=0.05)
     wait_for(lambda: len(Checkpoint.from_json(
         Shard.objects.get(pk=shard.pk).checkpoint).segments) >= 2,
         timeout=20, message="two checkpoints")
@@ -166,6 +170,6 @@ def test_a_running_shard_holds_only_what_its_last_checkpoint_did_not_store(
     wait_for(lambda: Shard.objects.get(pk=shard.pk).status == "done", timeout=30,
              message="the shard done")
     done, out, err = finalized(batch)
-    assert_exactly_once(out, err, {f"m{i}" for i in range(30)})
+    assert_exactly_once(out, err, {line["custom_id"] for line in lines})
     assert len(out) == 30 and err == []
     assert list(Path(settings.TMP_DIR).iterdir()) == []
