@@ -164,9 +164,12 @@ AUTH_PASSWORD_VALIDATORS = [
 # accounts (credential stuffing from one place); the owner, signing in from elsewhere, is not
 # affected. A lock lifts after AXES_COOLOFF_TIME without failures; distributed guessing is
 # left to the password validators above.
+# batchweb.auth.ModelBackend is Django's, with a cheaper lookup of a session's user. A
+# session records the backend that signed it in: one of Django's own ModelBackend (before
+# this one replaced it) is signed out once.
 AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",
-    "django.contrib.auth.backends.ModelBackend",
+    "batchweb.auth.ModelBackend",
 ]
 LOGIN_FAILURES_PER_USER = 5
 LOGIN_FAILURES_PER_IP = 20
@@ -179,6 +182,8 @@ AXES_RESET_ON_SUCCESS = False
 # Reverse proxies between the clients and gunicorn (0: none), for the client's address.
 BATCHWEB_PROXY_COUNT = env_int("BATCHWEB_PROXY_COUNT", 0)
 AXES_CLIENT_IP_CALLABLE = "batchweb.throttle.client_ip"
+# Django's database sessions, read with a cheaper query (see batchweb/sessions.py).
+SESSION_ENGINE = "batchweb.sessions"
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "batch_list"
 LOGOUT_REDIRECT_URL = "login"

@@ -22,6 +22,7 @@ from django.utils import timezone
 from engine.base import ENDPOINTS
 from jobs import queues
 from jobs.models import Batch, File
+from jobs.queries.compiled import Compiled
 from jobs.services.errors import ServiceError, not_found, storable_id
 from jobs.services.files import get_file_for_user, parse_expires_after
 from jobs.services.quotas import check_quota
@@ -100,9 +101,14 @@ def create_batch(*, owner: Any, input_file_id: Any, endpoint: Any, completion_wi
     return batch
 
 
+# Every poll of a batch (the API's and the dashboard's) starts here: compiled once.
+_BATCH_OF_OWNER = Compiled(lambda owner_id, batch_id: Batch.objects.filter(
+    owner_id=owner_id, pk=batch_id)[:1], "owner_id", "batch_id")
+
+
 def get_batch_for_user(*, owner: Any, batch_id: str) -> Batch:
-    batch = (Batch.objects.filter(owner=owner, pk=batch_id).first()
-             if storable_id(batch_id) else None)
-    if batch is None:
+    found = _BATCH_OF_OWNER.rows(owner_id=owner.pk, batch_id=batch_id) \
+        if storable_id(batch_id) else []
+    if not found:
         raise not_found("batch", batch_id)
-    return batch
+    return found[0]

@@ -1,0 +1,123 @@
+"""Queries compiled once (jobs.queries.compiled) answer exactly as the ORM does: the same
+models with the same field values, the same tuples, one query each; and what is built on
+them (the owner's batch, the spot-check summary, a session and its user) keeps its rules."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.contrib.auth import SESSION_KEY
+from django.contrib.sessions.models import Session
+from django.db.models import Count
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from batchweb.auth import ModelBackend
+from batchweb.sessions import SessionStore
+from jobs.models import Batch, SpotCheck
+from jobs.queries.compiled import Compiled
+from jobs.services.batches import get_batch_for_user
+from jobs.services.errors import ServiceError
+from jobs.services.spotcheck import summary
+from tests.factories import claimed_batch, partly_run_batch
+
+pytestmark = pytest.mark.django_db
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    return {f.attname: getattr(obj, f.attname) for f in type(obj)._meta.concrete_fields}
+
+
+def test_models_are_the_orms(user, tmp_path, settings, django_assert_num_queries):
+    batch = partly_run_batch(user, tmp_path, settings, requests=20, shard_size=5, done=2)
+    Batch.objects.filter(pk=batch.pk).update(metadata={"k": "v"}, errors=[{"line": 1}])
+    compiled = Compiled(lambda owner_id, batch_id: Batch.objects.filter(
+        owner_id=owner_id, pk=batch_id)[:1], "owner_id", "batch_id")
+    with django_assert_num_queries(1):
+        [found] = compiled.rows(owner_id=user.pk, batch_id=batch.pk)
+    orm = Batch.objects.get(pk=batch.pk)
+    # Datetimes, JSON and the rest converted as the ORM does, and the row is not stale.
+    assert _fields(found) == _fields(orm) and found.metadata == {"k": "v"}
+    assert found.completed == 10 and found.in_progress_at is not None
+    assert not found._state.adding and found._state.db == "default"
+    assert compiled.rows(owner_id=user.pk + 1, batch_id=batch.pk) == []
+    assert compiled.rows(owner_id=user.pk, batch_id="batch_none") == []
+
+
+def test_annotations_order_and_values_lists(user, other_user, tmp_path, settings):
+    mine = [partly_run_batch(user, tmp_path, settings, requests=4, shard_size=2, done=d,
+                             prefix=f"m{d}") for d in (0, 1, 2)]
+    partly_run_batch(other_user, tmp_path, settings, requests=4, shard_size=2, done=1)
+    newest = Compiled(lambda owner_id: Batch.objects.filter(owner_id=owner_id)
+                      .annotate(shard_count=Count("shards")).order_by("-created_at", "-pk")[:2],
+                      "owner_id")
+    found = newest.rows(owner_id=user.pk)
+    assert [b.pk for b in found] == [b.pk for b in sorted(
+        mine, key=lambda b: (b.created_at, b.pk), reverse=True)[:2]]
+    assert [b.shard_count for b in found] == [2, 2]
+    counts = Compiled(lambda owner_id: Batch.objects.filter(owner_id=owner_id).order_by("pk")
+                      .values_list("pk", "completed"), "owner_id")
+    assert counts.rows(owner_id=user.pk) == list(
+        Batch.objects.filter(owner=user).order_by("pk").values_list("pk", "completed"))
+
+
+def test_every_value_must_be_a_parameter():
+    unused = Compiled(lambda owner_id, other: Batch.objects.filter(owner_id=owner_id),
+                      "owner_id", "other")
+    with pytest.raises(ValueError, match="parameter"):
+        unused.rows(owner_id=1, other=2)
+
+
+def test_the_owners_batch_only(user, other_user, tmp_path, settings):
+    batch, _ = claimed_batch(user, tmp_path, settings)
+    assert get_batch_for_user(owner=user, batch_id=batch.pk).pk == batch.pk
+    for owner, batch_id in ((other_user, batch.pk), (user, "batch_x"), (user, "a\x00b")):
+        with pytest.raises(ServiceError) as error:
+            get_batch_for_user(owner=owner, batch_id=batch_id)
+        assert error.value.status == 404
+
+
+def test_spot_summary_counts_marks(user, tmp_path, settings):
+    batch, _ = claimed_batch(user, tmp_path, settings)
+    assert (summary(batch).marked, summary(batch).good) == (0, 0)
+    for i, verdict in enumerate(["good", "bad", "good"]):
+        SpotCheck.objects.create(batch=batch, custom_id=f"r-{i}", verdict=verdict, note="")
+    assert (summary(batch).marked, summary(batch).good) == (3, 2)
+
+
+# --- sessions and their users ---
+
+
+def test_a_session_and_its_user_as_before(client: Client, user: Any) -> None:
+    client.force_login(user)
+    assert client.get(reverse("batch_list")).status_code == 200
+    key = client.cookies["sessionid"].value
+    assert SessionStore(key).load()[SESSION_KEY] == str(user.pk)
+    assert ModelBackend().get_user(user.pk).pk == user.pk
+    assert ModelBackend().get_user(user.pk + 100) is None
+
+
+def test_an_expired_session_signs_out(client: Client, user: Any) -> None:
+    client.force_login(user)
+    key = client.cookies["sessionid"].value
+    Session.objects.filter(pk=key).update(expire_date=timezone.now() - timedelta(seconds=1))
+    assert SessionStore(key).load() == {}
+    assert client.get(reverse("batch_list")).status_code == 302
+
+
+def test_a_deactivated_user_signs_out(client: Client, user: Any) -> None:
+    client.force_login(user)
+    user.is_active = False
+    user.save()
+    assert ModelBackend().get_user(user.pk) is None
+    assert client.get(reverse("batch_list")).status_code == 302
+
+
+def test_a_changed_password_ends_other_sessions(client: Client, user: Any) -> None:
+    client.force_login(user)
+    user.set_password("pw-changed-456")
+    user.save()
+    assert client.get(reverse("batch_list")).status_code == 302
