@@ -263,8 +263,12 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 # The cache of the dashboard's heavy views (preflight of a stored file, spot-check samples,
 # error counts) lives in that Redis too: every gunicorn worker and host shares it, where
 # Django's default per-process memory would compute each result once per process.
+# "local" is each process's own memory, for what is cheaper to compute again than to fetch
+# from Redis, and the same for every process (the rendered row of an ended batch).
 CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
-                      "LOCATION": REDIS_URL, "KEY_PREFIX": "batchweb-cache"}}
+                      "LOCATION": REDIS_URL, "KEY_PREFIX": "batchweb-cache"},
+          "local": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache",
+                    "LOCATION": "batchweb-local", "OPTIONS": {"MAX_ENTRIES": 5000}}}
 # django-rq's pages are only at /admin/rq/, for superusers (batchweb/urls.py): its own admin
 # entry would open them to every staff user.
 RQ_SHOW_ADMIN_LINK = False

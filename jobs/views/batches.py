@@ -18,7 +18,7 @@ from urllib.parse import urlencode
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.cache import cache
+from django.core.cache import cache, caches
 from django.core.paginator import Paginator
 from django.http import Http404, HttpResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
@@ -57,6 +57,10 @@ _SEED = re.compile(r"[0-9a-f]{1,16}")
 # least this often even when nothing else changed.
 LIVE_STALE_SECONDS = 60
 LIVE_CACHE_SECONDS = 300
+# Rendered rows of ended batches (see _rows), in each web process's memory: reading them
+# from Redis would cost about what rendering them does.
+_ENDED_ROWS = caches["local"]
+ENDED_ROW_SECONDS = 3600
 STATUS_FILTERS = [("", "all"), ("active", "active"), *[(s, s.replace("_", " "))
                                                        for s in Batch.Status.values]]
 
@@ -114,6 +118,25 @@ def _row(batch: Batch, eta: float | None, params: dict[str, str] | None = None
             "poll": _poll(batch, "batch_row", batch_version(batch), params)}
 
 
+def _rows(page_batches: list[Batch], etas: dict[str, float | None]) -> list[dict[str, Any]]:
+    """The list's rows; an ended batch's as its HTML (`html`), rendered once per process and
+    version: nothing an ended batch's row shows moves any more (no ETA, no polling), and
+    most rows of a list are ended batches."""
+    rows = []
+    for batch in page_batches:
+        if not batch.is_ended:
+            rows.append(_row(batch, etas.get(batch.pk)))
+            continue
+        key = "batch-row:" + batch_version(batch, batch.endpoint, batch.created_at,
+                                           sorted((batch.metadata or {}).items()))
+        html = _ENDED_ROWS.get(key)
+        if html is None:
+            html = render_to_string("jobs/batch_list.html#batch-row", {"row": _row(batch, None)})
+            _ENDED_ROWS.set(key, html, ENDED_ROW_SECONDS)
+        rows.append({"batch": batch, "html": mark_safe(html)})
+    return rows
+
+
 # --- list ---
 
 
@@ -133,7 +156,7 @@ def batch_list(request: SignedInRequest) -> HttpResponse:
     page = Paginator(batches, LIST_PAGE_SIZE).get_page(request.GET.get("page"))
     page_batches = list(page.object_list)
     etas = dashboard.list_etas(page_batches)
-    context = {"page": page, "rows": [_row(b, etas.get(b.pk)) for b in page_batches],
+    context = {"page": page, "rows": _rows(page_batches, etas),
                "status": status, "status_filters": STATUS_FILTERS}
     template = "jobs/batch_list.html"
     if request.htmx and not request.htmx.boosted:
