@@ -265,7 +265,8 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 # Django's default per-process memory would compute each result once per process.
 # "local" is each process's own memory, for what is cheaper to compute again than to fetch
 # from Redis, and the same for every process (the rendered row of an ended batch).
-CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
+# (batchweb.cache.RedisCache is Django's RedisCache, sharing one redis-py client.)
+CACHES = {"default": {"BACKEND": "batchweb.cache.RedisCache",
                       "LOCATION": REDIS_URL, "KEY_PREFIX": "batchweb-cache"},
           "local": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache",
                     "LOCATION": "batchweb-local", "OPTIONS": {"MAX_ENTRIES": 5000}}}

@@ -121,3 +121,31 @@ def test_a_changed_password_ends_other_sessions(client: Client, user: Any) -> No
     user.set_password("pw-changed-456")
     user.save()
     assert client.get(reverse("batch_list")).status_code == 302
+
+
+# --- the cache's shared client ---
+
+
+def test_the_cache_shares_one_client_and_works_across_threads() -> None:
+    import threading
+
+    from django.core.cache import cache
+
+    backend = cache._cache  # type: ignore[attr-defined]
+    assert backend.get_client() is backend.get_client(write=True)
+    errors: list[BaseException] = []
+
+    def work(n: int) -> None:
+        try:
+            for i in range(50):
+                cache.set(f"shared-{n}-{i}", {"n": n, "i": i}, 30)
+                assert cache.get(f"shared-{n}-{i}") == {"n": n, "i": i}
+        except BaseException as exc:  # noqa: BLE001 - reported by the assert below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
