@@ -149,3 +149,23 @@ def test_the_cache_shares_one_client_and_works_across_threads() -> None:
     for thread in threads:
         thread.join()
     assert errors == []
+
+
+def test_the_first_page_of_batches_is_the_orms(user, other_user, tmp_path, settings):
+    from jobs.services.keys import create_api_key
+    from tests.factories import Api
+
+    api = Api(create_api_key(owner=user, name="t")[1])
+    batches = [partly_run_batch(user, tmp_path, settings, requests=2, shard_size=2, done=i % 2,
+                                prefix=f"p{i}") for i in range(5)]
+    partly_run_batch(other_user, tmp_path, settings, requests=2, shard_size=2, done=0)
+    # Equal creation times are ordered by id, as the ORM's query orders them.
+    Batch.objects.filter(pk__in=[b.pk for b in batches[:3]]).update(
+        created_at=batches[0].created_at)
+    orm = list(Batch.objects.filter(owner=user).order_by("-created_at", "-pk"))
+    for limit in (1, 2, 5, 20):
+        body = api.get(f"/v1/batches?limit={limit}").json()
+        assert body["data"] == [b.to_openai() for b in orm[:limit]]
+        assert body["has_more"] is (limit < 5)
+    after = api.get(f"/v1/batches?limit=2&after={orm[1].pk}").json()
+    assert [b["id"] for b in after["data"]] == [b.pk for b in orm[2:4]]
