@@ -112,6 +112,19 @@ MIDDLEWARE = [
     "axes.middleware.AxesMiddleware",
 ]
 
+# The API (/v1/) authenticates each request by its key, sets no cookie and has no pages or
+# forms: its requests skip the middlewares only pages need (batchweb/wsgi.py).
+PAGE_ONLY_MIDDLEWARE = {
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+    "axes.middleware.AxesMiddleware",
+}
+API_MIDDLEWARE = [m for m in MIDDLEWARE if m not in PAGE_ONLY_MIDDLEWARE]
+
 ROOT_URLCONF = "batchweb.urls"
 WSGI_APPLICATION = "batchweb.wsgi.application"
 
