@@ -11,7 +11,6 @@ from django.utils.cache import get_conditional_response, patch_cache_control, se
 from jobs.api.base import api_view, json_body, paginate
 from jobs.engines import model_names
 from jobs.models import Batch
-from jobs.queries.compiled import Compiled
 from jobs.services import batches, stopping
 
 
@@ -24,24 +23,10 @@ def create(request: HttpRequest, user: Any) -> HttpResponse:
     return JsonResponse(batches.get_batch_for_user(owner=user, batch_id=batch.pk).to_openai())
 
 
-# The newest batches of an owner, compiled once for each page size (the size is part of
-# the SQL): the first page is polled as often as a batch is.
-_NEWEST: dict[int, Compiled] = {}
-
-
-def _newest(user: Any, count: int) -> list[Batch]:
-    compiled = _NEWEST.get(count)
-    if compiled is None:
-        compiled = _NEWEST[count] = Compiled(
-            lambda owner_id: Batch.objects.filter(owner_id=owner_id).order_by(
-                "-created_at", "-pk")[:count], "owner_id")
-    return compiled.rows(owner_id=user.pk)
-
-
 def list_batches(request: HttpRequest, user: Any) -> HttpResponse:
     objects = Batch.objects.filter(owner=user)
     return paginate(request, objects, default_limit=20, max_limit=100,
-                    newest=lambda count: _newest(user, count))
+                    newest=lambda count: batches.newest_batches(owner=user, count=count))
 
 
 def retrieve(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:

@@ -169,3 +169,29 @@ def test_the_first_page_of_batches_is_the_orms(user, other_user, tmp_path, setti
         assert body["has_more"] is (limit < 5)
     after = api.get(f"/v1/batches?limit=2&after={orm[1].pk}").json()
     assert [b["id"] for b in after["data"]] == [b.pk for b in orm[2:4]]
+
+
+def test_the_dashboards_first_page_is_the_orms(client, user, other_user, tmp_path, settings):
+    import re
+
+    from jobs.views.batches import LIST_PAGE_SIZE
+    from tests.factories import chat_lines, make_batch
+
+    client.force_login(user)
+    for i in range(LIST_PAGE_SIZE + 2):
+        make_batch(user, chat_lines(1, f"d{i}"), tmp_path, settings=settings)
+    make_batch(other_user, chat_lines(1, "o"), tmp_path, settings=settings)
+    # Ties of creation time are ordered by id, newest first, as the ORM's query does.
+    first_two = list(Batch.objects.filter(owner=user).order_by("pk")[:2])
+    Batch.objects.filter(pk__in=[b.pk for b in first_two]).update(
+        created_at=first_two[0].created_at)
+    orm = list(Batch.objects.filter(owner=user).order_by("-created_at", "-pk")
+               .values_list("pk", flat=True))
+
+    def shown(query: str) -> list[str]:
+        page = client.get(reverse("batch_list") + query).content.decode()
+        assert ("Page 1 of 2" if "page=2" not in query else "Page 2 of 2") in page
+        return re.findall(r'<tr id="row-([^"]+)"', page)
+
+    assert shown("") == shown("?page=1") == orm[:LIST_PAGE_SIZE]
+    assert shown("?page=2") == orm[LIST_PAGE_SIZE:]
