@@ -195,3 +195,27 @@ def test_the_dashboards_first_page_is_the_orms(client, user, other_user, tmp_pat
 
     assert shown("") == shown("?page=1") == orm[:LIST_PAGE_SIZE]
     assert shown("?page=2") == orm[LIST_PAGE_SIZE:]
+
+
+def test_one_batchs_shards_and_flags_as_for_several(user, tmp_path, settings):
+    from jobs.models import Shard
+    from jobs.queries.dashboard import shard_rows
+    from jobs.queries.flags import flag_counts
+
+    one = partly_run_batch(user, tmp_path, settings, requests=6, shard_size=2, done=2)
+    two = partly_run_batch(user, tmp_path, settings, requests=4, shard_size=2, done=1,
+                           prefix="q")
+    Shard.objects.filter(batch=one, index=0).update(
+        flag_counts={"empty_output": 2, "repetition": 1})
+    Shard.objects.filter(batch=one, index=1).update(flag_counts={"empty_output": 1})
+    # A running shard's counts are not the batch's yet.
+    Shard.objects.filter(batch=one, index=2).update(flag_counts={"empty_output": 5})
+    both = shard_rows([one.pk, two.pk])
+    alone = shard_rows([one.pk])
+    assert list(alone) == [one.pk] and len(both[one.pk]) == 3
+    # In no particular order (the callers sum them), as from the query for several.
+    assert sorted(alone[one.pk], key=repr) == sorted(both[one.pk], key=repr)
+    assert shard_rows([]) == {}
+    counts = {flag: n for flag, _, n in flag_counts(one)}
+    assert counts["empty_output"] == 3 and counts["repetition"] == 1
+    assert sum(n for _, _, n in flag_counts(two)) == 0
