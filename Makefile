@@ -61,5 +61,6 @@ bench: models
 	$(PY) bench/upload_memory.py --file-mb 50 --upload-mb 256
 	$(PY) bench/orchestration.py --sizes 20000
 	$(PY) bench/dashboard_load.py --seconds 60
+	$(PY) bench/dashboard_load.py --api-clients 500 --seconds 60
 	$(PY) bench/engine_efficiency.py -n 256 --shard-size 64
 	$(PY) bench/cold_start.py --modes eager

@@ -112,6 +112,19 @@ MIDDLEWARE = [
     "axes.middleware.AxesMiddleware",
 ]
 
+# The API (/v1/) authenticates each request by its key, sets no cookie and has no pages or
+# forms: its requests skip the middlewares only pages need (batchweb/wsgi.py).
+PAGE_ONLY_MIDDLEWARE = {
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+    "axes.middleware.AxesMiddleware",
+}
+API_MIDDLEWARE = [m for m in MIDDLEWARE if m not in PAGE_ONLY_MIDDLEWARE]
+
 ROOT_URLCONF = "batchweb.urls"
 WSGI_APPLICATION = "batchweb.wsgi.application"
 
@@ -187,9 +200,12 @@ AUTH_PASSWORD_VALIDATORS = [
 # accounts (credential stuffing from one place); the owner, signing in from elsewhere, is not
 # affected. A lock lifts after AXES_COOLOFF_TIME without failures; distributed guessing is
 # left to the password validators above.
+# batchweb.auth.ModelBackend is Django's, with a cheaper lookup of a session's user. A
+# session records the backend that signed it in: one of Django's own ModelBackend (before
+# this one replaced it) is signed out once.
 AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",
-    "django.contrib.auth.backends.ModelBackend",
+    "batchweb.auth.ModelBackend",
 ]
 LOGIN_FAILURES_PER_USER = 5
 LOGIN_FAILURES_PER_IP = 20
@@ -202,6 +218,8 @@ AXES_RESET_ON_SUCCESS = False
 # Reverse proxies between the clients and gunicorn (0: none), for the client's address.
 BATCHWEB_PROXY_COUNT = env_int("BATCHWEB_PROXY_COUNT", 0)
 AXES_CLIENT_IP_CALLABLE = "batchweb.throttle.client_ip"
+# Django's database sessions, read with a cheaper query (see batchweb/sessions.py).
+SESSION_ENGINE = "batchweb.sessions"
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "batch_list"
 LOGOUT_REDIRECT_URL = "login"
@@ -281,8 +299,13 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 # The cache of the dashboard's heavy views (preflight of a stored file, spot-check samples,
 # error counts) lives in that Redis too: every gunicorn worker and host shares it, where
 # Django's default per-process memory would compute each result once per process.
-CACHES = {"default": {"BACKEND": "django.core.cache.backends.redis.RedisCache",
-                      "LOCATION": REDIS_URL, "KEY_PREFIX": "batchweb-cache"}}
+# "local" is each process's own memory, for what is cheaper to compute again than to fetch
+# from Redis, and the same for every process (the rendered row of an ended batch).
+# (batchweb.cache.RedisCache is Django's RedisCache, sharing one redis-py client.)
+CACHES = {"default": {"BACKEND": "batchweb.cache.RedisCache",
+                      "LOCATION": REDIS_URL, "KEY_PREFIX": "batchweb-cache"},
+          "local": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache",
+                    "LOCATION": "batchweb-local", "OPTIONS": {"MAX_ENTRIES": 5000}}}
 # django-rq's pages are only at /admin/rq/, for superusers (batchweb/urls.py): its own admin
 # entry would open them to every staff user.
 RQ_SHOW_ADMIN_LINK = False

@@ -131,10 +131,11 @@ def prepare(env: dict[str, str]) -> str:
     return manage(env, "createapikey", "b").strip()
 
 
-def gunicorn(port: int, env: dict[str, str], *options: str, **popen: Any
-             ) -> subprocess.Popen:
-    """The web server on 127.0.0.1:`port`, with gunicorn `options` (workers, threads...)."""
-    return subprocess.Popen([PY, "-m", "gunicorn", "batchweb.wsgi:application", "-b",
+def gunicorn(port: int, env: dict[str, str], *options: str,
+             app: str = "batchweb.wsgi:application", **popen: Any) -> subprocess.Popen:
+    """The web server on 127.0.0.1:`port`, with gunicorn `options` (workers, threads...);
+    `app` bench.timed_wsgi:application adds what each request cost (see there)."""
+    return subprocess.Popen([PY, "-m", "gunicorn", app, "-b",
                              f"127.0.0.1:{port}", *options], cwd=ROOT, env=env, **popen)
 
 

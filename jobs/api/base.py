@@ -125,9 +125,11 @@ def parse_limit(value: str | None, *, default: int, maximum: int) -> int:
 
 
 def paginate(request: HttpRequest, objects: QuerySet[Any], *, default_limit: int,
-             max_limit: int, allow_order: bool = False) -> JsonResponse:
+             max_limit: int, allow_order: bool = False,
+             newest: Callable[[int], list[Any]] | None = None) -> JsonResponse:
     """OpenAI's cursor lists: {object: list, data, first_id, last_id, has_more}, newest
-    first (or `order=asc`), continuing `after` the given id."""
+    first (or `order=asc`), continuing `after` the given id. `newest(n)`, when given, is the
+    first n objects newest first (the first page, which clients poll) from a cheaper query."""
     limit = parse_limit(request.GET.get("limit"), default=default_limit, maximum=max_limit)
     order = request.GET.get("order", "desc") if allow_order else "desc"
     if order not in ("asc", "desc"):
@@ -146,7 +148,10 @@ def paginate(request: HttpRequest, objects: QuerySet[Any], *, default_limit: int
             objects = objects.filter(Q(created_at__gt=stamp) | Q(created_at=stamp, pk__gt=after))
         else:
             objects = objects.filter(Q(created_at__lt=stamp) | Q(created_at=stamp, pk__lt=after))
-    page = list(objects[: limit + 1])
+    if newest is not None and not after and order == "desc":
+        page = newest(limit + 1)
+    else:
+        page = list(objects[: limit + 1])
     has_more = len(page) > limit
     data = [obj.to_openai() for obj in page[:limit]]
     return JsonResponse({"object": "list", "data": data,

@@ -31,9 +31,13 @@ def create(request: HttpRequest, user: Any) -> HttpResponse:
 
 def list_batches(request: HttpRequest, user: Any) -> HttpResponse:
     """OpenAI's list, with two filters of our own: `status` (one or several, comma
-    separated) and `metadata[KEY]=VALUE` (every one given must match)."""
+    separated) and `metadata[KEY]=VALUE` (every one given must match). The unfiltered
+    first page, what pollers ask for, comes from a query compiled once."""
     objects = _filtered(Batch.objects.filter(owner=user), request)
-    return paginate(request, objects, default_limit=20, max_limit=100)
+    filtered = any(k == "status" or k.startswith("metadata[") for k in request.GET)
+    newest = None if filtered else (
+        lambda count: batches.newest_batches(owner=user, count=count))
+    return paginate(request, objects, default_limit=20, max_limit=100, newest=newest)
 
 
 def _filtered(objects: QuerySet[Batch], request: HttpRequest) -> QuerySet[Batch]:

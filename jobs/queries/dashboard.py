@@ -21,6 +21,7 @@ from django.db.models import Max, Min, Sum
 from django.utils import timezone
 
 from jobs.models import Batch, Shard
+from jobs.queries.compiled import Compiled
 
 # "Now" is the last two minutes: long enough to smooth shard boundaries, short enough to
 # follow a worker joining or leaving.
@@ -74,11 +75,18 @@ class ShardRow:
         return count * max(0.0, overlap) / length
 
 
+# The shards of one batch: what the live block of a running batch, and a list with one
+# running batch, read on every poll of a change; compiled once.
+_ONE_BATCH = Compiled(lambda batch_id: Shard.objects.filter(batch_id=batch_id).order_by()
+                      .values_list(*SHARD_FIELDS), "batch_id")
+
+
 def shard_rows(batch_ids: Iterable[str]) -> dict[str, list[ShardRow]]:
     """The shards of several batches in one query, grouped by batch."""
     grouped: dict[str, list[ShardRow]] = {}
-    for values in Shard.objects.filter(batch_id__in=list(batch_ids)).order_by().values_list(
-            *SHARD_FIELDS):
+    ids = list(batch_ids)
+    for values in (_ONE_BATCH.rows(batch_id=ids[0]) if len(ids) == 1 else
+                   Shard.objects.filter(batch_id__in=ids).order_by().values_list(*SHARD_FIELDS)):
         row = ShardRow(*values)
         grouped.setdefault(row.batch_id, []).append(row)
     return grouped

@@ -16,6 +16,7 @@ from django.core.files.storage import default_storage
 
 from jobs.models import Batch, File, Shard
 from jobs.quality import FLAG_LABELS, FLAGS
+from jobs.queries.compiled import Compiled
 from jobs.queries.results import (
     PAGE_SIZE,
     PREVIEW_LINE_BYTES,
@@ -28,13 +29,16 @@ from jobs.queries.results import (
 )
 from jobs.services.files import open_range
 
+# Read by the live block of a running batch on every poll of a change: compiled once.
+_DONE_COUNTS = Compiled(lambda batch_id: Shard.objects.filter(
+    batch_id=batch_id, status=Shard.Status.DONE).values_list("flag_counts"), "batch_id")
+
 
 def flag_counts(batch: Batch) -> list[tuple[str, str, int]]:
     """(flag, label, requests) of every quality flag, in FLAGS order, summed over the
     batch's finished shards in one query. Every flag is listed, zero or not."""
     totals: dict[str, int] = {}
-    for counts in Shard.objects.filter(batch=batch, status=Shard.Status.DONE).values_list(
-            "flag_counts", flat=True):
+    for (counts,) in _DONE_COUNTS.rows(batch_id=batch.pk):
         for flag, n in (counts or {}).items():
             if isinstance(n, int):
                 totals[flag] = totals.get(flag, 0) + n

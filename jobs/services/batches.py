@@ -17,11 +17,13 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Count
 from django.utils import timezone
 
 from engine.base import ENDPOINTS
 from jobs import queues
 from jobs.models import Batch, File
+from jobs.queries.compiled import Compiled
 from jobs.services.errors import ServiceError, not_found, storable_id
 from jobs.services.files import get_file_for_user, parse_expires_after
 from jobs.services.quotas import check_quota
@@ -100,9 +102,37 @@ def create_batch(*, owner: Any, input_file_id: Any, endpoint: Any, completion_wi
     return batch
 
 
+# Every poll of a batch (the API's and the dashboard's) starts here: compiled once.
+_BATCH_OF_OWNER = Compiled(lambda owner_id, batch_id: Batch.objects.filter(
+    owner_id=owner_id, pk=batch_id)[:1], "owner_id", "batch_id")
+
+
+# The newest batches of an owner (the first page of both lists, which clients and open
+# dashboards poll), compiled once for each page size (the size is part of the SQL), and
+# their count.
+_NEWEST: dict[int, Compiled] = {}
+_COUNT = Compiled(lambda owner_id: Batch.objects.filter(owner_id=owner_id).order_by()
+                  .values("owner_id").annotate(count=Count("pk")).values_list("count"),
+                  "owner_id")
+
+
+def newest_batches(*, owner: Any, count: int) -> list[Batch]:
+    """The owner's `count` newest batches, newest first (ties by id, newest first)."""
+    compiled = _NEWEST.get(count)
+    if compiled is None:
+        compiled = _NEWEST[count] = Compiled(
+            lambda owner_id: Batch.objects.filter(owner_id=owner_id).order_by(
+                "-created_at", "-pk")[:count], "owner_id")
+    return compiled.rows(owner_id=owner.pk)
+
+
+def count_batches(*, owner: Any) -> int:
+    return next(iter(_COUNT.rows(owner_id=owner.pk)), (0,))[0]
+
+
 def get_batch_for_user(*, owner: Any, batch_id: str) -> Batch:
-    batch = (Batch.objects.filter(owner=owner, pk=batch_id).first()
-             if storable_id(batch_id) else None)
-    if batch is None:
+    found = _BATCH_OF_OWNER.rows(owner_id=owner.pk, batch_id=batch_id) \
+        if storable_id(batch_id) else []
+    if not found:
         raise not_found("batch", batch_id)
-    return batch
+    return found[0]

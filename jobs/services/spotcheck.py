@@ -12,6 +12,7 @@ from typing import Any
 from django.db.models import Count, Q
 
 from jobs.models import Batch, SpotCheck
+from jobs.queries.compiled import Compiled
 from jobs.queries.flags import FlagRow, find_outputs, flag_labels, flag_segments, iter_flagged
 from jobs.queries.results import (
     PREVIEW_LINE_BYTES,
@@ -127,10 +128,19 @@ class SpotSummary:
         return self.good / self.marked if self.marked else None
 
 
+# Read on every poll of the batch page's live block: compiled once. One row (the counts)
+# when the batch has marks, none when it has not.
+_SUMMARY = Compiled(lambda batch_id: SpotCheck.objects.filter(batch_id=batch_id).order_by()
+                    .values("batch_id").annotate(
+                        marked=Count("pk"),
+                        good=Count("pk", filter=Q(verdict=SpotCheck.Verdict.GOOD)))
+                    .values_list("marked", "good"), "batch_id")
+
+
 def summary(batch: Batch) -> SpotSummary:
-    agg = SpotCheck.objects.filter(batch=batch).aggregate(
-        marked=Count("pk"), good=Count("pk", filter=Q(verdict=SpotCheck.Verdict.GOOD)))
-    return SpotSummary(marked=agg["marked"], good=agg["good"])
+    for marked, good in _SUMMARY.rows(batch_id=batch.pk):
+        return SpotSummary(marked=marked, good=good)
+    return SpotSummary(marked=0, good=0)
 
 
 def marks(batch: Batch) -> dict[str, SpotCheck]:

@@ -18,7 +18,7 @@ from urllib.parse import urlencode
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.cache import cache
+from django.core.cache import cache, caches
 from django.core.paginator import Paginator
 from django.http import Http404, HttpResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
@@ -36,7 +36,12 @@ from jobs.models import Batch, File
 from jobs.quality import FLAG_LABELS, FLAGS
 from jobs.queries import dashboard, flags, health, results
 from jobs.services import heavy, preflight, spotcheck
-from jobs.services.batches import create_batch, get_batch_for_user
+from jobs.services.batches import (
+    count_batches,
+    create_batch,
+    get_batch_for_user,
+    newest_batches,
+)
 from jobs.services.errors import ServiceError
 from jobs.services.files import create_input_file, get_file_for_user
 from jobs.services.progress import batch_version
@@ -57,6 +62,10 @@ _SEED = re.compile(r"[0-9a-f]{1,16}")
 # least this often even when nothing else changed.
 LIVE_STALE_SECONDS = 60
 LIVE_CACHE_SECONDS = 300
+# Rendered rows of ended batches (see _rows), in each web process's memory: reading them
+# from Redis would cost about what rendering them does.
+_ENDED_ROWS = caches["local"]
+ENDED_ROW_SECONDS = 3600
 STATUS_FILTERS = [("", "all"), ("active", "active"), *[(s, s.replace("_", " "))
                                                        for s in Batch.Status.values]]
 
@@ -114,6 +123,25 @@ def _row(batch: Batch, eta: float | None, params: dict[str, str] | None = None
             "poll": _poll(batch, "batch_row", batch_version(batch), params)}
 
 
+def _rows(page_batches: list[Batch], etas: dict[str, float | None]) -> list[dict[str, Any]]:
+    """The list's rows; an ended batch's as its HTML (`html`), rendered once per process and
+    version: nothing an ended batch's row shows moves any more (no ETA, no polling), and
+    most rows of a list are ended batches."""
+    rows = []
+    for batch in page_batches:
+        if not batch.is_ended:
+            rows.append(_row(batch, etas.get(batch.pk)))
+            continue
+        key = "batch-row:" + batch_version(batch, batch.endpoint, batch.created_at,
+                                           sorted((batch.metadata or {}).items()))
+        html = _ENDED_ROWS.get(key)
+        if html is None:
+            html = render_to_string("jobs/batch_list.html#batch-row", {"row": _row(batch, None)})
+            _ENDED_ROWS.set(key, html, ENDED_ROW_SECONDS)
+        rows.append({"batch": batch, "html": mark_safe(html)})
+    return rows
+
+
 # --- list ---
 
 
@@ -130,10 +158,18 @@ def batch_list(request: SignedInRequest) -> HttpResponse:
         batches = batches.filter(status=status)
     else:
         status = ""
-    page = Paginator(batches, LIST_PAGE_SIZE).get_page(request.GET.get("page"))
+    paginator = Paginator(batches, LIST_PAGE_SIZE)
+    number = request.GET.get("page")
+    if not status and number in (None, "", "1"):
+        # The first page of all batches, which open dashboards poll: cheaper queries.
+        paginator.count = count_batches(owner=request.user)
+        page = paginator.get_page(1)
+        page.object_list = newest_batches(owner=request.user, count=LIST_PAGE_SIZE)
+    else:
+        page = paginator.get_page(number)
     page_batches = list(page.object_list)
     etas = dashboard.list_etas(page_batches)
-    context = {"page": page, "rows": [_row(b, etas.get(b.pk)) for b in page_batches],
+    context = {"page": page, "rows": _rows(page_batches, etas),
                "status": status, "status_filters": STATUS_FILTERS}
     template = "jobs/batch_list.html"
     if request.htmx and not request.htmx.boosted:

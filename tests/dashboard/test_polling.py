@@ -21,7 +21,7 @@ from jobs.models import Batch, Shard
 from jobs.services.progress import refresh_progress
 from jobs.services.shards import Progress, finish_shard, heartbeat
 from jobs.views import batches as views
-from tests.factories import HTMX, claimed_batch, poll_of
+from tests.factories import HTMX, chat_lines, claimed_batch, make_batch, poll_of, run_batch
 
 pytestmark = pytest.mark.django_db
 
@@ -205,3 +205,39 @@ def test_a_poll_writes_no_session(site, running):
     assert "sessionid" not in response.cookies and "sessionid" not in row.cookies
     writes = [q["sql"] for q in queries if not q["sql"].lstrip().upper().startswith("SELECT")]
     assert writes == [], writes
+
+
+# --- the list: ended rows rendered once ---
+
+
+def _row_html(page: bytes, batch: Batch) -> str:
+    text = page.decode()
+    start = text.index(f'<tr id="row-{batch.pk}"')
+    return text[start:text.index("</tr>", start)]
+
+
+def test_an_ended_row_is_the_same_from_the_cache(site, user, tmp_path, settings):
+    batch = run_batch(make_batch(user, chat_lines(4), tmp_path, shard_size=2, settings=settings))
+    first = _row_html(site.get(reverse("batch_list"), **HTMX).content, batch)
+    assert "Completed" in first and "4 / 4" in first and "hx-get" not in first
+    views._ENDED_ROWS.clear()
+    # Rendered afresh, then (the second time) from the cache: the same row.
+    assert _row_html(site.get(reverse("batch_list"), **HTMX).content, batch) == first
+    assert _row_html(site.get(reverse("batch_list"), **HTMX).content, batch) == first
+
+
+def test_a_row_shows_every_change_of_an_ended_batch(site, user, tmp_path, settings):
+    running, shard = claimed_batch(user, tmp_path, settings)
+    row = _row_html(site.get(reverse("batch_list"), **HTMX).content, running)
+    assert "hx-get" in row and "st-in_progress" in row
+    # The batch ends: its row stops polling and shows the end.
+    Batch.objects.filter(pk=running.pk).update(status=Batch.Status.CANCELLED)
+    row = _row_html(site.get(reverse("batch_list"), **HTMX).content, running)
+    assert "hx-get" not in row and "st-cancelled" in row
+    # Anything the row shows, changed on the ended batch, shows.
+    Batch.objects.filter(pk=running.pk).update(model="another-model", metadata={"k": "v2"})
+    row = _row_html(site.get(reverse("batch_list"), **HTMX).content, running)
+    assert "another-model" in row and "k=v2" in row
+    Shard.objects.filter(batch=running, index=0).update(completed=3)
+    refresh_progress(batch_id=running.pk)
+    assert "3 / 10" in _row_html(site.get(reverse("batch_list"), **HTMX).content, running)

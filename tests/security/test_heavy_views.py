@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 from django.conf import settings as django_settings
+from django.core.cache import caches
+from django.core.cache.backends.redis import RedisCache
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from django.urls import reverse
@@ -65,8 +67,7 @@ def run_next_shard(batch: Batch, **kwargs: Any) -> Batch:
 
 def test_the_cache_is_shared_by_every_web_process() -> None:
     # Django's default is per-process memory: each gunicorn worker would compute again.
-    assert django_settings.CACHES["default"]["BACKEND"] == \
-        "django.core.cache.backends.redis.RedisCache"
+    assert isinstance(caches["default"], RedisCache)
     assert django_settings.CACHES["default"]["LOCATION"] == django_settings.REDIS_URL
 
 

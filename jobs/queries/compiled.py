@@ -1,0 +1,87 @@
+"""Queries that polls run on every request, their SQL built once per process.
+
+Building the SQL is most of what a small query costs in Django: on the 2-core machines of
+`bench/RESULTS.md`, reading one batch row through the ORM took ~0.7 ms of CPU, of which the
+database's own answer ~0.05 ms. A poll of a running batch does little else, so the queries it
+runs are built once, from the same queryset the ORM would run, and afterwards only executed
+with new values: the rows, the models built from them and the queries counted by Django's
+debug tools are exactly the ORM's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from django.db import connections
+from django.db.models import QuerySet
+from django.db.models.query import ModelIterable
+
+# Stand-ins for the values while the SQL is built, told apart from each other (and from
+# anything else in the query) in its parameters; as numbers they fit integer (of 32 bits:
+# PostgreSQL's ORM drops a comparison with a number out of a column's range) and text
+# columns alike.
+_PROBE = 1_919_000_001
+
+
+class Compiled:
+    """`build(**values)`'s queryset, compiled on first use: `rows(**values)` runs it with
+    those values. `build` must be a plain queryset (filters, order, slice, annotations;
+    no select_related or prefetch) whose values each appear as parameters of its SQL."""
+
+    def __init__(self, build: Callable[..., QuerySet[Any, Any]], *names: str) -> None:
+        self.build = build
+        self.names = names
+        self._plan: tuple[Any, ...] | None = None
+
+    def _compile(self) -> tuple[Any, ...]:
+        probes = {name: _PROBE + i for i, name in enumerate(self.names)}
+        queryset = self.build(**probes)
+        compiler = queryset.query.get_compiler(using=queryset.db)
+        sql, params = compiler.as_sql()
+        # Each parameter: the name of a value, or a constant of the query itself.
+        order: list[tuple[str | None, Any]] = []
+        for param in params:
+            named = [name for name, probe in probes.items() if str(probe) == str(param)]
+            order.append((named[0], None) if named else (None, param))
+        if {name for name, _ in order} - {None} != set(self.names):
+            raise ValueError(f"{self.build}: not every one of {self.names} is a parameter")
+        columns = [column for column, _, _ in compiler.select]
+        converters = compiler.get_converters(columns)
+        model_part = None
+        if queryset._iterable_class is ModelIterable:  # rows are models, not values
+            fields = compiler.klass_info["select_fields"]
+            model_part = (queryset.model, fields[0], fields[-1] + 1,
+                          [columns[i].target.attname for i in fields],
+                          list(compiler.annotation_col_map.items()))
+        return queryset.db, sql, order, list(converters.items()), model_part
+
+    def rows(self, **values: Any) -> list[Any]:
+        """The queryset's results for these values: models, or tuples for values_list."""
+        plan = self._plan
+        if plan is None:
+            plan = self._plan = self._compile()
+        db, sql, order, converters, model_part = plan
+        connection = connections[db]  # this thread's
+        with connection.cursor() as cursor:
+            cursor.execute(sql, [constant if name is None else values[name]
+                                 for name, constant in order])
+            rows: list[Any] = cursor.fetchall()
+        if converters:  # as the ORM's compiler.apply_converters does
+            rows = [list(row) for row in rows]
+            for row in rows:
+                for position, (functions, expression) in converters:
+                    value = row[position]
+                    for function in functions:
+                        value = function(value, expression, connection)
+                    row[position] = value
+        if model_part is None:
+            return [tuple(row) for row in rows]
+        model, start, end, attnames, annotations = model_part
+        objects = []
+        for row in rows:
+            obj = model.from_db(db, attnames, row[start:end])
+            for name, position in annotations:
+                setattr(obj, name, row[position])
+            objects.append(obj)
+        return objects
