@@ -15,6 +15,7 @@ from jobs.worker.db import with_db_retry
 from jobs.worker.loop import Loop
 from jobs.worker.parts import ShardWork, delete_stored, store_parts
 from jobs.worker.retry import RETRY_SUFFIX, is_retry, needs_json_retry, retry_request
+from jobs.worker.timings import timed
 
 if TYPE_CHECKING:
     from jobs.worker.pipeline import Pipeline
@@ -140,10 +141,11 @@ class Dispatcher(Loop):
         try:
             work.close_files()
             store_parts(work, stored)
-            finished = with_db_retry(lambda: shard_service.finish_shard(
-                shard_id=work.shard_id, attempt=work.attempt, output_part=stored[0],
-                error_part=stored[1], flags_part=stored[2], progress=work.progress,
-                flag_counts=work.flag_counts, json_retries=work.json_retries))
+            with timed("finish"):
+                finished = with_db_retry(lambda: shard_service.finish_shard(
+                    shard_id=work.shard_id, attempt=work.attempt, output_part=stored[0],
+                    error_part=stored[1], flags_part=stored[2], progress=work.progress,
+                    flag_counts=work.flag_counts, json_retries=work.json_retries))
             if finished:
                 # The parts hold the checkpoint's results now (the row no longer names it).
                 delete_stored(work.saved.storage_names())

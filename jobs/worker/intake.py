@@ -19,6 +19,7 @@ from jobs.services.shards import Checkpoint
 from jobs.wire import RequestLine
 from jobs.worker.db import with_db_retry
 from jobs.worker.parts import ShardWork, adopt_checkpoint, open_work
+from jobs.worker.timings import timed
 
 if TYPE_CHECKING:
     from jobs.worker.pipeline import Pipeline
@@ -35,8 +36,9 @@ class Intake:
         if pipeline.broken is not None:
             raise RuntimeError(f"engine failed: {pipeline.broken}")
         close_old_connections()
-        shard = with_db_retry(lambda: shard_service.claim_shard(
-            shard_id=shard_id, worker=pipeline.worker_name))
+        with timed("claim"):
+            shard = with_db_retry(lambda: shard_service.claim_shard(
+                shard_id=shard_id, worker=pipeline.worker_name))
         if shard is None:
             return
         work = with_db_retry(lambda: open_work(shard))
