@@ -48,7 +48,7 @@ class Heartbeat(Loop):
             with timed("heartbeat"):
                 mine, stop_code = shard_service.heartbeat(
                     shard_id=work.shard_id, attempt=work.attempt, progress=snapshot,
-                    unsaved=unsaved)
+                    unsaved=unsaved, batch_id=work.batch_id)
             if not mine and not work.finishing:
                 log.warning("shard %s is no longer ours; dropping it", work.shard_id)
                 pipeline.drop(work)
