@@ -35,7 +35,7 @@ requests finished in its window, or its batches not done `--drain-seconds` after
 was created) and says which resource was closest to its limit there.
 
     .venv/bin/python bench/fleet.py                    # 64 workers, 1,000 to 6,000 r/s
-    .venv/bin/python bench/fleet.py --quick            # ~2 minutes: 64 workers, 2 short steps
+    .venv/bin/python bench/fleet.py --quick            # ~2 minutes: 16 workers, one step
     .venv/bin/python bench/fleet.py --workers 96 --rates 2000,4000 --step-seconds 90
 """
 
@@ -267,8 +267,11 @@ class Counters:
             "redis": cpu_of([fleet.redis_pid]),
             "client": _cpu_or_zero(os.getpid(), children=False),
         }
+        # Busy: what ran on the machine's cores (user, system, interrupts), not time stolen
+        # by the hypervisor nor idle waits (guest time is inside user already).
         times = psutil.cpu_times()
-        self.machine_busy = sum(times) - times.idle - getattr(times, "iowait", 0.0)
+        self.machine_busy = sum(getattr(times, k, 0.0)
+                                for k in ("user", "nice", "system", "irq", "softirq"))
 
 
 def latencies(directory: Path, start: float, end: float) -> dict[str, dict[str, float]]:
@@ -340,6 +343,8 @@ class Fleet:
         server = args.database_server.rstrip("/")
         self.direct_url = f"{server}/{self.db_name}"
         create_database(server, self.db_name)
+        with pg_connect(f"{server}/postgres") as db:
+            self.max_connections = int(db.execute("SHOW max_connections").fetchone()[0])
         self.bouncer: PgBouncer | None = None
         if args.pooler == "pgbouncer":
             from urllib.parse import urlsplit
@@ -488,9 +493,16 @@ def run_step(fleet: Fleet, file_ids: list[str], rate: float) -> dict[str, Any]:
     def mean(values: list[float]) -> float:
         return sum(values) / len(values)
 
+    shared = sum(after.cpu[k] - before.cpu[k] for k in ("pgbouncer", "redis")) + sum(
+        seconds - before.postgres.get(pid, 0.0) for pid, seconds in after.postgres.items())
     row: dict[str, Any] = {
         "offered_rps": rate, "batches": len(created), "window_s": window,
         "finished_rps": finished / window,
+        # CPU a finished request cost: in the workers, and in the shared services
+        # (PostgreSQL, PgBouncer, Redis), whatever else the machine was doing.
+        "worker_cpu_us_per_request": 1e6 * (after.cpu["workers"] - before.cpu["workers"])
+        / max(1, finished),
+        "shared_cpu_us_per_request": 1e6 * shared / max(1, finished),
         "end_to_end_rps": len(created) * args.batch_size / end_to_end if drained else 0.0,
         "drained": drained, "statuses": dict(statuses),
         "create_p99_ms": 1000 * harness.percentile(create_seconds, 0.99),
@@ -558,6 +570,7 @@ def print_row(row: dict[str, Any]) -> None:
           f"{p('claim'):>12} {p('heartbeat'):>12} {p('finish'):>12} "
           f"{row['pg_xact_per_s']:>7.0f} {row['pg_connections_max']:>5.0f} "
           f"{row['redis_commands_per_s']:>7.0f} "
+          f"{row['worker_cpu_us_per_request']:>6.0f} {row['shared_cpu_us_per_request']:>6.0f} "
           f"{cpu['workers']:>5.0f} {cpu['postgres']:>5.0f} {cpu['pgbouncer']:>5.0f} "
           f"{cpu['redis']:>5.0f} {cpu['web']:>5.0f} {cpu['client']:>5.0f} {cpu['other']:>5.0f} "
           f"{row['load1_mean']:>5.1f} {'yes' if row['saturated'] else 'no':>4}", flush=True)
@@ -565,8 +578,8 @@ def print_row(row: dict[str, Any]) -> None:
 
 HEADER = (f"{'offered':>8} {'finished':>9} {'e2e':>8} {'claim p50/99':>12} "
           f"{'hbeat p50/99':>12} {'finish 50/99':>12} {'pg tx/s':>7} {'conns':>5} "
-          f"{'redis/s':>7} {'wrk%':>5} {'pg%':>5} {'bnc%':>5} {'rds%':>5} {'web%':>5} "
-          f"{'cli%':>5} {'oth%':>5} {'load':>5} {'sat':>4}")
+          f"{'redis/s':>7} {'wrk us':>6} {'shr us':>6} {'wrk%':>5} {'pg%':>5} {'bnc%':>5} "
+          f"{'rds%':>5} {'web%':>5} {'cli%':>5} {'oth%':>5} {'load':>5} {'sat':>4}")
 
 
 def main() -> None:
@@ -592,12 +605,12 @@ def main() -> None:
     parser.add_argument("--keep-going", action="store_true",
                         help="run every step, also after a saturated one")
     parser.add_argument("--quick", action="store_true",
-                        help="~2 minutes: 2 short steps (1,000 and 3,000 r/s)")
+                        help="~2 minutes: 16 workers, one 30 s step at 1,000 r/s")
     harness.add_json_option(parser)
     args = parser.parse_args()
     if args.quick:
-        args.rates, args.step_seconds, args.warm_seconds = "1000,3000", 25, 10
-        args.drain_seconds, args.users = 60, 4
+        args.workers, args.rates, args.batch_size, args.users = 16, "1000", 5000, 4
+        args.step_seconds, args.warm_seconds, args.drain_seconds = 30, 10, 60
     if args.pooler == "pgbouncer" and shutil.which("pgbouncer") is None:
         sys.exit("pgbouncer is not installed (apt-get install pgbouncer), or use --pooler none")
 
@@ -623,6 +636,11 @@ def main() -> None:
                 rows.append(row)
                 print_row(row)
                 print(f"    bound: {row['bound']}", flush=True)
+                if fleet.bouncer:
+                    print(f"    database: {row['pool_clients_max']:.0f} client connections "
+                          f"through PgBouncer on {row['pool_servers_max']:.0f} of "
+                          f"PostgreSQL's (max_connections {fleet.max_connections})",
+                          flush=True)
                 if row["saturated"] and not args.keep_going:
                     break
     finally:
@@ -631,6 +649,13 @@ def main() -> None:
         drop_database(args.database_server.rstrip("/"), args.db_name)
         harness.remove(scratch)
     report(args, rows, load_start)
+
+
+def cpu_model() -> str:
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return ""
 
 
 def report(args: argparse.Namespace, rows: list[dict[str, Any]],
@@ -657,6 +682,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]],
         "in_flight": args.in_flight, "batch_size": args.batch_size,
         "shard_size": args.shard_size, "users": args.users, "pooler": args.pooler,
         "pool_size": args.pool_size, "load_start": load_start, "steps": rows,
+        "cpu": cpu_model(),
         "ceiling_rps": ceiling["finished_rps"] if ceiling else 0.0,
         "saturated_at": saturated["offered_rps"] if saturated else None})
 

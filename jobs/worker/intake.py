@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import time
 from typing import TYPE_CHECKING
 
 from django.db import close_old_connections
@@ -91,9 +90,9 @@ class Intake:
         # worker (measured by bench/scale_out.py), yet its own next shard arrives while the
         # batch is still nearly full, so the engine does not run dry between shards.
         pipeline = self.pipeline
-        while (pipeline.idle.in_flight >= pipeline.engine.batch_size
+        while (not pipeline.idle.wait_for_room(pipeline.engine.batch_size, timeout=0.5)
                and pipeline.broken is None and not pipeline.closing.is_set()):
-            time.sleep(0.02)
+            pass
 
     def _submit_lines(self, shard: Shard, work: ShardWork) -> None:
         with shard_requests(shard, work.skip | work.adopted) as requests:
