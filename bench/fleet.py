@@ -635,6 +635,9 @@ def main() -> None:
                 row = run_step(fleet, file_ids, rate)
                 rows.append(row)
                 print_row(row)
+                print("    latency p50/p99/max ms (count): " + ", ".join(
+                    f"{kind} {v['p50_ms']:.1f}/{v['p99_ms']:.1f}/{v['max_ms']:.0f} "
+                    f"({v['count']})" for kind, v in row["latency"].items()), flush=True)
                 print(f"    bound: {row['bound']}", flush=True)
                 if fleet.bouncer:
                     print(f"    database: {row['pool_clients_max']:.0f} client connections "

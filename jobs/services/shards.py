@@ -87,9 +87,11 @@ def _ranges(lines: set[int]) -> list[list[int]]:
     return ranges
 
 
-def claim_shard(*, shard_id: str, worker: str) -> Shard | None:
+def claim_shard(*, shard_id: str, worker: str, top_up: bool = True) -> Shard | None:
     """Take a queued shard of a running batch for this worker; None when it is not ours to
-    run (already done, taken, dropped, or its batch stopped). Tops up the batch's queue."""
+    run (already done, taken, dropped, or its batch stopped). Tops up the batch's queue,
+    unless `top_up` is False: then the caller must (`enqueue_next_shards`), soon, or the
+    batch's next shards wait for the reconciler."""
     shard = (Shard.objects.select_related("batch", "batch__input_file")
              .filter(pk=shard_id).first())
     if shard is None or shard.status != Shard.Status.QUEUED:
@@ -117,8 +119,9 @@ def claim_shard(*, shard_id: str, worker: str) -> Shard | None:
             refresh_progress(batch_id=shard.batch_id)
     if not claimed:
         return None
-    batch_id = shard.batch_id
-    transaction.on_commit(lambda: enqueue_next_shards(batch_id=batch_id), robust=True)
+    if top_up:
+        batch_id = shard.batch_id
+        transaction.on_commit(lambda: enqueue_next_shards(batch_id=batch_id), robust=True)
     # The row holds what the UPDATE wrote: so does the object read above, without a
     # second read.
     for name, value in claimed_fields.items():

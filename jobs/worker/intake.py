@@ -37,9 +37,10 @@ class Intake:
         close_old_connections()
         with timed("claim"):
             shard = with_db_retry(lambda: shard_service.claim_shard(
-                shard_id=shard_id, worker=pipeline.worker_name))
+                shard_id=shard_id, worker=pipeline.worker_name, top_up=False))
         if shard is None:
             return
+        pipeline.top_up.request(shard.batch_id)
         work = with_db_retry(lambda: open_work(shard))
         pipeline.register(work)
         try:

@@ -180,12 +180,13 @@ def open_work(shard: Shard) -> ShardWork:
     screened lines) and open its attempt's part files. Only reads before it opens the
     files: safe to repeat on a dropped connection."""
     lines = shard_lines(shard)
-    reasons = dict(ContentRule.objects.values_list("name", "reason"))
+    rules = dict(ScreenedLine.objects.filter(
+        batch_id=shard.batch_id, line__gte=shard.first_line, line__lte=lines.last_line
+    ).values_list("line", "rule"))
+    reasons = dict(ContentRule.objects.values_list("name", "reason")) if rules else {}
     screened = {
         line: Violation(rule=rule, action="skip", reason=reasons.get(rule, "")).message
-        for line, rule in ScreenedLine.objects.filter(
-            batch_id=shard.batch_id, line__gte=shard.first_line, line__lte=lines.last_line
-        ).values_list("line", "rule")}
+        for line, rule in rules.items()}
     base = temp_dir() / f"{shard.id}-{shard.attempt}"
     out_path, err_path, flags_path = (base.with_suffix(suffix) for _, suffix in PART_KINDS)
     # Closed by ShardWork.close_files when the shard finishes or is dropped.
