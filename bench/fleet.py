@@ -245,6 +245,12 @@ class Counters:
         import psutil
 
         self.t = time.time()
+        # Busy: what ran on the machine's cores (user, system, interrupts), not time stolen
+        # by the hypervisor nor idle waits (guest time is inside user already). Read first,
+        # with the clock: reading the rest takes a while on a busy machine.
+        times = psutil.cpu_times()
+        self.machine_busy = sum(getattr(times, k, 0.0)
+                                for k in ("user", "nice", "system", "irq", "softirq"))
         with pg_connect(fleet.direct_url) as db:
             row = db.execute(
                 "SELECT xact_commit + xact_rollback, tup_returned + tup_fetched, "
@@ -267,11 +273,6 @@ class Counters:
             "redis": cpu_of([fleet.redis_pid]),
             "client": _cpu_or_zero(os.getpid(), children=False),
         }
-        # Busy: what ran on the machine's cores (user, system, interrupts), not time stolen
-        # by the hypervisor nor idle waits (guest time is inside user already).
-        times = psutil.cpu_times()
-        self.machine_busy = sum(getattr(times, k, 0.0)
-                                for k in ("user", "nice", "system", "irq", "softirq"))
 
 
 def latencies(directory: Path, start: float, end: float) -> dict[str, dict[str, float]]:
@@ -612,7 +613,18 @@ def main() -> None:
         args.workers, args.rates, args.batch_size, args.users = 16, "1000", 5000, 4
         args.step_seconds, args.warm_seconds, args.drain_seconds = 30, 10, 60
     if args.pooler == "pgbouncer" and shutil.which("pgbouncer") is None:
-        sys.exit("pgbouncer is not installed (apt-get install pgbouncer), or use --pooler none")
+        if not args.quick:
+            sys.exit("pgbouncer is not installed (apt-get install pgbouncer); or --pooler none "
+                     "with few enough workers for PostgreSQL's max_connections")
+        # 16 workers hold ~70 connections: under PostgreSQL's default 100.
+        print("pgbouncer is not installed: the quick run connects straight to PostgreSQL")
+        args.pooler = "none"
+    try:
+        with pg_connect(f"{args.database_server.rstrip('/')}/postgres", connect_timeout=5):
+            pass
+    except Exception as exc:
+        sys.exit(f"PostgreSQL at {args.database_server} does not answer ({exc}): the fleet "
+                 "needs one (--database-server)")
 
     scratch = Path(tempfile.mkdtemp(prefix="bw-fleet-"))
     rows: list[dict[str, Any]] = []
