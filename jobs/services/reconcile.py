@@ -29,8 +29,8 @@ def reconcile_if_due(*, every: float) -> dict[str, int] | None:
     `every` seconds; None when skipped. Every worker runs the reconciler so that none is
     needed elsewhere, but one pass per interval repairs everything for all of them (64
     workers each passing every 15 s made four passes a second). The key lives 90% of the
-    interval, so a worker alone still passes every interval. Without
-    Redis every worker passes (what the database alone says still gets repaired)."""
+    interval, so a worker alone still passes every interval. Without Redis every worker
+    passes (what the database alone says still gets repaired)."""
     import redis
 
     try:
