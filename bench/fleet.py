@@ -34,7 +34,7 @@ It stops raising the load at the first step that is saturated (fewer than 90% of
 requests finished in its window, or its batches not done `--drain-seconds` after the last
 was created) and says which resource was closest to its limit there.
 
-    .venv/bin/python bench/fleet.py                    # 64 workers, 1,000 to 6,000 r/s
+    .venv/bin/python bench/fleet.py                    # 64 workers, 2,000 to 6,000 r/s
     .venv/bin/python bench/fleet.py --quick            # ~2 minutes: 16 workers, one step
     .venv/bin/python bench/fleet.py --workers 96 --rates 2000,4000 --step-seconds 90
 """
@@ -586,7 +586,7 @@ HEADER = (f"{'offered':>8} {'finished':>9} {'e2e':>8} {'claim p50/99':>12} "
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=64)
-    parser.add_argument("--rates", default="1000,2000,3000,4000,6000",
+    parser.add_argument("--rates", default="2000,3000,4000,5000,6000",
                         help="offered load of each step, requests a second")
     parser.add_argument("--step-seconds", type=float, default=60)
     parser.add_argument("--warm-seconds", type=float, default=20,
