@@ -54,6 +54,8 @@ check: lint typecheck
 
 # The benchmarks that fit in ~15 minutes on a 2-core machine, at reduced sizes (the full
 # sizes and bench/scale_out.py run on their own; bench/RESULTS.md has the numbers).
+# bench/fleet.py needs the machine's PostgreSQL (127.0.0.1:5432) and uses PgBouncer if
+# installed.
 # The benchmarks' servers speak plain HTTP on loopback; their children inherit this.
 bench: export BATCHWEB_HTTPS=0
 bench: models
@@ -64,3 +66,4 @@ bench: models
 	$(PY) bench/dashboard_load.py --api-clients 500 --seconds 60
 	$(PY) bench/engine_efficiency.py -n 256 --shard-size 64
 	$(PY) bench/cold_start.py --modes eager
+	$(PY) bench/fleet.py --quick

@@ -152,6 +152,11 @@ DATABASES = {
         conn_health_checks=True,
     )
 }
+if env_bool("DB_TRANSACTION_POOLING"):
+    # Behind a pooler in transaction mode (PgBouncer's pool_mode = transaction), where a
+    # fleet's many connections share a few of PostgreSQL's: a cursor may not outlive its
+    # transaction, so querysets' iterator() reads in chunks of a client-side cursor.
+    DATABASES["default"]["DISABLE_SERVER_SIDE_CURSORS"] = True
 if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
     # Web, worker and scheduler share one SQLite file on a laptop: wait for the lock
     # instead of failing, and let readers run beside the writer.
@@ -330,6 +335,9 @@ BATCHWEB: dict[str, Any] = {
     # this many new results, whichever comes first; a retry computes only what was not saved.
     "CHECKPOINT_SECONDS": float(os.environ.get("BATCHWEB_CHECKPOINT_SECONDS", "5")),
     "CHECKPOINT_REQUESTS": env_int("BATCHWEB_CHECKPOINT_REQUESTS", 50),
+    # A directory where each worker process appends how long its shard claims and
+    # heartbeats took (jobs.worker.timings; bench/fleet.py reads them). Empty: not recorded.
+    "TIMINGS_DIR": os.environ.get("BATCHWEB_TIMINGS_DIR", ""),
     # Distinct deterministic request bodies remembered per batch for dedup; beyond this,
     # new bodies are simply computed (memory stays bounded for million-line files).
     "DEDUP_MAX_BODIES": env_int("BATCHWEB_DEDUP_MAX_BODIES", 200_000),

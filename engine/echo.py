@@ -21,6 +21,7 @@ on a million requests without loading a model.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import queue
 import struct
 import threading
@@ -67,7 +68,10 @@ class EchoEngine(Engine):
         self._lock = threading.Lock()
         self._in_flight: set[str] = set()
         self._aborted: set[str] = set()
-        self._abort_event = threading.Event()  # wakes sleeping requests on abort
+        # Wakes the clocks of running streams: a request was added, aborted, or the stream
+        # stopped. `_aborts` counts the aborts, so a clock rescans its requests only then.
+        self._clock = threading.Condition()
+        self._aborts = 0
         self._closed = False
 
     # -- one request --------------------------------------------------------------------
@@ -157,27 +161,14 @@ class EchoEngine(Engine):
             yield self._compute(req)
 
     def _run_threaded(self, requests: Iterable[EngineRequest]) -> Iterator[EngineResult]:
-        # Slow requests: up to max_in_flight of them sleep concurrently, like a batch would.
+        # Slow requests: up to max_in_flight of them wait concurrently, like a batch would.
+        # One clock thread holds them all (a heap of deadlines) and sleeps until the next
+        # deadline or an abort, so a waiting request costs no CPU however many there are.
         results: queue.SimpleQueue[EngineResult | BaseException | None] = queue.SimpleQueue()
         slots = threading.Semaphore(self.max_in_flight)
         stop = threading.Event()
+        timers: list[tuple[float, int, EngineRequest]] = []
         count = 0
-
-        def serve(req: EngineRequest) -> None:
-            deadline = time.monotonic() + self.seconds_per_request
-            while not self._is_aborted(req.request_id) and not stop.is_set():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._abort_event.wait(min(left, 0.05))
-            with self._lock:
-                self._in_flight.discard(req.request_id)
-                aborted = req.request_id in self._aborted or stop.is_set()
-                self._aborted.discard(req.request_id)
-            if aborted:
-                results.put(EngineResult(req.request_id, ABORTED_STATUS, aborted=True))
-            else:
-                results.put(self._compute(req))
 
         def feed() -> None:
             nonlocal count
@@ -190,17 +181,48 @@ class EchoEngine(Engine):
                     req = next(source, None)
                     if req is None:
                         break
-                    with self._lock:
-                        self._in_flight.add(req.request_id)
-                    count += 1
-                    threading.Thread(target=serve, args=(req,), daemon=True).start()
+                    with self._clock:
+                        with self._lock:
+                            self._in_flight.add(req.request_id)
+                        heapq.heappush(timers, (time.monotonic() + self.seconds_per_request,
+                                                count, req))
+                        count += 1
+                        self._clock.notify_all()
             except BaseException as e:
                 results.put(e)
                 return
             results.put(None)
 
+        def clock() -> None:
+            aborts_seen = -1
+            with self._clock:
+                while not stop.is_set():
+                    now = time.monotonic()
+                    due = []
+                    while timers and timers[0][0] <= now:
+                        due.append(heapq.heappop(timers)[2])
+                    if aborts_seen != self._aborts:  # aborted requests end at once
+                        aborts_seen = self._aborts
+                        with self._lock:
+                            aborted_ids = self._aborted & {t[2].request_id for t in timers}
+                        if aborted_ids:
+                            due += [t[2] for t in timers if t[2].request_id in aborted_ids]
+                            timers[:] = [t for t in timers
+                                         if t[2].request_id not in aborted_ids]
+                            heapq.heapify(timers)
+                    for req in due:
+                        with self._lock:
+                            self._in_flight.discard(req.request_id)
+                            aborted = req.request_id in self._aborted
+                            self._aborted.discard(req.request_id)
+                        results.put(EngineResult(req.request_id, ABORTED_STATUS, aborted=True)
+                                    if aborted else self._compute(req))
+                    self._clock.wait(timers[0][0] - time.monotonic() if timers else None)
+
         feeder = threading.Thread(target=feed, daemon=True)
+        ticker = threading.Thread(target=clock, daemon=True)
         feeder.start()
+        ticker.start()
         fed_all = False
         done = 0
         try:
@@ -218,6 +240,8 @@ class EchoEngine(Engine):
         finally:
             stop.set()
             slots.release()
+            with self._clock:
+                self._clock.notify_all()
 
     def _compute(self, req: EngineRequest) -> EngineResult:
         status, body = self.handle(req.url, req.body)
@@ -226,16 +250,14 @@ class EchoEngine(Engine):
                 self._request_log.write(req.request_id + "\n")
         return EngineResult(req.request_id, status, body)
 
-    def _is_aborted(self, request_id: str) -> bool:
-        return request_id in self._aborted
-
     def abort(self, request_ids: Iterable[str]) -> None:
         with self._lock:
             for request_id in request_ids:
                 if request_id in self._in_flight:
                     self._aborted.add(request_id)
-        self._abort_event.set()
-        self._abort_event.clear()
+        with self._clock:
+            self._aborts += 1
+            self._clock.notify_all()
 
     def close(self) -> None:
         self._closed = True

@@ -21,8 +21,21 @@ WEBHOOK_QUEUE = "batchweb.webhooks"
 PRIORITIES = ("high", "default", "low")
 
 
+# One client per process and Redis configuration, shared by its threads (a redis-py client
+# is a thread-safe connection pool; it reconnects after a fork and retries a dropped
+# connection): django_rq builds a new client, so a new connection, at every call, and a
+# worker enqueues a shard with every claim.
+_clients: dict[str, Any] = {}
+
+
 def connection() -> Any:
-    return django_rq.get_connection(CONTROL_QUEUE)
+    from django_rq.settings import QUEUES
+
+    key = repr(sorted(QUEUES[CONTROL_QUEUE].items()))
+    client = _clients.get(key)
+    if client is None:
+        client = _clients[key] = django_rq.get_connection(CONTROL_QUEUE)
+    return client
 
 
 def queue(name: str) -> Queue:

@@ -21,7 +21,9 @@ def refresh_progress(*, batch_id: str) -> None:
     is written last (PostgreSQL: the UPDATE then sees every shard write committed before
     the lock was granted; SQLite's IMMEDIATE transactions run one writer at a time)."""
     shards = Shard.objects.filter(batch=OuterRef("pk")).order_by().values("batch")
-    with transaction.atomic():
+    # Part of the caller's transaction when there is one (it is then undone with it): no
+    # savepoint, two round trips less on every heartbeat and finish.
+    with transaction.atomic(savepoint=False):
         locked = Batch.objects.select_for_update().filter(pk=batch_id)
         if not locked.values_list("pk", flat=True):
             return

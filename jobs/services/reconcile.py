@@ -20,6 +20,24 @@ from jobs.services.stopping import expire_due_batches
 log = logging.getLogger(__name__)
 
 VALIDATION_GRACE = timedelta(seconds=30)
+# Set (with an expiry) by the process that starts a pass: see reconcile_if_due.
+PASS_KEY = "batchweb:reconcile-pass"
+
+
+def reconcile_if_due(*, every: float) -> dict[str, int] | None:
+    """Run the pass unless another process of the deployment started one within the last
+    `every` seconds; None when skipped. Every worker runs the reconciler so that none is
+    needed elsewhere, but one pass per interval repairs everything for all of them (64
+    workers each passing every 15 s made four passes a second). The key lives 90% of the
+    interval, so a worker alone still passes every interval. Without Redis every worker
+    passes (what the database alone says still gets repaired)."""
+    import redis
+
+    try:
+        due = queues.connection().set(PASS_KEY, "1", nx=True, px=max(1, int(every * 900)))
+    except redis.RedisError:
+        due = True
+    return reconcile() if due else None
 
 
 def reconcile() -> dict[str, int]:

@@ -7,7 +7,7 @@ harmless and a job lost with Redis is re-created by the reconciler.
 
 from __future__ import annotations
 
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils import timezone
 
 from jobs import queues
@@ -22,21 +22,22 @@ QUEUED_PER_BATCH = 2
 def enqueue_next_shards(*, batch_id: str) -> int:
     """Top up the batch's shards waiting in Redis to QUEUED_PER_BATCH. Returns how many
     jobs were created."""
-    batch = Batch.objects.filter(pk=batch_id).only("status", "stop_code").first()
-    if batch is None or batch.status != Batch.Status.IN_PROGRESS or batch.stop_code:
-        return 0
-    waiting = Shard.objects.filter(batch_id=batch_id, status=Shard.Status.QUEUED,
-                                   enqueued_at__isnull=False).count()
+    now = timezone.now()
+    # One read (every claim tops up): the running batch's queued shards whose job waits in
+    # Redis, then those ready for one, in line.
+    line = list(Shard.objects.filter(batch_id=batch_id, status=Shard.Status.QUEUED,
+                                     batch__status=Batch.Status.IN_PROGRESS,
+                                     batch__stop_code="")
+                .filter(Q(enqueued_at__isnull=False) | Q(not_before__isnull=True)
+                        | Q(not_before__lte=now))
+                .order_by(F("enqueued_at").asc(nulls_last=True), "index")
+                .values_list("pk", "queue_name", "enqueued_at")[:2 * QUEUED_PER_BATCH])
+    waiting = sum(1 for *_, enqueued_at in line if enqueued_at is not None)
     room = QUEUED_PER_BATCH - waiting
     if room <= 0:
         return 0
-    now = timezone.now()
-    ready = (Shard.objects.filter(batch_id=batch_id, status=Shard.Status.QUEUED,
-                                  enqueued_at__isnull=True)
-             .filter(Q(not_before__isnull=True) | Q(not_before__lte=now))
-             .order_by("index").values_list("pk", "queue_name")[:room])
     created = 0
-    for shard_id, queue_name in ready:
+    for shard_id, queue_name, _ in [row for row in line if row[2] is None][:room]:
         if Shard.objects.filter(pk=shard_id, status=Shard.Status.QUEUED,
                                 enqueued_at__isnull=True).update(enqueued_at=now):
             queues.enqueue_shard(shard_id, queue_name)

@@ -13,6 +13,7 @@ and their counters, and computes only the lines without a result.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -86,10 +87,13 @@ def _ranges(lines: set[int]) -> list[list[int]]:
     return ranges
 
 
-def claim_shard(*, shard_id: str, worker: str) -> Shard | None:
+def claim_shard(*, shard_id: str, worker: str, top_up: bool = True) -> Shard | None:
     """Take a queued shard of a running batch for this worker; None when it is not ours to
-    run (already done, taken, dropped, or its batch stopped). Tops up the batch's queue."""
-    shard = Shard.objects.select_related("batch").filter(pk=shard_id).first()
+    run (already done, taken, dropped, or its batch stopped). Tops up the batch's queue,
+    unless `top_up` is False: then the caller must (`enqueue_next_shards`), soon, or the
+    batch's next shards wait for the reconciler."""
+    shard = (Shard.objects.select_related("batch", "batch__input_file")
+             .filter(pk=shard_id).first())
     if shard is None or shard.status != Shard.Status.QUEUED:
         return None
     batch = shard.batch
@@ -100,34 +104,39 @@ def claim_shard(*, shard_id: str, worker: str) -> Shard | None:
     # attempt writes a checkpoint, so while the shard is queued under this attempt number
     # (what the UPDATE checks) the checkpoint read here is the one the row holds.
     adopted = Checkpoint.from_json(shard.checkpoint).progress
-    # One transaction with the read-back: if the connection drops after the UPDATE, the
-    # claim is undone and the caller's retry claims again, instead of finding the shard
-    # already running and leaving it to the heartbeat timeout.
-    with transaction.atomic():
+    counters_change = adopted != Progress(**{k: getattr(shard, k) for k in adopted.as_fields()})
+    claimed_fields = {"status": Shard.Status.RUNNING, "attempt": shard.attempt + 1,
+                      "worker": worker, "heartbeat_at": now, "started_at": now,
+                      "finished_at": None, "enqueued_at": None, "computed_unsaved": 0,
+                      **adopted.as_fields()}
+    # The claim is this one UPDATE, in one transaction with the batch's counters when they
+    # change: a connection dropped before it commits undoes all of it, and the caller's
+    # retry claims again instead of finding the shard already running.
+    with transaction.atomic() if counters_change else nullcontext():
         claimed = Shard.objects.filter(pk=shard_id, status=Shard.Status.QUEUED,
-                                       attempt=shard.attempt).update(
-            status=Shard.Status.RUNNING, attempt=shard.attempt + 1, worker=worker,
-            heartbeat_at=now, started_at=now, finished_at=None, enqueued_at=None,
-            computed_unsaved=0, **adopted.as_fields())
-        if not claimed:
-            return None
-        if adopted != Progress(**{k: getattr(shard, k) for k in adopted.as_fields()}):
+                                       attempt=shard.attempt).update(**claimed_fields)
+        if claimed and counters_change:
             refresh_progress(batch_id=shard.batch_id)
+    if not claimed:
+        return None
+    if top_up:
         batch_id = shard.batch_id
         transaction.on_commit(lambda: enqueue_next_shards(batch_id=batch_id), robust=True)
-        return _read_claimed(shard_id)
+    # The row holds what the UPDATE wrote: so does the object read above, without a
+    # second read.
+    for name, value in claimed_fields.items():
+        setattr(shard, name, value)
+    return shard
 
 
-def _read_claimed(shard_id: str) -> Shard:
-    return Shard.objects.select_related("batch", "batch__input_file").get(pk=shard_id)
-
-
-def heartbeat(*, shard_id: str, attempt: int, progress: Progress,
-              unsaved: int = 0) -> tuple[bool, str]:
+def heartbeat(*, shard_id: str, attempt: int, progress: Progress, unsaved: int = 0,
+              batch_id: str = "") -> tuple[bool, str]:
     """Record that the worker is alive, how far it got, and how many of the requests it
     computed its checkpoint does not hold yet. Returns (still ours, the batch's stop code:
-    non-empty when the shard must stop)."""
-    batch_id = Shard.objects.filter(pk=shard_id).values_list("batch_id", flat=True).first()
+    non-empty when the shard must stop). `batch_id`: the shard's, when the caller knows it
+    (one read less)."""
+    batch_id = batch_id or Shard.objects.filter(pk=shard_id).values_list(
+        "batch_id", flat=True).first() or ""
     with transaction.atomic():
         mine = Shard.objects.filter(pk=shard_id, attempt=attempt,
                                     status=Shard.Status.RUNNING).update(

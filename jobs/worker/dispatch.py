@@ -3,6 +3,7 @@ result to its shard's parts, and finishes a shard when its last result is writte
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from jobs.worker.db import with_db_retry
 from jobs.worker.loop import Loop
 from jobs.worker.parts import ShardWork, delete_stored, store_parts
 from jobs.worker.retry import RETRY_SUFFIX, is_retry, needs_json_retry, retry_request
+from jobs.worker.timings import timed
 
 if TYPE_CHECKING:
     from jobs.worker.pipeline import Pipeline
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # Put in the inbox by Pipeline.close: the engine's request stream ends.
 END = object()
+# Put in the inbox with a JSON retry: wakes the engine's request stream to take it.
+WAKE = object()
 
 
 def parse_request_id(request_id: str) -> tuple[str, int, int]:
@@ -41,20 +45,26 @@ class Dispatcher(Loop):
 
     def _requests(self) -> Iterator[EngineRequest]:
         # Retries come first: they are what keeps a shard from finishing. They never wait
-        # for room in the inbox (the dispatcher that makes them also drains results).
+        # for room in the inbox (the dispatcher that makes them also drains results); a
+        # WAKE in the inbox says one is waiting, so an idle worker blocks here for free.
         inbox = self.pipeline.inbox
         while True:
             try:
                 item = self.retries.get_nowait()
             except queue.Empty:
-                try:
-                    item = inbox.get(timeout=0.05)
-                except queue.Empty:
-                    continue
+                item = inbox.get()
             if item is END:
                 return
+            if item is WAKE:
+                continue
             if self._wanted(item):
                 yield item
+
+    def _add_retry(self, request: EngineRequest) -> None:
+        self.retries.put(request)
+        # A full inbox has requests: the retry is taken before the next of them.
+        with contextlib.suppress(queue.Full):
+            self.pipeline.inbox.put_nowait(WAKE)
 
     def _wanted(self, request: EngineRequest) -> bool:
         # A request of a shard dropped or being handed back while it waited in the inbox is
@@ -100,7 +110,7 @@ class Dispatcher(Loop):
                 work.pending[retry.request_id] = request
                 work.json_retries += 1
                 pipeline.idle.request_started()
-                self.retries.put(retry)
+                self._add_retry(retry)
             else:
                 work.write_result(request, line, result)
             if is_retry(result.request_id):
@@ -120,10 +130,11 @@ class Dispatcher(Loop):
         work.checkpoint_lock.acquire()
         try:
             store_parts(work, stored)
-            finished = with_db_retry(lambda: shard_service.finish_shard(
-                shard_id=work.shard_id, attempt=work.attempt, output_part=stored[0],
-                error_part=stored[1], flags_part=stored[2], progress=work.progress,
-                flag_counts=work.flag_counts, json_retries=work.json_retries))
+            with timed("finish"):
+                finished = with_db_retry(lambda: shard_service.finish_shard(
+                    shard_id=work.shard_id, attempt=work.attempt, output_part=stored[0],
+                    error_part=stored[1], flags_part=stored[2], progress=work.progress,
+                    flag_counts=work.flag_counts, json_retries=work.json_retries))
             if finished:
                 # The parts hold the checkpoint's results now (the row no longer names it).
                 delete_stored(work.saved.storage_names())

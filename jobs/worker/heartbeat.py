@@ -12,6 +12,7 @@ from django.db import InterfaceError, OperationalError, connection
 from jobs.services import shards as shard_service
 from jobs.services.shards import Progress
 from jobs.worker.loop import Loop
+from jobs.worker.timings import timed
 
 if TYPE_CHECKING:
     from jobs.worker.pipeline import Pipeline
@@ -44,9 +45,10 @@ class Heartbeat(Loop):
             with work.lock:
                 snapshot = Progress(**work.progress.as_fields())
                 unsaved = work.computed - work.saved_computed
-            mine, stop_code = shard_service.heartbeat(
-                shard_id=work.shard_id, attempt=work.attempt, progress=snapshot,
-                unsaved=unsaved)
+            with timed("heartbeat"):
+                mine, stop_code = shard_service.heartbeat(
+                    shard_id=work.shard_id, attempt=work.attempt, progress=snapshot,
+                    unsaved=unsaved, batch_id=work.batch_id)
             if not mine and not work.finishing:
                 log.warning("shard %s is no longer ours; dropping it", work.shard_id)
                 pipeline.drop(work)

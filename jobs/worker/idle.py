@@ -13,6 +13,8 @@ class IdleMeter:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        # Notified as requests finish: the intake waits on it for room in the engine's batch.
+        self.room = threading.Condition(self.lock)
         self.in_flight = 0
         self.requests = 0
         self.first: float | None = None
@@ -40,6 +42,12 @@ class IdleMeter:
             self.last = now
             if self.in_flight == 0:
                 self.idle_since = now
+            self.room.notify_all()
+
+    def wait_for_room(self, limit: int, timeout: float) -> bool:
+        """Wait until fewer than `limit` requests are in flight (True), or `timeout`."""
+        with self.lock:
+            return self.room.wait_for(lambda: self.in_flight < limit, timeout)
 
     def window(self) -> float:
         if self.first is None or self.last is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import time
 from typing import TYPE_CHECKING
 
 from django.db import close_old_connections
@@ -19,6 +18,7 @@ from jobs.services.shards import Checkpoint
 from jobs.wire import RequestLine
 from jobs.worker.db import with_db_retry
 from jobs.worker.parts import ShardWork, adopt_checkpoint, open_work
+from jobs.worker.timings import timed
 
 if TYPE_CHECKING:
     from jobs.worker.pipeline import Pipeline
@@ -35,10 +35,12 @@ class Intake:
         if pipeline.broken is not None:
             raise RuntimeError(f"engine failed: {pipeline.broken}")
         close_old_connections()
-        shard = with_db_retry(lambda: shard_service.claim_shard(
-            shard_id=shard_id, worker=pipeline.worker_name))
+        with timed("claim"):
+            shard = with_db_retry(lambda: shard_service.claim_shard(
+                shard_id=shard_id, worker=pipeline.worker_name, top_up=False))
         if shard is None:
             return
+        pipeline.top_up.request(shard.batch_id)
         work = with_db_retry(lambda: open_work(shard))
         pipeline.register(work)
         try:
@@ -89,9 +91,9 @@ class Intake:
         # worker (measured by bench/scale_out.py), yet its own next shard arrives while the
         # batch is still nearly full, so the engine does not run dry between shards.
         pipeline = self.pipeline
-        while (pipeline.idle.in_flight >= pipeline.engine.batch_size
+        while (not pipeline.idle.wait_for_room(pipeline.engine.batch_size, timeout=0.5)
                and pipeline.broken is None and not pipeline.closing.is_set()):
-            time.sleep(0.02)
+            pass
 
     def _submit_lines(self, shard: Shard, work: ShardWork) -> None:
         with shard_requests(shard, work.skip | work.adopted) as requests:

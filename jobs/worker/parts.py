@@ -187,12 +187,13 @@ def open_work(shard: Shard) -> ShardWork:
     """Read what the shard's lines need besides their text (dedup copies, copies to skip,
     screened lines). Only reads: safe to repeat on a dropped connection."""
     lines = shard_lines(shard)
-    reasons = dict(ContentRule.objects.values_list("name", "reason"))
+    rules = dict(ScreenedLine.objects.filter(
+        batch_id=shard.batch_id, line__gte=shard.first_line, line__lte=lines.last_line
+    ).values_list("line", "rule"))
+    reasons = dict(ContentRule.objects.values_list("name", "reason")) if rules else {}
     screened = {
         line: Violation(rule=rule, action="skip", reason=reasons.get(rule, "")).message
-        for line, rule in ScreenedLine.objects.filter(
-            batch_id=shard.batch_id, line__gte=shard.first_line, line__lte=lines.last_line
-        ).values_list("line", "rule")}
+        for line, rule in rules.items()}
     return ShardWork(shard_id=shard.id, attempt=shard.attempt, batch_id=shard.batch_id,
                      copies=lines.copies, skip=lines.skip, screened=screened)
 

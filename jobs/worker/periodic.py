@@ -13,7 +13,7 @@ from collections.abc import Callable
 from django.db import InterfaceError, OperationalError, connection
 
 from jobs.services.cleanup import sweep_temp_dir
-from jobs.services.reconcile import reconcile
+from jobs.services.reconcile import reconcile_if_due
 from jobs.worker.loop import Loop
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ class Periodic(Loop):
                  sweep_every: float) -> None:
         self.closing = closing
         self.duties = [
-            Duty("reconcile", reconcile, reconcile_every),
+            Duty("reconcile", lambda: reconcile_if_due(every=reconcile_every), reconcile_every),
             # The worker swept TMP_DIR as it started; TMP_DIR is this machine's, so every
             # worker sweeps it.
             Duty("temp sweep", sweep_temp_dir, sweep_every, last=time.monotonic()),

@@ -22,6 +22,7 @@ from jobs.worker.idle import IdleMeter
 from jobs.worker.intake import Intake
 from jobs.worker.parts import ShardWork
 from jobs.worker.periodic import Periodic
+from jobs.worker.topup import TopUp
 
 log = logging.getLogger(__name__)
 # On hand-back, how long the results of requests already computed may take to come in.
@@ -50,6 +51,7 @@ class Pipeline:
         self.intake = Intake(self)
         self.dispatcher = Dispatcher(self)
         self.heartbeat = Heartbeat(self, every=conf["HEARTBEAT_SECONDS"])
+        self.top_up = TopUp()
         self.checkpointer = Checkpointer(self, every_seconds=conf["CHECKPOINT_SECONDS"],
                                          every_requests=conf["CHECKPOINT_REQUESTS"])
         self.periodic = Periodic(
@@ -65,6 +67,7 @@ class Pipeline:
         _PIPELINE = self
         self.dispatcher.start()
         self.heartbeat.start()
+        self.top_up.start()
         self.checkpointer.start()
         self.periodic.start()
 
@@ -114,6 +117,7 @@ class Pipeline:
         self.inbox.put(END)
         self.dispatcher.join(timeout=30)
         self.heartbeat.join(timeout=30)
+        self.top_up.join(timeout=30)
         self.checkpointer.join(timeout=30)
         self.periodic.join(timeout=30)
         self.engine.close()

@@ -35,3 +35,22 @@ def test_the_reconciler_runs_the_periodic_operations(user):
     done = reconcile()
     assert done["webhooks"] == 1 and done["cleanup"] == 1
     assert f"{due.pk}-webhook" in queues.queue(queues.WEBHOOK_QUEUE).job_ids
+
+
+@pytest.mark.django_db
+def test_one_reconcile_pass_per_interval_serves_every_worker(monkeypatch):
+    """Every worker runs the reconciler; within an interval only the first one's call
+    passes, and the next interval passes again."""
+    import time
+
+    from jobs.services import reconcile as reconcile_service
+
+    passes = []
+    monkeypatch.setattr(reconcile_service, "reconcile", lambda: passes.append(1) or {})
+    assert reconcile_service.reconcile_if_due(every=1) == {}
+    assert reconcile_service.reconcile_if_due(every=1) is None  # another worker, same interval
+    assert reconcile_service.reconcile_if_due(every=1) is None
+    assert 0 < queues.connection().pttl(reconcile_service.PASS_KEY) <= 900
+    time.sleep(1.0)  # a worker alone, one interval later: the key lived 90% of it
+    assert reconcile_service.reconcile_if_due(every=1) == {}
+    assert len(passes) == 2

@@ -183,29 +183,52 @@ def test_batch_row_keeps_the_shards_sums_through_every_transition(batch):
 
 
 @pytest.mark.django_db(transaction=True)  # the retry closes the connection
-def test_a_claim_whose_read_back_fails_is_undone_and_retried(batch, monkeypatch):
-    """The connection drops right after the claiming UPDATE (a backend terminated): the
-    worker's retry must get the shard, not find it running and leave it to the heartbeat
-    timeout."""
-    from django.db import OperationalError
+def test_a_claim_cut_off_at_any_statement_is_undone_and_retried(batch, monkeypatch):
+    """The connection drops in the middle of a claim (a backend terminated), before any one
+    of its statements: the worker's retry must get the shard, never find it running and
+    leave it to the heartbeat timeout."""
+    from django.db import OperationalError, connection
 
     from jobs.worker.db import with_db_retry
 
-    real = shard_service._read_claimed
-    calls = []
-
-    def drops_once(shard_id: str) -> Shard:
-        calls.append(shard_id)
-        if len(calls) == 1:
-            raise OperationalError("terminating connection due to administrator command")
-        return real(shard_id)
-
-    monkeypatch.setattr(shard_service, "_read_claimed", drops_once)
     monkeypatch.setattr("jobs.worker.db.time.sleep", lambda seconds: None)
     shard = first_shard(batch)
-    claimed = with_db_retry(lambda: shard_service.claim_shard(shard_id=shard.pk, worker="w"))
-    assert claimed is not None and len(calls) == 2
-    assert (claimed.status, claimed.attempt, claimed.worker) == ("running", 1, "w")
+
+    def statements() -> int:
+        count = 0
+
+        def counting(execute, sql, params, many, context):  # noqa: ANN001
+            nonlocal count
+            count += 1
+            return execute(sql, params, many, context)
+
+        with connection.execute_wrapper(counting):
+            assert shard_service.claim_shard(shard_id=shard.pk, worker="w") is not None
+        Shard.objects.filter(pk=shard.pk).update(status="queued", attempt=0, worker="",
+                                                 enqueued_at=None)
+        return count
+
+    total = statements()
+    assert total >= 2
+    for cut in range(1, total + 1):
+        seen = 0
+
+        def drops_at_cut(execute, sql, params, many, context, cut=cut):  # noqa: ANN001
+            nonlocal seen
+            seen += 1
+            if seen == cut:
+                raise OperationalError("terminating connection due to administrator command")
+            return execute(sql, params, many, context)
+
+        with connection.execute_wrapper(drops_at_cut):
+            claimed = with_db_retry(lambda: shard_service.claim_shard(shard_id=shard.pk,
+                                                                      worker="w"))
+        assert claimed is not None, f"cut before statement {cut} of {total}"
+        assert (claimed.status, claimed.attempt, claimed.worker) == ("running", 1, "w")
+        shard.refresh_from_db()
+        assert (shard.status, shard.attempt, shard.worker) == ("running", 1, "w")
+        Shard.objects.filter(pk=shard.pk).update(status="queued", attempt=0, worker="",
+                                                 enqueued_at=None)
 
 
 def test_checkpoints_are_fenced_and_handed_on_by_the_claim(batch):
