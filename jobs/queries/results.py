@@ -340,32 +340,30 @@ def results_page(batch: Batch, *, statuses: tuple[str, ...], custom_id: str | No
     needles = ({json.dumps(custom_id, ensure_ascii=False)[1:-1].encode(),
                 json.dumps(custom_id)[1:-1].encode()} if custom_id else set())
     lines: list[bytes] = []
-    budget = {"bytes": 0, "scanned": 0}
-
-    def take(content: bytes) -> bool:
-        """Add a line if it matches; False once the page is full."""
-        if needles and not (any(n in content for n in needles)
-                            and read_result_line(content).custom_id == custom_id):
-            return True
-        lines.append(content + b"\n")
-        budget["bytes"] += len(content) + 1
-        return len(lines) < limit and budget["bytes"] < API_PAGE_BYTES
+    held = scanned = 0
 
     def read(name: str, offset: int) -> int | None:
-        """Read one segment from `offset`: None when finished, else where to go on."""
+        """Read one segment from `offset`: None when finished, else where to go on (the
+        page is full, or a custom_id search read its budget)."""
+        nonlocal held, scanned
         with open_range(name, offset) as stream:
             for line in iter_lines(stream, max_line_bytes=API_PAGE_BYTES, start=offset):
-                budget["scanned"] += line.end - line.start
-                if line.content is None:  # a line over the page size: never answered
-                    continue
-                if not take(line.content) or (
-                        custom_id and budget["scanned"] > SCAN_BUDGET_BYTES):
+                scanned += line.end - line.start
+                content = line.content  # None: a line over the page size, never answered
+                if content is not None and (not needles or (
+                        any(n in content for n in needles)
+                        and read_result_line(content).custom_id == custom_id)):
+                    lines.append(content + b"\n")
+                    held += len(content) + 1
+                    if len(lines) >= limit or held >= API_PAGE_BYTES:
+                        return line.end
+                if custom_id and scanned > SCAN_BUDGET_BYTES:
                     return line.end
         return None
 
     if cursor.ended:
         files = {"output": batch.output_file_id, "error": batch.error_file_id}
-        order = [k for k in kinds if k in ("output", "error")]
+        order = list(kinds)
         start = order.index(cursor.kind) if cursor.kind in order else 0
         for position, kind in enumerate(order[start:]):
             offset = cursor.offset if position == 0 and kind == cursor.kind else 0
@@ -390,6 +388,6 @@ def results_page(batch: Batch, *, statuses: tuple[str, ...], custom_id: str | No
 
 
 def _file_size(file_id: str | None) -> int:
-    size = File.objects.filter(pk=file_id).values_list("bytes", flat=True).first() if file_id \
-        else None
-    return size or 0
+    if not file_id:
+        return 0
+    return File.objects.filter(pk=file_id).values_list("bytes", flat=True).first() or 0

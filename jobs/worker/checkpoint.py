@@ -82,7 +82,7 @@ class Checkpointer(Loop):
                 if not work.unsaved_results():
                     return True
                 checkpoint, sizes, computed = work.snapshot()
-                start = work.saved_bytes
+                start = work.saved_offsets()
                 segments = list(work.saved.segments)
             checkpoint.segments = [*segments, store_segment(work, start, sizes)]
             new = [name for name in checkpoint.segments[-1] if name]

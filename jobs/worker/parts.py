@@ -103,10 +103,9 @@ class ShardWork:
     # counted: what a checkpoint may claim (a retry still in flight is run again).
     retries_answered: int = 0
     adopted_json_retries: int = 0
-    # The last checkpoint recorded on the row (or the adopted one), how much of this
-    # attempt's parts it covers, this attempt's results it holds, and when it was taken.
+    # The last checkpoint recorded on the row (or the adopted one; what of this attempt's
+    # parts it covers is each PartBuffer.saved), its results it holds, and when it was taken.
     saved: Checkpoint = field(default_factory=Checkpoint)
-    saved_bytes: tuple[int, int, int] = (0, 0, 0)
     saved_computed: int = 0
     saved_at: float = field(default_factory=time.monotonic)
     # Held while a checkpoint is taken and while the shard finishes: never both at once.
@@ -157,6 +156,11 @@ class ShardWork:
     def parts(self) -> tuple[PartBuffer, PartBuffer, PartBuffer]:
         return self.out, self.err, self.flags
 
+    def saved_offsets(self) -> tuple[int, int, int]:
+        """Where each part's bytes not yet in a checkpoint segment begin."""
+        out, err, flags = (part.saved for part in self.parts())
+        return out, err, flags
+
     def snapshot(self) -> tuple[Checkpoint, tuple[int, int, int], int]:
         """With the lock held: (what a checkpoint taken now holds, without its segments; the
         offsets in the parts it covers; this attempt's computed results it holds)."""
@@ -173,7 +177,6 @@ class ShardWork:
         for part, upto in zip(self.parts(), sizes, strict=True):
             part.release(upto)
         self.saved = checkpoint
-        self.saved_bytes = sizes
         self.saved_computed = computed
         self.saved_at = time.monotonic()
 
