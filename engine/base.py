@@ -56,6 +56,9 @@ class EngineRequest:
     url: str
     # The request body exactly as the batch line carries it (model name already checked).
     body: dict[str, Any]
+    # Requests with the same non-empty key share a long prompt prefix (validation's prefix
+    # key). An engine with a prefix cache may use it to compute that prefix once.
+    prefix_key: str = ""
 
 
 @dataclass(frozen=True)

@@ -249,6 +249,17 @@ class Batch(models.Model):
     # batch compares to answer 304 Not Modified and to key its cached partial, so a new
     # count can never hide behind an old answer.
     progress_version = models.PositiveBigIntegerField(default=0)
+    # Prompt tokens the engine served from its prefix cache (OpenAI's
+    # `usage.prompt_tokens_details.cached_tokens`), summed like the counters above.
+    cached_tokens = models.BigIntegerField(default=0)
+    # How validation planned the shards (jobs.services.prefix_plan.PrefixPlan as JSON): the
+    # prefix groups it found, the cache hits it expected in file order and grouped, and
+    # whether it grouped. Empty for batches planned before prefix planning existed.
+    plan = models.JSONField(default=dict, blank=True)
+    # Storage name of the line index of a grouped batch: the input lines of every shard, in
+    # the order they run (see jobs.services.line_index). Empty when the shards are byte
+    # ranges of the input in file order.
+    line_index = models.CharField(max_length=255, blank=True)
 
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     in_progress_at = models.DateTimeField(null=True, blank=True)
@@ -354,6 +365,11 @@ class Shard(models.Model):
     end_byte = models.BigIntegerField()
     # 1-based line number of the first line in the range (as in errors.data).
     first_line = models.PositiveIntegerField()
+    # For a shard of a grouped batch (Batch.line_index set): its records [lines_from,
+    # lines_to) of the line index. start_byte, end_byte and first_line then describe no
+    # range (both bytes 0, first_line its smallest line number).
+    lines_from = models.PositiveIntegerField(null=True, blank=True)
+    lines_to = models.PositiveIntegerField(null=True, blank=True)
     request_count = models.PositiveIntegerField()
     status = models.CharField(
         max_length=20, choices=Status.choices, default=Status.QUEUED, db_index=True
@@ -379,6 +395,7 @@ class Shard(models.Model):
     failed = models.PositiveIntegerField(default=0)
     input_tokens = models.BigIntegerField(default=0)
     output_tokens = models.BigIntegerField(default=0)
+    cached_tokens = models.BigIntegerField(default=0)
     # Storage names of this shard's results, set only when an attempt finishes whole.
     output_part = models.CharField(max_length=255, blank=True)
     error_part = models.CharField(max_length=255, blank=True)
