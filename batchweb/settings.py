@@ -341,6 +341,14 @@ BATCHWEB: dict[str, Any] = {
     # Distinct deterministic request bodies remembered per batch for dedup; beyond this,
     # new bodies are simply computed (memory stays bounded for million-line files).
     "DEDUP_MAX_BODIES": env_int("BATCHWEB_DEDUP_MAX_BODIES", 200_000),
+    # Prefix planning (jobs.services.prefix_plan): shards run requests grouped by prompt
+    # prefix when that serves at least PREFIX_MIN_GAIN of a file's prompt tokens from the
+    # engine's prefix cache beyond what file order would. PREFIX_CACHE_TOKENS is the prefix
+    # cache of one worker's engine in tokens (vLLM logs it at start as its "KV cache size";
+    # ~50k for the CPU default of 2 GiB with a small model, millions on a large GPU).
+    "PREFIX_GROUPING": env_bool("BATCHWEB_PREFIX_GROUPING", True),
+    "PREFIX_CACHE_TOKENS": env_int("BATCHWEB_PREFIX_CACHE_TOKENS", 50_000),
+    "PREFIX_MIN_GAIN": float(os.environ.get("BATCHWEB_PREFIX_MIN_GAIN", "0.10")),
     # completion_window bounds, in hours.
     "MIN_WINDOW_HOURS": env_int("BATCHWEB_MIN_WINDOW_HOURS", 1),
     "MAX_WINDOW_HOURS": env_int("BATCHWEB_MAX_WINDOW_HOURS", 168),

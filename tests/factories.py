@@ -68,6 +68,27 @@ def chat_lines(n: int, prefix: str = "r") -> list[dict]:
     return [chat_line(f"{prefix}{i}", f"question {i}", max_tokens=10) for i in range(n)]
 
 
+def shared_prefix_lines(n: int, *, groups: int = 5, prefix: str = "g",
+                        **body: Any) -> list[dict]:
+    """`n` chat requests in `groups` task templates (a long system prompt each, then the
+    item), shuffled so no two neighbours share a template: the shape prefix planning
+    groups. custom_ids `{prefix}{i}`; `template_of` tells an id's template."""
+    lines = []
+    for i in range(n):
+        template = template_of(i, groups)
+        system = (f"Template {template}: read the item and answer with one word. " * 8)
+        lines.append({"custom_id": f"{prefix}{i}", "method": "POST",
+                      "url": "/v1/chat/completions",
+                      "body": {"model": "echo-test", "max_tokens": 4, **body, "messages": [
+                          {"role": "system", "content": system},
+                          {"role": "user", "content": f"item {i}"}]}})
+    return lines
+
+
+def template_of(i: int, groups: int = 5) -> int:
+    return (i * 7 + i // groups) % groups
+
+
 # --- batches, shards and files without worker processes ---
 
 

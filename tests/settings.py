@@ -24,6 +24,9 @@ for _name, _value in {
     # DEBUG is off in tests, so the service wants a real key; in the environment, so the
     # worker and server processes the tests start sign with the same one.
     "SECRET_KEY": "tests-only-" + "q7Lm2Xv9Rk4Tz8Wp3Hs6Jd1Fb5Nc0Yg-" * 2,
+    # A prefix cache of a few requests: the tests' shared-prefix files of a few hundred
+    # lines then hold more prefixes than it, as real files do a real engine's cache.
+    "BATCHWEB_PREFIX_CACHE_TOKENS": "400",
     # Live servers and gunicorn in the tests speak plain HTTP on loopback.
     "BATCHWEB_HTTPS": "0",
 }.items():

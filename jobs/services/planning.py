@@ -1,6 +1,7 @@
-"""Shard planning: a batch's valid lines cut into shards (byte ranges of SHARD_SIZE requests)
-while validation reads them, and the duplicate deterministic bodies among them computed
-once (dedup)."""
+"""Shard planning in file order: a batch's valid lines cut into shards (byte ranges of
+SHARD_SIZE requests) while validation reads them, and the duplicate deterministic bodies
+among them computed once (dedup). When the lines are worth grouping by prompt prefix,
+jobs.services.prefix_plan replaces these shards with grouped ones."""
 
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ class ShardPlanner:
         self.primaries: dict[bytes, tuple[int, int]] = {}  # body digest -> (line, shard)
         self.shard: ShardPlan | None = None
 
-    def add(self, line: Line, request: RequestLine) -> None:
-        """A valid request line: in the current shard, or the first of a new one."""
+    def add(self, line: Line, request: RequestLine) -> int | None:
+        """A valid request line: in the current shard, or the first of a new one. Returns
+        the line of the primary it is a copy of, None when it runs itself."""
         shard = self.shard
         if shard is None or shard.lines >= self.shard_size:
             shard = self.shard = ShardPlan(index=len(self.shards), start_byte=line.start,
@@ -55,15 +57,16 @@ class ShardPlanner:
 
         key = dedup_key(request)
         if key is None:
-            return
+            return None
         primary = self.primaries.get(key)
         if primary is None:
             if len(self.primaries) < self.max_bodies:
                 self.primaries[key] = (line.number, shard.index)
-            return
+            return None
         primary_line, primary_shard = primary
         self.dedup_saved += 1
         shard.responsible -= 1
         self.shards[primary_shard].responsible += 1
         if self.on_copy:
             self.on_copy(primary_line, line.number, request.custom_id)
+        return primary_line

@@ -1,7 +1,10 @@
-"""What a shard answers for, in one place: the lines of its input range that it runs
-(not blank, not a copy of an earlier identical request), the copies its lines answer for
-(dedup), and the custom_ids all of that makes. The worker runs a shard from these; the
-finalizer writes error lines for an unfinished shard from them."""
+"""What a shard answers for, in one place: the input lines that it runs (not blank, not a
+copy of an earlier identical request), the copies its lines answer for (dedup), and the
+custom_ids all of that makes. The worker runs a shard from these; the finalizer writes
+error lines for an unfinished shard from them.
+
+A shard's lines are a byte range of the input in file order, or, for a batch grouped by
+prompt prefix, its records of the batch's line index (jobs.services.line_index)."""
 
 from __future__ import annotations
 
@@ -11,47 +14,81 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from django.db.models import Q
+
 from jobs.models import RequestCopy, Shard
 from jobs.services.files import open_range_lines
+from jobs.services.line_index import iter_indexed_lines, read_records
+
+# Line numbers per query of a grouped shard's lines (well under SQLite's variable limit).
+IN_CHUNK = 500
 
 
 @dataclass
 class ShardLines:
-    # The number of the shard's last input line (the next shard's first line - 1).
+    # The shard's input lines: [first_line, last_line] in file order, or, when `numbers`
+    # is set (a grouped shard), exactly those.
+    first_line: int
     last_line: int
-    # Lines in the shard's range that are copies, answered by their primary line.
+    numbers: list[int] | None
+    # Lines among them that are copies, answered by their primary line.
     skip: set[int]
     # Primary line -> the custom_ids of its copies, which get its result too.
     copies: dict[int, list[str]]
 
+    def where(self, field: str) -> list[Q]:
+        """Filters (one query each) on a line-number field for the shard's lines."""
+        if self.numbers is None:
+            return [Q(**{f"{field}__gte": self.first_line, f"{field}__lte": self.last_line})]
+        return [Q(**{f"{field}__in": self.numbers[i:i + IN_CHUNK]})
+                for i in range(0, len(self.numbers), IN_CHUNK)]
+
 
 def shard_lines(shard: Shard) -> ShardLines:
-    nxt = Shard.objects.filter(batch_id=shard.batch_id, index=shard.index + 1).values_list(
-        "first_line", flat=True).first()
-    last_line = (nxt - 1) if nxt else 2**31 - 1
+    if shard.lines_from is not None:
+        numbers = sorted(int(n) for n in _records(shard)["line"])
+        lines = ShardLines(first_line=numbers[0], last_line=numbers[-1], numbers=numbers,
+                           skip=set(), copies={})
+    else:
+        nxt = Shard.objects.filter(batch_id=shard.batch_id, index=shard.index + 1
+                                   ).values_list("first_line", flat=True).first()
+        lines = ShardLines(first_line=shard.first_line,
+                           last_line=(nxt - 1) if nxt else 2**31 - 1, numbers=None,
+                           skip=set(), copies={})
     if not shard.batch.dedup_saved:
         # Validation records as many copies as it saved: none to read (two reads less for
         # every shard of a batch without duplicates).
-        return ShardLines(last_line=last_line, skip=set(), copies={})
-    in_range = RequestCopy.objects.filter(batch_id=shard.batch_id)
-    skip = set(in_range.filter(line__gte=shard.first_line, line__lte=last_line)
-               .values_list("line", flat=True))
-    copies: dict[int, list[str]] = {}
-    for primary, custom_id in in_range.filter(
-            primary_line__gte=shard.first_line, primary_line__lte=last_line
-    ).values_list("primary_line", "custom_id").iterator():
-        copies.setdefault(primary, []).append(custom_id)
-    return ShardLines(last_line=last_line, skip=skip, copies=copies)
+        return lines
+    in_batch = RequestCopy.objects.filter(batch_id=shard.batch_id)
+    if lines.numbers is None:  # a grouped shard's line list holds no copies
+        lines.skip = {line for where in lines.where("line")
+                      for line in in_batch.filter(where).values_list("line", flat=True)}
+    for where in lines.where("primary_line"):
+        for primary, custom_id in in_batch.filter(where).values_list(
+                "primary_line", "custom_id").iterator():
+            lines.copies.setdefault(primary, []).append(custom_id)
+    return lines
+
+
+def _records(shard: Shard) -> Any:
+    assert shard.lines_from is not None and shard.lines_to is not None
+    return read_records(shard.batch.line_index, shard.lines_from, shard.lines_to)
 
 
 @contextmanager
 def shard_requests(shard: Shard, skip: set[int]) -> Iterator[Iterator[tuple[int, Any]]]:
-    """(line number, request object) of each line the shard runs, streamed from its byte
-    range of the input (a Range read on object storage)."""
+    """(line number, request object) of each line the shard runs, in the order it runs
+    them, streamed from the input: its byte range (a Range read on object storage), or the
+    lines its records in the line index name."""
     storage_name = shard.batch.input_file.storage_name
+    if shard.lines_from is not None:
+        lines = iter_indexed_lines(storage_name, _records(shard))
+        yield ((number, json.loads(content)) for number, content in lines
+               if number not in skip)
+        return
     with open_range_lines(storage_name, start=shard.start_byte, end=shard.end_byte,
-                          first_number=shard.first_line) as lines:
-        yield ((line.number, json.loads(line.content)) for line in lines
+                          first_number=shard.first_line) as range_lines:
+        yield ((line.number, json.loads(line.content)) for line in range_lines
                if line.content is not None and line.content.strip()
                and line.number not in skip)
 

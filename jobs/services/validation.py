@@ -1,5 +1,6 @@
 """One streaming pass over a batch input file: every line checked, shards cut, duplicates found,
-content rules applied; and the validation task that runs it before a batch starts.
+content rules applied, prompt prefixes keyed and, where it pays, shards grouped by prefix;
+and the validation task that runs it before a batch starts.
 
 The dashboard's preflight (before a batch exists) runs the same check (`check_batch_input`),
 so both report the same problems with the same line numbers.
@@ -23,9 +24,12 @@ from jobs.digestset import DigestSet
 from jobs.engines import served_endpoints
 from jobs.models import Batch, RequestCopy, ScreenedLine, Shard
 from jobs.policy import VIOLATION, Screener, ScreeningChunker, Violation
+from jobs.prefix import prefix_key
 from jobs.services.files import Line, iter_lines, local_temp, open_file
 from jobs.services.finalize import notify_ended
+from jobs.services.line_index import write_line_index
 from jobs.services.planning import CopySink, ShardPlan, ShardPlanner
+from jobs.services.prefix_plan import GroupedShard, PrefixPlan, PrefixPlanner
 from jobs.services.scheduling import enqueue_next_shards
 from jobs.wire import Code, LineError, RequestLine, estimate_tokens, parse_line, prompt_text
 
@@ -38,6 +42,11 @@ class InputReport:
     errors: list[dict[str, Any]] = field(default_factory=list)
     error_count: int = 0
     shards: list[ShardPlan] = field(default_factory=list)
+    # What prefix planning decided; when it grouped, the line index records in run order
+    # and the grouped shards replace `shards`.
+    plan: PrefixPlan = field(default_factory=PrefixPlan)
+    line_records: Any = None
+    grouped_shards: list[GroupedShard] = field(default_factory=list)
     dedup_saved: int = 0
     screened: int = 0  # lines a `skip` content rule keeps from running
     input_tokens_estimate: int = 0
@@ -144,6 +153,9 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
     checker = LineChecker(endpoint=endpoint)
     planner = ShardPlanner(shard_size=conf["SHARD_SIZE"], max_bodies=conf["DEDUP_MAX_BODIES"],
                            on_copy=on_copy)
+    prefixes = PrefixPlanner(shard_size=conf["SHARD_SIZE"],
+                             cache_tokens=conf["PREFIX_CACHE_TOKENS"],
+                             min_gain=conf["PREFIX_MIN_GAIN"], enabled=conf["PREFIX_GROUPING"])
 
     def problem(line_number: int, error: LineError) -> None:
         report.error_count += 1
@@ -174,7 +186,11 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
             chunker.add(line.number, request, tokens_in, text)
         report.input_tokens_estimate += tokens_in
         report.output_tokens_ceiling += ceiling
-        planner.add(line, request)
+        primary = planner.add(line, request)
+        if primary is None:
+            prefixes.add(line, prefix_key(request), tokens_in)
+        else:
+            prefixes.add_copy(primary)
 
     report.endpoint, report.model, report.requests = (checker.endpoint, checker.model,
                                                       checker.requests)
@@ -186,6 +202,8 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
         problem(1, LineError(Code.EMPTY_FILE, "The file has no requests."))
     if report.error_count:
         report.shards = []
+    else:
+        report.plan, report.line_records, report.grouped_shards = prefixes.finish()
     return report
 
 
@@ -227,24 +245,36 @@ def run_validation(*, batch_id: str) -> None:
                 status=Batch.Status.FAILED, failed_at=now, errors=errors)
             transaction.on_commit(lambda: notify_ended(batch_id), robust=True)
             return
+        # Stored before the batch starts: its shards read it.
+        line_index = (write_line_index(batch_id, report.line_records)
+                      if report.plan.grouped else "")
         with transaction.atomic():
             started = Batch.objects.filter(
                 pk=batch_id, status=Batch.Status.VALIDATING, stop_code="").update(
                 status=Batch.Status.IN_PROGRESS, in_progress_at=timezone.now(),
                 total=report.requests, model=report.model or "",
-                dedup_saved=report.dedup_saved)
+                dedup_saved=report.dedup_saved, plan=report.plan.to_json(),
+                line_index=line_index)
             if not started:
                 return
-            queue_name = queues.shard_queue_name(report.model or "", batch.priority)
-            Shard.objects.bulk_create([
-                Shard(batch_id=batch_id, index=plan.index, start_byte=plan.start_byte,
-                      end_byte=plan.end_byte, first_line=plan.first_line,
-                      request_count=plan.responsible, queue_name=queue_name)
-                for plan in report.shards
-            ], batch_size=500)
+            Shard.objects.bulk_create(_shard_rows(batch_id, report, queues.shard_queue_name(
+                report.model or "", batch.priority)), batch_size=500)
             _save_copies(batch_id, copies_path)
             _save_screened(batch_id, screened_path)
             transaction.on_commit(lambda: enqueue_next_shards(batch_id=batch_id), robust=True)
+
+
+def _shard_rows(batch_id: str, report: InputReport, queue_name: str) -> list[Shard]:
+    if report.plan.grouped:
+        return [Shard(batch_id=batch_id, index=plan.index, start_byte=0, end_byte=0,
+                      first_line=plan.first_line, lines_from=plan.lines_from,
+                      lines_to=plan.lines_to, request_count=plan.responsible,
+                      queue_name=queue_name)
+                for plan in report.grouped_shards]
+    return [Shard(batch_id=batch_id, index=plan.index, start_byte=plan.start_byte,
+                  end_byte=plan.end_byte, first_line=plan.first_line,
+                  request_count=plan.responsible, queue_name=queue_name)
+            for plan in report.shards]
 
 
 def _save_screened(batch_id: str, path: Path) -> None:

@@ -12,6 +12,7 @@ from django.db import close_old_connections
 from engine.base import EngineRequest
 from jobs.models import Shard
 from jobs.policy import VIOLATION
+from jobs.prefix import prefix_key
 from jobs.services import shards as shard_service
 from jobs.services.shard_input import shard_requests
 from jobs.services.shards import Checkpoint
@@ -96,6 +97,10 @@ class Intake:
             pass
 
     def _submit_lines(self, shard: Shard, work: ShardWork) -> None:
+        # In a batch grouped by prompt prefix, each request names its prefix so the engine
+        # can compute a group's prefix once before the group runs (file order: nothing to
+        # gain, and an engine's warm-up would only cost).
+        grouped = bool(shard.batch.line_index)
         with shard_requests(shard, work.skip | work.adopted) as requests:
             for number, request in requests:
                 if work.dead or work.handing_back:
@@ -109,11 +114,13 @@ class Intake:
                         work.write_failure(request["custom_id"], number, VIOLATION,
                                            work.screened[number])
                     continue
+                line = RequestLine(request["custom_id"], request["url"], request["body"])
+                key = prefix_key(line) if grouped else None
                 engine_request = EngineRequest(request_id=work.request_id(number),
-                                               url=request["url"], body=request["body"])
+                                               url=line.url, body=line.body,
+                                               prefix_key=key.hex if key else "")
                 with work.lock:
-                    work.pending[engine_request.request_id] = RequestLine(
-                        request["custom_id"], request["url"], request["body"])
+                    work.pending[engine_request.request_id] = line
                 self._put(engine_request)
 
     def _put(self, request: EngineRequest) -> None:

@@ -190,9 +190,9 @@ def open_work(shard: Shard) -> ShardWork:
     """Read what the shard's lines need besides their text (dedup copies, copies to skip,
     screened lines). Only reads: safe to repeat on a dropped connection."""
     lines = shard_lines(shard)
-    rules = dict(ScreenedLine.objects.filter(
-        batch_id=shard.batch_id, line__gte=shard.first_line, line__lte=lines.last_line
-    ).values_list("line", "rule"))
+    rules = {line: rule for where in lines.where("line")
+             for line, rule in ScreenedLine.objects.filter(where, batch_id=shard.batch_id)
+             .values_list("line", "rule")}
     reasons = dict(ContentRule.objects.values_list("name", "reason")) if rules else {}
     screened = {
         line: Violation(rule=rule, action="skip", reason=reasons.get(rule, "")).message

@@ -1,0 +1,86 @@
+"""Prefix keys: which requests of a batch share a long prompt prefix.
+
+vLLM's prefix cache keys its KV blocks on the prompt's leading tokens, and the prompt of a
+chat request is its chat template rendered over (tools, messages). Two requests whose
+rendering starts the same way share those blocks. Rendering and tokenizing every line of a
+million-line file at validation would cost more than validating it, so the key is taken
+from what decides the rendered prefix, in the order the template writes it:
+
+- the model, the tools and template options (they are written before the messages), and
+  `cache_salt` (vLLM keeps salted prefixes apart);
+- then either every message before the last one (a system prompt, instructions, few-shot
+  turns: the shared context of classification, extraction and translation files), when
+  that context is at least PREFIX_MIN_CHARS long;
+- or else, for one long message that starts with shared instructions, its first
+  PREFIX_BLOCK_CHARS characters.
+
+Sampling parameters change no prefill: vLLM computes and caches the prompt's KV the same
+whatever the temperature or max_tokens. Only chat requests get a key; completions and
+embeddings run in file order as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+from engine.base import CHAT, text_parts
+from jobs.wire import RequestLine
+
+# A context shorter than this (~64 tokens) is not worth grouping for.
+PREFIX_MIN_CHARS = 256
+# The leading characters of a lone long message that stand for its prefix (~256 tokens).
+PREFIX_BLOCK_CHARS = 1024
+# Contexts are hashed up to this many characters: requests that agree that far share a
+# prefix long enough to group by, whatever follows.
+PREFIX_MAX_CHARS = 16384
+
+# Body fields the chat template renders before the messages, or that change the cache key.
+_RENDERED_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "documents",
+                    "add_generation_prompt", "continue_final_message", "cache_salt")
+
+
+@dataclass(frozen=True)
+class PrefixKey:
+    digest: int  # 64 bits, for compact arrays at validation
+    chars: int  # characters of the shared text the key stands for
+
+    @property
+    def hex(self) -> str:
+        return f"{self.digest:016x}"
+
+
+def _message_text(message: dict) -> str:
+    content = message.get("content")
+    text = content if isinstance(content, str) else "\x1e".join(text_parts(content))
+    extra = ""
+    if message.get("tool_calls") or message.get("name") or message.get("tool_call_id"):
+        extra = json.dumps([message.get("name"), message.get("tool_call_id"),
+                            message.get("tool_calls")], sort_keys=True)
+    return f"{message.get('role')}\x1f{extra}\x1f{text}\x1d"
+
+
+def prefix_key(request: RequestLine) -> PrefixKey | None:
+    """The key of the prompt prefix this request shares with others like it, or None when
+    it has none worth grouping by (see the module docstring)."""
+    if request.url != CHAT:
+        return None
+    body = request.body
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    head = json.dumps([request.model] + [body.get(name) for name in _RENDERED_FIELDS],
+                      sort_keys=True, separators=(",", ":"))
+    context = "".join(_message_text(m) for m in messages[:-1] if isinstance(m, dict))
+    if len(context) >= PREFIX_MIN_CHARS:
+        shared = context[:PREFIX_MAX_CHARS]
+    else:
+        last = messages[-1]
+        whole = context + (_message_text(last) if isinstance(last, dict) else "")
+        if len(whole) <= PREFIX_BLOCK_CHARS:
+            return None
+        shared = whole[:PREFIX_BLOCK_CHARS]
+    digest = hashlib.blake2b(f"{head}\x1c{shared}".encode("utf-8", "surrogatepass"),
+                             digest_size=8).digest()
+    return PrefixKey(digest=int.from_bytes(digest), chars=len(shared))
