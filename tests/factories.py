@@ -89,6 +89,19 @@ def template_of(i: int, groups: int = 5) -> int:
     return (i * 7 + i // groups) % groups
 
 
+def requests_of_shape(shape: str, n: int, prefix: str) -> list[dict]:
+    """Short requests that run in file order, or requests of a few long shared prompts,
+    shuffled, that prefix planning groups (their shards then read their lines through the
+    batch's line index, in group order). custom_ids `{prefix}{i}`."""
+    if shape == "grouped":
+        return shared_prefix_lines(n, prefix=prefix)
+    return [chat_line(f"{prefix}{i}", f"question {i}", max_tokens=4) for i in range(n)]
+
+
+# The guarantees that must hold whichever way a batch's shards were planned.
+SHAPES = pytest.mark.parametrize("shape", ["file order", "grouped"])
+
+
 # --- batches, shards and files without worker processes ---
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 
 import numpy as np
 
@@ -42,7 +43,11 @@ def write_line_index(batch_id: str, records: np.ndarray) -> str:
         return writer.commit()
 
 
+@lru_cache(maxsize=32)
 def read_records(name: str, lines_from: int, lines_to: int) -> np.ndarray:
+    """Records [lines_from, lines_to). A line index never changes once written, so the
+    last few read are kept: a worker reads a shard's records to look up its copies and
+    screened lines, and again to run it."""
     size = RECORD.itemsize
     data = _read(name, (lines_from * size, lines_to * size))
     return np.frombuffer(data, dtype=RECORD)

@@ -18,7 +18,16 @@ from django.utils import timezone
 from jobs.models import Batch, File, Quota, Shard, UploadPart
 from jobs.services import cleanup
 from jobs.storage import backend
-from tests.factories import chat_line, jsonl, new_batch, upload, wait_for, wait_status
+from tests.factories import (
+    assert_exactly_once,
+    chat_line,
+    jsonl,
+    new_batch,
+    shared_prefix_lines,
+    upload,
+    wait_for,
+    wait_status,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -81,6 +90,33 @@ def test_a_batch_runs_on_s3_and_each_shard_reads_only_its_bytes(
     assert "X-Amz-Expires=20" in location
     assert requests.get(location, timeout=30).content == response.content
 
+
+
+def test_a_grouped_batch_on_s3_reads_each_line_once_through_its_line_index(
+        s3, openai_client, workers):
+    lines = shared_prefix_lines(300, groups=6)
+    data = jsonl(lines)
+    file, batch = submit(openai_client, data)
+    workers.start(env={**s3.worker_env, "BATCHWEB_SHARD_SIZE": "25"})
+    batch = wait_status(openai_client, batch.id, {"completed"}, timeout=90)
+    row = Batch.objects.get(pk=batch.id)
+    assert row.plan["grouped"] and row.line_index
+    output = [json.loads(line) for line in
+              openai_client.files.content(batch.output_file_id).text.splitlines()]
+    assert_exactly_once(output, [], {line["custom_id"] for line in lines})
+
+    # Each shard reads its records of the line index (one Range GET), then its lines: the
+    # input bytes the shards fetch stay within 1.1x of the file.
+    shards = list(Shard.objects.filter(batch_id=batch.id))
+    index_fetches = s3.proxy.fetched(s3.key(row.line_index))
+    record = 16
+    assert sorted(f.range for f in index_fetches) == sorted(
+        f"bytes={s.lines_from * record}-{s.lines_to * record - 1}" for s in shards)
+    fetches = s3.proxy.fetched(s3.key(File.objects.get(pk=file.id).storage_name))
+    shard_bytes = sum(f.bytes for f in fetches if f.range != "bytes=0-")
+    print(f"{len(shards)} grouped shards read {shard_bytes} bytes of a {len(data)}-byte "
+          f"file ({shard_bytes / len(data):.3f}x) in {len(fetches) - 1} range GETs")
+    assert len(data) * 0.99 <= shard_bytes <= 1.1 * len(data)
 
 def test_another_user_gets_no_presigned_url(s3, openai_client, other_client, settings):
     settings.DOWNLOAD_REDIRECT = True

@@ -13,7 +13,16 @@ from django.utils import timezone
 
 from jobs import queues
 from jobs.models import Batch, Shard
-from tests.factories import assert_exactly_once, chat_line, submit, wait_for, wait_status
+from tests.factories import (
+    SHAPES,
+    assert_exactly_once,
+    chat_line,
+    requests_of_shape,
+    shared_prefix_lines,
+    submit,
+    wait_for,
+    wait_status,
+)
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -93,8 +102,25 @@ def test_identical_deterministic_requests_are_computed_once(openai_client, worke
         r["response"]["body"]["usage"]["prompt_tokens"] for r in computed)
 
 
-def test_cancel_keeps_finished_results(openai_client, workers, settings):
-    lines = [chat_line(f"c{i}", f"q {i}") for i in range(60)]
+def test_grouped_copies_of_deterministic_requests_are_computed_once(openai_client, workers):
+    lines = shared_prefix_lines(40, groups=4, temperature=0)
+    copies = [dict(line, custom_id=f"copy-{line['custom_id']}") for line in lines[::5]]
+    batch = submit(openai_client, lines + copies)
+    workers.start(env={"BATCHWEB_SHARD_SIZE": "6"})
+    batch = wait_status(openai_client, batch.id, {"completed"})
+    row = Batch.objects.get(pk=batch.id)
+    assert row.plan["grouped"] and row.dedup_saved == len(copies)
+    out, _ = every_custom_id_once(openai_client, batch,
+                                  {line["custom_id"] for line in lines + copies})
+    body = {r["custom_id"]: r["response"]["body"] for r in out}
+    for copy in copies:
+        assert body[copy["custom_id"]] == body[copy["custom_id"].removeprefix("copy-")]
+    assert batch.request_counts.completed == 48
+
+
+@SHAPES
+def test_cancel_keeps_finished_results(openai_client, workers, settings, shape):
+    lines = requests_of_shape(shape, 60, "c")
     batch = submit(openai_client, lines)
     workers.start(env={"BATCHWEB_SHARD_SIZE": "10", "BATCHWEB_ECHO_SECONDS": "0.1",
                           "BATCHWEB_ECHO_MAX_IN_FLIGHT": "4"})
@@ -110,10 +136,12 @@ def test_cancel_keeps_finished_results(openai_client, workers, settings):
     out, err = every_custom_id_once(openai_client, batch, {f"c{i}" for i in range(60)})
     assert len(out) == counts.completed
     assert all(e["error"]["code"] == "batch_cancelled" for e in err)
+    assert Batch.objects.get(pk=batch.id).plan["grouped"] is (shape == "grouped")
 
 
-def test_expiry_keeps_partial_results(openai_client, workers, settings):
-    lines = [chat_line(f"e{i}", f"q {i}") for i in range(60)]
+@SHAPES
+def test_expiry_keeps_partial_results(openai_client, workers, settings, shape):
+    lines = requests_of_shape(shape, 60, "e")
     batch = submit(openai_client, lines)
     workers.start(env={"BATCHWEB_SHARD_SIZE": "10", "BATCHWEB_ECHO_SECONDS": "0.2",
                           "BATCHWEB_ECHO_MAX_IN_FLIGHT": "2"})
@@ -126,10 +154,12 @@ def test_expiry_keeps_partial_results(openai_client, workers, settings):
     out, err = every_custom_id_once(openai_client, batch, {f"e{i}" for i in range(60)})
     assert out and err
     assert all(e["error"]["code"] == "batch_expired" for e in err)
+    assert Batch.objects.get(pk=batch.id).plan["grouped"] is (shape == "grouped")
 
 
-def test_sigkilled_worker_loses_nothing(openai_client, workers, settings):
-    lines = [chat_line(f"k{i}", f"q {i}") for i in range(100)]
+@SHAPES
+def test_sigkilled_worker_loses_nothing(openai_client, workers, settings, shape):
+    lines = requests_of_shape(shape, 100, "k")
     batch = submit(openai_client, lines)
     # Two requests at a time, 0.2 s each: a shard takes ~2 s and the batch ~10 s. The kill
     # lands while a shard is running with progress (between shards the worker may be
@@ -146,6 +176,7 @@ def test_sigkilled_worker_loses_nothing(openai_client, workers, settings):
     out, err = every_custom_id_once(openai_client, batch, {f"k{i}" for i in range(100)})
     assert len(out) == 100 and not err
     assert Shard.objects.filter(batch_id=batch.id, failures__gt=0).exists()
+    assert Batch.objects.get(pk=batch.id).plan["grouped"] is (shape == "grouped")
 
 
 def test_redis_flushed_mid_batch_is_recovered(openai_client, workers, settings):
@@ -159,13 +190,15 @@ def test_redis_flushed_mid_batch_is_recovered(openai_client, workers, settings):
     every_custom_id_once(openai_client, batch, {f"f{i}" for i in range(80)})
 
 
+@SHAPES
 def test_small_batch_is_not_stuck_behind_a_big_one(openai_client, other_client, workers,
-                                                    settings):
+                                                    settings, shape):
     settings.BATCHWEB = {**settings.BATCHWEB, "SHARD_SIZE": 10}  # validated in this process
-    big = submit(openai_client, [chat_line(f"b{i}", "q") for i in range(300)])
+    big = submit(openai_client, requests_of_shape(shape, 300, "b"))
     from jobs.tasks import validate_batch
 
     validate_batch(big.id)
+    assert Batch.objects.get(pk=big.id).plan["grouped"] is (shape == "grouped")
     small = submit(other_client, [chat_line(f"s{i}", "q") for i in range(5)])
     validate_batch(small.id)
     workers.start(env={"BATCHWEB_SHARD_SIZE": "10", "BATCHWEB_ECHO_SECONDS": "0.02"})

@@ -16,11 +16,13 @@ from jobs.models import Shard
 from jobs.services import shards as shard_service
 from jobs.services.shards import Checkpoint
 from tests.factories import (
+    SHAPES,
     assert_exactly_once,
     chat_line,
     computed_twice,
     engine_request_log,
     finalized,
+    requests_of_shape,
     run_all_shards,
     start_shard,
     wait_for,
@@ -35,8 +37,8 @@ def checkpoint_often(settings):
                          "CHECKPOINT_REQUESTS": 3}
 
 
-def lines_with_dedup_and_json(n: int) -> list[dict]:
-    lines = [chat_line(f"r{i}", f"question {i}", max_tokens=4) for i in range(n)]
+def lines_with_dedup_and_json(n: int, shape: str = "file order") -> list[dict]:
+    lines = requests_of_shape(shape, n, "r")
     # A deterministic duplicate (written under both custom_ids) and JSON requests (their
     # output never parses: each is run twice) across the shard.
     lines[3] = chat_line("dup-a", "same words", temperature=0)
@@ -46,10 +48,12 @@ def lines_with_dedup_and_json(n: int) -> list[dict]:
     return lines
 
 
+@SHAPES
 def test_handed_back_shard_resumes_without_computing_anything_twice(
-        make_batch, make_pipeline, checkpoint_often, tmp_path):
-    lines = lines_with_dedup_and_json(30)
+        make_batch, make_pipeline, checkpoint_often, tmp_path, shape):
+    lines = lines_with_dedup_and_json(30, shape)
     batch = make_batch(lines, shard_size=30)
+    assert batch.plan["grouped"] is (shape == "grouped")
     shard = Shard.objects.get(batch=batch)
     log = tmp_path / "requests.log"
     first = make_pipeline(seconds_per_request=0.3, max_in_flight=2, inbox_size=2,
@@ -86,12 +90,14 @@ def test_handed_back_shard_resumes_without_computing_anything_twice(
                 if ".ckpt" in name]
 
 
+@SHAPES
 def test_a_zombie_worker_cannot_record_a_late_checkpoint(
-        make_batch, make_pipeline, checkpoint_often, caplog, settings):
+        make_batch, make_pipeline, checkpoint_often, caplog, settings, shape):
     # Its checkpoints would otherwise come only from the periodic thread.
     settings.BATCHWEB = {**settings.BATCHWEB, "CHECKPOINT_SECONDS": 3600,
                          "CHECKPOINT_REQUESTS": 10_000}
-    batch = make_batch([chat_line(f"z{i}", f"slow {i}") for i in range(20)], shard_size=20)
+    batch = make_batch(requests_of_shape(shape, 20, "z"), shard_size=20)
+    assert batch.plan["grouped"] is (shape == "grouped")
     shard = Shard.objects.get(batch=batch)
     zombie = make_pipeline(seconds_per_request=0.1, max_in_flight=2, inbox_size=2)
     start_shard(zombie, shard.pk)
