@@ -21,7 +21,6 @@ embeddings run in file order as before.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 
@@ -43,44 +42,47 @@ _RENDERED_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "documents
 
 @dataclass(frozen=True)
 class PrefixKey:
-    digest: int  # 64 bits, for compact arrays at validation
+    digest: int  # 64 bits, for compact arrays at validation; see prefix_key
     chars: int  # characters of the shared text the key stands for
 
-    @property
-    def hex(self) -> str:
-        return f"{self.digest:016x}"
 
-
-def _message_text(message: dict) -> str:
+def _message_text(message: object) -> str:
+    if not isinstance(message, dict):
+        return ""
     content = message.get("content")
-    text = content if isinstance(content, str) else "\x1e".join(text_parts(content))
+    if type(content) is not str:
+        content = "\x1e".join(text_parts(content))
     extra = ""
-    if message.get("tool_calls") or message.get("name") or message.get("tool_call_id"):
+    if "tool_calls" in message or "name" in message or "tool_call_id" in message:
         extra = json.dumps([message.get("name"), message.get("tool_call_id"),
                             message.get("tool_calls")], sort_keys=True)
-    return f"{message.get('role')}\x1f{extra}\x1f{text}\x1d"
+    return f"{message.get('role')}\x1f{extra}\x1f{content}\x1d"
 
 
 def prefix_key(request: RequestLine) -> PrefixKey | None:
     """The key of the prompt prefix this request shares with others like it, or None when
-    it has none worth grouping by (see the module docstring)."""
+    it has none worth grouping by (see the module docstring). Validation calls it for
+    every line, so the common case (string contents, no tools) stays a few microseconds."""
     if request.url != CHAT:
         return None
     body = request.body
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         return None
-    head = json.dumps([request.model] + [body.get(name) for name in _RENDERED_FIELDS],
-                      sort_keys=True, separators=(",", ":"))
-    context = "".join(_message_text(m) for m in messages[:-1] if isinstance(m, dict))
+    context = "".join(map(_message_text, messages[:-1]))
     if len(context) >= PREFIX_MIN_CHARS:
         shared = context[:PREFIX_MAX_CHARS]
     else:
-        last = messages[-1]
-        whole = context + (_message_text(last) if isinstance(last, dict) else "")
+        whole = context + _message_text(messages[-1])
         if len(whole) <= PREFIX_BLOCK_CHARS:
             return None
         shared = whole[:PREFIX_BLOCK_CHARS]
-    digest = hashlib.blake2b(f"{head}\x1c{shared}".encode("utf-8", "surrogatepass"),
-                             digest_size=8).digest()
-    return PrefixKey(digest=int.from_bytes(digest), chars=len(shared))
+    rendered = [(name, body[name]) for name in _RENDERED_FIELDS if name in body]
+    head = request.model + (json.dumps(rendered, sort_keys=True, separators=(",", ":"))
+                            if rendered else "")
+    # Python's own string hash: 64 bits, ~5x faster than a cryptographic digest over the
+    # ~1-16 kB hashed here (a quarter of validation's time on a million lines). It is
+    # salted per process, so keys are compared only within the validation that made them;
+    # a collision would only put two groups together.
+    return PrefixKey(digest=hash(f"{head}\x1c{shared}") & 0xFFFF_FFFF_FFFF_FFFF,
+                     chars=len(shared))

@@ -188,7 +188,7 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
         report.output_tokens_ceiling += ceiling
         primary = planner.add(line, request)
         if primary is None:
-            prefixes.add(line, prefix_key(request), tokens_in)
+            prefixes.add(line, prefix_key(request) if prefixes.enabled else None, tokens_in)
         else:
             prefixes.add_copy(primary)
 
