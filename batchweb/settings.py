@@ -344,11 +344,11 @@ BATCHWEB: dict[str, Any] = {
     # Prefix planning (jobs.services.prefix_plan): shards run requests grouped by prompt
     # prefix when that serves at least PREFIX_MIN_GAIN of a file's prompt tokens from the
     # engine's prefix cache beyond what file order would. PREFIX_CACHE_TOKENS is the prefix
-    # cache of one worker's engine in tokens (vLLM logs it at start as its "KV cache size";
-    # ~50k for the CPU default of 2 GiB with a small model, millions on a large GPU).
+    # cache of one worker's engine in tokens (each batchworker logs its own at start; ~47k
+    # for the CPU default of 2 GiB with SmolLM2-135M, millions on a large GPU).
     "PREFIX_GROUPING": env_bool("BATCHWEB_PREFIX_GROUPING", True),
     "PREFIX_CACHE_TOKENS": env_int("BATCHWEB_PREFIX_CACHE_TOKENS", 50_000),
-    "PREFIX_MIN_GAIN": float(os.environ.get("BATCHWEB_PREFIX_MIN_GAIN", "0.10")),
+    "PREFIX_MIN_GAIN": env_float("BATCHWEB_PREFIX_MIN_GAIN", 0.10),
     # completion_window bounds, in hours.
     "MIN_WINDOW_HOURS": env_int("BATCHWEB_MIN_WINDOW_HOURS", 1),
     "MAX_WINDOW_HOURS": env_int("BATCHWEB_MAX_WINDOW_HOURS", 168),

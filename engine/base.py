@@ -56,9 +56,6 @@ class EngineRequest:
     url: str
     # The request body exactly as the batch line carries it (model name already checked).
     body: dict[str, Any]
-    # Requests with the same non-empty key share a long prompt prefix (validation's prefix
-    # key). An engine with a prefix cache may use it to compute that prefix once.
-    prefix_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -103,6 +100,10 @@ class Engine(ABC):
     """
 
     max_in_flight: int
+    # Tokens of KV cache, hence the most prompt prefix the engine can keep for reuse; 0 for
+    # an engine without a prefix cache. Validation plans grouped shards for a cache of
+    # BATCHWEB_PREFIX_CACHE_TOKENS: workers log theirs so the two can be matched.
+    prefix_cache_tokens: int = 0
 
     @property
     def batch_size(self) -> int:

@@ -137,6 +137,8 @@ class VllmEngine(Engine):
         # rendering/tokenizing them overlaps the forward passes), yet memory stays flat.
         self.max_in_flight = int(max_in_flight or 2 * max_num_seqs)
         self._batch_size = max_num_seqs
+        cache = self._llm.vllm_config.cache_config
+        self.prefix_cache_tokens = (cache.num_gpu_blocks or 0) * cache.block_size
 
     @property
     def batch_size(self) -> int:
@@ -172,6 +174,9 @@ class VllmEngine(Engine):
         args.model = self.spec.path
         args.served_model_name = [self.spec.name]
         args.disable_log_stats = True  # nothing here would print them (no periodic logger)
+        # usage.prompt_tokens_details.cached_tokens, as OpenAI reports it: the prompt tokens
+        # served from the prefix cache (summed into the batch's usage and run report).
+        args.enable_prompt_tokens_details = True
         for key, value in options.items():
             if not hasattr(args, key):
                 raise ValueError(f"unknown vLLM option {key!r} for model {self.spec.name!r}")

@@ -12,7 +12,6 @@ from django.db import close_old_connections
 from engine.base import EngineRequest
 from jobs.models import Shard
 from jobs.policy import VIOLATION
-from jobs.prefix import prefix_key
 from jobs.services import shards as shard_service
 from jobs.services.shard_input import shard_requests
 from jobs.services.shards import Checkpoint
@@ -97,10 +96,9 @@ class Intake:
             pass
 
     def _submit_lines(self, shard: Shard, work: ShardWork) -> None:
-        # In a batch grouped by prompt prefix, each request names its prefix so the engine
-        # can compute a group's prefix once before the group runs (file order: nothing to
-        # gain, and an engine's warm-up would only cost).
-        grouped = bool(shard.batch.line_index)
+        # A grouped shard's lines come in run order, a prefix group's requests next to each
+        # other: vLLM computes the group's prefix once and the rest find it in its prefix
+        # cache, even those scheduled in the same step.
         with shard_requests(shard, work.skip | work.adopted) as requests:
             for number, request in requests:
                 if work.dead or work.handing_back:
@@ -115,10 +113,8 @@ class Intake:
                                            work.screened[number])
                     continue
                 line = RequestLine(request["custom_id"], request["url"], request["body"])
-                key = prefix_key(line) if grouped else None
                 engine_request = EngineRequest(request_id=work.request_id(number),
-                                               url=line.url, body=line.body,
-                                               prefix_key=key.hex if key else "")
+                                               url=line.url, body=line.body)
                 with work.lock:
                     work.pending[engine_request.request_id] = line
                 self._put(engine_request)

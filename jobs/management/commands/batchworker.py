@@ -68,6 +68,11 @@ class Command(BaseCommand):
         pipeline.start()
         presence = Presence(pipeline.closing, every=settings.BATCHWEB["HEARTBEAT_SECONDS"])
         presence.start()
+        if engine.prefix_cache_tokens:
+            self.stdout.write(
+                f"batchworker {name}: KV cache of {engine.prefix_cache_tokens} tokens "
+                f"(prefix planning assumes {settings.BATCHWEB['PREFIX_CACHE_TOKENS']}: "
+                "BATCHWEB_PREFIX_CACHE_TOKENS)")
         self.stdout.write(f"batchworker {name}: ready on {', '.join(queue_names)}")
         cold = False
         try:
