@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from jobs.re2check import regex_problem
 
-PROGRESS_FIELDS = ("completed", "failed", "input_tokens", "output_tokens")
+PROGRESS_FIELDS = ("completed", "failed", "input_tokens", "output_tokens", "cached_tokens")
 
 
 def new_id(prefix: str) -> str:
@@ -316,7 +316,7 @@ class Batch(models.Model):
             },
             "usage": {
                 "input_tokens": progress["input_tokens"],
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": progress["cached_tokens"]},
                 "output_tokens": progress["output_tokens"],
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": progress["input_tokens"] + progress["output_tokens"],

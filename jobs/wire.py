@@ -484,6 +484,10 @@ def read_result_line(content: bytes) -> ResultLine:
     return ResultLine(custom_id, status if isinstance(status, int) else None, None, "", body)
 
 
-def usage_of(body: dict[str, Any]) -> tuple[int, int]:
+def usage_of(body: dict[str, Any]) -> tuple[int, int, int]:
+    """(prompt, completion, cached prompt) tokens of a response body's usage; cached ones
+    are OpenAI's `prompt_tokens_details.cached_tokens` (served from the prefix cache)."""
     usage = body.get("usage") or {}
-    return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    details = usage.get("prompt_tokens_details") or {}
+    return (int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
+            int(details.get("cached_tokens") or 0))

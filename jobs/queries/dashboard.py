@@ -113,6 +113,11 @@ class Report:
     # are not counted twice).
     mean_context_tokens: float | None
     slowest_shard_seconds: float | None
+    # The share of input tokens the engine served from its prefix cache (vLLM's cached
+    # prompt tokens), and how validation planned the shards (PrefixPlan as stored).
+    cache_hit_rate: float | None = None
+    cached_tokens: int = 0
+    plan: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -243,6 +248,9 @@ def batch_stats(batch: Batch, *, now: datetime | None = None) -> BatchStats:
         mean_context_tokens=(progress["input_tokens"] / progress["completed"]
                              if progress["completed"] else None),
         slowest_shard_seconds=max(durations) if durations else None,
+        cache_hit_rate=(progress["cached_tokens"] / progress["input_tokens"]
+                        if progress["input_tokens"] else None),
+        cached_tokens=progress["cached_tokens"], plan=batch.plan or {},
     )
     return BatchStats(
         total=batch.total, completed=progress["completed"], failed=progress["failed"],

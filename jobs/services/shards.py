@@ -23,7 +23,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from jobs.models import Batch, Shard
+from jobs.models import PROGRESS_FIELDS, Batch, Shard
 from jobs.services.progress import refresh_progress
 from jobs.services.scheduling import enqueue_next_shards, request_finalize
 from jobs.wire import Code
@@ -37,10 +37,10 @@ class Progress:
     failed: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0  # of input_tokens, those served from the engine's prefix cache
 
     def as_fields(self) -> dict[str, int]:
-        return {"completed": self.completed, "failed": self.failed,
-                "input_tokens": self.input_tokens, "output_tokens": self.output_tokens}
+        return {name: getattr(self, name) for name in PROGRESS_FIELDS}
 
 
 @dataclass
@@ -196,7 +196,8 @@ def fail_shard(*, shard_id: str, attempt: int, reason: str) -> None:
             abandoned = fenced.update(
                 status=Shard.Status.ABANDONED, failures=failures, last_error=reason,
                 end_code=Code.SHARD_FAILED, finished_at=timezone.now(), completed=0,
-                failed=F("request_count"), input_tokens=0, output_tokens=0)
+                failed=F("request_count"), input_tokens=0, output_tokens=0,
+                cached_tokens=0)
             if abandoned:
                 refresh_progress(batch_id=shard.batch_id)
         if abandoned:

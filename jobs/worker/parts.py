@@ -140,9 +140,10 @@ class ShardWork:
                 for flag in flags:
                     self.flag_counts[flag] = self.flag_counts.get(flag, 0) + 1
         if ok:
-            tokens_in, tokens_out = usage_of(result.body)
+            tokens_in, tokens_out, cached = usage_of(result.body)
             self.progress.input_tokens += tokens_in
             self.progress.output_tokens += tokens_out
+            self.progress.cached_tokens += cached
 
     def write_unrun(self, custom_id: str, line: int, code: str) -> None:
         self.write_failure(custom_id, line, code, unrun_message(code))

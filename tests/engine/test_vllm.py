@@ -284,3 +284,42 @@ def test_greedy_output_is_stable_across_runs(engine: VllmEngine) -> None:
     # Other requests in the batch and another order: float32 greedy output must not change.
     second = once([chat("x1", "Tell me a joke.", max_tokens=20, temperature=0)])
     assert first == second
+
+
+
+def _shared_prefix_requests(tag: str) -> list[EngineRequest]:
+    """Two groups of three requests, each group with its own ~440-token system prompt."""
+    requests = []
+    for group in ("g1", "g2"):
+        system = " ".join(f"{tag}-{group} rule {i}: answer briefly and politely."
+                          for i in range(30))
+        for item in range(3):
+            requests.append(EngineRequest(
+                f"{tag}-{group}-{item}", CHAT,
+                {"model": NAME, "max_tokens": 4, "temperature": 0, "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"Item {item}: is the sky blue?"}]}))
+    return requests
+
+
+def test_requests_fed_by_prefix_group_compute_the_prefix_once(engine: VllmEngine) -> None:
+    """What a batch grouped by prompt prefix relies on: fed next to each other, a group's
+    requests after the first find the shared prefix in vLLM's prefix cache (even those
+    scheduled in the same step), and usage says so as OpenAI does."""
+    def cached(result: EngineResult) -> int:
+        return result.body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    first = run_all(engine, _shared_prefix_requests("fresh"))
+    for group in ("g1", "g2"):
+        leader = first[f"fresh-{group}-0"]
+        prompt = leader.body["usage"]["prompt_tokens"]
+        assert cached(leader) < prompt // 2
+        for item in (1, 2):
+            follower = first[f"fresh-{group}-{item}"]
+            # The shared system prompt, in whole cache blocks (128 tokens on CPU).
+            assert cached(follower) > prompt // 2, follower.body["usage"]
+    # Served from the cache, the answers are those computed from scratch.
+    again = run_all(engine, _shared_prefix_requests("fresh"))
+    assert all(cached(r) > 0 for r in again.values())
+    assert {rid: content(r) for rid, r in again.items()} == {
+        rid: content(r) for rid, r in first.items()}

@@ -64,6 +64,34 @@ def test_json_output_that_does_not_parse_is_run_once_more(make_batch, make_pipel
     assert shard.flag_counts.get("invalid_json") == 2
 
 
+
+def test_prompt_tokens_served_from_the_prefix_cache_are_summed(make_batch, make_pipeline,
+                                                              client):
+    """The engine's `prompt_tokens_details.cached_tokens` (vLLM's, here added to the echo
+    engine's answers) add up on the batch: in its OpenAI usage and its page's run report."""
+    lines = [chat_line(f"p{i}", f"question {i}") for i in range(6)]
+    batch = make_batch(lines, shard_size=4)
+    pipeline = make_pipeline()
+    real_handle = pipeline.engine.handle
+
+    def with_cached_tokens(url, body):
+        status, answer = real_handle(url, body)
+        usage = answer["usage"]
+        usage["prompt_tokens_details"] = {"cached_tokens": usage["prompt_tokens"] - 1}
+        return status, answer
+
+    pipeline.engine.handle = with_cached_tokens  # type: ignore[method-assign]
+    run_all_shards(pipeline, batch)
+    done, out, _ = finalized(batch)
+    prompt = sum(r["response"]["body"]["usage"]["prompt_tokens"] for r in out)
+    assert (done.input_tokens, done.cached_tokens) == (prompt, prompt - 6)
+    usage = done.to_openai()["usage"]
+    assert usage["input_tokens_details"] == {"cached_tokens": prompt - 6}
+    client.force_login(batch.owner)
+    page = client.get(f"/batches/{batch.pk}/").content.decode()
+    assert f"{(prompt - 6) / prompt * 100:.1f}%" in page
+
+
 def test_a_cancelled_batch_stops_its_running_shard(make_batch, make_pipeline):
     lines = [chat_line(f"c{i}", f"slow {i}") for i in range(20)]
     batch = make_batch(lines, shard_size=20)
