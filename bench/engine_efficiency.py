@@ -1,22 +1,55 @@
-"""Benchmark 1: what batchweb costs around the engine.
+"""Benchmark 1: what batchweb costs around the engine, on three shapes of batch.
 
-The same chat requests (mixed prompt lengths, temperature 0) through, in one run:
-  (a) raw `vllm.LLM.chat` on the whole list (engine already loaded; generation timed),
-  (b) vLLM's own batch runner `python -m vllm.entrypoints.openai.run_batch` (wall time,
-      which includes its engine start; its start time is measured and reported too),
-  (c) batchweb end to end with one worker already running: upload, create, run,
-      finalize, download (timed from the upload to the end of the download).
-Reports output tokens/s of each, the ratios, and the engine-idle fraction the worker
-measured across shard boundaries (--shard-size makes 4+ shards).
+The same chat requests (temperature 0, every one distinct so dedup cannot help; see
+bench/workloads.py) through, in one run and one engine at a time:
+  (a) raw `vllm.LLM.chat` on the whole list in file order (engine already loaded;
+      generation timed),
+  (b) vLLM's own batch runner `python -m vllm.entrypoints.openai.run_batch`, given the batch
+      sizes `LLM.chat` and batchweb's worker get (vLLM's offline LLM_CLASS defaults, on CPU
+      --max-num-seqs 256 --max-num-batched-tokens 4096; its own usage context would get the
+      fallback 128 / 2048) and --enable-prompt-tokens-details. Timed as one command (wall
+      time, its engine start included); its start (until it logs "Reading batch from") is
+      measured too, and the output tokens/s of its batch phase (from then until it has
+      written its output file) reported beside,
+  (c) batchweb end to end with one worker already running: upload, create, validate and
+      plan, run, finalize, download (timed from the upload to the end of the download).
+For each path: output and prompt tokens/s, the prefix-cache hit rate (prompt tokens served
+from vLLM's prefix cache over all prompt tokens: (a) from `RequestOutput.num_cached_tokens`,
+(b) and (c) from each output line's `usage.prompt_tokens_details.cached_tokens`, counted as
+0 where a line lacks it, and said so), wall seconds, CPU seconds; how many requests got the
+same generated text on every path (float32 greedy output is deterministic; bf16 output
+changes with batching); the ratios c/a and c/b of output tokens/s; the engine-idle fraction
+the worker measured across shard boundaries; and how batchweb's validation planned the
+shards (grouped by prompt prefix or in file order).
 
-    .venv/bin/python bench/engine_efficiency.py [-n 512] [--min-tokens 64 --max-tokens 256]
+Workloads (--workload; sizes in bench/workloads.py):
+  mixed          prompts of one line to a few paragraphs, max_tokens 64-256 (the default):
+      .venv/bin/python bench/engine_efficiency.py [-n 512] [--min-tokens 64 --max-tokens 256]
+  shared-prefix  TEMPLATES task templates (a ~520-570-token system prompt each) x ITEMS
+                 items, shuffled, max_tokens 6-8; VLLM_CPU_KVCACHE_SPACE 1 GiB unless
+                 --kv-cache-gib, so the templates' prefixes (~31k tokens) do not all fit in
+                 the KV cache (~23k tokens for SmolLM2-135M in float32):
+      .venv/bin/python bench/engine_efficiency.py --workload shared-prefix --dtype float32 \
+          [--templates 60 --items 4]
+  long           short prompts, long answers (max_tokens 384-512):
+      .venv/bin/python bench/engine_efficiency.py --workload long [-n 48]
+  all            the three above one after another, each in a fresh process of this script
+                 (so each gets a fresh vLLM and its own KV cache setting), one report:
+      .venv/bin/python bench/engine_efficiency.py --workload all --dtype float32 \
+          --json engine.json
+      -n applies to mixed and long, --min-tokens / --max-tokens (when given) to all three.
+
+--kv-cache-gib sets VLLM_CPU_KVCACHE_SPACE for all three paths (default: the environment's,
+else the service's default of 2; 1 for shared-prefix). Unless BATCHWEB_PREFIX_CACHE_TOKENS
+is set, batchweb's planner is told the KV cache size in tokens that (a)'s engine reported,
+as an operator would configure it for that cache.
 
 Another model or a GPU (see bench/gpu.md): --model-name, --model-path, --dtype, --no-eager
 (CUDA graphs / torch.compile), --tensor-parallel-size; the same engine settings for all three
-paths.
+paths (max_model_len 2048, vLLM's default prefix caching, which is on).
 
-One engine runs at a time. The dtype defaults to the service's CPU default (bfloat16 where
-the CPU has native bf16, else float32).
+The dtype defaults to the service's CPU default (bfloat16 where the CPU has native bf16,
+else float32); compare outputs across paths in float32.
 """
 
 from __future__ import annotations
@@ -30,13 +63,55 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 try:
-    from bench import harness
+    from bench import harness, workloads
 except ImportError:  # run as `python bench/engine_efficiency.py`: bench/ itself is on the path
     import harness  # type: ignore[no-redef]
+    import workloads  # type: ignore[no-redef]
 
 ROOT, MODEL = harness.ROOT, harness.MODEL
+PATHS = {"a": "a raw LLM.chat", "b": "b vllm run_batch", "c": "c batchweb"}
+# The KV cache of the shared-prefix workload when --kv-cache-gib is not given: smaller than
+# its templates' prefixes, the case where the order requests run in decides the hits.
+SHARED_PREFIX_KV_GIB = 1
+
+
+def llm_class_batch_sizes(tp: int) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) that the installed vLLM gives an engine built
+    by `LLM` (usage context LLM_CLASS) on this platform; batchweb's worker asks for the same
+    context. run_batch's own context (OPENAI_BATCH_RUNNER) has no entry in these defaults
+    and gets the fallback 128 / 2048, so it is given these explicitly."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    batched_tokens, seqs = EngineArgs.get_batch_defaults(world_size=tp)
+    return seqs[UsageContext.LLM_CLASS], batched_tokens[UsageContext.LLM_CLASS]
+
+
+def read_output_lines(lines: list[str]) -> dict[str, Any]:
+    """The figures of OpenAI batch output lines (run_batch's, batchweb's): output and prompt
+    tokens, cached prompt tokens, and each custom_id's generated text."""
+    tokens = prompt = cached = missing = failed = 0
+    texts: dict[str, str] = {}
+    for line in lines:
+        record = json.loads(line)
+        response = record.get("response") or {}
+        body = response.get("body")
+        if response.get("status_code") != 200 or not body:
+            failed += 1  # run_batch writes its errors into the output file
+            continue
+        usage = body["usage"]
+        tokens += usage["completion_tokens"]
+        prompt += usage["prompt_tokens"]
+        details = usage.get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is None:
+            missing += 1
+        cached += details.get("cached_tokens") or 0
+        texts[record["custom_id"]] = body["choices"][0]["message"]["content"]
+    return {"tokens": tokens, "prompt_tokens": prompt, "cached_tokens": cached,
+            "cached_field_missing": missing, "failed": failed, "texts": texts}
 
 
 def run_raw(requests: list[dict], model_path: str, dtype: str, eager: bool = True,
@@ -47,6 +122,7 @@ def run_raw(requests: list[dict], model_path: str, dtype: str, eager: bool = Tru
     llm = LLM(model=model_path, dtype=dtype, enforce_eager=eager, max_model_len=2048,
               tensor_parallel_size=tp)
     load = time.monotonic() - started
+    config = llm.llm_engine.vllm_config
     params = [SamplingParams(temperature=0, max_tokens=r["body"]["max_tokens"])
               for r in requests]
     cpu = harness.cpu_seconds(os.getpid())
@@ -54,28 +130,61 @@ def run_raw(requests: list[dict], model_path: str, dtype: str, eager: bool = Tru
     outputs = llm.chat([r["body"]["messages"] for r in requests], params, use_tqdm=False)
     elapsed = time.monotonic() - started
     cpu = harness.cpu_seconds(os.getpid()) - cpu
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    row = {"tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
+           "prompt_tokens": sum(len(o.prompt_token_ids or ()) for o in outputs),
+           "cached_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
+           "seconds": elapsed, "start": load, "cpu": cpu,
+           # What this engine was built with, for the report (the other paths use the same).
+           "max_num_seqs": config.scheduler_config.max_num_seqs,
+           "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+           "kv_cache_tokens": (config.cache_config.num_gpu_blocks or 0)
+           * config.cache_config.block_size,
+           "texts": {r["custom_id"]: o.outputs[0].text for r, o in zip(requests, outputs,
+                                                                    strict=True)}}
+    # Shut the engine core down now: run_batch starts the next engine right after.
+    llm.llm_engine.engine_core.shutdown()
     del llm
-    return {"tokens": tokens, "seconds": elapsed, "start": load, "cpu": cpu}
+    return row
 
 
 def run_vllm_batch(requests: list[dict], model_path: str, dtype: str, scratch: Path,
                    model_name: str = MODEL, eager: bool = True, tp: int = 1) -> dict:
     source, target = scratch / "in.jsonl", scratch / "out.jsonl"
-    source.write_text("".join(json.dumps(r) + "\n" for r in requests))
-    env = dict(os.environ)
+    log_path = scratch / "run_batch.log"
+    source.write_bytes(harness.jsonl(requests))
+    max_num_seqs, max_num_batched_tokens = llm_class_batch_sizes(tp)
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(source),
+               "-o", str(target), "--model", model_path, "--served-model-name", model_name,
+               "--dtype", dtype, *(["--enforce-eager"] if eager else []),
+               *(["--tensor-parallel-size", str(tp)] if tp != 1 else []),
+               "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs),
+               "--max-num-batched-tokens", str(max_num_batched_tokens),
+               "--enable-prompt-tokens-details"]
+    start = ready = None
     started = time.monotonic()
-    subprocess.run([sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i",
-                    str(source), "-o", str(target), "--model", model_path,
-                    "--served-model-name", model_name, "--dtype", dtype,
-                    *(["--enforce-eager"] if eager else []),
-                    *(["--tensor-parallel-size", str(tp)] if tp != 1 else []),
-                    "--max-model-len", "2048"], check=True, env=env,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # Its log, read as it comes: the line it writes once its engine is up ends its start.
+    with open(log_path, "w") as log, subprocess.Popen(
+            command, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            if start is None and "Reading batch from" in line:
+                start, ready = time.monotonic() - started, time.time()
     elapsed = time.monotonic() - started
-    tokens = sum(json.loads(line)["response"]["body"]["usage"]["completion_tokens"]
-                 for line in target.read_text().splitlines())
-    return {"tokens": tokens, "seconds": elapsed}
+    if proc.returncode:
+        raise RuntimeError(f"run_batch exited {proc.returncode}:\n"
+                           f"{log_path.read_text()[-3000:]}")
+    row = read_output_lines(target.read_text().splitlines())
+    row.update(seconds=elapsed, max_num_seqs=max_num_seqs,
+               max_num_batched_tokens=max_num_batched_tokens)
+    if start is not None and ready is not None:
+        # Its batch phase ends when it has written the output file, once at the end;
+        # its engine shutdown (seconds) comes after.
+        phase = target.stat().st_mtime - ready
+        row.update(start=start, batch_phase_seconds=phase,
+                   batch_phase_tok_s=row["tokens"] / phase)
+    return row
 
 
 def run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Path,
@@ -121,7 +230,7 @@ def _run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Pa
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key,
                                max_retries=2)
         source = scratch / "in.jsonl"
-        source.write_text("".join(json.dumps(r) + "\n" for r in requests))
+        source.write_bytes(harness.jsonl(requests))
         cpu = harness.cpu_seconds(worker.pid) + harness.cpu_seconds(server.pid)
         started = time.monotonic()
         file = client.files.create(file=source.open("rb"), purpose="batch")
@@ -131,31 +240,212 @@ def _run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Pa
                 "completed", "failed", "expired", "cancelled"):
             time.sleep(0.5)
         assert batch.status == "completed", batch
+        assert batch.output_file_id and batch.request_counts and batch.usage, batch
         lines = client.files.content(batch.output_file_id).text.splitlines()
         elapsed = time.monotonic() - started
         cpu = harness.cpu_seconds(worker.pid) + harness.cpu_seconds(server.pid) - cpu
         assert len(lines) + batch.request_counts.failed == len(requests)
-        tokens = sum(json.loads(line)["response"]["body"]["usage"]["completion_tokens"]
-                     for line in lines)
-        # Every request is distinct ("Request {i}"), so dedup cannot make batchweb look
-        # better than it is: every output line was computed.
-        assert tokens == batch.usage.output_tokens
+        row = read_output_lines(lines)
+        row["failed"] += batch.request_counts.failed  # those are in the error file
+        # Every request is distinct, so dedup cannot make batchweb look better than it is:
+        # every output line was computed.
+        assert row["tokens"] == batch.usage.output_tokens
+        details = batch.usage.input_tokens_details
+        row["batch_usage_cached_tokens"] = details.cached_tokens if details else None
+        plan = harness.in_deployment(env, "plan", batch.id)
     finally:
         worker.terminate()
         worker.wait(timeout=120)
         server.terminate()
         server.wait()
     idle = re.search(r"engine idle ([\d.]+)% of ([\d.]+)s", log_path.read_text())
-    return {"tokens": tokens, "seconds": elapsed, "start": load, "cpu": cpu,
-            "idle": float(idle.group(1)) if idle else None,
-            "window": float(idle.group(2)) if idle else None}
+    row.update(seconds=elapsed, start=load, cpu=cpu, plan=plan,
+               idle=float(idle.group(1)) if idle else None,
+               window=float(idle.group(2)) if idle else None)
+    return row
+
+
+def compare_outputs(results: dict[str, dict], count: int) -> dict[str, Any]:
+    """How many of the COUNT requests got the same text on each pair of paths that ran, and
+    on all of them; the first few custom_ids that differ."""
+    texts = {name[0]: row["texts"] for name, row in results.items()}
+    ran = sorted(texts)
+    ids = sorted(set().union(*texts.values())) if texts else []
+    same = {f"{x}={y}": sum(1 for i in ids if i in texts[x] and texts[x].get(i) ==
+                            texts[y].get(i)) for n, x in enumerate(ran) for y in ran[n + 1:]}
+    differ = [i for i in ids if len({texts[p].get(i) for p in ran}) > 1
+              or any(i not in texts[p] for p in ran)]
+    if len(ran) > 1:
+        same["all"] = len(ids) - len(differ)
+    return {"requests": count, "paths": "".join(ran), "identical": same,
+            "first_differing": differ[:5]}
+
+
+def _kv_gib(args: argparse.Namespace, workload: str) -> int | None:
+    if args.kv_cache_gib is not None:
+        return args.kv_cache_gib
+    return SHARED_PREFIX_KV_GIB if workload == "shared-prefix" else None
+
+
+def run_workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
+    """All three paths (less --skip) on WORKLOAD's requests; prints its table, returns its
+    figures."""
+    from engine.vllm_engine import best_cpu_dtype, set_env_defaults
+
+    kv = _kv_gib(args, workload)
+    if kv is not None:
+        # Before set_env_defaults (which only fills what is unset): the three paths (this
+        # process's engine, run_batch and the worker) inherit it.
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv)
+    args.dtype = args.dtype or best_cpu_dtype()
+    set_env_defaults()  # the same CPU settings (cores, KV cache) for all three paths
+    model_path = args.model_path or str(ROOT / "var" / "models" / args.model_name)
+    tp = args.tensor_parallel_size
+    sizes = {k: default if getattr(args, k) is None else getattr(args, k)
+             for k, default in workloads.DEFAULTS[workload].items()}
+    requests = workloads.make(workload, args.model_name, **sizes)
+    scratch = Path(tempfile.mkdtemp(prefix="bw-engine-bench-"))
+    results: dict[str, dict] = {}
+    skip = set(args.skip.split(","))
+    if "a" not in skip:
+        results[PATHS["a"]] = run_raw(requests, model_path, args.dtype, args.eager, tp)
+        print(_brief(results), flush=True)
+        # The planner sizes its file-order estimate by the engine's cache: the one (a) had.
+        if "BATCHWEB_PREFIX_CACHE_TOKENS" not in os.environ:
+            os.environ["BATCHWEB_PREFIX_CACHE_TOKENS"] = str(
+                results[PATHS["a"]]["kv_cache_tokens"])
+    if "b" not in skip:
+        results[PATHS["b"]] = run_vllm_batch(requests, model_path, args.dtype, scratch,
+                                             args.model_name, args.eager, tp)
+        print(_brief(results), flush=True)
+    if "c" not in skip:
+        results[PATHS["c"]] = run_batchweb(requests, args.dtype, args.shard_size, scratch,
+                                           args.model_name, args.model_path, args.eager, tp)
+    harness.remove(scratch)
+    figures = {
+        "workload": workload, **sizes, "model": args.model_name, "dtype": args.dtype,
+        "eager": args.eager, "tensor_parallel_size": tp, "shard_size": args.shard_size,
+        "kv_cache_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+        # None: the service's default (settings.PREFIX_CACHE_TOKENS).
+        "prefix_cache_tokens_setting": os.environ.get("BATCHWEB_PREFIX_CACHE_TOKENS"),
+        "paths": {name: _figures(row) for name, row in results.items()},
+        "outputs": compare_outputs(results, len(requests))}
+    rate = {k[0]: v["tok_s"] for k, v in figures["paths"].items()}
+    figures.update({f"{k}/{base}": rate[k] / rate[base] for k, base in (("c", "a"), ("c", "b"))
+                    if k in rate and base in rate})
+    print_table(figures)
+    return figures
+
+
+def _figures(row: dict) -> dict:
+    """A path's row for the report: its figures without the texts, with its rates."""
+    out = {k: v for k, v in row.items() if k != "texts"}
+    out.update(tok_s=row["tokens"] / row["seconds"],
+               prompt_tok_s=row["prompt_tokens"] / row["seconds"],
+               cache_hit_rate=row["cached_tokens"] / row["prompt_tokens"]
+               if row["prompt_tokens"] else 0.0)
+    return out
+
+
+def _brief(results: dict[str, dict]) -> dict:
+    return {name: {k: v for k, v in row.items() if k != "texts"}
+            for name, row in results.items()}
+
+
+def print_table(f: dict[str, Any]) -> None:
+    sizes = ", ".join(f"{k} {f[k]}" for k in workloads.DEFAULTS[f["workload"]])
+    print(f"\n{f['model']}: {f['workload']} ({sizes}), {f['dtype']}, "
+          f"{'eager' if f['eager'] else 'compiled'}, tensor parallel "
+          f"{f['tensor_parallel_size']}, shards of {f['shard_size']}, KV cache "
+          f"{f['kv_cache_gib']} GiB of KV cache (batchweb's planner: "
+          f"{f['prefix_cache_tokens_setting'] or 'its default'} cache tokens)")
+    print(f"{'path':<18} {'out tok':>8} {'prompt tok':>10} {'cached':>7} {'seconds':>8} "
+          f"{'out tok/s':>9} {'prompt tok/s':>12} {'start s':>8} {'cpu s':>7}")
+    for name, row in f["paths"].items():
+        start = f"{row['start']:.0f}" if "start" in row else "incl."
+        cpu = f"{row['cpu']:.0f}" if "cpu" in row else "-"
+        print(f"{name:<18} {row['tokens']:>8} {row['prompt_tokens']:>10} "
+              f"{row['cache_hit_rate']:>7.1%} {row['seconds']:>8.1f} {row['tok_s']:>9.1f} "
+              f"{row['prompt_tok_s']:>12.1f} {start:>8} {cpu:>7}")
+    for name, row in f["paths"].items():
+        if row.get("cached_field_missing"):
+            print(f"{name}: {row['cached_field_missing']} output lines lack "
+                  "usage.prompt_tokens_details.cached_tokens (counted as 0 cached)")
+        if row.get("failed"):
+            print(f"{name}: {row['failed']} requests failed")
+    b = f["paths"].get(PATHS["b"], {})
+    if "batch_phase_tok_s" in b:
+        print(f"b in its batch phase ({b['batch_phase_seconds']:.1f} s, after its "
+              f"{b['start']:.0f} s start): {b['batch_phase_tok_s']:.1f} out tok/s")
+    for ratio in ("c/a", "c/b"):
+        if ratio in f:
+            print(f"{ratio} = {f[ratio]:.3f}")
+    out = f["outputs"]
+    if out["identical"]:
+        print(f"identical outputs (of {out['requests']}): " + ", ".join(
+            f"{k} {v}" for k, v in out["identical"].items()))
+        if out["first_differing"]:
+            print(f"  first differing custom_ids: {', '.join(out['first_differing'])}")
+    c = f["paths"].get(PATHS["c"])
+    if c:
+        print(f"engine idle in the worker: {c['idle']}% of the {c['window']}s between its "
+              "first request and its last result")
+        plan = c["plan"]
+        print(f"batchweb's plan: {'grouped' if plan.get('grouped') else 'file order'}, "
+              f"{plan.get('groups', 0)} prefix groups, hits expected in file order "
+              f"{plan.get('hits_file_order', 0):.0%}, grouped {plan.get('hits_grouped', 0):.0%}"
+              f"{': ' + plan['reason'] if plan.get('reason') else ''}")
+
+
+def run_all(args: argparse.Namespace) -> None:
+    """Each workload in a fresh process of this script (a fresh vLLM, whose settings are
+    read once per process, and the workload's KV cache), one after another; one report."""
+    report: dict[str, Any] = {"workloads": {}}
+    argv = _without_options(sys.argv[1:], ("--workload", "--json"))
+    with tempfile.TemporaryDirectory(prefix="bw-engine-all-") as tmp:
+        for workload in workloads.WORKLOADS:
+            path = Path(tmp) / f"{workload}.json"
+            subprocess.run([sys.executable, "-m", "bench.engine_efficiency", *argv,
+                            "--workload", workload, "--json", str(path)], cwd=ROOT,
+                           check=True)
+            report["workloads"][workload] = json.loads(path.read_text())
+    harness.write_json(args.json, report)
+
+
+def _without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """ARGV less the options NAMES and their values (as `--x v` or `--x=v`)."""
+    out, skip_next = [], False
+    for arg in argv:
+        if skip_next:
+            skip_next = False
+        elif arg in names:
+            skip_next = True
+        elif not arg.startswith(tuple(f"{n}=" for n in names)):
+            out.append(arg)
+    return out
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("-n", type=int, default=512)
-    parser.add_argument("--min-tokens", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=256)
+    # No abbreviations: `--workload all` passes the other options on to each workload's
+    # run as they were written, less --workload and --json.
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--workload", choices=[*workloads.WORKLOADS, "all"], default="mixed")
+    parser.add_argument("-n", type=int, default=None,
+                        help="requests of mixed (default 512) and long (48)")
+    parser.add_argument("--templates", type=int, default=None,
+                        help="shared-prefix: task templates (default 60)")
+    parser.add_argument("--items", type=int, default=None,
+                        help="shared-prefix: items per template (default 4)")
+    parser.add_argument("--prefix-tokens", type=int, default=None,
+                        help="shared-prefix: system prompt tokens, about (default 540)")
+    parser.add_argument("--min-tokens", type=int, default=None,
+                        help="max_tokens range (default: mixed 64-256, shared-prefix 6-8, "
+                             "long 384-512)")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    # vLLM reads VLLM_CPU_KVCACHE_SPACE as a whole number of GiB.
+    parser.add_argument("--kv-cache-gib", type=int, default=None,
+                        help="VLLM_CPU_KVCACHE_SPACE for all three paths (default: the "
+                             f"environment's; shared-prefix {SHARED_PREFIX_KV_GIB})")
     parser.add_argument("--dtype", default=None, help="default: engine.best_cpu_dtype()")
     parser.add_argument("--shard-size", type=int, default=128)
     parser.add_argument("--skip", default="", help="comma list of a,b,c to leave out")
@@ -166,53 +456,10 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     harness.add_json_option(parser)
     args = parser.parse_args()
-    from engine.vllm_engine import best_cpu_dtype, set_env_defaults
-
-    args.dtype = args.dtype or best_cpu_dtype()
-    set_env_defaults()  # the same CPU settings (cores, KV cache) for all three paths
-    model_path = args.model_path or str(ROOT / "var" / "models" / args.model_name)
-    tp = args.tensor_parallel_size
-    requests = harness.make_requests(args.n, args.min_tokens, args.max_tokens, args.model_name)
-    scratch = Path(tempfile.mkdtemp(prefix="bw-engine-bench-"))
-    results: dict[str, dict] = {}
-    skip = set(args.skip.split(","))
-    if "a" not in skip:
-        results["a raw LLM.chat"] = run_raw(requests, model_path, args.dtype, args.eager, tp)
-        print(results, flush=True)
-    if "b" not in skip:
-        results["b vllm run_batch"] = run_vllm_batch(requests, model_path, args.dtype, scratch,
-                                                     args.model_name, args.eager, tp)
-        print(results, flush=True)
-    if "c" not in skip:
-        results["c batchweb"] = run_batchweb(requests, args.dtype, args.shard_size, scratch,
-                                             args.model_name, args.model_path, args.eager, tp)
-    print(f"\n{args.model_name}: {args.n} chat requests, max_tokens {args.min_tokens}-"
-          f"{args.max_tokens}, {args.dtype}, {'eager' if args.eager else 'compiled'}, "
-          f"tensor parallel {tp}, shards of {args.shard_size}")
-    print(f"{'path':<18} {'out tokens':>10} {'seconds':>8} {'tok/s':>7} {'start s':>8} "
-          f"{'cpu s':>7}")
-    for name, row in results.items():
-        start = f"{row['start']:.0f}" if "start" in row else "incl."
-        cpu = f"{row['cpu']:.0f}" if "cpu" in row else "-"
-        print(f"{name:<18} {row['tokens']:>10} {row['seconds']:>8.1f} "
-              f"{row['tokens'] / row['seconds']:>7.1f} {start:>8} {cpu:>7}")
-    rate = {k[0]: v["tokens"] / v["seconds"] for k, v in results.items()}
-    if "a" in rate and "c" in rate:
-        print(f"c/a = {rate['c'] / rate['a']:.3f}")
-    if "b" in rate and "c" in rate:
-        print(f"c/b = {rate['c'] / rate['b']:.3f}")
-    if "c batchweb" in results:
-        row = results["c batchweb"]
-        print(f"engine idle in the worker: {row['idle']}% of the {row['window']}s between "
-              "its first request and its last result")
-    harness.write_json(args.json, {
-        "model": args.model_name, "n": args.n, "min_tokens": args.min_tokens,
-        "max_tokens": args.max_tokens, "dtype": args.dtype, "eager": args.eager,
-        "tensor_parallel_size": tp, "shard_size": args.shard_size,
-        "paths": {name: {**row, "tok_s": row["tokens"] / row["seconds"]}
-                  for name, row in results.items()},
-        **{f"{k}/{base}": rate[k] / rate[base] for k, base in (("c", "a"), ("c", "b"))
-           if k in rate and base in rate}})
+    if args.workload == "all":
+        run_all(args)
+    else:
+        harness.write_json(args.json, run_workload(args, args.workload))
 
 
 if __name__ == "__main__":

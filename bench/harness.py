@@ -362,7 +362,15 @@ def _history(count: str, per_batch: str, password: str) -> dict[str, str]:
     return {"key": key}
 
 
-COMMANDS = {"user": _user, "keys": _keys, "models": _models, "history": _history}
+def _plan(batch_id: str) -> dict[str, Any]:
+    """How validation planned BATCH_ID's shards (Batch.plan: grouped by prefix or not)."""
+    from jobs.models import Batch
+
+    return Batch.objects.get(pk=batch_id).plan
+
+
+COMMANDS = {"user": _user, "keys": _keys, "models": _models, "history": _history,
+            "plan": _plan}
 
 
 def main() -> None:
