@@ -329,6 +329,10 @@ BATCHWEB: dict[str, Any] = {
     "SHARD_RETRY_BASE_SECONDS": env_int("BATCHWEB_SHARD_RETRY_BASE_SECONDS", 5),
     # A running shard whose worker has not been heard of for this long is given to another.
     "HEARTBEAT_SECONDS": env_int("BATCHWEB_HEARTBEAT_SECONDS", 5),
+    # A worker given several models switches to another once its own queues are empty and
+    # the other's shards have waited this long (a switch reloads an engine: tens of
+    # seconds on CPU, see the README).
+    "MODEL_SWITCH_SECONDS": env_float("BATCHWEB_MODEL_SWITCH_SECONDS", 60.0),
     "HEARTBEAT_TIMEOUT_SECONDS": env_int("BATCHWEB_HEARTBEAT_TIMEOUT_SECONDS", 30),
     "RECONCILE_SECONDS": env_int("BATCHWEB_RECONCILE_SECONDS", 15),
     # A running shard saves its finished results to storage this often (seconds) or after

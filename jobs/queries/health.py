@@ -22,6 +22,7 @@ from rq import Worker
 from jobs import queues
 from jobs.engines import model_names
 from jobs.models import Shard
+from jobs.worker.presence import standby_models
 
 
 @dataclass
@@ -100,6 +101,8 @@ class ModelHealth:
     depth: dict[str, int]  # priority -> jobs waiting in Redis
     workers: list[WorkerInfo] = field(default_factory=list)  # alive
     lost_workers: list[WorkerInfo] = field(default_factory=list)
+    # Alive workers loaded with another model that switch to this one when it waits.
+    standby: list[WorkerInfo] = field(default_factory=list)
     running: list[RunningShard] = field(default_factory=list)
     waiting_in_db: int = 0  # queued shards without a job (fair share, backoff)
 
@@ -113,8 +116,9 @@ class ModelHealth:
 
     @property
     def blocked(self) -> bool:
-        """Work is waiting and no live worker serves this model's queues."""
-        return self.has_work and not self.workers
+        """Work is waiting and no live worker serves this model's queues or will switch
+        to it."""
+        return self.has_work and not self.workers and not self.standby
 
 
 @dataclass
@@ -147,8 +151,8 @@ def progress_blocker(model: str) -> str:
     try:
         stamp = timezone.now()
         # A worker of a host that died stays registered until Redis forgets it: lost.
-        alive = any(own & set(w.queue_names()) and not _heartbeat(w, stamp)[2]
-                    for w in _workers(queues.connection()))
+        alive = any((own & set(w.queue_names()) or model in standby_models(w))
+                    and not _heartbeat(w, stamp)[2] for w in _workers(queues.connection()))
         reason = "" if alive else (f"no worker for {model} is running; it resumes as soon "
                                    "as one starts")
     except Exception:  # Redis down or unreachable
@@ -217,6 +221,9 @@ def queue_health(*, now: datetime | None = None) -> Health:
             if info.model:
                 health = models[info.model]
                 (health.lost_workers if info.lost else health.workers).append(info)
+            for other in standby_models(worker) if not info.lost else ():
+                if other in models:
+                    models[other].standby.append(info)
         for name, health in models.items():
             for priority, queue_name in zip(queues.PRIORITIES, queues.model_queue_names(name),
                                             strict=True):

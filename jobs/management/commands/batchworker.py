@@ -1,4 +1,5 @@
-"""`manage.py batchworker --model NAME`: a long-lived RQ worker with one engine loaded.
+"""`manage.py batchworker --model NAME`: a long-lived RQ worker with one engine loaded
+(or, with several --model, one of them at a time: jobs/worker/switching.py).
 
 It never forks per job (CUDA cannot be forked, and loading a model per shard would waste
 minutes): jobs run in this process (rq's SimpleWorker) and feed the engine pipeline.
@@ -21,19 +22,29 @@ from django.core.management.base import BaseCommand, CommandError
 from rq import SimpleWorker
 
 from engine import load_engine
+from engine.base import ModelSpec
 from jobs import queues
 from jobs.engines import model_spec
 from jobs.policy import close_engines
 from jobs.services.cleanup import sweep_temp_dir
+from jobs.worker.db import with_db_retry
 from jobs.worker.pipeline import Pipeline
 from jobs.worker.presence import Presence
+from jobs.worker.switching import model_due
+
+# With several models, how often an idle worker looks whether another model is due.
+IDLE_CHECK_SECONDS = 5
 
 
 class Command(BaseCommand):
     help = "Run a worker that loads one model's engine once and runs its shards."
 
     def add_arguments(self, parser: Any) -> None:
-        parser.add_argument("--model", required=True, help="A name from BATCHWEB_MODELS.")
+        parser.add_argument("--model", required=True, action="append",
+                            help="A name from BATCHWEB_MODELS. Given several times, the "
+                                 "worker loads one at a time and switches when its queues "
+                                 "are empty and another's shards have waited "
+                                 "BATCHWEB_MODEL_SWITCH_SECONDS.")
         parser.add_argument("--name", default="",
                             help="Worker name (default <host>.<pid>.<model>).")
         parser.add_argument("--host", default="",
@@ -46,12 +57,26 @@ class Command(BaseCommand):
                             help="On SIGTERM, how long shards in flight may take to finish.")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        spec = model_spec(options["model"])
-        if spec is None:
-            known = ", ".join(m["name"] for m in settings.BATCHWEB_MODELS)
-            raise CommandError(f"Unknown model {options['model']!r}; served here: {known}")
+        specs = []
+        for model in dict.fromkeys(options["model"]):  # in order, each once
+            found = model_spec(model)
+            if found is None:
+                known = ", ".join(m["name"] for m in settings.BATCHWEB_MODELS)
+                raise CommandError(f"Unknown model {model!r}; served here: {known}")
+            specs.append(found)
         host = options["host"] or socket.gethostname()
-        name = options["name"] or f"{host}.{os.getpid()}.{spec.name}"
+        name = options["name"] or f"{host}.{os.getpid()}.{'+'.join(s.name for s in specs)}"
+        # What a killed predecessor on this machine left in TMP_DIR.
+        sweep_temp_dir()
+        spec: ModelSpec | None = specs[0]
+        while spec is not None:
+            others = [other for other in specs if other is not spec]
+            spec = self.serve(spec, others, name=name, host=host, options=options)
+
+    def serve(self, spec: ModelSpec, others: list[ModelSpec], *, name: str, host: str,
+              options: dict[str, Any]) -> ModelSpec | None:
+        """Load `spec`'s engine and take its jobs until a stop (None) or until one of
+        `others` is due (that model: the engine is closed first, nothing is in flight)."""
         queue_names = queues.model_queue_names(spec.name)
         if not options["no_control"]:
             # Control jobs first: they are short, and a new batch should not wait for
@@ -60,42 +85,57 @@ class Command(BaseCommand):
         # Webhooks last, and in every worker (--no-control too), so deliveries need no
         # process of their own yet never delay a batch's own work.
         queue_names = [*queue_names, queues.WEBHOOK_QUEUE]
-        # What a killed predecessor on this machine left in TMP_DIR.
-        sweep_temp_dir()
+        started = time.monotonic()
         self.stdout.write(f"batchworker {name}: loading {spec.name} ({spec.backend})")
         engine = load_engine(spec)
         pipeline = Pipeline(engine, worker_name=name)
         pipeline.start()
-        presence = Presence(pipeline.closing, every=settings.BATCHWEB["HEARTBEAT_SECONDS"])
+        presence = Presence(pipeline.closing, every=settings.BATCHWEB["HEARTBEAT_SECONDS"],
+                            standby=tuple(other.name for other in others))
         presence.start()
         if engine.prefix_cache_tokens:
             self.stdout.write(
                 f"batchworker {name}: KV cache of {engine.prefix_cache_tokens} tokens "
                 f"(prefix planning assumes {settings.BATCHWEB['PREFIX_CACHE_TOKENS']}: "
                 "BATCHWEB_PREFIX_CACHE_TOKENS)")
-        self.stdout.write(f"batchworker {name}: ready on {', '.join(queue_names)}")
+        self.stdout.write(f"batchworker {name}: ready on {', '.join(queue_names)} "
+                          f"({time.monotonic() - started:.1f} s to load)")
         cold = False
+        due: ModelSpec | None = None
         try:
-            self.take_jobs(queue_names, name, host, pipeline, presence)
-            pipeline.drain(timeout=options["drain_seconds"])
+            due = self.take_jobs(queue_names, name, host, pipeline, presence, others)
+            if due is None:
+                pipeline.drain(timeout=options["drain_seconds"])
         except (SystemExit, KeyboardInterrupt):
             cold = True
+            due = None
             pipeline.hand_back_all()
         finally:
-            pipeline.close()
+            pipeline.close()  # closes the engine too
             close_engines()
         if pipeline.broken is not None:
             sys.exit(f"batchworker {name}: engine failed: {pipeline.broken}")
+        if due is not None:
+            self.stdout.write(f"batchworker {name}: switching from {spec.name} to {due.name}")
+            return due
         self.stdout.write(f"batchworker {name}: stopped{' (cold)' if cold else ''}")
+        return None
 
     def take_jobs(self, queue_names: list[str], name: str, host: str, pipeline: Pipeline,
-                  presence: Presence) -> None:
-        """Run RQ's work loop until a stop is requested, riding out Redis outages: RQ's
-        loop returns when Redis goes away, and reloading the model would cost a minute, so
-        the engine stays loaded and a new loop starts once Redis answers again."""
+                  presence: Presence, others: list[ModelSpec]) -> ModelSpec | None:
+        """Run RQ's work loop until a stop is requested (None), riding out Redis outages:
+        RQ's loop returns when Redis goes away, and reloading the model would cost a
+        minute, so the engine stays loaded and a new loop starts once Redis answers again.
+
+        With other models to switch to, RQ's loop also returns after IDLE_CHECK_SECONDS
+        without a job; the model due then (if nothing of this one is in flight) is
+        returned."""
+        switch_after = settings.BATCHWEB["MODEL_SWITCH_SECONDS"]
+        idle_check = max(1, int(min(IDLE_CHECK_SECONDS, switch_after))) if others else None
         loops = 0
         while pipeline.broken is None:
             worker = None
+            redis_failed = False
             try:
                 # A fresh name per loop: the last loop's registration may still be in Redis.
                 worker = SimpleWorker([queues.queue(q) for q in queue_names],
@@ -103,14 +143,24 @@ class Command(BaseCommand):
                                       connection=queues.connection())
                 worker.hostname = host  # registered with the worker (RQ's own field)
                 presence.worker = worker
-                worker.work(logging_level=settings.LOG_LEVEL)
+                worker.work(logging_level=settings.LOG_LEVEL, max_idle_time=idle_check)
             except redis.exceptions.RedisError as exc:
                 # Building the worker and RQ's own shutdown talk to Redis too.
+                redis_failed = True
                 self.stderr.write(f"batchworker {name}: Redis unavailable ({exc})")
             finally:
                 presence.worker = None
             loops += 1
             if worker is not None and worker._shutdown_requested_date is not None:
-                return  # SIGTERM / SIGINT: stop
+                return None  # SIGTERM / SIGINT: stop
+            if others and not redis_failed:
+                # Idle: switch only with nothing of this model claimed or in flight.
+                if not pipeline.works:
+                    due = with_db_retry(lambda: model_due(others,
+                                                          waited_seconds=switch_after))
+                    if due is not None:
+                        return due
+                continue
             time.sleep(2)
             self.stderr.write(f"batchworker {name}: reconnecting to Redis")
+        return None
