@@ -65,5 +65,7 @@ bench: models
 	$(PY) bench/dashboard_load.py --seconds 60
 	$(PY) bench/dashboard_load.py --api-clients 500 --seconds 60
 	$(PY) bench/engine_efficiency.py -n 256 --shard-size 64
+	$(PY) bench/engine_efficiency.py --workload shared-prefix --dtype float32 --shard-size 64
+	$(PY) bench/planning.py -n 200000
 	$(PY) bench/cold_start.py --modes eager
 	$(PY) bench/fleet.py --quick

@@ -11,7 +11,7 @@ import re
 import pytest
 from django.urls import reverse
 
-from tests.factories import jsonl, submit, wait_for
+from tests.factories import jsonl, submit, upload, wait_for
 
 pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 
@@ -284,3 +284,31 @@ def test_content_policy_under_both_policies_and_quality_flags_with_the_real_engi
     shown, page = batch_page_flag_counts(site, skipped_id)
     assert shown == expected_counts
     assert "1 JSON retry" in page
+
+
+def test_one_worker_switches_between_a_chat_and_an_embeddings_model(openai_client, workers):
+    """`batchworker --model A --model B` on the real engines: each batch runs on its own
+    model, one engine loaded at a time. The log says what a switch cost."""
+    chat_batch = submit(openai_client, [chat(f"c{i}", f"Name a fruit, {i}.", max_tokens=4)
+                                        for i in range(4)])
+    embeddings = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+                   "body": {"model": EMBED_MODEL, "input": f"sentence {i}"}} for i in range(4)]
+    embed_batch = openai_client.batches.create(
+        input_file_id=upload(openai_client, jsonl(embeddings)).id, endpoint="/v1/embeddings",
+        completion_window="24h")
+    workers.start(CHAT_MODEL, env={**ENGINE_ENV, "BATCHWEB_MODEL_SWITCH_SECONDS": "1"},
+                  args=["--model", EMBED_MODEL])
+    try:
+        for batch in (chat_batch, embed_batch):
+            done = wait_for(lambda b=batch: (r := openai_client.batches.retrieve(b.id)).status
+                            in ("completed", "failed") and r, timeout=600, every=1,
+                            message="both batches")
+            assert done.status == "completed" and done.request_counts.completed == 4
+    finally:
+        workers.stop_all()
+    log = (workers.log_dir / "worker-0.log").read_text()
+    closed = re.search(rf"switching from {CHAT_MODEL} to {EMBED_MODEL} \(([\d.]+) s", log)
+    loaded = re.findall(r"ready on .* \(([\d.]+) s to load\)", log)
+    assert closed and len(loaded) == 2, log[-3000:]
+    print(f"switch: {float(closed.group(1)) + float(loaded[1]):.1f} s "
+          f"(close {closed.group(1)} s, load {loaded[1]} s)")

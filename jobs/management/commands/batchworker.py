@@ -111,12 +111,14 @@ class Command(BaseCommand):
             due = None
             pipeline.hand_back_all()
         finally:
+            closing = time.monotonic()
             pipeline.close()  # closes the engine too
             close_engines()
         if pipeline.broken is not None:
             sys.exit(f"batchworker {name}: engine failed: {pipeline.broken}")
         if due is not None:
-            self.stdout.write(f"batchworker {name}: switching from {spec.name} to {due.name}")
+            self.stdout.write(f"batchworker {name}: switching from {spec.name} to {due.name} "
+                              f"({time.monotonic() - closing:.1f} s to close)")
             return due
         self.stdout.write(f"batchworker {name}: stopped{' (cold)' if cold else ''}")
         return None
