@@ -90,6 +90,8 @@ def test_prompt_tokens_served_from_the_prefix_cache_are_summed(make_batch, make_
     client.force_login(batch.owner)
     page = client.get(f"/batches/{batch.pk}/").content.decode()
     assert f"{(prompt - 6) / prompt * 100:.1f}%" in page
+    # How validation planned the shards, and why.
+    assert "file order" in page and done.plan["reason"] in page
 
 
 def test_a_cancelled_batch_stops_its_running_shard(make_batch, make_pipeline):
