@@ -238,6 +238,22 @@ def chat_request(custom_id: str, text: str, *, model: str = "echo-test", max_tok
                      "messages": [{"role": "user", "content": text}]}}
 
 
+def write_labelling_file(path: Path, count: int, system: Callable[[int], str],
+                         user: Callable[[int], str]) -> int:
+    """COUNT echo-model chat lines of a system prompt and a user message each (request i
+    gets `system(i)` and `user(i)`), streamed to PATH for files of a million lines; its
+    size in bytes."""
+    with open(path, "w") as out:
+        for i in range(count):
+            out.write(json.dumps({
+                "custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "echo-test", "max_tokens": 16, "messages": [
+                    {"role": "system", "content": system(i)},
+                    {"role": "user", "content": user(i)}]},
+            }) + "\n")
+    return path.stat().st_size
+
+
 def jsonl(lines: Sequence[dict[str, Any]]) -> bytes:
     return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
 

@@ -34,15 +34,8 @@ SYSTEM = ("You label customer messages. Answer with one word from: billing, ship
 
 
 def write_input(path: Path, count: int) -> int:
-    with open(path, "w") as out:
-        for i in range(count):
-            out.write(json.dumps({
-                "custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-                "body": {"model": "echo-test", "max_tokens": 16, "messages": [
-                    {"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": f"Classify document number {i} please."}]},
-            }) + "\n")
-    return path.stat().st_size
+    return harness.write_labelling_file(path, count, lambda i: SYSTEM,
+                                        lambda i: f"Classify document number {i} please.")
 
 
 def run_size(count: int, workers: int, env: dict[str, str], scratch: Path) -> dict:

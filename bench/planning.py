@@ -37,21 +37,16 @@ LABELS = ("You label customer messages. Answer with one word from: billing, ship
 
 def write_input(path: Path, count: int, shape: str, seed: int = 7) -> int:
     rng = random.Random(seed)
-    with open(path, "w") as out:
-        for i in range(count):
-            if shape == "shared-prefix":
-                template = rng.randrange(TEMPLATES)
-                system = (f"Task {template}: extract the fields of form {template} from the "
-                          f"message; answer in JSON with the keys name, date and amount. ") * 9
-            else:
-                system = LABELS
-            out.write(json.dumps({
-                "custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-                "body": {"model": "echo-test", "max_tokens": 16, "messages": [
-                    {"role": "system", "content": system},
-                    {"role": "user", "content": f"Document number {i}, please."}]},
-            }) + "\n")
-    return path.stat().st_size
+
+    def system(i: int) -> str:
+        if shape != "shared-prefix":
+            return LABELS
+        template = rng.randrange(TEMPLATES)
+        return (f"Task {template}: extract the fields of form {template} from the "
+                f"message; answer in JSON with the keys name, date and amount. ") * 9
+
+    return harness.write_labelling_file(path, count, system,
+                                        lambda i: f"Document number {i}, please.")
 
 
 def child(path: str) -> None:
