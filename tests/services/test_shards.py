@@ -155,9 +155,10 @@ def test_batch_row_keeps_the_shards_sums_through_every_transition(batch):
     first, second = Shard.objects.filter(batch=batch).order_by("index")
     shard_service.claim_shard(shard_id=first.pk, worker="w1")
     shard_service.heartbeat(shard_id=first.pk, attempt=1,
-                            progress=Progress(completed=1, input_tokens=7, output_tokens=3))
+                            progress=Progress(completed=1, input_tokens=7, output_tokens=3,
+                                              cached_tokens=5))
     assert sums_agree() == {"completed": 1, "failed": 0, "input_tokens": 7,
-                            "output_tokens": 3}
+                            "output_tokens": 3, "cached_tokens": 5}
     shard_service.fail_shard(shard_id=first.pk, attempt=1, reason="lost")  # retried: reset
     assert sums_agree()["completed"] == 0
     Shard.objects.filter(pk=first.pk).update(not_before=None)
@@ -171,7 +172,7 @@ def test_batch_row_keeps_the_shards_sums_through_every_transition(batch):
     assert sums_agree()["completed"] == 0
     shard_service.finish_shard(shard_id=first.pk, attempt=3, output_part="", error_part="",
                                progress=Progress(completed=1, failed=1, input_tokens=9,
-                                                 output_tokens=4))
+                                                 output_tokens=4, cached_tokens=6))
     for attempt in (1, 2, 3):  # the other shard runs out of attempts: all failed
         Shard.objects.filter(pk=second.pk).update(not_before=None)
         shard_service.claim_shard(shard_id=second.pk, worker="w")
@@ -179,7 +180,7 @@ def test_batch_row_keeps_the_shards_sums_through_every_transition(batch):
                                 progress=Progress(completed=1))
         shard_service.fail_shard(shard_id=second.pk, attempt=attempt, reason="boom")
     assert sums_agree() == {"completed": 1, "failed": 3, "input_tokens": 9,
-                            "output_tokens": 4}
+                            "output_tokens": 4, "cached_tokens": 6}
 
 
 @pytest.mark.django_db(transaction=True)  # the retry closes the connection
