@@ -58,6 +58,13 @@ def chat_line(custom_id: str, text: str, *, model: str = "echo-test", **body: An
             "body": {"model": model, "messages": [{"role": "user", "content": text}], **body}}
 
 
+def responses_line(custom_id: str, words: str, *, model: str = "echo-test",
+                   **body: Any) -> dict:
+    """A /v1/responses request whose input is `words` (or the `input` given in `body`)."""
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/responses",
+            "body": {"model": model, "input": words, **body}}
+
+
 def jsonl(lines: list[dict] | list[str]) -> bytes:
     return b"".join((json.dumps(x) if isinstance(x, dict) else x).encode() + b"\n"
                     for x in lines)
