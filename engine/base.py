@@ -15,7 +15,8 @@ from typing import Any
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
-ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
+RESPONSES = "/v1/responses"
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES)
 
 
 def text_parts(value: Any) -> list[str]:
@@ -34,6 +35,40 @@ def text_parts(value: Any) -> list[str]:
         elif isinstance(item, dict) and isinstance(item.get("text"), str):
             parts.append(item["text"])
     return parts
+
+
+def request_messages(url: str, body: dict[str, Any]) -> list[Any]:
+    """The chat messages a chat or Responses request puts through the model's chat
+    template, each a dict with `role` and `content` (whose texts are `text_parts`); [] for
+    other endpoints. A chat body's are its `messages` themselves (the list, not a copy:
+    validation calls this for every line; a body not yet validated may hold other items
+    there). A Responses body's are built as vLLM builds them: `instructions` as a system
+    message, a string `input` as one user message, else its items with a role (messages),
+    and each function_call_output as a tool message carrying its output; function calls
+    and reasoning items carry no prompt text. The one definition of "the messages of a
+    prompt", beside `text_parts`, used by validation, token counting, prefix keys, the
+    echo engine and the dashboard alike."""
+    if url == CHAT:
+        messages = body.get("messages")
+        return messages if isinstance(messages, list) else []
+    if url != RESPONSES:
+        return []
+    found: list[Any] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        found.append({"role": "system", "content": instructions})
+    value = body.get("input")
+    if isinstance(value, str):
+        found.append({"role": "user", "content": value})
+    elif isinstance(value, list):
+        for item in value:
+            if not isinstance(item, dict):
+                continue
+            if isinstance(item.get("role"), str):
+                found.append({"role": item["role"], "content": item.get("content")})
+            elif item.get("type") in ("function_call_output", "custom_tool_call_output"):
+                found.append({"role": "tool", "content": item.get("output")})
+    return found
 
 
 # The status an aborted request's EngineResult carries (nginx's "client closed request");
@@ -61,8 +96,9 @@ class EngineRequest:
 @dataclass(frozen=True)
 class EngineResult:
     request_id: str
-    # 200 with an OpenAI response object (chat.completion, text_completion or an embeddings
-    # list, each with `usage`), or 4xx with an OpenAI error body {"error": {...}}.
+    # 200 with an OpenAI response object (chat.completion, text_completion, an embeddings
+    # list or a Responses `response`, each with `usage`), or 4xx with an OpenAI error
+    # body {"error": {...}}.
     status_code: int
     body: dict[str, Any] = field(default_factory=dict)
     # True when the request was aborted through `Engine.abort` before it finished; `body`

@@ -4,7 +4,10 @@ Never a default: a deployment gets it only by declaring `backend="echo"`. It exi
 orchestration (sharding, retries, cancellation, output files) can be tested and benchmarked
 on a million requests without loading a model.
 
-- chat: content is "echo: " + the last user message's text; completions echo the prompt.
+- chat: content is "echo: " + the last user message's text; completions echo the prompt;
+  responses are answered as chat (over `request_messages`: instructions, then input), in
+  vLLM's Response shape: one output message, status "incomplete" when cut at
+  max_output_tokens (tokens capped by it as by max_tokens).
 - tokens are whitespace-separated words; the output is cut at max_tokens (or
   max_completion_tokens) words, finish_reason "length", else "stop"; `n` choices.
 - embeddings: an 8-dim vector per input derived from sha256 of the input.
@@ -35,11 +38,13 @@ from engine.base import (
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
+    RESPONSES,
     Engine,
     EngineError,
     EngineRequest,
     EngineResult,
     ModelSpec,
+    request_messages,
     text_parts,
 )
 
@@ -54,6 +59,32 @@ def _context_error(tokens: int, limit: int) -> tuple[int, dict[str, Any]]:
     return _error(f"This model's maximum context length is {limit} tokens. However, you "
                   f"requested {tokens} tokens. Please reduce the length of the input.",
                   "input_tokens")
+
+
+def _response_object(body: dict[str, Any], text: str, finish: str, prompt_tokens: int,
+                     output_tokens: int, model: str) -> dict[str, Any]:
+    """A Responses `response` as vLLM's serving layer writes it (the fields readers use)."""
+    content: list[dict[str, Any]] = [{"type": "output_text", "text": text, "annotations": [],
+                                      "logprobs": None}]
+    return {
+        "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
+        "model": body.get("model") or model, "status": "completed" if finish == "stop"
+        else "incomplete", "incomplete_details": None if finish == "stop"
+        else {"reason": "max_output_tokens"}, "instructions": body.get("instructions"),
+        "metadata": body.get("metadata"), "background": False,
+        "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": None,
+        "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+        "text": body.get("text"), "tools": body.get("tools") or [],
+        "tool_choice": body.get("tool_choice", "auto"), "parallel_tool_calls": True,
+        "truncation": body.get("truncation", "disabled"), "service_tier": "auto",
+        "user": body.get("user"),
+        "output": [{"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+                    "status": "completed", "content": content if text else []}],
+        "usage": {"input_tokens": prompt_tokens, "output_tokens": output_tokens,
+                  "total_tokens": prompt_tokens + output_tokens,
+                  "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens_details": {"reasoning_tokens": 0}},
+    }
 
 
 class EchoEngine(Engine):
@@ -83,8 +114,11 @@ class EchoEngine(Engine):
         try:
             if url == EMBEDDINGS:
                 return self._embeddings(body)
-            if url == CHAT:
-                messages = body["messages"]
+            if url in (CHAT, RESPONSES):
+                # A body without its messages (input) is one it cannot read.
+                if not body.get("messages" if url == CHAT else "input"):
+                    raise KeyError(url)
+                messages = request_messages(url, body)
                 prompt_tokens = sum(len(" ".join(text_parts(m.get("content"))).split())
                                     for m in messages)
                 last_user = next((" ".join(text_parts(m.get("content")))
@@ -97,7 +131,8 @@ class EchoEngine(Engine):
                 return _error(f"model {self.spec.name!r} does not serve {url}", "url")
         except (KeyError, TypeError, AttributeError):
             return _error("The echo engine cannot answer this request body.")
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        max_tokens = (body.get("max_completion_tokens") or body.get("max_tokens")
+                      or body.get("max_output_tokens"))
         n = body.get("n") or 1
         if prompt_tokens + (max_tokens or 0) > self.max_model_len:
             return _context_error(prompt_tokens + (max_tokens or 0), self.max_model_len)
@@ -109,6 +144,9 @@ class EchoEngine(Engine):
                             "total_tokens": prompt_tokens + completion_tokens,
                             "completion_tokens": completion_tokens,
                             "prompt_tokens_details": None}}
+        if url == RESPONSES:
+            return 200, _response_object(body, text, finish, prompt_tokens,
+                                         completion_tokens, self.spec.name)
         if url == CHAT:
             message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None,
                                        "tool_calls": []}

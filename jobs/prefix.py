@@ -15,8 +15,9 @@ from what decides the rendered prefix, in the order the template writes it:
   PREFIX_BLOCK_CHARS characters.
 
 Sampling parameters change no prefill: vLLM computes and caches the prompt's KV the same
-whatever the temperature or max_tokens. Only chat requests get a key; completions and
-embeddings run in file order as before.
+whatever the temperature or max_tokens. Only chat and Responses requests get a key (a
+Responses body's messages are `engine.base.request_messages`: its instructions first);
+completions and embeddings run in file order as before.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from engine.base import CHAT, text_parts
+from engine.base import CHAT, RESPONSES, request_messages, text_parts
 from jobs.wire import RequestLine
 
 # A context shorter than this (~64 tokens) is not worth grouping for.
@@ -36,8 +37,10 @@ PREFIX_BLOCK_CHARS = 1024
 PREFIX_MAX_CHARS = 16384
 
 # Body fields the chat template renders before the messages, or that change the cache key.
-_RENDERED_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "documents",
-                    "add_generation_prompt", "continue_final_message", "cache_salt")
+# (`reasoning` is a Responses body's: its effort is a template option.)
+_RENDERED_FIELDS = ("tools", "reasoning", "chat_template", "chat_template_kwargs",
+                    "documents", "add_generation_prompt", "continue_final_message",
+                    "cache_salt")
 
 
 @dataclass(frozen=True)
@@ -63,11 +66,11 @@ def prefix_key(request: RequestLine) -> PrefixKey | None:
     """The key of the prompt prefix this request shares with others like it, or None when
     it has none worth grouping by (see the module docstring). Validation calls it for
     every line, so the common case (string contents, no tools) stays a few microseconds."""
-    if request.url != CHAT:
+    if request.url not in (CHAT, RESPONSES):
         return None
     body = request.body
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
+    messages = request_messages(request.url, body)
+    if not messages:
         return None
     context = "".join(map(_message_text, messages[:-1]))
     if len(context) >= PREFIX_MIN_CHARS:

@@ -9,7 +9,7 @@ from typing import Any
 
 import jsonschema
 
-from engine.base import CHAT, COMPLETIONS
+from engine.base import CHAT, COMPLETIONS, RESPONSES
 
 EMPTY = "empty_output"
 LENGTH = "length_limit"
@@ -24,9 +24,17 @@ FLAG_LABELS = {
 }
 
 
-def wants_json(body: dict[str, Any]) -> dict[str, Any] | None:
-    """The response_format of a request that asked for JSON, else None."""
-    response_format = body.get("response_format")
+def wants_json(url: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """The JSON format a request asked for, else None: a chat request's `response_format`,
+    a Responses request's `text.format` (the same types; its schema sits in the format
+    itself rather than under `json_schema`)."""
+    if url == CHAT:
+        response_format = body.get("response_format")
+    elif url == RESPONSES:
+        text = body.get("text")
+        response_format = text.get("format") if isinstance(text, dict) else None
+    else:
+        return None
     if isinstance(response_format, dict) and response_format.get("type") in (
             "json_object", "json_schema"):
         return response_format
@@ -34,14 +42,17 @@ def wants_json(body: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def json_problem(text: str, response_format: dict[str, Any]) -> str | None:
-    """Why `text` does not satisfy a JSON response_format, or None when it does."""
+    """Why `text` does not satisfy a JSON format (`wants_json`), or None when it does."""
     try:
         value = json.loads(text)
     except ValueError as exc:
         return f"not valid JSON: {exc}"
     if response_format.get("type") == "json_object" and not isinstance(value, dict):
         return "not a JSON object"
-    schema = (response_format.get("json_schema") or {}).get("schema")
+    # chat's response_format holds its schema under json_schema, text.format in itself.
+    nested = response_format.get("json_schema")
+    schema = (nested.get("schema") if isinstance(nested, dict)
+              else response_format.get("schema"))
     if response_format.get("type") == "json_schema" and isinstance(schema, dict):
         try:
             jsonschema.validate(value, schema)
@@ -71,7 +82,13 @@ def is_repetitive(text: str, *, max_n: int = 8, min_repeats: int = 4) -> bool:
 
 
 def output_texts(url: str, body: dict[str, Any]) -> list[tuple[str, str | None]]:
-    """(text, finish_reason) of each choice of a chat or completion response."""
+    """(text, finish_reason) of each choice of a chat or completion response; of a
+    Responses `response`, the one answer: the text of its output messages, "length" when
+    it stopped at max_output_tokens."""
+    if url == RESPONSES:
+        stopped = (body.get("incomplete_details") or {}).get("reason")
+        return [(response_output_text(body),
+                 "length" if stopped == "max_output_tokens" else None)]
     texts = []
     for choice in body.get("choices") or ():
         if url == CHAT:
@@ -84,10 +101,22 @@ def output_texts(url: str, body: dict[str, Any]) -> list[tuple[str, str | None]]
     return texts
 
 
+def response_output_text(body: dict[str, Any]) -> str:
+    """The text of a Responses `response`: its output messages' output_text parts, joined
+    (reasoning and function calls are not the answer's text)."""
+    parts = []
+    for item in body.get("output") or ():
+        if isinstance(item, dict) and item.get("type") == "message":
+            for part in item.get("content") or ():
+                if isinstance(part, dict) and part.get("type") == "output_text":
+                    parts.append(str(part.get("text") or ""))
+    return "".join(parts)
+
+
 def flags_for(url: str, request: dict[str, Any], response: dict[str, Any]) -> list[str]:
     """The flags of one successful response, in FLAGS order."""
     found: set[str] = set()
-    response_format = wants_json(request) if url == CHAT else None
+    response_format = wants_json(url, request)
     for text, finish_reason in output_texts(url, response):
         if not text.strip():
             found.add(EMPTY)

@@ -2,6 +2,7 @@
 
 Input line (OpenAI "The per-line object of the batch input file"):
     {"custom_id": str, "method": "POST", "url": "/v1/chat/completions", "body": {...}}
+  url: one of engine.base.ENDPOINTS (chat completions, completions, embeddings, responses).
   custom_id: "A developer-provided per-request id that will be used to match outputs to
   inputs. Must be unique for each request in a batch."
 Output line ("The per-line object of the batch output and error files"):
@@ -22,7 +23,15 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS, text_parts
+from engine.base import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    ENDPOINTS,
+    RESPONSES,
+    request_messages,
+    text_parts,
+)
 
 MAX_CUSTOM_ID_CHARS = 512
 
@@ -181,8 +190,10 @@ def parse_line(raw: bytes, *, max_tokens_cap: int,
 
 
 # The request fields each endpoint documents: OpenAI's request parameters of
-# chat.completions, completions and embeddings, plus vLLM's documented extra sampling
-# parameters (fields of its ChatCompletionRequest / CompletionRequest / EmbeddingRequest).
+# chat.completions, completions, embeddings and responses, plus vLLM's documented extra
+# sampling parameters (fields of its ChatCompletionRequest / CompletionRequest /
+# EmbeddingRequest / ResponsesRequest: for responses only those its ResponsesRequest has,
+# as it would drop the others).
 # Anything else never reaches the engine: vLLM accepts unknown and engine-internal fields
 # (chat_template, kv_transfer_params, priority, vllm_xargs, prompt_embeds...) that a
 # batch user must not steer. The fields engine/vllm_engine.py's _IGNORED_PARAMETERS names
@@ -207,7 +218,45 @@ DOCUMENTED_FIELDS: dict[str, frozenset[str]] = {
         "suffix", "temperature", "top_p", "user"}) | _VLLM_SAMPLING_FIELDS,
     EMBEDDINGS: frozenset({"input", "model", "dimensions", "encoding_format", "user",
                            "truncate_prompt_tokens"}),
+    RESPONSES: frozenset({
+        "input", "model", "background", "conversation", "include", "instructions",
+        "max_output_tokens", "max_tool_calls", "metadata", "parallel_tool_calls",
+        "previous_response_id", "prompt", "prompt_cache_key", "prompt_cache_retention",
+        "reasoning", "safety_identifier", "service_tier", "store", "stream",
+        "stream_options", "temperature", "text", "tool_choice", "tools", "top_logprobs",
+        "top_p", "truncation", "user",
+        # vLLM's sampling extras on its ResponsesRequest.
+        "frequency_penalty", "presence_penalty", "logit_bias", "seed", "stop", "top_k",
+        "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output",
+        "ignore_eos", "skip_special_tokens"}),
 }
+
+# Responses parameters that need state kept between requests or a background job, which a
+# batch does not have: a batch's answers live in its output file only, never as stored
+# responses (GET /v1/responses/{id} is not served), so each is refused, naming it, rather
+# than run as if it were not set. `store` is refused only when sent as true: OpenAI's
+# default is true, but a line that does not mention it asks for nothing a batch cannot do
+# (its answer is in the output file), while an explicit true says the caller means to
+# retrieve or continue the response later, which would then fail far from the cause.
+_RESPONSES_STATEFUL = {
+    "store": "Responses are not stored in a batch (its output file holds them); send "
+             "store: false or leave it out.",
+    "background": "Background mode is not available in a batch (a batch already runs in "
+                  "the background).",
+    "previous_response_id": "A batch request cannot continue a stored response (responses "
+                            "are not stored); send the earlier turns in input.",
+    "conversation": "A batch request cannot belong to a stored conversation; send the "
+                    "earlier turns in input.",
+    "prompt": "Stored prompt templates are not available here; send the prompt in input "
+              "and instructions.",
+}
+# Input item types the engine renders into the prompt; the others reference stored items
+# or the calls of built-in tools this service does not run.
+RESPONSES_ITEM_TYPES = frozenset({"message", "function_call", "function_call_output",
+                                  "reasoning"})
+# Content part types of a Responses message, as chat's TEXT_PART_TYPES / MEDIA_PART_TYPES.
+RESPONSES_TEXT_PART_TYPES = frozenset({"input_text", "output_text", "refusal"})
+RESPONSES_MEDIA_PART_TYPES = frozenset({"input_image", "input_file", "input_audio"})
 
 # Content part types of a chat message: OpenAI's, plus vLLM's video_url and audio_url.
 # Other types vLLM reads (image_embeds, prompt_embeds, image_pil...) are not documented
@@ -268,19 +317,20 @@ def _media_problem(part: dict[str, Any], param: str,
     return None
 
 
-def _check_parts(content: list[Any], param: str,
-                 media_domains: Sequence[str]) -> LineError | None:
+def _check_parts(content: list[Any], param: str, media_domains: Sequence[str], *,
+                 text_types: frozenset[str] = TEXT_PART_TYPES,
+                 media_types: frozenset[str] = MEDIA_PART_TYPES) -> LineError | None:
     for j, part in enumerate(content):
         if not isinstance(part, dict):
             continue  # a plain string part: text
         where = f"{param}[{j}]"
         kind = part.get("type")
-        if kind in TEXT_PART_TYPES:
+        if kind in text_types:
             continue
-        if kind not in MEDIA_PART_TYPES:
+        if kind not in media_types:
             return LineError(Code.INVALID_PARAMETER,
                              f"{where}.type must be one of "
-                             f"{', '.join(sorted(TEXT_PART_TYPES | MEDIA_PART_TYPES))}.",
+                             f"{', '.join(sorted(text_types | media_types))}.",
                              f"{where}.type")
         problem = _media_problem(part, where, media_domains)
         if problem:
@@ -303,6 +353,86 @@ def _check_messages(messages: Any, media_domains: Sequence[str]) -> LineError | 
                              f"{param}.content")
         if isinstance(content, list):
             problem = _check_parts(content, f"{param}.content", media_domains)
+            if problem:
+                return problem
+    return None
+
+
+def _check_responses(body: dict[str, Any], media_domains: Sequence[str]) -> LineError | None:
+    """The rules of a Responses body: its input, the state it may not ask for, its tools
+    and its text format."""
+    for name, reason in _RESPONSES_STATEFUL.items():
+        value = body.get(name)
+        if value is None or value is False:  # not asked for (true in any spelling is)
+            continue
+        return LineError(Code.INVALID_PARAMETER, f"body.{name} is not supported: {reason}",
+                         f"body.{name}")
+    value = body.get("input")
+    if not isinstance(value, str | list) or value in ("", []):
+        return LineError(Code.INVALID_BODY, "body.input must be a non-empty string or array.",
+                         "body.input")
+    if isinstance(value, list):
+        problem = _check_input_items(value, media_domains)
+        if problem:
+            return problem
+    if body.get("instructions") is not None and not isinstance(body["instructions"], str):
+        return LineError(Code.INVALID_BODY, "body.instructions must be a string.",
+                         "body.instructions")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        return LineError(Code.INVALID_BODY, "body.tools must be an array.", "body.tools")
+    for i, tool in enumerate(tools or ()):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            # Built-in tools (web_search, file_search, code_interpreter, computer_use, mcp,
+            # image_generation...) run on OpenAI's side; no engine here runs them.
+            return LineError(Code.INVALID_PARAMETER,
+                             f"body.tools[{i}]: {str(kind)[:100]} tools are not available "
+                             "here; only function tools (type: function) are accepted.",
+                             f"body.tools[{i}].type")
+    text = body.get("text")
+    if text is not None:
+        if not isinstance(text, dict):
+            return LineError(Code.INVALID_BODY, "body.text must be an object.", "body.text")
+        fmt = text.get("format")
+        if fmt is None:
+            return None
+        if not isinstance(fmt, dict) or fmt.get("type") not in (
+                "text", "json_object", "json_schema"):
+            return LineError(Code.INVALID_PARAMETER,
+                             "body.text.format must be an object whose type is text, "
+                             "json_object or json_schema.", "body.text.format")
+        if fmt["type"] == "json_schema" and not isinstance(fmt.get("schema"), dict):
+            # Without it vLLM would run the request unconstrained.
+            return LineError(Code.INVALID_PARAMETER,
+                             "body.text.format.schema must be a JSON Schema object.",
+                             "body.text.format.schema")
+    return None
+
+
+def _check_input_items(items: list[Any], media_domains: Sequence[str]) -> LineError | None:
+    for i, item in enumerate(items):
+        param = f"body.input[{i}]"
+        if not isinstance(item, dict):
+            return LineError(Code.INVALID_BODY, f"{param} must be an object.", param)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind not in RESPONSES_ITEM_TYPES:
+            return LineError(Code.INVALID_PARAMETER,
+                             f"{param}.type must be one of "
+                             f"{', '.join(sorted(RESPONSES_ITEM_TYPES))} (items that "
+                             "reference stored items or built-in tool calls are not "
+                             "available here).", f"{param}.type")
+        if kind != "message":
+            continue
+        content = item.get("content")
+        if not isinstance(item.get("role"), str) or not isinstance(content, str | list):
+            return LineError(Code.INVALID_BODY,
+                             f"{param} must have a role and a content string or array.",
+                             param)
+        if isinstance(content, list):
+            problem = _check_parts(content, f"{param}.content", media_domains,
+                                   text_types=RESPONSES_TEXT_PART_TYPES,
+                                   media_types=RESPONSES_MEDIA_PART_TYPES)
             if problem:
                 return problem
     return None
@@ -342,7 +472,11 @@ def check_body(url: str, body: dict[str, Any], *, max_tokens_cap: int,
         if not isinstance(value, str | list) or value in ("", []):
             return LineError(Code.INVALID_BODY, "body.input must be a non-empty string or array.",
                              "body.input")
-    for name in ("max_tokens", "max_completion_tokens"):
+    elif url == RESPONSES:
+        problem = _check_responses(body, media_domains)
+        if problem:
+            return problem
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(name)
         if value is None:
             continue
@@ -390,6 +524,8 @@ def prompt_text(line: RequestLine) -> tuple[str, int]:
             return text, len(text) - len(messages) + 1
         except (KeyError, TypeError):
             values = [message.get("content") for message in messages]
+    elif line.url == RESPONSES:
+        values = [message["content"] for message in request_messages(line.url, body)]
     else:
         values = [body.get("prompt") if line.url == COMPLETIONS else body.get("input")]
     parts = [part for value in values for part in text_parts(value)]
@@ -408,7 +544,8 @@ def estimate_tokens(line: RequestLine, chars: int | None = None) -> tuple[int, i
     body = line.body
     ceiling = 0
     if line.url != EMBEDDINGS:
-        ceiling = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+        ceiling = (body.get("max_completion_tokens") or body.get("max_tokens")
+                   or body.get("max_output_tokens") or 0)
         ceiling *= body.get("n") or 1
     return max(1, chars // 4), ceiling
 
@@ -486,8 +623,14 @@ def read_result_line(content: bytes) -> ResultLine:
 
 def usage_of(body: dict[str, Any]) -> tuple[int, int, int]:
     """(prompt, completion, cached prompt) tokens of a response body's usage; cached ones
-    are OpenAI's `prompt_tokens_details.cached_tokens` (served from the prefix cache)."""
+    are OpenAI's `prompt_tokens_details.cached_tokens` (served from the prefix cache). A
+    Responses `response` names them input_tokens, output_tokens and
+    `input_tokens_details.cached_tokens`."""
     usage = body.get("usage") or {}
+    if "input_tokens" in usage:
+        details = usage.get("input_tokens_details") or {}
+        return (int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0),
+                int(details.get("cached_tokens") or 0))
     details = usage.get("prompt_tokens_details") or {}
     return (int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
             int(details.get("cached_tokens") or 0))

@@ -58,6 +58,13 @@ def chat_line(custom_id: str, text: str, *, model: str = "echo-test", **body: An
             "body": {"model": model, "messages": [{"role": "user", "content": text}], **body}}
 
 
+def responses_line(custom_id: str, words: str, *, model: str = "echo-test",
+                   **body: Any) -> dict:
+    """A /v1/responses request whose input is `words` (or the `input` given in `body`)."""
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/responses",
+            "body": {"model": model, "input": words, **body}}
+
+
 def jsonl(lines: list[dict] | list[str]) -> bytes:
     return b"".join((json.dumps(x) if isinstance(x, dict) else x).encode() + b"\n"
                     for x in lines)
@@ -113,12 +120,13 @@ def make_file(owner: Any, lines: list[dict] | list[str], tmp_path: Path,
 
 
 def make_batch(owner: Any, lines: list[dict], tmp_path: Path, *, shard_size: int = 1000,
-               settings: Any = None, **extra: Any) -> Batch:
+               settings: Any = None, endpoint: str = "/v1/chat/completions",
+               **extra: Any) -> Batch:
     """A validated, running batch (shards planned, none run)."""
     if settings is not None:
         settings.BATCHWEB = {**settings.BATCHWEB, "SHARD_SIZE": shard_size}
     file = make_file(owner, lines, tmp_path)
-    batch = create_batch(owner=owner, input_file_id=file.pk, endpoint="/v1/chat/completions",
+    batch = create_batch(owner=owner, input_file_id=file.pk, endpoint=endpoint,
                          completion_window="24h", **extra)
     run_validation(batch_id=batch.pk)
     return Batch.objects.get(pk=batch.pk)

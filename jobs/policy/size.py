@@ -5,17 +5,16 @@ uses the cost preview's estimate, 4 characters a token."""
 
 from __future__ import annotations
 
-from operator import attrgetter, itemgetter, methodcaller
+from operator import itemgetter
 from typing import Any
 
+from engine.base import request_messages
 from engine.tokens import PromptCounter
 from jobs.policy.violation import Violation, ViolationSink
 from jobs.wire import RequestLine
 
-# Of a chunk's (line number, custom_id, tokens, text), and of a chat body.
+# Of a chunk's (line number, custom_id, tokens, text).
 _TOKENS = itemgetter(2)
-_BODY = attrgetter("body")
-_MESSAGES_OR_NONE = methodcaller("get", "messages", ())
 
 
 class PromptSizeRules:
@@ -62,7 +61,7 @@ class PromptSizeRules:
             if largest <= floor:
                 return []
             return [i for i, (_, _, tokens, _) in enumerate(chunk) if tokens > floor]
-        messages = max(map(len, map(_MESSAGES_OR_NONE, map(_BODY, requests))))
+        messages = max(len(request_messages(r.url, r.body)) for r in requests)
         if self.counter.bound(largest, messages) <= floor:
             return []
         return list(range(len(chunk)))  # each line bounded again, or counted (over)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.base import CHAT, EngineRequest, EngineResult
+from engine.base import EngineRequest, EngineResult
 from jobs.quality import json_problem, output_texts, wants_json
 from jobs.wire import RequestLine
 
@@ -18,9 +18,9 @@ def is_retry(request_id: str) -> bool:
 
 
 def needs_json_retry(request: RequestLine, result: EngineResult) -> bool:
-    if result.status_code != 200 or request.url != CHAT:
+    if result.status_code != 200:
         return False
-    response_format = wants_json(request.body)
+    response_format = wants_json(request.url, request.body)
     if response_format is None:
         return False
     return any(json_problem(text, response_format)

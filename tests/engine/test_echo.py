@@ -13,6 +13,7 @@ from engine import (
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
+    RESPONSES,
     EngineError,
     EngineRequest,
     EngineResult,
@@ -230,3 +231,33 @@ def test_throughput_is_cheap() -> None:
     per_request = (time.perf_counter() - start) / n
     assert count == n
     assert per_request < 200e-6, per_request
+
+
+def test_responses_shape_and_usage() -> None:
+    body = {"model": "echo-test", "instructions": "be brief", "input": [
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "hi"}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "say it back"}]}]}
+    (result,) = echo().run([EngineRequest("r1", RESPONSES, body)])
+    assert result.status_code == 200, result.body
+    out = result.body
+    assert out["object"] == "response" and out["id"].startswith("resp_")
+    assert (out["model"], out["status"], out["incomplete_details"]) == (
+        "echo-test", "completed", None)
+    (message,) = out["output"]
+    assert (message["type"], message["role"]) == ("message", "assistant")
+    assert [(p["type"], p["text"]) for p in message["content"]] == [
+        ("output_text", "echo: say it back")]
+    # 2 + 2 + 1 + 3 words of instructions and messages; 4 words out.
+    assert out["usage"] == {"input_tokens": 8, "output_tokens": 4, "total_tokens": 12,
+                            "input_tokens_details": {"cached_tokens": 0},
+                            "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+def test_a_response_cut_at_max_output_tokens_is_incomplete() -> None:
+    body = {"model": "echo-test", "input": "one two three four", "max_output_tokens": 3}
+    (r,) = echo().run([EngineRequest("a", RESPONSES, body)])
+    assert r.body["status"] == "incomplete"
+    assert r.body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert r.body["output"][0]["content"][0]["text"] == "echo: one two"
+    assert r.body["usage"]["output_tokens"] == 3

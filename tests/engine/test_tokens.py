@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine.base import CHAT, COMPLETIONS, EMBEDDINGS
+from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, request_messages
 from engine.tokens import PromptCounter
 from jobs.engines import model_spec
 
@@ -46,7 +46,7 @@ def assert_over_agrees(counter: PromptCounter, url: str, body: dict) -> int:
 
     count = counter.count(url, body)
     estimate = estimate_tokens(RequestLine("x", url, body))[0]
-    assert counter.bound(estimate, len(body.get("messages", ()))) >= count
+    assert counter.bound(estimate, len(request_messages(url, body))) >= count
     for limit in (0, count - 1, count, count + 1, 10 * count + 100):
         assert counter.over(url, body, limit) == (count if count > limit else None), limit
     return count
@@ -117,3 +117,13 @@ def test_the_prompt_size_rule_counts_the_models_tokens(chat_counter):
         {custom_id: violation.rule}), lines)
     screener.flush(lambda *args: None)
     assert refused == {"one-more": "prompt-size", "japanese": "prompt-size"}
+
+
+def test_a_responses_prompt_counts_as_the_chat_prompt_of_its_messages(chat_counter):
+    body = {"instructions": "Be brief.", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Hello there"}]}]}
+    chat = chat_body(("system", "Be brief."), ("user", "Hello there"))
+    assert chat_counter.count(RESPONSES, body) == chat_counter.count(CHAT, chat)
+    assert_over_agrees(chat_counter, RESPONSES, body)
+    for text in SAMPLES:
+        assert_over_agrees(chat_counter, RESPONSES, {"input": text})

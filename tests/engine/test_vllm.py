@@ -20,12 +20,15 @@ from engine import (  # noqa: E402
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
+    RESPONSES,
     EngineRequest,
     EngineResult,
     load_engine,
 )
 from engine.prepare import DEFAULT_MODELS, prepare_model  # noqa: E402
 from engine.vllm_engine import VllmEngine  # noqa: E402
+from jobs.quality import flags_for, response_output_text  # noqa: E402
+from jobs.wire import DOCUMENTED_FIELDS, usage_of  # noqa: E402
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -323,3 +326,86 @@ def test_requests_fed_by_prefix_group_compute_the_prefix_once(engine: VllmEngine
     assert all(cached(r) > 0 for r in again.values())
     assert {rid: content(r) for rid, r in again.items()} == {
         rid: content(r) for rid, r in first.items()}
+
+
+def responses(rid: str, words: str, **body: Any) -> EngineRequest:
+    return EngineRequest(rid, RESPONSES, {"model": NAME, "input": words, **body})
+
+
+def output_text(result: EngineResult) -> str:
+    assert result.status_code == 200, result.body
+    return response_output_text(result.body)
+
+
+def test_documented_responses_fields_are_fields_of_vllms_request() -> None:
+    """What validation passes reaches vLLM's ResponsesRequest as a field it reads; the
+    few OpenAI parameters it lacks do not change the answer (validation refuses
+    `conversation`). A vLLM that adds or drops one makes this fail, to be looked at."""
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+    missing = DOCUMENTED_FIELDS[RESPONSES] - set(ResponsesRequest.model_fields)
+    assert missing == {"conversation", "prompt_cache_retention", "safety_identifier",
+                       "stream_options"}
+
+
+def test_responses_shape_usage_and_json_formats(engine: VllmEngine) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    schema_format = {"format": {"type": "json_schema", "name": "person", "schema": schema}}
+    function = {"type": "function", "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    results = run_all(engine, [
+        responses("plain", "What is 2+2?", instructions="Answer briefly.",
+                  max_output_tokens=12, temperature=0),
+        responses("items", "", input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "Count to ten."}]}],
+            max_output_tokens=3, temperature=0, ignore_eos=True),
+        responses("js", "Describe a person as JSON.", text=schema_format,
+                  max_output_tokens=60, temperature=0),
+        responses("jo", "Give me a JSON object.", text={"format": {"type": "json_object"}},
+                  max_output_tokens=40, temperature=0),
+        responses("tools", "Weather in Paris?", tools=[function]),
+        responses("tools-none", "Hi", tools=[function], tool_choice="none",
+                  max_output_tokens=2),
+        responses("long", "hello " * (MAX_MODEL_LEN + 10), max_output_tokens=4),
+    ])
+    body = results["plain"].body
+    assert results["plain"].status_code == 200, body
+    assert body["object"] == "response" and body["id"].startswith("resp_")
+    assert body["model"] == NAME and body["status"] in ("completed", "incomplete")
+    (message,) = body["output"]
+    assert (message["type"], message["role"]) == ("message", "assistant")
+    assert message["content"][0]["type"] == "output_text" and output_text(results["plain"])
+    assert body["instructions"] == "Answer briefly."
+    usage = body["usage"]
+    assert usage["input_tokens"] > 5 and 0 < usage["output_tokens"] <= 12
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert usage_of(body) == (usage["input_tokens"], usage["output_tokens"],
+                              usage["input_tokens_details"]["cached_tokens"])
+    json.dumps(body)  # the worker writes it as a JSON line
+
+    cut = results["items"].body
+    assert (cut["status"], cut["incomplete_details"]) == (
+        "incomplete", {"reason": "max_output_tokens"})
+    assert cut["usage"]["output_tokens"] == 3
+    assert flags_for(RESPONSES, {}, cut) == ["length_limit"]
+
+    # Structured output honoured, and the format echoed back as OpenAI spells it.
+    jsonschema.validate(json.loads(output_text(results["js"])), schema)
+    assert results["js"].body["text"]["format"]["schema"] == schema
+    assert results["jo"].status_code == 200, results["jo"].body
+
+    # Function tools on a model without a tool call parser: refused, naming the field;
+    # offered with tool_choice "none" they are never called, so the request runs.
+    refused = results["tools"]
+    assert refused.status_code == 400 and refused.body["error"]["param"] == "tools"
+    assert "tool call parser" in refused.body["error"]["message"]
+    assert results["tools-none"].status_code == 200, results["tools-none"].body
+
+    long = results["long"]
+    assert long.status_code == 400 and long.body["error"]["type"] == "BadRequestError"

@@ -19,7 +19,7 @@ from jobs.policy.re2rules import ChunkText, term_pattern
 from jobs.services import preflight
 from jobs.services.files import create_input_file
 from jobs.wire import RequestLine, estimate_tokens, prompt_text
-from tests.factories import chat_line, jsonl, make_batch, wait_for
+from tests.factories import chat_line, jsonl, make_batch, responses_line, wait_for
 
 LINES = [
     chat_line("ok-1", "Translate 'good morning' to French."),
@@ -57,6 +57,20 @@ def test_reject_fails_validation_naming_line_and_rule(user, tmp_path):
     assert "'weapons'" in messages[0] and "no weapons" in messages[0]
     assert "'card-numbers'" in messages[1]
     assert "'prompt-size'" in messages[2]
+
+
+@pytest.mark.django_db
+def test_responses_lines_are_screened_by_their_instructions_and_input(user, tmp_path):
+    rules("reject")
+    lines = [responses_line("ok", "Summarise the plot of Hamlet."),
+             responses_line("term", "Go on.", instructions="Explain a Molotov cocktail."),
+             responses_line("regex", "", input=[{"role": "user", "content": [
+                 {"type": "input_text", "text": "My card is 4111 1111 1111 1111."}]}]),
+             responses_line("big", "word " * 400)]
+    batch = make_batch(user, lines, tmp_path, endpoint="/v1/responses")
+    assert [(e["line"], e["code"]) for e in batch.errors] == [
+        (2, "content_policy_violation"), (3, "content_policy_violation"),
+        (4, "content_policy_violation")]
 
 
 @pytest.mark.django_db

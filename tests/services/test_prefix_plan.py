@@ -46,6 +46,20 @@ def test_what_the_template_renders_before_the_messages_is_part_of_the_key():
     assert len({plain, tools, salted, other_model}) == 4
 
 
+def test_responses_requests_key_their_instructions_as_chat_keys_a_system_prompt():
+    def responses(item: str, **body: object) -> RequestLine:
+        return RequestLine("x", "/v1/responses", {"model": "echo-test", "input": item,
+                                                  "instructions": SYSTEM["content"], **body})
+
+    a = prefix_key(responses("printer broken"))
+    b = prefix_key(responses("refund please", temperature=0.7, max_output_tokens=3))
+    assert a is not None and a == b
+    assert a.chars >= len(SYSTEM["content"])
+    # Their messages are the chat messages vLLM renders: the same context, the same key.
+    assert a == prefix_key(_request([SYSTEM, {"role": "user", "content": "item"}]))
+    assert prefix_key(responses("x", reasoning={"effort": "high"})) != a
+
+
 def test_a_short_context_has_no_key_but_a_long_lone_message_keys_its_first_block():
     assert prefix_key(_request([{"role": "user", "content": "short question"}])) is None
     instructions = "Translate the text below into French, keeping names. " * 30

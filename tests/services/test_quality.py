@@ -46,3 +46,32 @@ def test_json_schema_problems():
     assert "schema" in json_problem('{"n": "three"}', fmt)
     assert "not valid JSON" in json_problem("n=3", fmt)
     assert json_problem("[1]", {"type": "json_object"}) == "not a JSON object"
+
+
+RESPONSES = "/v1/responses"
+
+
+def response_object(text: str, *, cut: bool = False) -> dict:
+    return {"object": "response", "status": "incomplete" if cut else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "output": [{"type": "reasoning", "id": "rs_1", "summary": [],
+                        "content": [{"type": "reasoning_text", "text": "thinking"}]},
+                       {"type": "message", "role": "assistant", "content": [
+                           {"type": "output_text", "text": text, "annotations": []}]}]}
+
+
+def test_flags_of_a_response_object():
+    assert flags_for(RESPONSES, {}, response_object("fine")) == []
+    assert flags_for(RESPONSES, {}, response_object(" ")) == ["empty_output"]
+    assert flags_for(RESPONSES, {}, {"object": "response", "output": []}) == ["empty_output"]
+    assert flags_for(RESPONSES, {}, response_object("cut", cut=True)) == ["length_limit"]
+    assert flags_for(RESPONSES, {}, response_object("yes " * 30)) == ["repetition"]
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    as_schema = {"text": {"format": {"type": "json_schema", "name": "n", "schema": schema}}}
+    assert flags_for(RESPONSES, as_schema, response_object('{"n": 1}')) == []
+    assert flags_for(RESPONSES, as_schema, response_object('{"n": "one"}')) == ["invalid_json"]
+    as_object = {"text": {"format": {"type": "json_object"}}}
+    assert flags_for(RESPONSES, as_object, response_object("{oops")) == ["invalid_json"]
+    # A chat-style response_format means nothing to a Responses request.
+    assert flags_for(RESPONSES, {"response_format": {"type": "json_object"}},
+                     response_object("{oops")) == []

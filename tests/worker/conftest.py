@@ -27,13 +27,14 @@ def storage(settings: Any, tmp_path: Path) -> Path:
 @pytest.fixture
 def make_batch(user: Any, tmp_path: Path, settings: Any, storage: Path
                ) -> Callable[..., Batch]:
-    def make(lines: list[dict], *, shard_size: int = 4) -> Batch:
+    def make(lines: list[dict], *, shard_size: int = 4,
+             endpoint: str = "/v1/chat/completions") -> Batch:
         settings.BATCHWEB = {**settings.BATCHWEB, "SHARD_SIZE": shard_size}
         path = tmp_path / "in.jsonl"
         path.write_bytes(jsonl(lines))
         file = create_input_file(owner=user, path=path, filename="in.jsonl", purpose="batch")
         created = create_batch(owner=user, input_file_id=file.pk,
-                               endpoint="/v1/chat/completions", completion_window="24h")
+                               endpoint=endpoint, completion_window="24h")
         run_validation(batch_id=created.pk)
         batch = Batch.objects.get(pk=created.pk)
         assert batch.status == "in_progress", batch.errors

@@ -17,9 +17,12 @@ from tests.factories import (
     SHAPES,
     assert_exactly_once,
     chat_line,
+    jsonl,
     requests_of_shape,
+    responses_line,
     shared_prefix_lines,
     submit,
+    upload,
     wait_for,
     wait_status,
 )
@@ -233,6 +236,29 @@ def test_quality_flags_and_json_retry(openai_client, workers):
         flagged = {json.loads(line)["custom_id"]: json.loads(line)["flags"] for line in part}
     assert flagged == {"cut": ["length_limit"], "loop": ["repetition"],
                        "json": ["invalid_json"]}
+
+
+def test_a_responses_batch_runs_on_a_worker_process(openai_client, workers):
+    lines = [responses_line(f"q{i}", f"hello number {i}", max_output_tokens=2 + i % 2,
+                            instructions="Be brief.") for i in range(10)]
+    lines.append(responses_line("too-long", "word " * 3000))
+    batch = openai_client.batches.create(
+        input_file_id=upload(openai_client, jsonl(lines)).id, endpoint="/v1/responses",
+        completion_window="24h")
+    workers.start(env={"BATCHWEB_SHARD_SIZE": "4"})
+    batch = wait_status(openai_client, batch.id, {"completed"})
+    assert batch.endpoint == "/v1/responses"
+    out, err = every_custom_id_once(openai_client, batch,
+                                    {line["custom_id"] for line in lines})
+    assert [e["custom_id"] for e in err] == ["too-long"]
+    assert err[0]["response"]["status_code"] == 400
+    body = next(r["response"]["body"] for r in out if r["custom_id"] == "q1")
+    assert body["object"] == "response" and body["status"] == "incomplete"
+    assert body["output"][0]["content"][0]["text"] == "echo: hello number"
+    assert batch.usage.input_tokens == sum(r["response"]["body"]["usage"]["input_tokens"]
+                                           for r in out)
+    assert batch.usage.output_tokens == sum(r["response"]["body"]["usage"]["output_tokens"]
+                                            for r in out)
 
 
 def test_a_worker_with_a_full_batch_leaves_shards_to_an_idle_one(openai_client, workers,

@@ -1,18 +1,30 @@
 """The worker pipeline in-process: a batch's shards run to completion, the JSON retry, a
-batch stopped while its shard runs, a part file that cannot be written, and the engine-idle
-accounting reported when a worker stops."""
+/v1/responses batch through the openai client, a batch stopped while its shard runs, a
+part file that cannot be written, and the engine-idle accounting reported when a worker
+stops."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
 
-from jobs.models import Shard
+from jobs.models import Batch, Shard
 from jobs.services.stopping import cancel_batch
+from jobs.tasks import validate_batch
 from jobs.worker import parts
 from jobs.worker.idle import IdleMeter
-from tests.factories import chat_line, finalized, run_all_shards, start_shard, wait_for
+from tests.factories import (
+    chat_line,
+    finalized,
+    jsonl,
+    responses_line,
+    run_all_shards,
+    start_shard,
+    upload,
+    wait_for,
+)
 
 # The pipeline's threads use connections of their own: the rows must be committed.
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -92,6 +104,79 @@ def test_prompt_tokens_served_from_the_prefix_cache_are_summed(make_batch, make_
     assert f"{(prompt - 6) / prompt * 100:.1f}%" in page
     # How validation planned the shards, and why.
     assert "file order" in page and done.plan["reason"] in page
+
+
+def test_a_responses_batch_through_the_openai_client(openai_client, make_pipeline, storage,
+                                                      settings, client, user):
+    """A /v1/responses batch as OpenAI's Batch API takes one: Response objects in the output
+    file, a refused request in the error file, dedup, the JSON retry and quality flags on
+    text.format, usage (cached tokens too) summed from the Responses usage, and the
+    dashboard showing each request's messages beside its answer."""
+    settings.BATCHWEB = {**settings.BATCHWEB, "SHARD_SIZE": 3}
+    json_format = {"text": {"format": {"type": "json_object"}}}
+    lines = [responses_line(f"r{i}", f"question {i}", max_output_tokens=2) for i in range(3)]
+    lines += [responses_line("same-a", "twice asked", temperature=0, instructions="Be brief."),
+              responses_line("same-b", "twice asked", temperature=0, instructions="Be brief."),
+              responses_line("json", "not json", **json_format),
+              responses_line("items", "", input=[{"role": "user", "content": [
+                  {"type": "input_text", "text": "say it back"}]}]),
+              responses_line("too-long", "word " * 3000)]
+    created = openai_client.batches.create(input_file_id=upload(openai_client, jsonl(lines)).id,
+                                           endpoint="/v1/responses", completion_window="24h")
+    assert created.endpoint == "/v1/responses"
+    validate_batch(created.id)
+    batch = Batch.objects.get(pk=created.id)
+    assert (batch.status, batch.dedup_saved) == ("in_progress", 1), batch.errors
+    pipeline = make_pipeline()
+    real_handle = pipeline.engine.handle
+
+    def with_cached_tokens(url, body):
+        status, answer = real_handle(url, body)
+        if status == 200:
+            usage = answer["usage"]
+            usage["input_tokens_details"] = {"cached_tokens": usage["input_tokens"] - 1}
+        return status, answer
+
+    pipeline.engine.handle = with_cached_tokens  # type: ignore[method-assign]
+    run_all_shards(pipeline, batch)
+    finalized(batch)
+
+    done = openai_client.batches.retrieve(created.id)
+    assert done.status == "completed"
+    assert (done.request_counts.completed, done.request_counts.failed) == (7, 1)
+    out = [json.loads(x) for x in openai_client.files.content(done.output_file_id).text
+           .splitlines()]
+    (err,) = [json.loads(x) for x in openai_client.files.content(done.error_file_id).text
+              .splitlines()]
+    assert err["custom_id"] == "too-long" and err["response"]["status_code"] == 400
+    assert "maximum context length" in err["response"]["body"]["error"]["message"]
+    by_id = {r["custom_id"]: r["response"]["body"] for r in out}
+    assert sorted(by_id) == sorted(line["custom_id"] for line in lines[:-1])
+    first = by_id["r0"]
+    assert first["object"] == "response" and first["id"].startswith("resp_")
+    assert (first["status"], first["incomplete_details"]) == (
+        "incomplete", {"reason": "max_output_tokens"})
+    assert first["output"][0]["content"][0]["text"] == "echo: question"
+    assert by_id["items"]["output"][0]["content"][0]["text"] == "echo: say it back"
+    assert by_id["same-a"]["output"] == by_id["same-b"]["output"]
+    # Usage counts each computed request once (not the copy), from input/output tokens.
+    computed = [body for cid, body in by_id.items() if cid != "same-b"]
+    assert done.usage.input_tokens == sum(b["usage"]["input_tokens"] for b in computed)
+    assert done.usage.output_tokens == sum(b["usage"]["output_tokens"] for b in computed)
+    assert done.usage.input_tokens_details.cached_tokens == sum(
+        b["usage"]["input_tokens"] - 1 for b in computed)
+    # The JSON request was run once more; it and the cut ones are flagged.
+    shards = Shard.objects.filter(batch_id=created.id)
+    assert sum(s.json_retries for s in shards) == 1
+    counts: dict[str, int] = {}
+    for shard in shards:
+        for flag, n in shard.flag_counts.items():
+            counts[flag] = counts.get(flag, 0) + n
+    assert counts == {"invalid_json": 1, "length_limit": 3}
+    client.force_login(user)
+    page = client.get(f"/batches/{created.id}/results").content.decode()
+    assert "system: Be brief.\nuser: twice asked" in page
+    assert "user: say it back" in page and "echo: say it back" in page
 
 
 def test_a_cancelled_batch_stops_its_running_shard(make_batch, make_pipeline):
