@@ -15,12 +15,39 @@ from typing import Any
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
-ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
+# Anthropic's Messages API (a Message Batch's requests): vLLM's Anthropic serving layer,
+# which renders the request through the chat one, so every model serving CHAT serves it.
+MESSAGES = "/v1/messages"
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES)
+
+# Anthropic's error types by HTTP status (its documented "HTTP errors"); any other status
+# is the nearest of them: another 4xx an invalid request, another 5xx an API error.
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """An Anthropic error object: {"type": "error", "error": {"type", "message"}}, the body
+    of the API's refusals and of an `errored` batch result alike."""
+    kind = ANTHROPIC_ERROR_TYPES.get(status) or (
+        "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def text_parts(value: Any) -> list[str]:
-    """The texts of a message's `content`, a `prompt` or an `input`: a string itself; in a
-    list, its strings and the `text` of its content parts. Token ids, images and anything
+    """The texts of a message's `content`, a `prompt`, an `input`, an Anthropic `system` or
+    a Message's `content`: a string itself; in a list, its strings and the `text` of its
+    content parts (OpenAI's parts and Anthropic's text blocks alike). Token ids, images and anything
     else carry no text. The one definition of "the text of a prompt", used by validation
     (estimates, content rules), token counting, the echo engine and the dashboard."""
     if isinstance(value, str):
@@ -62,7 +89,8 @@ class EngineRequest:
 class EngineResult:
     request_id: str
     # 200 with an OpenAI response object (chat.completion, text_completion or an embeddings
-    # list, each with `usage`), or 4xx with an OpenAI error body {"error": {...}}.
+    # list, each with `usage`), or 4xx with an OpenAI error body {"error": {...}}; for
+    # MESSAGES an Anthropic Message (with its `usage`) or an `anthropic_error` body.
     status_code: int
     body: dict[str, Any] = field(default_factory=dict)
     # True when the request was aborted through `Engine.abort` before it finished; `body`
