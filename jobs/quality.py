@@ -9,7 +9,7 @@ from typing import Any
 
 import jsonschema
 
-from engine.base import CHAT, COMPLETIONS
+from engine.base import CHAT, COMPLETIONS, MESSAGES, text_parts
 
 EMPTY = "empty_output"
 LENGTH = "length_limit"
@@ -71,7 +71,11 @@ def is_repetitive(text: str, *, max_n: int = 8, min_repeats: int = 4) -> bool:
 
 
 def output_texts(url: str, body: dict[str, Any]) -> list[tuple[str, str | None]]:
-    """(text, finish_reason) of each choice of a chat or completion response."""
+    """(text, finish_reason) of each choice of a chat or completion response, or of an
+    Anthropic Message (its text blocks; stop_reason "max_tokens" is the length stop)."""
+    if url == MESSAGES:
+        finish = "length" if body.get("stop_reason") == "max_tokens" else body.get("stop_reason")
+        return [(" ".join(text_parts(body.get("content"))), finish)]
     texts = []
     for choice in body.get("choices") or ():
         if url == CHAT:

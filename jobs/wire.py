@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS, text_parts
+from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS, MESSAGES, text_parts
 
 MAX_CUSTOM_ID_CHARS = 512
 
@@ -89,6 +89,10 @@ class RequestLine:
     custom_id: str
     url: str
     body: dict[str, Any]
+    # The problem of a body that is answered per request instead of failing the batch (the
+    # Messages API's, as Anthropic's batches answer it: an `errored` result): the line runs
+    # nowhere, its shard writes this as its error line (see `refusal`).
+    refused: LineError | None = None
 
     @property
     def model(self) -> str:
@@ -111,6 +115,12 @@ def loads_strict(text: str | bytes) -> Any:
     if text.startswith("\ufeff"):
         raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
     return _STRICT_DECODER.decode(text)
+
+
+def raw_decode_strict(text: str, pos: int = 0) -> tuple[Any, int]:
+    """One JSON value of `text` from `pos` (as `loads_strict`, NaN and Infinity refused)
+    and where it ends: for bodies read a value at a time."""
+    return _STRICT_DECODER.raw_decode(text, pos)
 
 
 def _is_int(value: Any) -> bool:
@@ -175,9 +185,21 @@ def parse_line(raw: bytes, *, max_tokens_cap: int,
     if not isinstance(body, dict):
         return LineError(Code.INVALID_BODY, "body must be a JSON object.", "body")
     problem = check_body(url, body, max_tokens_cap=max_tokens_cap, media_domains=media_domains)
+    if problem and url == MESSAGES and problem.param != "body.model":
+        # The batch still needs the line's model (one per batch, the queue it runs on).
+        return RequestLine(custom_id=custom_id, url=url, body=body, refused=problem)
     if problem:
         return problem
     return RequestLine(custom_id=custom_id, url=url, body=body)
+
+
+def refusal(url: str, body: dict[str, Any], *, max_tokens_cap: int,
+            media_domains: Sequence[str] = ()) -> LineError | None:
+    """The per-request answer of a validated line that must not run (`RequestLine.refused`),
+    found again by the worker that runs its shard (the same rule, so no state is kept)."""
+    if url != MESSAGES:
+        return None
+    return check_body(url, body, max_tokens_cap=max_tokens_cap, media_domains=media_domains)
 
 
 # The request fields each endpoint documents: OpenAI's request parameters of
@@ -207,7 +229,21 @@ DOCUMENTED_FIELDS: dict[str, frozenset[str]] = {
         "suffix", "temperature", "top_p", "user"}) | _VLLM_SAMPLING_FIELDS,
     EMBEDDINGS: frozenset({"input", "model", "dimensions", "encoding_format", "user",
                            "truncate_prompt_tokens"}),
+    # Anthropic's Messages API request parameters that vLLM's Anthropic layer honours (or,
+    # as metadata and service_tier, that do not change the answer). Those it would drop or
+    # cannot serve are refused by name (ANTHROPIC_UNSUPPORTED); vLLM's own extra fields
+    # (kv_transfer_params, vllm_xargs, cache_salt, chat_template_kwargs...) are not
+    # Anthropic's and are refused as any unknown field.
+    MESSAGES: frozenset({
+        "model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k",
+        "stop_sequences", "metadata", "stream", "tools", "tool_choice", "thinking",
+        "output_config", "service_tier"}),
 }
+# Documented Messages API parameters no model here can honour: a clear refusal each.
+ANTHROPIC_UNSUPPORTED = frozenset({
+    "container", "mcp_servers", "context_management", "inference_geo", "speed"})
+ANTHROPIC_BLOCK_TYPES = frozenset({"text", "image", "tool_use", "tool_result", "thinking",
+                                   "redacted_thinking"})
 
 # Content part types of a chat message: OpenAI's, plus vLLM's video_url and audio_url.
 # Other types vLLM reads (image_embeds, prompt_embeds, image_pil...) are not documented
@@ -308,6 +344,71 @@ def _check_messages(messages: Any, media_domains: Sequence[str]) -> LineError | 
     return None
 
 
+def _check_anthropic(body: dict[str, Any], media_domains: Sequence[str]) -> LineError | None:
+    """The Messages API's own rules: max_tokens required, user/assistant messages whose
+    content is a string or blocks of its types, a system string or text blocks, top_k and
+    stop_sequences typed. Images are media parts: URLs only from allowed domains."""
+    if body.get("max_tokens") is None:
+        return LineError(Code.MISSING_PARAMETER, "Missing body.max_tokens.", "body.max_tokens")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return LineError(Code.INVALID_BODY, "body.messages must be a non-empty array.",
+                         "body.messages")
+    for i, message in enumerate(messages):
+        param = f"body.messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            return LineError(Code.INVALID_BODY,
+                             f"{param} must be an object with role 'user' or 'assistant' "
+                             "(the system prompt is body.system).", f"{param}.role")
+        problem = _check_blocks(message.get("content"), f"{param}.content", media_domains,
+                                required=True)
+        if problem:
+            return problem
+    problem = _check_blocks(body.get("system"), "body.system", media_domains, required=False,
+                            types=frozenset({"text"}))
+    if problem:
+        return problem
+    top_k = body.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or top_k < 0):
+        return LineError(Code.INVALID_PARAMETER, "body.top_k must be a non-negative integer.",
+                         "body.top_k")
+    stops = body.get("stop_sequences")
+    if stops is not None and (not isinstance(stops, list)
+                              or not all(isinstance(s, str) for s in stops)):
+        return LineError(Code.INVALID_PARAMETER, "body.stop_sequences must be an array of "
+                         "strings.", "body.stop_sequences")
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        return LineError(Code.INVALID_PARAMETER, "body.metadata must be an object.",
+                         "body.metadata")
+    return None
+
+
+def _check_blocks(content: Any, param: str, media_domains: Sequence[str], *, required: bool,
+                  types: frozenset[str] = ANTHROPIC_BLOCK_TYPES) -> LineError | None:
+    if content is None and not required:
+        return None
+    if isinstance(content, str):
+        return None
+    if not isinstance(content, list):
+        return LineError(Code.INVALID_BODY, f"{param} must be a string or an array of "
+                         "content blocks.", param)
+    for j, block in enumerate(content):
+        where = f"{param}[{j}]"
+        if not isinstance(block, dict) or block.get("type") not in types:
+            return LineError(Code.INVALID_PARAMETER,
+                             f"{where}.type must be one of {', '.join(sorted(types))}.",
+                             f"{where}.type")
+        if block["type"] == "text" and not isinstance(block.get("text"), str):
+            return LineError(Code.INVALID_BODY, f"{where}.text must be a string.",
+                             f"{where}.text")
+        if block["type"] == "image":
+            problem = _media_problem(block, where, media_domains)
+            if problem:
+                return problem
+    return None
+
+
 def check_body(url: str, body: dict[str, Any], *, max_tokens_cap: int,
                media_domains: Sequence[str] = ()) -> LineError | None:
     """The request-body rules we can check without the model; the engine checks the rest
@@ -320,6 +421,10 @@ def check_body(url: str, body: dict[str, Any], *, max_tokens_cap: int,
                          "body.model")
     documented = DOCUMENTED_FIELDS.get(url, frozenset())
     for name in body:
+        if url == MESSAGES and name in ANTHROPIC_UNSUPPORTED:
+            return LineError(Code.INVALID_PARAMETER,
+                             f"body.{name} is not supported by this service's models.",
+                             f"body.{name}")
         if name not in documented:
             return LineError(Code.INVALID_PARAMETER,
                              f"body.{name[:100]} is not a parameter of {url}; only the "
@@ -330,6 +435,10 @@ def check_body(url: str, body: dict[str, Any], *, max_tokens_cap: int,
                          "body.stream")
     if url == CHAT:
         problem = _check_messages(body.get("messages"), media_domains)
+        if problem:
+            return problem
+    elif url == MESSAGES:
+        problem = _check_anthropic(body, media_domains)
         if problem:
             return problem
     elif url == COMPLETIONS:
@@ -357,8 +466,11 @@ def check_body(url: str, body: dict[str, Any], *, max_tokens_cap: int,
         return LineError(Code.INVALID_PARAMETER, "body.n must be an integer from 1 to 128.",
                          "body.n")
     temperature = body.get("temperature")
-    if temperature is not None and (not _is_number(temperature) or not 0 <= temperature <= 2):
-        return LineError(Code.INVALID_PARAMETER, "body.temperature must be between 0 and 2.",
+    highest = 1 if url == MESSAGES else 2  # Anthropic's range is 0 to 1
+    if temperature is not None and (not _is_number(temperature)
+                                    or not 0 <= temperature <= highest):
+        return LineError(Code.INVALID_PARAMETER,
+                         f"body.temperature must be between 0 and {highest}.",
                          "body.temperature")
     top_p = body.get("top_p")
     if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
@@ -370,6 +482,8 @@ def dedup_key(line: RequestLine) -> bytes | None:
     """A digest of the request when its result is fully determined by its content
     (greedy sampling, or a fixed seed); None when two runs may rightly differ."""
     body = line.body
+    if line.refused is not None:
+        return None  # answered without running: nothing to share
     if line.url != EMBEDDINGS and body.get("temperature", 1) != 0 and body.get("seed") is None:
         return None
     canonical = json.dumps([line.url, body], sort_keys=True, separators=(",", ":"))
@@ -383,6 +497,12 @@ def prompt_text(line: RequestLine) -> tuple[str, int]:
 
     Validation computes it once per line, for the estimate and for the content rules."""
     body = line.body
+    if line.refused is not None:
+        return "", 0  # it never runs: nothing to estimate or screen
+    if line.url == MESSAGES:
+        values = [body.get("system"), *(m.get("content") for m in body["messages"])]
+        parts = [part for value in values for part in text_parts(value)]
+        return "\n".join(parts), sum(map(len, parts))
     if line.url == CHAT:
         messages = body["messages"]
         try:  # the common case, every content a string
@@ -407,6 +527,8 @@ def estimate_tokens(line: RequestLine, chars: int | None = None) -> tuple[int, i
         chars = prompt_text(line)[1]
     body = line.body
     ceiling = 0
+    if line.refused is not None:
+        return 1, 0
     if line.url != EMBEDDINGS:
         ceiling = body.get("max_completion_tokens") or body.get("max_tokens") or 0
         ceiling *= body.get("n") or 1
@@ -486,8 +608,15 @@ def read_result_line(content: bytes) -> ResultLine:
 
 def usage_of(body: dict[str, Any]) -> tuple[int, int, int]:
     """(prompt, completion, cached prompt) tokens of a response body's usage; cached ones
-    are OpenAI's `prompt_tokens_details.cached_tokens` (served from the prefix cache)."""
+    are OpenAI's `prompt_tokens_details.cached_tokens` (served from the prefix cache). An
+    Anthropic Message counts its prompt in three parts: `input_tokens` (not from the
+    cache), `cache_read_input_tokens` (from it) and `cache_creation_input_tokens`."""
     usage = body.get("usage") or {}
+    if body.get("type") == "message":
+        cached = int(usage.get("cache_read_input_tokens") or 0)
+        prompt = (int(usage.get("input_tokens") or 0) + cached
+                  + int(usage.get("cache_creation_input_tokens") or 0))
+        return prompt, int(usage.get("output_tokens") or 0), cached
     details = usage.get("prompt_tokens_details") or {}
     return (int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
             int(details.get("cached_tokens") or 0))
