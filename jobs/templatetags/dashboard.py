@@ -15,7 +15,7 @@ from typing import Any
 
 from django import template
 
-from engine.base import text_parts
+from engine.base import MESSAGES, text_parts
 
 register = template.Library()
 
@@ -115,12 +115,15 @@ def percent(value: Any, digits: int = 1) -> str:
 
 @register.filter
 def request_text(line: Any) -> str:
-    """The human part of an input line: the messages, prompt or input."""
+    """The human part of an input line: the messages (an Anthropic request's system prompt
+    first), prompt or input."""
     body = line.get("body") if isinstance(line, dict) else None
     if not isinstance(body, dict):
         return ""
     if isinstance(body.get("messages"), list):
         parts = []
+        if body.get("system") and line.get("url") == MESSAGES:
+            parts.append(f"system: {' '.join(text_parts(body['system']))}")
         for message in body["messages"]:
             if not isinstance(message, dict):
                 continue
@@ -138,9 +141,12 @@ def request_text(line: Any) -> str:
 
 @register.filter
 def response_text(body: Any) -> str:
-    """The human part of a response body: the first choice's text, or an embedding's size."""
+    """The human part of a response body: the first choice's text, an Anthropic Message's
+    text blocks, or an embedding's size."""
     if not isinstance(body, dict):
         return ""
+    if body.get("type") == "message":
+        return " ".join(text_parts(body.get("content")))
     choices = body.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         first = choices[0]
