@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.base import CHAT, ModelSpec, text_parts
+from engine.base import CHAT, MESSAGES, ModelSpec, text_parts
 
 # Tokens a message's text and the template around it can add by splitting differently
 # where they meet than each does alone.
@@ -23,14 +23,19 @@ ALLOWANCE = 32
 
 
 def _messages(body: dict[str, Any]) -> list[tuple[str, str]]:
-    """(role, text) of each message of a chat body."""
+    """(role, text) of each message of a chat body, or of a Messages API body: its
+    `system` first, as one system message (vLLM's Anthropic layer renders it so, its text
+    blocks joined as they are; chat bodies have no `system`)."""
+    system = body.get("system")
+    head = [("system", "".join(text_parts(system)))] if system else []
     # Text parts joined with newlines, as vLLM does for text-only models.
-    return [(m.get("role", "user"), "\n".join(text_parts(m.get("content"))))
-            for m in body["messages"]]
+    return head + [(m.get("role", "user"), "\n".join(text_parts(m.get("content"))))
+                   for m in body["messages"]]
 
 
 class PromptCounter:
-    """Prompt token counts of one model's requests (chat, completions, embeddings)."""
+    """Prompt token counts of one model's requests (chat, messages, completions,
+    embeddings)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         from transformers import AutoTokenizer
@@ -42,7 +47,7 @@ class PromptCounter:
 
     def count(self, url: str, body: dict[str, Any]) -> int:
         """The prompt's tokens, exactly (for several prompts or inputs: the largest)."""
-        if url == CHAT:
+        if url in (CHAT, MESSAGES):
             return len(self._chat_ids(_messages(body)))
         return max((self._plain_count(p) for p in self._prompts(url, body)), default=0)
 
@@ -58,7 +63,7 @@ class PromptCounter:
 
     def over(self, url: str, body: dict[str, Any], limit: int) -> int | None:
         """The prompt's token count when it is over `limit`, else None."""
-        if url == CHAT:
+        if url in (CHAT, MESSAGES):
             messages = _messages(body)
             roles = tuple(role for role, _ in messages)
             bound = self._overhead(roles) + sum(len(text.encode()) + JOIN_SLACK
