@@ -32,6 +32,7 @@ CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 WINDOW = "24h"
 _READ = 64 * 1024
 _WHITESPACE = " \t\n\r"
+_DELIMITER = re.compile(r"[,\]}\s]")
 
 
 class Readable(Protocol):
@@ -92,7 +93,11 @@ class _JsonStream:
         self.pos += 1
 
     def value(self) -> Any:
-        self.peek()
+        if self.peek() not in ("{", "[", '"'):
+            # A number or literal ends only where a delimiter follows: "1" may be the start
+            # of "10" or "1.5" in the next chunk.
+            while not _DELIMITER.search(self.text, self.pos) and self._more():
+                pass
         while True:
             try:
                 value, end = raw_decode_strict(self.text, self.pos)

@@ -11,6 +11,9 @@ from typing import Any
 
 import pytest
 from anthropic.types.messages import MessageBatch, MessageBatchIndividualResponse
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from engine.base import MESSAGES, ModelSpec, anthropic_error
 from engine.echo import EchoEngine
@@ -128,7 +131,7 @@ class _Trickle(io.RawIOBase):
         return chunk
 
 
-def test_requests_are_read_one_at_a_time(settings) -> None:
+def test_requests_are_read_one_at_a_time() -> None:
     requests = [{"custom_id": f"r{i}", "params": {**BASE, "text": "é" * i}} for i in range(30)]
     data = json.dumps({"requests": requests}, indent=1).encode()
     assert list(iter_requests(io.BytesIO(data), limit=len(data))) == requests
@@ -255,3 +258,17 @@ def test_dashboard_previews_and_flags_read_messages() -> None:
     assert response_text(anthropic_error(400, "too long")) == "too long"
     cut = {**message, "stop_reason": "max_tokens"}
     assert flags_for(MESSAGES, BASE, cut) == [LENGTH]
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(), lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=20)
+
+
+@hypothesis_settings(max_examples=200, deadline=None)
+@given(st.lists(_json, max_size=6), st.sampled_from([None, 0, 2]), st.integers(1, 40),
+       st.booleans())
+def test_the_stream_reads_what_json_reads(items, indent, step, ascii_only) -> None:
+    data = json.dumps({"requests": items}, indent=indent, ensure_ascii=ascii_only).encode()
+    assert list(iter_requests(_Trickle(data, step), limit=len(data))) == items
