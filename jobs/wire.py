@@ -406,6 +406,12 @@ def _check_blocks(content: Any, param: str, media_domains: Sequence[str], *, req
             problem = _media_problem(block, where, media_domains)
             if problem:
                 return problem
+        if block["type"] == "tool_result" and isinstance(block.get("content"), list):
+            # Its blocks reach the model too (an image there is fetched like any other).
+            problem = _check_blocks(block["content"], f"{where}.content", media_domains,
+                                    required=False, types=frozenset({"text", "image"}))
+            if problem:
+                return problem
     return None
 
 

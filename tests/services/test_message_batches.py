@@ -77,6 +77,11 @@ def test_documented_params_pass() -> None:
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
         "type": "url", "url": "http://169.254.169.254/x.png"}}]}]},
      "body.messages[0].content[0]", "not allowed"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
+                                                 "content": [{"type": "image", "source": {
+                                                     "type": "url",
+                                                     "url": "http://10.0.0.1/x.png"}}]}]}]},
+     "body.messages[0].content[0].content[0]", "not allowed"),
 ])
 def test_a_bad_param_is_answered_per_request(change: dict, param: str, fragment: str) -> None:
     body = {**BASE, **change}
