@@ -60,7 +60,7 @@ def test_the_whole_flow(anthropic_client, workers):
     assert batch.processing_status == "in_progress"
     assert batch.request_counts.processing == 5
     assert batch.results_url is None and batch.ended_at is None
-    assert batch.expires_at - batch.created_at == timedelta(hours=24)
+    assert abs(batch.expires_at - batch.created_at - timedelta(hours=24)) < timedelta(seconds=1)
     workers.start()
     batch = wait_ended(anthropic_client, batch.id)
     counts = batch.request_counts
