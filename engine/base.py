@@ -16,12 +16,39 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
 RESPONSES = "/v1/responses"
-ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES)
+# Anthropic's Messages API (a Message Batch's requests): vLLM's Anthropic serving layer,
+# which renders the request through the chat one, so every model serving CHAT serves it.
+MESSAGES = "/v1/messages"
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, MESSAGES)
+
+# Anthropic's error types by HTTP status (its documented "HTTP errors"); any other status
+# is the nearest of them: another 4xx an invalid request, another 5xx an API error.
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error(status: int, message: str) -> dict[str, Any]:
+    """An Anthropic error object: {"type": "error", "error": {"type", "message"}}, the body
+    of the API's refusals and of an `errored` batch result alike."""
+    kind = ANTHROPIC_ERROR_TYPES.get(status) or (
+        "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def text_parts(value: Any) -> list[str]:
-    """The texts of a message's `content`, a `prompt` or an `input`: a string itself; in a
-    list, its strings and the `text` of its content parts. Token ids, images and anything
+    """The texts of a message's `content`, a `prompt`, an `input`, an Anthropic `system` or
+    a Message's `content`: a string itself; in a list, its strings and the `text` of its
+    content parts (OpenAI's parts and Anthropic's text blocks alike). Token ids, images and anything
     else carry no text. The one definition of "the text of a prompt", used by validation
     (estimates, content rules), token counting, the echo engine and the dashboard."""
     if isinstance(value, str):
@@ -38,19 +65,27 @@ def text_parts(value: Any) -> list[str]:
 
 
 def request_messages(url: str, body: dict[str, Any]) -> list[Any]:
-    """The chat messages a chat or Responses request puts through the model's chat
-    template, each a dict with `role` and `content` (whose texts are `text_parts`); [] for
+    """The chat messages a chat, Responses or Messages request puts through the model's
+    chat template, each a dict with `role` and `content` (whose texts are `text_parts`); [] for
     other endpoints. A chat body's are its `messages` themselves (the list, not a copy:
     validation calls this for every line; a body not yet validated may hold other items
     there). A Responses body's are built as vLLM builds them: `instructions` as a system
     message, a string `input` as one user message, else its items with a role (messages),
     and each function_call_output as a tool message carrying its output; function calls
-    and reasoning items carry no prompt text. The one definition of "the messages of a
+    and reasoning items carry no prompt text. A Messages body's are its `system` and
+    `messages`. The one definition of "the messages of a
     prompt", beside `text_parts`, used by validation, token counting, prefix keys, the
     echo engine and the dashboard alike."""
     if url == CHAT:
         messages = body.get("messages")
         return messages if isinstance(messages, list) else []
+    if url == MESSAGES:
+        # Its `system` first, as one system message: vLLM's Anthropic layer renders it so,
+        # its text blocks joined as they are.
+        system = body.get("system")
+        head = [{"role": "system", "content": "".join(text_parts(system))}] if system else []
+        messages = body.get("messages")
+        return head + (messages if isinstance(messages, list) else [])
     if url != RESPONSES:
         return []
     found: list[Any] = []
@@ -98,7 +133,8 @@ class EngineResult:
     request_id: str
     # 200 with an OpenAI response object (chat.completion, text_completion, an embeddings
     # list or a Responses `response`, each with `usage`), or 4xx with an OpenAI error
-    # body {"error": {...}}.
+    # body {"error": {...}}; for MESSAGES an Anthropic Message (with its `usage`) or an
+    # `anthropic_error` body.
     status_code: int
     body: dict[str, Any] = field(default_factory=dict)
     # True when the request was aborted through `Engine.abort` before it finished; `body`

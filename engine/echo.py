@@ -11,6 +11,9 @@ on a million requests without loading a model.
 - tokens are whitespace-separated words; the output is cut at max_tokens (or
   max_completion_tokens) words, finish_reason "length", else "stop"; `n` choices.
 - embeddings: an 8-dim vector per input derived from sha256 of the input.
+- messages (Anthropic): a Message whose one text block is "echo: " + the last user
+  message's text, stop_reason "max_tokens" when cut, else "end_turn"; errors in
+  Anthropic's shape.
 - prompt words + max_tokens > options["max_model_len"] (default 2048) -> 400 like vLLM.
 - bodies arrive validated (jobs.wire.check_body runs before any engine); a body it still
   cannot read is one plain 400.
@@ -38,12 +41,14 @@ from engine.base import (
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
+    MESSAGES,
     RESPONSES,
     Engine,
     EngineError,
     EngineRequest,
     EngineResult,
     ModelSpec,
+    anthropic_error,
     request_messages,
     text_parts,
 )
@@ -114,6 +119,8 @@ class EchoEngine(Engine):
         try:
             if url == EMBEDDINGS:
                 return self._embeddings(body)
+            if url == MESSAGES:
+                return self._messages(body)
             if url in (CHAT, RESPONSES):
                 # A body without its messages (input) is one it cannot read.
                 if not body.get("messages" if url == CHAT else "input"):
@@ -130,7 +137,8 @@ class EchoEngine(Engine):
             else:
                 return _error(f"model {self.spec.name!r} does not serve {url}", "url")
         except (KeyError, TypeError, AttributeError):
-            return _error("The echo engine cannot answer this request body.")
+            refusal = "The echo engine cannot answer this request body."
+            return (400, anthropic_error(400, refusal)) if url == MESSAGES else _error(refusal)
         max_tokens = (body.get("max_completion_tokens") or body.get("max_tokens")
                       or body.get("max_output_tokens"))
         n = body.get("n") or 1
@@ -159,6 +167,27 @@ class EchoEngine(Engine):
                      "choices": [{"index": i, "text": text, "logprobs": None,
                                   "finish_reason": finish, "stop_reason": None}
                                  for i in range(n)]}
+
+    def _messages(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """An Anthropic Message, as vLLM's Anthropic layer answers (its `usage` without the
+        cache fields: this engine has no prefix cache)."""
+        messages = body["messages"]
+        texts = [body.get("system"), *(m.get("content") for m in messages)]
+        prompt_tokens = sum(len(" ".join(text_parts(t)).split()) for t in texts)
+        last_user = next((" ".join(text_parts(m.get("content")))
+                          for m in reversed(messages) if m.get("role") == "user"), "")
+        words = ["echo:", *last_user.split()]
+        max_tokens = body["max_tokens"]
+        if prompt_tokens + max_tokens > self.max_model_len:
+            status, error = _context_error(prompt_tokens + max_tokens, self.max_model_len)
+            return status, anthropic_error(status, error["error"]["message"])
+        cut = len(words) > max_tokens
+        return 200, {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+                     "content": [{"type": "text", "text": " ".join(words[:max_tokens])}],
+                     "model": body.get("model") or self.spec.name,
+                     "stop_reason": "max_tokens" if cut else "end_turn", "stop_sequence": None,
+                     "usage": {"input_tokens": prompt_tokens,
+                               "output_tokens": len(words[:max_tokens])}}
 
     def _embeddings(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         inputs = body["input"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.base import CHAT, RESPONSES, ModelSpec, request_messages, text_parts
+from engine.base import CHAT, MESSAGES, RESPONSES, ModelSpec, request_messages, text_parts
 
 # Tokens a message's text and the template around it can add by splitting differently
 # where they meet than each does alone.
@@ -23,19 +23,19 @@ ALLOWANCE = 32
 
 
 # The endpoints whose prompt is messages rendered by the chat template.
-_TEMPLATED = (CHAT, RESPONSES)
+_TEMPLATED = (CHAT, RESPONSES, MESSAGES)
 
 
 def _messages(url: str, body: dict[str, Any]) -> list[tuple[str, str]]:
-    """(role, text) of each message of a chat or Responses body."""
+    """(role, text) of each message of a chat, Responses or Messages body."""
     # Text parts joined with newlines, as vLLM does for text-only models.
     return [(m.get("role", "user"), "\n".join(text_parts(m.get("content"))))
             for m in request_messages(url, body)]
 
 
 class PromptCounter:
-    """Prompt token counts of one model's requests (chat, completions, embeddings,
-    responses)."""
+    """Prompt token counts of one model's requests (chat, messages, completions,
+    embeddings, responses)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         from transformers import AutoTokenizer

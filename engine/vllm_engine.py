@@ -38,12 +38,14 @@ from engine.base import (
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
+    MESSAGES,
     RESPONSES,
     Engine,
     EngineError,
     EngineRequest,
     EngineResult,
     ModelSpec,
+    anthropic_error,
 )
 
 T = TypeVar("T")
@@ -165,6 +167,7 @@ class VllmEngine(Engine):
         from starlette.datastructures import State
         from starlette.responses import Response
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.cli_args import make_arg_parser
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -210,12 +213,16 @@ class VllmEngine(Engine):
         # (the model's options tool_call_parser and enable_auto_tool_choice, as for
         # `vllm serve`).
         self._parses_tools = bool(args.tool_call_parser and args.enable_auto_tool_choice)
+        # Anthropic's Messages API: vLLM's layer converts the request to a chat completion,
+        # runs it through the chat serving path and converts the answer to a Message.
+        self._messages = getattr(state, "anthropic_serving_messages", None)
         # Request/response types, kept for the per-request path (built once: a TypeAdapter
         # is expensive to construct).
         self._chat_request = ChatCompletionRequest
         self._completion_request = CompletionRequest
         self._responses_request = ResponsesRequest
         self._embedding_request = TypeAdapter(EmbeddingRequest)
+        self._messages_request = AnthropicMessagesRequest
         self._error_response = ErrorResponse
         # Per endpoint, the parameters of _IGNORED_PARAMETERS this vLLM would drop.
         fields = {CHAT: ChatCompletionRequest.model_fields,
@@ -250,7 +257,8 @@ class VllmEngine(Engine):
             # (vLLM's serving objects keep it alive until then) the module globals it uses
             # are gone and it prints a TypeError. It is already shut down: make it a no-op.
             llm.shutdown = lambda *args, **kwargs: None
-        self._chat = self._completion = self._embedding = self._responses = None
+        self._chat = self._completion = self._embedding = None
+        self._responses = self._messages = None
         self._llm = None
 
     # -- one request --------------------------------------------------------------------
@@ -294,6 +302,9 @@ class VllmEngine(Engine):
                 parsed = self._responses_request.model_validate(body)
                 parsed.store = False
                 response = await self._responses.create_responses(parsed)
+            elif req.url == MESSAGES and self._messages is not None:
+                parsed = self._messages_request.model_validate(body)
+                response = await self._messages.create_messages(parsed)
             elif req.url == EMBEDDINGS and self._embedding is not None:
                 parsed = self._embedding_request.validate_python(body)
                 response = await self._embedding(parsed)
@@ -305,7 +316,12 @@ class VllmEngine(Engine):
             response = create_error_response(e)
 
         if isinstance(response, self._error_response):
+            if req.url == MESSAGES:  # Anthropic's error shape, as vLLM's own router answers
+                return response.error.code, anthropic_error(response.error.code,
+                                                            response.error.message)
             return response.error.code, response.model_dump()
+        if req.url == MESSAGES:  # as vLLM's router: unset optional fields left out
+            return HTTPStatus.OK.value, response.model_dump(exclude_none=True)
         if isinstance(response, self._json_response):  # the pooling endpoints answer a JSONResponse
             return response.status_code, json.loads(bytes(response.body))
         if req.url == RESPONSES:

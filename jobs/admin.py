@@ -137,9 +137,9 @@ class ShardInline(admin.TabularInline):
 
 @admin.register(Batch)
 class BatchAdmin(admin.ModelAdmin):
-    list_display = ["id", "owner", "model", "endpoint", "status", "priority", "total",
+    list_display = ["id", "owner", "model", "endpoint", "api", "status", "priority", "total",
                     "completed", "failed", "created_at"]
-    list_filter = ["status", "priority", "endpoint", "model"]
+    list_filter = ["status", "priority", "endpoint", "api", "model"]
     search_fields = ["id", "owner__username", "input_file__id"]
     readonly_fields = [f.name for f in Batch._meta.fields if f.name != "priority"]
     inlines = [ShardInline]

@@ -11,7 +11,7 @@ import functools
 
 from django.conf import settings
 
-from engine.base import ModelSpec
+from engine.base import CHAT, MESSAGES, ModelSpec
 
 
 @functools.cache
@@ -32,11 +32,21 @@ def _options(entry: dict) -> dict:
     return options
 
 
+def _endpoints(entry: dict) -> tuple[str, ...]:
+    endpoints = tuple(entry.get("endpoints", ()))
+    # Anthropic's Messages API runs through the chat serving layer (vLLM's Anthropic layer
+    # renders it as a chat completion): a model that serves chat serves it too, without
+    # every models file having to say so.
+    if CHAT in endpoints and MESSAGES not in endpoints:
+        endpoints += (MESSAGES,)
+    return endpoints
+
+
 def model_specs() -> list[ModelSpec]:
     """Every model this deployment serves, in the declared order."""
     return [
         ModelSpec(name=entry["name"], backend=entry["backend"], path=entry.get("path", ""),
-                  endpoints=tuple(entry.get("endpoints", ())), options=_options(entry),
+                  endpoints=_endpoints(entry), options=_options(entry),
                   source=entry.get("source", ""))
         for entry in settings.BATCHWEB_MODELS
     ]

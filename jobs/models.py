@@ -40,6 +40,11 @@ def new_batch_id() -> str:
     return new_id("batch_")
 
 
+def new_message_batch_id() -> str:
+    # Anthropic's spelling of a Message Batch id (msgbatch_...).
+    return new_id("msgbatch_")
+
+
 def new_shard_id() -> str:
     return new_id("shard_")
 
@@ -198,11 +203,20 @@ class Batch(models.Model):
         DEFAULT = "default"
         LOW = "low"
 
+    class Api(models.TextChoices):
+        """The API a batch was created through, and which shape its owner reads it in."""
+
+        OPENAI = "openai", "OpenAI Batch"
+        ANTHROPIC = "anthropic", "Anthropic Message Batch"
+
     objects = BatchQuerySet.as_manager()
 
     id = models.CharField(primary_key=True, max_length=40, default=new_batch_id, editable=False)
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
     endpoint = models.CharField(max_length=40)
+    # Everything runs the same way whichever API created the batch; only what its API
+    # shows differs (jobs/anthropic.py for the Anthropic one).
+    api = models.CharField(max_length=10, choices=Api.choices, default=Api.OPENAI)
     model = models.CharField(max_length=200, blank=True)
     # Batches keep the ids of their files after the files expire or are deleted, as OpenAI's
     # do, so these references carry no database constraint.

@@ -9,7 +9,7 @@ from typing import Any
 
 import jsonschema
 
-from engine.base import CHAT, COMPLETIONS, RESPONSES
+from engine.base import CHAT, COMPLETIONS, MESSAGES, RESPONSES, text_parts
 
 EMPTY = "empty_output"
 LENGTH = "length_limit"
@@ -84,11 +84,15 @@ def is_repetitive(text: str, *, max_n: int = 8, min_repeats: int = 4) -> bool:
 def output_texts(url: str, body: dict[str, Any]) -> list[tuple[str, str | None]]:
     """(text, finish_reason) of each choice of a chat or completion response; of a
     Responses `response`, the one answer: the text of its output messages, "length" when
-    it stopped at max_output_tokens."""
+    it stopped at max_output_tokens; of an Anthropic Message, its text blocks (stop_reason
+    "max_tokens" is the length stop)."""
     if url == RESPONSES:
         stopped = (body.get("incomplete_details") or {}).get("reason")
         return [(response_output_text(body),
                  "length" if stopped == "max_output_tokens" else None)]
+    if url == MESSAGES:
+        finish = "length" if body.get("stop_reason") == "max_tokens" else body.get("stop_reason")
+        return [(" ".join(text_parts(body.get("content"))), finish)]
     texts = []
     for choice in body.get("choices") or ():
         if url == CHAT:

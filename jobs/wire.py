@@ -28,6 +28,7 @@ from engine.base import (
     COMPLETIONS,
     EMBEDDINGS,
     ENDPOINTS,
+    MESSAGES,
     RESPONSES,
     request_messages,
     text_parts,
@@ -98,6 +99,10 @@ class RequestLine:
     custom_id: str
     url: str
     body: dict[str, Any]
+    # The problem of a body that is answered per request instead of failing the batch (the
+    # Messages API's, as Anthropic's batches answer it: an `errored` result): the line runs
+    # nowhere, its shard writes this as its error line (see `refusal`).
+    refused: LineError | None = None
 
     @property
     def model(self) -> str:
@@ -120,6 +125,12 @@ def loads_strict(text: str | bytes) -> Any:
     if text.startswith("\ufeff"):
         raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
     return _STRICT_DECODER.decode(text)
+
+
+def raw_decode_strict(text: str, pos: int = 0) -> tuple[Any, int]:
+    """One JSON value of `text` from `pos` (as `loads_strict`, NaN and Infinity refused)
+    and where it ends: for bodies read a value at a time."""
+    return _STRICT_DECODER.raw_decode(text, pos)
 
 
 def _is_int(value: Any) -> bool:
@@ -184,9 +195,21 @@ def parse_line(raw: bytes, *, max_tokens_cap: int,
     if not isinstance(body, dict):
         return LineError(Code.INVALID_BODY, "body must be a JSON object.", "body")
     problem = check_body(url, body, max_tokens_cap=max_tokens_cap, media_domains=media_domains)
+    if problem and url == MESSAGES and problem.param != "body.model":
+        # The batch still needs the line's model (one per batch, the queue it runs on).
+        return RequestLine(custom_id=custom_id, url=url, body=body, refused=problem)
     if problem:
         return problem
     return RequestLine(custom_id=custom_id, url=url, body=body)
+
+
+def refusal(url: str, body: dict[str, Any], *, max_tokens_cap: int,
+            media_domains: Sequence[str] = ()) -> LineError | None:
+    """The per-request answer of a validated line that must not run (`RequestLine.refused`),
+    found again by the worker that runs its shard (the same rule, so no state is kept)."""
+    if url != MESSAGES:
+        return None
+    return check_body(url, body, max_tokens_cap=max_tokens_cap, media_domains=media_domains)
 
 
 # The request fields each endpoint documents: OpenAI's request parameters of
@@ -229,7 +252,21 @@ DOCUMENTED_FIELDS: dict[str, frozenset[str]] = {
         "frequency_penalty", "presence_penalty", "logit_bias", "seed", "stop", "top_k",
         "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output",
         "ignore_eos", "skip_special_tokens"}),
+    # Anthropic's Messages API request parameters that vLLM's Anthropic layer honours (or,
+    # as metadata and service_tier, that do not change the answer). Those it would drop or
+    # cannot serve are refused by name (ANTHROPIC_UNSUPPORTED); vLLM's own extra fields
+    # (kv_transfer_params, vllm_xargs, cache_salt, chat_template_kwargs...) are not
+    # Anthropic's and are refused as any unknown field.
+    MESSAGES: frozenset({
+        "model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k",
+        "stop_sequences", "metadata", "stream", "tools", "tool_choice", "thinking",
+        "output_config", "service_tier"}),
 }
+# Documented Messages API parameters no model here can honour: a clear refusal each.
+ANTHROPIC_UNSUPPORTED = frozenset({
+    "container", "mcp_servers", "context_management", "inference_geo", "speed"})
+ANTHROPIC_BLOCK_TYPES = frozenset({"text", "image", "tool_use", "tool_result", "thinking",
+                                   "redacted_thinking"})
 
 # Responses parameters that need state kept between requests or a background job, which a
 # batch does not have: a batch's answers live in its output file only, never as stored
@@ -438,6 +475,77 @@ def _check_input_items(items: list[Any], media_domains: Sequence[str]) -> LineEr
     return None
 
 
+def _check_anthropic(body: dict[str, Any], media_domains: Sequence[str]) -> LineError | None:
+    """The Messages API's own rules: max_tokens required, user/assistant messages whose
+    content is a string or blocks of its types, a system string or text blocks, top_k and
+    stop_sequences typed. Images are media parts: URLs only from allowed domains."""
+    if body.get("max_tokens") is None:
+        return LineError(Code.MISSING_PARAMETER, "Missing body.max_tokens.", "body.max_tokens")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return LineError(Code.INVALID_BODY, "body.messages must be a non-empty array.",
+                         "body.messages")
+    for i, message in enumerate(messages):
+        param = f"body.messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
+            return LineError(Code.INVALID_BODY,
+                             f"{param} must be an object with role 'user' or 'assistant' "
+                             "(the system prompt is body.system).", f"{param}.role")
+        problem = _check_blocks(message.get("content"), f"{param}.content", media_domains,
+                                required=True)
+        if problem:
+            return problem
+    problem = _check_blocks(body.get("system"), "body.system", media_domains, required=False,
+                            types=frozenset({"text"}))
+    if problem:
+        return problem
+    top_k = body.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or top_k < 0):
+        return LineError(Code.INVALID_PARAMETER, "body.top_k must be a non-negative integer.",
+                         "body.top_k")
+    stops = body.get("stop_sequences")
+    if stops is not None and (not isinstance(stops, list)
+                              or not all(isinstance(s, str) for s in stops)):
+        return LineError(Code.INVALID_PARAMETER, "body.stop_sequences must be an array of "
+                         "strings.", "body.stop_sequences")
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        return LineError(Code.INVALID_PARAMETER, "body.metadata must be an object.",
+                         "body.metadata")
+    return None
+
+
+def _check_blocks(content: Any, param: str, media_domains: Sequence[str], *, required: bool,
+                  types: frozenset[str] = ANTHROPIC_BLOCK_TYPES) -> LineError | None:
+    if content is None and not required:
+        return None
+    if isinstance(content, str):
+        return None
+    if not isinstance(content, list):
+        return LineError(Code.INVALID_BODY, f"{param} must be a string or an array of "
+                         "content blocks.", param)
+    for j, block in enumerate(content):
+        where = f"{param}[{j}]"
+        if not isinstance(block, dict) or block.get("type") not in types:
+            return LineError(Code.INVALID_PARAMETER,
+                             f"{where}.type must be one of {', '.join(sorted(types))}.",
+                             f"{where}.type")
+        if block["type"] == "text" and not isinstance(block.get("text"), str):
+            return LineError(Code.INVALID_BODY, f"{where}.text must be a string.",
+                             f"{where}.text")
+        if block["type"] == "image":
+            problem = _media_problem(block, where, media_domains)
+            if problem:
+                return problem
+        if block["type"] == "tool_result" and isinstance(block.get("content"), list):
+            # Its blocks reach the model too (an image there is fetched like any other).
+            problem = _check_blocks(block["content"], f"{where}.content", media_domains,
+                                    required=False, types=frozenset({"text", "image"}))
+            if problem:
+                return problem
+    return None
+
+
 def check_body(url: str, body: dict[str, Any], *, max_tokens_cap: int,
                media_domains: Sequence[str] = ()) -> LineError | None:
     """The request-body rules we can check without the model; the engine checks the rest
@@ -450,6 +558,10 @@ def check_body(url: str, body: dict[str, Any], *, max_tokens_cap: int,
                          "body.model")
     documented = DOCUMENTED_FIELDS.get(url, frozenset())
     for name in body:
+        if url == MESSAGES and name in ANTHROPIC_UNSUPPORTED:
+            return LineError(Code.INVALID_PARAMETER,
+                             f"body.{name} is not supported by this service's models.",
+                             f"body.{name}")
         if name not in documented:
             return LineError(Code.INVALID_PARAMETER,
                              f"body.{name[:100]} is not a parameter of {url}; only the "
@@ -460,6 +572,10 @@ def check_body(url: str, body: dict[str, Any], *, max_tokens_cap: int,
                          "body.stream")
     if url == CHAT:
         problem = _check_messages(body.get("messages"), media_domains)
+        if problem:
+            return problem
+    elif url == MESSAGES:
+        problem = _check_anthropic(body, media_domains)
         if problem:
             return problem
     elif url == COMPLETIONS:
@@ -491,8 +607,11 @@ def check_body(url: str, body: dict[str, Any], *, max_tokens_cap: int,
         return LineError(Code.INVALID_PARAMETER, "body.n must be an integer from 1 to 128.",
                          "body.n")
     temperature = body.get("temperature")
-    if temperature is not None and (not _is_number(temperature) or not 0 <= temperature <= 2):
-        return LineError(Code.INVALID_PARAMETER, "body.temperature must be between 0 and 2.",
+    highest = 1 if url == MESSAGES else 2  # Anthropic's range is 0 to 1
+    if temperature is not None and (not _is_number(temperature)
+                                    or not 0 <= temperature <= highest):
+        return LineError(Code.INVALID_PARAMETER,
+                         f"body.temperature must be between 0 and {highest}.",
                          "body.temperature")
     top_p = body.get("top_p")
     if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
@@ -504,6 +623,8 @@ def dedup_key(line: RequestLine) -> bytes | None:
     """A digest of the request when its result is fully determined by its content
     (greedy sampling, or a fixed seed); None when two runs may rightly differ."""
     body = line.body
+    if line.refused is not None:
+        return None  # answered without running: nothing to share
     if line.url != EMBEDDINGS and body.get("temperature", 1) != 0 and body.get("seed") is None:
         return None
     canonical = json.dumps([line.url, body], sort_keys=True, separators=(",", ":"))
@@ -517,6 +638,8 @@ def prompt_text(line: RequestLine) -> tuple[str, int]:
 
     Validation computes it once per line, for the estimate and for the content rules."""
     body = line.body
+    if line.refused is not None:
+        return "", 0  # it never runs: nothing to estimate or screen
     if line.url == CHAT:
         messages = body["messages"]
         try:  # the common case, every content a string
@@ -524,8 +647,8 @@ def prompt_text(line: RequestLine) -> tuple[str, int]:
             return text, len(text) - len(messages) + 1
         except (KeyError, TypeError):
             values = [message.get("content") for message in messages]
-    elif line.url == RESPONSES:
-        values = [message["content"] for message in request_messages(line.url, body)]
+    elif line.url in (RESPONSES, MESSAGES):
+        values = [message.get("content") for message in request_messages(line.url, body)]
     else:
         values = [body.get("prompt") if line.url == COMPLETIONS else body.get("input")]
     parts = [part for value in values for part in text_parts(value)]
@@ -543,6 +666,8 @@ def estimate_tokens(line: RequestLine, chars: int | None = None) -> tuple[int, i
         chars = prompt_text(line)[1]
     body = line.body
     ceiling = 0
+    if line.refused is not None:
+        return 1, 0
     if line.url != EMBEDDINGS:
         ceiling = (body.get("max_completion_tokens") or body.get("max_tokens")
                    or body.get("max_output_tokens") or 0)
@@ -625,8 +750,15 @@ def usage_of(body: dict[str, Any]) -> tuple[int, int, int]:
     """(prompt, completion, cached prompt) tokens of a response body's usage; cached ones
     are OpenAI's `prompt_tokens_details.cached_tokens` (served from the prefix cache). A
     Responses `response` names them input_tokens, output_tokens and
-    `input_tokens_details.cached_tokens`."""
+    `input_tokens_details.cached_tokens`. An Anthropic Message counts its prompt in three
+    parts: `input_tokens` (not from the cache), `cache_read_input_tokens` (from it) and
+    `cache_creation_input_tokens`."""
     usage = body.get("usage") or {}
+    if body.get("type") == "message":
+        cached = int(usage.get("cache_read_input_tokens") or 0)
+        prompt = (int(usage.get("input_tokens") or 0) + cached
+                  + int(usage.get("cache_creation_input_tokens") or 0))
+        return prompt, int(usage.get("output_tokens") or 0), cached
     if "input_tokens" in usage:
         details = usage.get("input_tokens_details") or {}
         return (int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0),

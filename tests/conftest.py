@@ -70,6 +70,21 @@ def other_client(live_server: Any, other_key: str) -> Any:
 
 
 @pytest.fixture
+def anthropic_client(live_server: Any, api_key: str) -> Any:
+    """The official anthropic client on the same server and key (its paths carry /v1)."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=live_server.url, api_key=api_key, max_retries=0)
+
+
+@pytest.fixture
+def other_anthropic_client(live_server: Any, other_key: str) -> Any:
+    import anthropic
+
+    return anthropic.Anthropic(base_url=live_server.url, api_key=other_key, max_retries=0)
+
+
+@pytest.fixture
 def workers(transactional_db: Any, tmp_path: Path) -> Iterator[Workers]:
     pool = Workers(tmp_path)
     yield pool

@@ -1,10 +1,12 @@
-"""What every /v1 view shares: Bearer-key auth, OpenAI error objects, JSON bodies, lists."""
+"""What every /v1 view shares: key auth and error objects (OpenAI's and Anthropic's), JSON
+bodies, lists."""
 
 from __future__ import annotations
 
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
@@ -15,6 +17,7 @@ from django.http.multipartparser import MultiPartParserError
 from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 
+from engine.base import anthropic_error
 from jobs.services.errors import ServiceError
 from jobs.services.keys import authenticate_key
 from jobs.web import declared_length
@@ -44,36 +47,75 @@ def api_error(status: int, message: str, *, code: str | None = None,
 Handler = Callable[..., HttpResponseBase]
 
 
-def api_view(methods: dict[str, Handler]) -> Handler:
+@dataclass(frozen=True)
+class Dialect:
+    """How an API carries its key and shows a refusal: the one error mapper below serves
+    OpenAI's API and Anthropic's alike."""
+
+    # The API key the request carries, if any.
+    secret: Callable[[HttpRequest], str | None]
+    missing_key: str
+    # A ServiceError (or the mapper's own 401 / 405 / 500) as this API's error object.
+    render: Callable[[ServiceError], JsonResponse]
+
+
+def _bearer(request: HttpRequest) -> str | None:
+    scheme, _, secret = request.headers.get("Authorization", "").partition(" ")
+    return secret.strip() if scheme.lower() == "bearer" else None
+
+
+def _openai_error(exc: ServiceError) -> JsonResponse:
+    return api_error(exc.status, exc.message, code=exc.code, param=exc.param, type=exc.type)
+
+
+def _anthropic_error(exc: ServiceError) -> JsonResponse:
+    # Anthropic documents no 409, and its client retries one: a refusal of the batch's
+    # state (cancel or delete at the wrong time) is its invalid request, a 400.
+    status = 400 if exc.status == 409 else exc.status
+    return JsonResponse(anthropic_error(status, exc.message), status=status)
+
+
+OPENAI = Dialect(secret=_bearer, render=_openai_error,
+                 missing_key="Incorrect or missing API key. Send 'Authorization: Bearer "
+                             "<key>' with a key from the dashboard.")
+# Anthropic's API takes its key as x-api-key (with an anthropic-version header, whose value
+# changes nothing here); its client sends an API key as `Authorization: Bearer` in recent
+# versions, which is taken too. The same keys as the OpenAI API.
+ANTHROPIC = Dialect(secret=lambda request: request.headers.get("x-api-key") or _bearer(request),
+                    render=_anthropic_error,
+                    missing_key="Incorrect or missing API key. Send 'x-api-key: <key>' with "
+                                "a key from the dashboard.")
+
+
+def api_view(methods: dict[str, Handler], *, dialect: Dialect = OPENAI) -> Handler:
     """One URL, a handler per HTTP method, each called with the authenticated user.
 
     Missing or bad keys are a 401, service refusals their own status, anything unexpected
-    a 500 in the same shape (and logged) so clients always get an OpenAI error object.
+    a 500 in the same shape (and logged) so clients always get the API's error object.
     """
 
     @csrf_exempt
     def view(request: HttpRequest, **kwargs: Any) -> HttpResponseBase:
         handler = methods.get(request.method or "")
-        header = request.headers.get("Authorization", "")
-        scheme, _, secret = header.partition(" ")
-        key = authenticate_key(secret.strip()) if scheme.lower() == "bearer" else None
+        secret = dialect.secret(request)
+        key = authenticate_key(secret.strip()) if secret else None
         if key is None:
-            return api_error(401, "Incorrect or missing API key. Send 'Authorization: "
-                             "Bearer <key>' with a key from the dashboard.",
-                             code="invalid_api_key")
+            return dialect.render(ServiceError(dialect.missing_key, status=401,
+                                               code="invalid_api_key",
+                                               type="authentication_error"))
         if handler is None:
-            return api_error(405, f"Method {request.method} is not allowed here.",
-                             code="method_not_allowed")
+            return dialect.render(ServiceError(f"Method {request.method} is not allowed here.",
+                                               status=405, code="method_not_allowed"))
         request.user = key.owner
         try:
             return handler(request, key.owner, **kwargs)
         except ServiceError as exc:
-            return api_error(exc.status, exc.message, code=exc.code, param=exc.param,
-                             type=exc.type)
+            return dialect.render(exc)
         except Exception:
             log.exception("API error on %s %s", request.method, request.path)
-            return api_error(500, "The server failed to handle the request.",
-                             code="server_error")
+            return dialect.render(ServiceError("The server failed to handle the request.",
+                                               status=500, code="server_error",
+                                               type="server_error"))
 
     return view
 

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from jobs.api import batches, files, uploads
+from jobs.api import batches, files, message_batches, uploads
 
 urlpatterns = [
     path("files", files.files),
@@ -15,4 +15,9 @@ urlpatterns = [
     path("batches/<str:batch_id>/cancel", batches.batch_cancel),
     path("batches/<str:batch_id>/results", batches.batch_results),
     path("models", batches.models),
+    # Anthropic's Message Batches API.
+    path("messages/batches", message_batches.batch_list),
+    path("messages/batches/<str:batch_id>", message_batches.batch_detail),
+    path("messages/batches/<str:batch_id>/cancel", message_batches.batch_cancel),
+    path("messages/batches/<str:batch_id>/results", message_batches.batch_results),
 ]

@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from engine.base import ENDPOINTS
 from jobs import queues
-from jobs.models import Batch, File
+from jobs.models import Batch, File, new_batch_id, new_message_batch_id
 from jobs.queries.compiled import Compiled
 from jobs.services.errors import ServiceError, not_found, storable_id
 from jobs.services.files import get_file_for_user, parse_expires_after
@@ -73,8 +73,9 @@ def check_priority(value: Any) -> str:
 
 def create_batch(*, owner: Any, input_file_id: Any, endpoint: Any, completion_window: Any,
                  metadata: Any = None, priority: Any = None,
-                 output_expires_after: Any = None) -> Batch:
-    """Create a batch in `validating` and, after commit, enqueue its validation."""
+                 output_expires_after: Any = None, api: str = Batch.Api.OPENAI) -> Batch:
+    """Create a batch in `validating` and, after commit, enqueue its validation. `api` is
+    the API it was created through: only its id and the shape it is shown in differ."""
     if endpoint not in ENDPOINTS:
         raise ServiceError(f"endpoint must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
     window = parse_completion_window(completion_window)
@@ -89,6 +90,7 @@ def create_batch(*, owner: Any, input_file_id: Any, endpoint: Any, completion_wi
     check_quota(owner=owner, batch_requests=input_file.line_count)
     now = timezone.now()
     batch = Batch.objects.create(
+        id=new_message_batch_id() if api == Batch.Api.ANTHROPIC else new_batch_id(), api=api,
         owner=owner, endpoint=endpoint, input_file=input_file,
         completion_window=completion_window, metadata=metadata, priority=priority,
         output_expires_after=int(output_lifetime.total_seconds()) if output_lifetime else None,
@@ -136,3 +138,11 @@ def get_batch_for_user(*, owner: Any, batch_id: str) -> Batch:
     if not found:
         raise not_found("batch", batch_id)
     return found[0]
+
+
+def get_message_batch_for_user(*, owner: Any, batch_id: str) -> Batch:
+    """A batch created through Anthropic's API; any other id is not one (404)."""
+    batch = get_batch_for_user(owner=owner, batch_id=batch_id)
+    if batch.api != Batch.Api.ANTHROPIC:
+        raise not_found("message batch", batch_id)
+    return batch

@@ -182,7 +182,8 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
             continue
         text, chars = prompt_text(request)
         tokens_in, ceiling = estimate_tokens(request, chars)
-        if chunker is not None:
+        # A refused line (answered per request, never run) has nothing to screen.
+        if chunker is not None and request.refused is None:
             chunker.add(line.number, request, tokens_in, text)
         report.input_tokens_estimate += tokens_in
         report.output_tokens_ceiling += ceiling

@@ -15,7 +15,7 @@ from typing import Any
 
 from django import template
 
-from engine.base import CHAT, RESPONSES, request_messages, text_parts
+from engine.base import CHAT, MESSAGES, RESPONSES, request_messages, text_parts
 from jobs.quality import response_output_text
 
 register = template.Library()
@@ -116,15 +116,15 @@ def percent(value: Any, digits: int = 1) -> str:
 
 @register.filter
 def request_text(line: Any) -> str:
-    """The human part of an input line: the messages (of a chat or Responses request),
-    prompt or input."""
+    """The human part of an input line: the messages (of a chat, Responses or Messages
+    request; an Anthropic request's system prompt first), prompt or input."""
     body = line.get("body") if isinstance(line, dict) else None
     if not isinstance(body, dict):
         return ""
     url = line.get("url")
     if url == RESPONSES or isinstance(body.get("messages"), list):
         parts = []
-        for message in request_messages(url if url == RESPONSES else CHAT, body):
+        for message in request_messages(url if url in (RESPONSES, MESSAGES) else CHAT, body):
             if not isinstance(message, dict):
                 continue
             content = message.get("content")
@@ -142,11 +142,13 @@ def request_text(line: Any) -> str:
 @register.filter
 def response_text(body: Any) -> str:
     """The human part of a response body: the first choice's text, a Responses answer's
-    text, or an embedding's size."""
+    text, an Anthropic Message's text blocks, or an embedding's size."""
     if not isinstance(body, dict):
         return ""
     if body.get("object") == "response":
         return response_output_text(body)
+    if body.get("type") == "message":
+        return " ".join(text_parts(body.get("content")))
     choices = body.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         first = choices[0]

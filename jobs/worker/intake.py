@@ -7,6 +7,7 @@ import logging
 import queue
 from typing import TYPE_CHECKING
 
+from django.conf import settings
 from django.db import close_old_connections
 
 from engine.base import EngineRequest
@@ -15,7 +16,7 @@ from jobs.policy import VIOLATION
 from jobs.services import shards as shard_service
 from jobs.services.shard_input import shard_requests
 from jobs.services.shards import Checkpoint
-from jobs.wire import RequestLine
+from jobs.wire import RequestLine, refusal
 from jobs.worker.db import with_db_retry
 from jobs.worker.parts import ShardWork, adopt_checkpoint, open_work
 from jobs.worker.timings import timed
@@ -99,6 +100,7 @@ class Intake:
         # A grouped shard's lines come in run order, a prefix group's requests next to each
         # other: vLLM computes the group's prefix once and the rest find it in its prefix
         # cache, even those scheduled in the same step.
+        conf = settings.BATCHWEB
         with shard_requests(shard, work.skip | work.adopted) as requests:
             for number, request in requests:
                 if work.dead or work.handing_back:
@@ -113,6 +115,13 @@ class Intake:
                                            work.screened[number])
                     continue
                 line = RequestLine(request["custom_id"], request["url"], request["body"])
+                refused = refusal(line.url, line.body, max_tokens_cap=conf["MAX_TOKENS_CAP"],
+                                  media_domains=conf["MEDIA_ALLOWED_DOMAINS"])
+                if refused is not None:  # validation let it through, to answer it here
+                    with work.lock:
+                        work.write_failure(line.custom_id, number, refused.code,
+                                           refused.message)
+                    continue
                 engine_request = EngineRequest(request_id=work.request_id(number),
                                                url=line.url, body=line.body)
                 with work.lock:

@@ -852,3 +852,46 @@ def test_real_worker_flags_on_the_dashboard(client, user, workers, tmp_path):
     spot = client.get(reverse("batch_spot_check", args=[batch.pk]),
                       {"flagged": "1"}).content.decode()
     assert sorted(cids(spot)) == ["cut", "json", "loop"]
+
+
+# --- a Message Batch (Anthropic's API) on the same pages ---
+
+
+@pytest.mark.django_db(transaction=True)
+def test_message_batch_page_labels_it_and_previews_messages(site, user, tmp_path, settings):
+    from engine.base import ModelSpec
+    from engine.echo import EchoEngine
+    from jobs.services.message_batches import create_message_batch
+    from jobs.services.validation import run_validation
+    from jobs.worker.pipeline import Pipeline
+    from tests.factories import finalized, run_all_shards
+
+    params = {"model": "echo-test", "max_tokens": 8, "system": "Be brief.",
+              "messages": [{"role": "user", "content": [{"type": "text",
+                                                         "text": "hello there"}]}]}
+    body = json.dumps({"requests": [
+        {"custom_id": "m1", "params": params},
+        {"custom_id": "m2", "params": {**params, "top_k": -1}}]}).encode()
+    batch = create_message_batch(owner=user, body=io.BytesIO(body), declared_length=len(body))
+    run_validation(batch_id=batch.pk)
+    pipeline = Pipeline(EchoEngine(ModelSpec(name="echo-test", backend="echo")),
+                        worker_name="test-worker", inbox_size=8, reconcile_every=0)
+    pipeline.start()
+    try:
+        run_all_shards(pipeline, Batch.objects.get(pk=batch.pk))
+    finally:
+        pipeline.close()
+    batch, out, err = finalized(batch)
+    assert [line["custom_id"] for line in out] == ["m1"]
+    assert out[0]["response"]["body"]["type"] == "message"
+    # The refused request never reached the engine: its shard wrote the problem.
+    assert [(e["custom_id"], e["error"]["code"]) for e in err] == [("m2", "invalid_parameter")]
+
+    page = site.get(reverse("batch_detail", args=[batch.pk])).content.decode()
+    assert "Anthropic Message Batch" in page and "/v1/messages" in page
+    results_page = site.get(reverse("batch_results", args=[batch.pk])).content.decode()
+    assert "system: Be brief." in results_page and "user: hello there" in results_page
+    assert "echo: hello there" in results_page
+    errors_page = site.get(reverse("batch_errors", args=[batch.pk])).content.decode()
+    assert "body.top_k must be a non-negative integer." in errors_page
+    assert "(Anthropic)" in site.get(reverse("batch_list")).content.decode()

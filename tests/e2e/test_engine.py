@@ -103,6 +103,44 @@ def test_chat_batch_through_vllm(openai_client, workers):
         r["response"]["body"]["usage"]["completion_tokens"] for r in computed)
 
 
+def test_message_batch_through_vllm(anthropic_client, workers):
+    """A Message Batch (Anthropic's API and client) on the real engine: Messages with
+    their usage, a bad request errored without running, the batch's tokens the Messages'."""
+    from jobs.models import Batch
+
+    params = {"model": CHAT_MODEL, "max_tokens": 16, "temperature": 0}
+    batch = anthropic_client.messages.batches.create(requests=[
+        {"custom_id": "capital", "params": {**params, "system": "Answer in one word.",
+                                            "messages": [{"role": "user", "content":
+                                                          "What is the capital of France?"}]}},
+        {"custom_id": "count", "params": {**params, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Count from 1 to 5."}]}]}},
+        {"custom_id": "bad", "params": {**params, "top_k": -1,
+                                        "messages": [{"role": "user", "content": "x"}]}},
+    ])
+    workers.start(CHAT_MODEL, env=ENGINE_ENV)
+    try:
+        done = wait_for(lambda: (b := anthropic_client.messages.batches.retrieve(batch.id))
+                        .processing_status == "ended" and b, timeout=600, every=1,
+                        message="the message batch to end")
+    finally:
+        workers.stop_all()
+    assert (done.request_counts.succeeded, done.request_counts.errored) == (2, 1)
+    results = {r.custom_id: r.result for r in anthropic_client.messages.batches.results(batch.id)}
+    for custom_id in ("capital", "count"):
+        message = results[custom_id].message
+        assert message.type == "message" and message.model == CHAT_MODEL
+        assert message.content[0].type == "text" and message.content[0].text.strip()
+        assert message.stop_reason in ("end_turn", "max_tokens")
+        assert 0 < message.usage.output_tokens <= 16 and message.usage.input_tokens > 5
+    assert results["bad"].error.error.type == "invalid_request_error"
+    row = Batch.objects.get(pk=batch.id)
+    usages = [results[c].message.usage for c in ("capital", "count")]
+    assert row.input_tokens == sum(u.input_tokens + (u.cache_read_input_tokens or 0)
+                                   for u in usages)
+    assert row.output_tokens == sum(u.output_tokens for u in usages)
+
+
 def test_embeddings_batch_through_vllm(openai_client, workers):
     texts = ["a cat sits on the mat", "a dog lies on the rug", "quarterly revenue grew"]
     lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, request_messages
+from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RESPONSES, request_messages
 from engine.tokens import PromptCounter
 from jobs.engines import model_spec
 
@@ -74,6 +74,15 @@ def test_text_parts_are_counted_like_a_string(chat_counter):
         {"type": "text", "text": "first part"}, {"type": "text", "text": "second part"}]}]}
     assert chat_counter.count(CHAT, parts) == chat_counter.count(
         CHAT, chat_body(("user", "first part\nsecond part")))
+
+
+def test_a_messages_body_counts_as_its_chat_rendering(chat_counter):
+    # vLLM's Anthropic layer renders `system` as the first (system) message.
+    body = {"system": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi there"}]}]}
+    count = assert_over_agrees(chat_counter, MESSAGES, body)
+    assert count == chat_counter.count(CHAT, chat_body(("system", "Be brief."),
+                                                       ("user", "hi there")))
 
 
 def test_completions_and_embeddings_prompts(chat_counter, embed_counter):

@@ -20,6 +20,7 @@ from engine import (  # noqa: E402
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
+    MESSAGES,
     RESPONSES,
     EngineRequest,
     EngineResult,
@@ -185,6 +186,52 @@ def test_too_long_prompt_and_bad_params_are_400_while_others_succeed(
     assert "maximum context length" in results["long"].body["error"]["message"]
     assert results["neg"].body["error"]["param"] == "max_tokens"
 
+
+
+def test_anthropic_messages_shape_and_usage(engine: VllmEngine) -> None:
+    """A /v1/messages request runs through vLLM's Anthropic layer: an Anthropic Message
+    with its usage, the same greedy answer as the chat request it renders to, and errors
+    in Anthropic's shape."""
+    from jobs.wire import usage_of
+
+    system = "You are terse."
+    question = "What is 2+2?"
+    results = run_all(engine, [
+        EngineRequest("m", MESSAGES, {
+            "model": NAME, "max_tokens": 12, "temperature": 0, "system": system,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": question}]}]}),
+        chat("c", question, max_tokens=12, temperature=0,
+             messages=[{"role": "system", "content": system},
+                       {"role": "user", "content": question}]),
+        EngineRequest("long", MESSAGES, {
+            "model": NAME, "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hello " * (MAX_MODEL_LEN + 10)}]}),
+    ])
+    r = results["m"]
+    assert r.status_code == 200, r.body
+    body = r.body
+    assert body["type"] == "message" and body["role"] == "assistant"
+    assert body["model"] == NAME and body["id"]
+    (block,) = body["content"]
+    assert block["type"] == "text" and block["text"] == content(results["c"])
+    assert body["stop_reason"] in ("end_turn", "max_tokens")
+    usage = body["usage"]
+    assert 0 < usage["output_tokens"] <= 12
+    assert usage["output_tokens"] == results["c"].body["usage"]["completion_tokens"]
+    # Anthropic counts prompt tokens served from the prefix cache apart; ours sum them.
+    prompt, completion, cached = usage_of(body)
+    assert prompt == results["c"].body["usage"]["prompt_tokens"]
+    assert (completion, cached) == (usage["output_tokens"],
+                                    usage.get("cache_read_input_tokens", 0))
+    anthropic_types = pytest.importorskip("anthropic.types")
+    anthropic_types.Message.model_validate(body)  # the client's own type
+    json.dumps(body)
+
+    long = results["long"]
+    assert long.status_code == 400
+    assert long.body["type"] == "error"
+    assert long.body["error"]["type"] == "invalid_request_error"
+    assert "context" in long.body["error"]["message"]
 
 
 def test_parameters_vllm_would_silently_ignore_are_400(engine: VllmEngine) -> None:

@@ -111,6 +111,46 @@ def test_every_api_endpoint_gives_404_for_another_users_ids(people: dict) -> Non
     assert (db_snapshot(), storage_snapshot(people["storage"])) == before
 
 
+def test_every_message_batches_endpoint_gives_404_for_another_users_ids(people: dict) -> None:
+    import io
+
+    from jobs.services.message_batches import create_message_batch
+    from jobs.services.validation import run_validation
+
+    bob = people["bob"]
+    body = json.dumps({"requests": [{"custom_id": f"r{i}", "params": {
+        "model": "echo-test", "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}]}} for i in range(2)]}).encode()
+    made = [create_message_batch(owner=bob, body=io.BytesIO(body), declared_length=len(body))
+            for _ in range(2)]
+    run_validation(batch_id=made[0].pk)
+    done = run_batch(Batch.objects.get(pk=made[0].pk))
+    assert done.is_ended
+    api = Api(people["alice_key"])
+    before = (db_snapshot(), storage_snapshot(people["storage"]))
+    # Bob's Message Batches, ended and validating, and his OpenAI batch: none is Alice's.
+    for batch_id in (done.pk, made[1].pk, people["done"].pk):
+        for method, path in (("GET", ""), ("DELETE", ""), ("POST", "/cancel"),
+                             ("GET", "/results")):
+            url = f"/v1/messages/batches/{batch_id}{path}"
+            for extra in ({}, {"HTTP_X_API_KEY": people["alice_key"]}):
+                if method == "GET":
+                    response = api.get(url, **extra)
+                elif method == "DELETE":
+                    response = api.delete(url)
+                else:
+                    response = api.post_json(url, {}, **extra)
+                assert response.status_code == 404, (url, response.content)
+                assert response.json() == {"type": "error", "error": {
+                    "type": "not_found_error", "message": f"No such batch: '{batch_id}'"}}
+    assert api.get("/v1/messages/batches").json()["data"] == []
+    response = api.get(f"/v1/messages/batches?after_id={done.pk}")
+    assert response.status_code == 400 and response.json()["error"]["type"] == \
+        "invalid_request_error"
+    assert (db_snapshot(), storage_snapshot(people["storage"])) == before
+
+
+
 def _dashboard_urls() -> list[URLPattern]:
     from jobs.views.urls import urlpatterns
 

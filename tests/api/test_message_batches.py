@@ -1,0 +1,273 @@
+"""Anthropic's Message Batches API through the official `anthropic` client, unchanged,
+against a live server: the whole flow on real workers (echo engine), cancel, expiry, a bad
+request, another user's batch, a body over the limit, paging, delete, auth."""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import anthropic
+import pytest
+import requests
+from django.utils import timezone
+
+from jobs.models import Batch, File
+from jobs.services.finalize import finalize_batch
+from jobs.services.stopping import expire_due_batches
+from jobs.tasks import validate_batch
+from tests.factories import chat_line, submit, wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+MODEL = "echo-test"
+
+
+def params(text: str, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "max_tokens": 16,
+            "messages": [{"role": "user", "content": text}], **extra}
+
+
+def create(client: Any, n: int, prefix: str = "r") -> Any:
+    return client.messages.batches.create(requests=[
+        {"custom_id": f"{prefix}{i}", "params": params(f"question number {i}")}
+        for i in range(n)])
+
+
+def wait_ended(client: Any, batch_id: str, timeout: float = 60) -> Any:
+    return wait_for(lambda: (b := client.messages.batches.retrieve(batch_id))
+                    .processing_status == "ended" and b, timeout=timeout,
+                    message=f"{batch_id} to end")
+
+
+def results_of(client: Any, batch_id: str) -> dict[str, Any]:
+    found = {r.custom_id: r.result for r in client.messages.batches.results(batch_id)}
+    return found
+
+
+def test_the_whole_flow(anthropic_client, workers):
+    batch = anthropic_client.messages.batches.create(requests=[
+        {"custom_id": "ok-1", "params": params("hello there", system="Be brief.")},
+        {"custom_id": "ok-2", "params": params("one two three four", max_tokens=3,
+                                              temperature=0, stop_sequences=["x"])},
+        {"custom_id": "bad-param", "params": params("x", top_k=-1)},
+        {"custom_id": "unsupported", "params": params("x", mcp_servers=[])},
+        {"custom_id": "too-long", "params": params("word " * 3000)},
+    ])
+    assert batch.id.startswith("msgbatch_")
+    assert batch.type == "message_batch"
+    assert batch.processing_status == "in_progress"
+    assert batch.request_counts.processing == 5
+    assert batch.results_url is None and batch.ended_at is None
+    assert abs(batch.expires_at - batch.created_at - timedelta(hours=24)) < timedelta(seconds=1)
+    workers.start()
+    batch = wait_ended(anthropic_client, batch.id)
+    counts = batch.request_counts
+    assert (counts.processing, counts.succeeded, counts.errored, counts.canceled,
+            counts.expired) == (0, 2, 3, 0, 0)
+    assert batch.ended_at is not None and batch.results_url.endswith(f"{batch.id}/results")
+
+    results = results_of(anthropic_client, batch.id)
+    assert set(results) == {"ok-1", "ok-2", "bad-param", "unsupported", "too-long"}
+    message = results["ok-1"].message
+    assert results["ok-1"].type == "succeeded"
+    assert message.type == "message" and message.role == "assistant"
+    assert message.content[0].text == "echo: hello there"
+    assert message.stop_reason == "end_turn"
+    assert message.usage.input_tokens == 4 and message.usage.output_tokens == 3
+    assert results["ok-2"].message.stop_reason == "max_tokens"
+    for custom_id, fragment in (("bad-param", "top_k"), ("unsupported", "mcp_servers"),
+                                ("too-long", "maximum context length")):
+        result = results[custom_id]
+        assert result.type == "errored"
+        assert result.error.type == "error"
+        assert result.error.error.type == "invalid_request_error"
+        assert fragment in result.error.error.message
+    # The usage of the batch is the Messages' own.
+    row = Batch.objects.get(pk=batch.id)
+    assert row.input_tokens == sum(r.message.usage.input_tokens
+                                   for r in results.values() if r.type == "succeeded")
+
+    listed = anthropic_client.messages.batches.list()
+    assert [b.id for b in listed.data] == [batch.id]
+    deleted = anthropic_client.messages.batches.delete(batch.id)
+    assert (deleted.id, deleted.type) == (batch.id, "message_batch_deleted")
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        anthropic_client.messages.batches.retrieve(batch.id)
+    assert caught.value.body["error"]["type"] == "not_found_error"
+    assert not File.objects.filter(pk=row.input_file_id).exists()
+
+
+def test_cancel_on_workers_keeps_finished_results(anthropic_client, workers):
+    batch = create(anthropic_client, 40, "c")
+    workers.start(env={"BATCHWEB_SHARD_SIZE": "10", "BATCHWEB_ECHO_SECONDS": "0.1",
+                       "BATCHWEB_ECHO_MAX_IN_FLIGHT": "4"})
+    wait_for(lambda: Batch.objects.get(pk=batch.id).completed >= 5, timeout=60,
+             message="some results")
+    canceling = anthropic_client.messages.batches.cancel(batch.id)
+    assert canceling.processing_status in ("canceling", "ended")
+    assert canceling.cancel_initiated_at is not None
+    batch = wait_ended(anthropic_client, batch.id, timeout=30)
+    counts = batch.request_counts
+    assert counts.succeeded >= 5 and counts.canceled >= 1 and counts.errored == 0
+    assert counts.succeeded + counts.canceled == 40
+    results = results_of(anthropic_client, batch.id)
+    assert set(results) == {f"c{i}" for i in range(40)}
+    kinds = [r.type for r in results.values()]
+    assert (kinds.count("succeeded"), kinds.count("canceled")) == (counts.succeeded,
+                                                                   counts.canceled)
+    # Ended: cancelling again is Anthropic's invalid request (a 400, never a 409).
+    with pytest.raises(anthropic.BadRequestError):
+        anthropic_client.messages.batches.cancel(batch.id)
+
+
+def test_expiry_on_workers(anthropic_client, workers):
+    batch = create(anthropic_client, 40, "e")
+    workers.start(env={"BATCHWEB_SHARD_SIZE": "10", "BATCHWEB_ECHO_SECONDS": "0.2",
+                       "BATCHWEB_ECHO_MAX_IN_FLIGHT": "2"})
+    wait_for(lambda: Batch.objects.get(pk=batch.id).completed >= 3, timeout=60,
+             message="some results")
+    Batch.objects.filter(pk=batch.id).update(expires_at=timezone.now() - timedelta(seconds=1))
+    batch = wait_ended(anthropic_client, batch.id, timeout=40)
+    counts = batch.request_counts
+    assert counts.expired >= 1 and counts.succeeded >= 3
+    assert counts.succeeded + counts.expired == 40
+    kinds = [r.type for r in results_of(anthropic_client, batch.id).values()]
+    assert set(kinds) == {"succeeded", "expired"} and len(kinds) == 40
+
+
+# --- in-process: validation and finalization run here, no worker ---
+
+
+def test_cancel_before_running(anthropic_client):
+    batch = create(anthropic_client, 3)
+    validate_batch(batch.id)
+    canceling = anthropic_client.messages.batches.cancel(batch.id)
+    assert canceling.processing_status == "canceling"
+    with pytest.raises(anthropic.BadRequestError) as caught:  # only ended batches go
+        anthropic_client.messages.batches.delete(batch.id)
+    assert "cancel" in caught.value.body["error"]["message"]
+    finalize_batch(batch_id=batch.id)
+    batch = anthropic_client.messages.batches.retrieve(batch.id)
+    assert batch.processing_status == "ended"
+    assert batch.request_counts.canceled == 3 and batch.request_counts.processing == 0
+    assert {r.result.type for r in anthropic_client.messages.batches.results(batch.id)} == {
+        "canceled"}
+
+
+def test_expired_before_running(anthropic_client):
+    batch = create(anthropic_client, 2)
+    validate_batch(batch.id)
+    Batch.objects.filter(pk=batch.id).update(expires_at=timezone.now() - timedelta(seconds=1))
+    assert expire_due_batches() == [batch.id]
+    finalize_batch(batch_id=batch.id)
+    batch = anthropic_client.messages.batches.retrieve(batch.id)
+    assert batch.request_counts.expired == 2
+    assert [r.result.type for r in anthropic_client.messages.batches.results(batch.id)] == [
+        "expired", "expired"]
+
+
+def test_results_before_the_end_are_refused(anthropic_client, live_server, api_key):
+    batch = create(anthropic_client, 1)
+    with pytest.raises(anthropic.AnthropicError):  # the client itself: no results_url yet
+        list(anthropic_client.messages.batches.results(batch.id))
+    response = requests.get(f"{live_server.url}/v1/messages/batches/{batch.id}/results",
+                            headers={"x-api-key": api_key})
+    assert response.status_code == 400
+    assert "once it has ended" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("requests_", "fragment"), [
+    ([], "at least one"),
+    ([{"custom_id": "a"}], "exactly custom_id and params"),
+    ([{"custom_id": "a b", "params": params("x")}], "custom_id"),
+    ([{"custom_id": "a" * 65, "params": params("x")}], "custom_id"),
+    ([{"custom_id": "a", "params": "x"}], "params"),
+    ([{"custom_id": "a", "params": params("x")}, {"custom_id": "a", "params": params("y")}],
+     "unique"),
+])
+def test_a_bad_request_envelope_is_400(anthropic_client, requests_, fragment):
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        anthropic_client.messages.batches.create(requests=requests_)
+    body = caught.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert fragment in body["error"]["message"]
+    assert not Batch.objects.exists() and not File.objects.exists()
+
+
+def test_a_model_not_served_ends_every_request_errored(anthropic_client):
+    batch = anthropic_client.messages.batches.create(requests=[
+        {"custom_id": "a", "params": params("x")},
+        {"custom_id": "b", "params": params("y", model="claude-nope")}])
+    validate_batch(batch.id)
+    batch = anthropic_client.messages.batches.retrieve(batch.id)
+    assert batch.processing_status == "ended" and batch.request_counts.errored == 2
+    results = results_of(anthropic_client, batch.id)
+    assert "claude-nope" in results["b"].error.error.message
+    assert "not run" in results["a"].error.error.message.lower()
+
+
+def test_another_users_batch_is_404(anthropic_client, other_anthropic_client, openai_client,
+                                    live_server, other_key):
+    batch = create(anthropic_client, 1)
+    calls = [other_anthropic_client.messages.batches.retrieve,
+             other_anthropic_client.messages.batches.cancel,
+             other_anthropic_client.messages.batches.delete]
+    for call in calls:
+        with pytest.raises(anthropic.NotFoundError) as caught:
+            call(batch.id)
+        assert caught.value.body["error"]["type"] == "not_found_error"
+    assert other_anthropic_client.messages.batches.list().data == []
+    response = requests.get(f"{live_server.url}/v1/messages/batches/{batch.id}/results",
+                            headers={"x-api-key": other_key})
+    assert response.status_code == 404
+    # An OpenAI batch is no Message Batch, and a Message Batch is no OpenAI batch's list.
+    openai_batch = submit(openai_client, [chat_line("a", "x")])
+    with pytest.raises(anthropic.NotFoundError):
+        anthropic_client.messages.batches.retrieve(openai_batch.id)
+    assert [b.id for b in anthropic_client.messages.batches.list()] == [batch.id]
+    assert Batch.objects.get(pk=batch.id).status == "validating"
+
+
+def test_a_body_over_the_size_limit_is_413(anthropic_client, settings):
+    settings.BATCHWEB = {**settings.BATCHWEB, "MAX_FILE_BYTES": 4096}
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        create(anthropic_client, 100)
+    assert caught.value.status_code == 413
+    assert caught.value.body == {"type": "error", "error": {
+        "type": "request_too_large", "message": "The request body is larger than 4096 bytes."}}
+    assert not Batch.objects.exists() and not File.objects.exists()
+
+
+def test_list_pages_with_anthropic_cursors(anthropic_client):
+    ids = [create(anthropic_client, 1).id for _ in range(5)]
+    newest_first = ids[::-1]
+    page = anthropic_client.messages.batches.list(limit=2)
+    assert [b.id for b in page.data] == newest_first[:2]
+    assert page.has_more and page.first_id == newest_first[0] and page.last_id == newest_first[1]
+    # The client follows after_id = last_id to the end.
+    assert [b.id for b in anthropic_client.messages.batches.list(limit=2)] == newest_first
+    after = anthropic_client.messages.batches.list(after_id=newest_first[1], limit=10)
+    assert [b.id for b in after.data] == newest_first[2:] and not after.has_more
+    before = anthropic_client.messages.batches.list(before_id=newest_first[3], limit=2)
+    assert [b.id for b in before.data] == newest_first[1:3] and before.has_more
+    with pytest.raises(anthropic.BadRequestError):
+        anthropic_client.messages.batches.list(limit=1001)
+    with pytest.raises(anthropic.BadRequestError):
+        anthropic_client.messages.batches.list(after_id="msgbatch_nope")
+
+
+def test_auth_by_x_api_key(live_server, api_key):
+    url = f"{live_server.url}/v1/messages/batches"
+    for headers in ({}, {"x-api-key": "sk-bw-wrong"}, {"Authorization": "Bearer sk-bw-no"}):
+        response = requests.get(url, headers={"anthropic-version": "2023-06-01", **headers})
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+        assert response.json()["type"] == "error"
+    response = requests.get(url, headers={"x-api-key": api_key})  # no anthropic-version
+    assert response.status_code == 200
+    # The client sends its key as a Bearer token (anthropic 2.x): the same key works so.
+    assert requests.get(url, headers={"Authorization": f"Bearer {api_key}"}).status_code == 200
+    assert json.loads(response.content) == {"data": [], "has_more": False, "first_id": None,
+                                            "last_id": None}
