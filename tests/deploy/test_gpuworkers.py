@@ -125,8 +125,9 @@ def test_one_worker_per_gpu_sees_only_its_gpu_and_is_named_by_host_and_gpu() -> 
     # The arguments are batchworker's own.
     parsed = batchworker.Command().create_parser("manage.py", "batchworker").parse_args(
         command[3:])
+    # One model (batchworker's --model may be given several times).
     assert (parsed.model, parsed.name, parsed.drain_seconds) == (
-        "llama", "node7.gpu1.llama", 60.0)
+        ["llama"], "node7.gpu1.llama", 60.0)
     # The host each worker reports to queue health: the machine's, not a container's.
     assert parsed.host == "node7"
 

@@ -277,6 +277,9 @@ class WorkerOptions:
         self.actions: list[Any] = []
 
     def add_argument(self, *flags: str, **kwargs: Any) -> None:
+        if "--model" in flags:
+            # One model per GPU here; a worker of several models is batchworker's own.
+            kwargs = {**kwargs, "action": "store", "help": "A name from BATCHWEB_MODELS."}
         action = self.parser.add_argument(*flags, **kwargs)
         if not set(flags) & set(self.SET_HERE):
             self.actions.append(action)
