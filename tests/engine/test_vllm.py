@@ -59,6 +59,15 @@ def engine(model_cache: Path) -> Iterator[VllmEngine]:
     eng.close()
 
 
+# A JSON Schema the structured-output tests ask for.
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
 def chat(rid: str, text: str, **body: Any) -> EngineRequest:
     return EngineRequest(
         rid, CHAT, {"model": NAME, "messages": [{"role": "user", "content": text}], **body}
@@ -141,12 +150,7 @@ def test_stop(engine: VllmEngine) -> None:
 
 def test_json_schema_response_format(engine: VllmEngine) -> None:
     jsonschema = pytest.importorskip("jsonschema")
-    schema = {
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-        "required": ["name", "age"],
-        "additionalProperties": False,
-    }
+    schema = PERSON_SCHEMA
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
     results = run_all(
         engine,
@@ -397,12 +401,7 @@ def test_documented_responses_fields_are_fields_of_vllms_request() -> None:
 
 def test_responses_shape_usage_and_json_formats(engine: VllmEngine) -> None:
     jsonschema = pytest.importorskip("jsonschema")
-    schema = {
-        "type": "object",
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-        "required": ["name", "age"],
-        "additionalProperties": False,
-    }
+    schema = PERSON_SCHEMA
     schema_format = {"format": {"type": "json_schema", "name": "person", "schema": schema}}
     function = {"type": "function", "name": "get_weather",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
