@@ -34,6 +34,7 @@ from django.conf import settings
 
 from engine.base import anthropic_error
 from jobs.models import Batch, File
+from jobs.queries.dashboard import ended_at
 from jobs.queries.results import Kind, error_counts, segments
 from jobs.services.files import iter_lines, open_file, open_range
 from jobs.wire import Code, read_result_line
@@ -84,14 +85,12 @@ def request_counts(batch: Batch) -> dict[str, int]:
 def message_batch(batch: Batch, *, base_url: str) -> dict[str, Any]:
     """The MessageBatch object; `base_url` is the service's own (results_url is absolute,
     as Anthropic's, and the client fetches it as it is)."""
-    ended_at = (batch.completed_at or batch.cancelled_at or batch.expired_at
-                or batch.failed_at) if batch.is_ended else None
     return {
         "id": batch.id,
         "type": "message_batch",
         "processing_status": PROCESSING_STATUS[Batch.Status(batch.status)],
         "request_counts": request_counts(batch),
-        "ended_at": rfc3339(ended_at),
+        "ended_at": rfc3339(ended_at(batch)),
         "created_at": rfc3339(batch.created_at),
         "expires_at": rfc3339(batch.expires_at),
         "archived_at": None,
