@@ -126,6 +126,10 @@ class EngineRequest:
     url: str
     # The request body exactly as the batch line carries it (model name already checked).
     body: dict[str, Any]
+    # When `body["model"]` names a LoRA adapter of this engine's model: the adapter's local
+    # folder (a PEFT adapter_config.json and its weights). The engine loads it on first
+    # use and keeps it under that name; empty for the base model's own requests.
+    adapter_path: str = ""
 
 
 @dataclass(frozen=True)

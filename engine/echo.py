@@ -10,6 +10,9 @@ on a million requests without loading a model.
   max_output_tokens (tokens capped by it as by max_tokens).
 - tokens are whitespace-separated words; the output is cut at max_tokens (or
   max_completion_tokens) words, finish_reason "length", else "stop"; `n` choices.
+- a request naming a LoRA adapter (`adapter_path` set) answers "echo+<adapter>:" where
+  the base model answers "echo:" (completions gain it in front); refused as vLLM refuses
+  it when the model's options lack enable_lora or the folder holds no adapter_config.json.
 - embeddings: an 8-dim vector per input derived from sha256 of the input.
 - messages (Anthropic): a Message whose one text block is "echo: " + the last user
   message's text, stop_reason "max_tokens" when cut, else "end_turn"; errors in
@@ -34,6 +37,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from engine.base import (
@@ -112,15 +116,27 @@ class EchoEngine(Engine):
 
     # -- one request --------------------------------------------------------------------
 
-    def handle(self, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def handle(self, url: str, body: dict[str, Any],
+               adapter_path: str = "") -> tuple[int, dict[str, Any]]:
         """(status, body) for one request body, shaped as vLLM's. Bodies reach an engine
         validated (jobs.wire.check_body, for every engine alike), so the only checks here
-        are the model's: what it serves, and its context length."""
+        are the model's: what it serves, its context length and its adapters."""
+        lead = "echo:"
+        if adapter_path:
+            problem = self._adapter_problem(body.get("model"), adapter_path)
+            if problem is not None:
+                status, refused = problem
+                if url == MESSAGES:
+                    return status, anthropic_error(status, refused)
+                return status, {"error": {"message": refused, "type": (
+                    "BadRequestError" if status == 400 else "NotFoundError"),
+                    "param": "model", "code": status}}
+            lead = f"echo+{body.get('model')}:"
         try:
             if url == EMBEDDINGS:
                 return self._embeddings(body)
             if url == MESSAGES:
-                return self._messages(body)
+                return self._messages(body, lead)
             if url in (CHAT, RESPONSES):
                 # A body without its messages (input) is one it cannot read.
                 if not body.get("messages" if url == CHAT else "input"):
@@ -130,9 +146,11 @@ class EchoEngine(Engine):
                                     for m in messages)
                 last_user = next((" ".join(text_parts(m.get("content")))
                                   for m in reversed(messages) if m.get("role") == "user"), "")
-                words = ["echo:", *last_user.split()]
+                words = [lead, *last_user.split()]
             elif url == COMPLETIONS:
                 words = " ".join(text_parts(body["prompt"])).split()
+                if adapter_path:
+                    words.insert(0, lead)
                 prompt_tokens = len(words)
             else:
                 return _error(f"model {self.spec.name!r} does not serve {url}", "url")
@@ -168,7 +186,7 @@ class EchoEngine(Engine):
                                   "finish_reason": finish, "stop_reason": None}
                                  for i in range(n)]}
 
-    def _messages(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def _messages(self, body: dict[str, Any], lead: str) -> tuple[int, dict[str, Any]]:
         """An Anthropic Message, as vLLM's Anthropic layer answers (its `usage` without the
         cache fields: this engine has no prefix cache)."""
         messages = body["messages"]
@@ -176,7 +194,7 @@ class EchoEngine(Engine):
         prompt_tokens = sum(len(" ".join(text_parts(t)).split()) for t in texts)
         last_user = next((" ".join(text_parts(m.get("content")))
                           for m in reversed(messages) if m.get("role") == "user"), "")
-        words = ["echo:", *last_user.split()]
+        words = [lead, *last_user.split()]
         max_tokens = body["max_tokens"]
         if prompt_tokens + max_tokens > self.max_model_len:
             status, error = _context_error(prompt_tokens + max_tokens, self.max_model_len)
@@ -311,11 +329,21 @@ class EchoEngine(Engine):
                 self._clock.notify_all()
 
     def _compute(self, req: EngineRequest) -> EngineResult:
-        status, body = self.handle(req.url, req.body)
+        status, body = self.handle(req.url, req.body, req.adapter_path)
         with self._lock:
             if self._request_log is not None and not self._request_log.closed:
                 self._request_log.write(req.request_id + "\n")
         return EngineResult(req.request_id, status, body)
+
+    def _adapter_problem(self, name: Any, path: str) -> tuple[int, str] | None:
+        """As vLLM refuses an adapter: the model must load adapters (enable_lora), and the
+        folder must hold a PEFT adapter."""
+        if not self.spec.options.get("enable_lora"):
+            return 400, (f"model {self.spec.name!r} does not load LoRA adapters (its options "
+                         "do not set enable_lora)")
+        if not (Path(path) / "adapter_config.json").is_file():
+            return 404, f"Loading lora {name} failed: No adapter found for {path}"
+        return None
 
     def abort(self, request_ids: Iterable[str]) -> None:
         with self._lock:

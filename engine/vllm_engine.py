@@ -178,6 +178,7 @@ class VllmEngine(Engine):
         from vllm.entrypoints.serve.exception_handling.error_response import (
             create_error_response,
         )
+        from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
         from vllm.usage.usage_lib import UsageContext
         from vllm.utils.argparse_utils import FlexibleArgumentParser
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -230,6 +231,11 @@ class VllmEngine(Engine):
         self._ignored = {url: tuple(n for n in names if n not in fields[url])
                          for url, names in _IGNORED_PARAMETERS.items()}
         self._json_response = Response
+        # LoRA adapters: registered by name with the serving layer's model registry, which
+        # every serving object above shares (the requests' `model` picks the adapter).
+        self._models = state.openai_serving_models
+        self._load_lora_request = LoadLoRAAdapterRequest
+        self._adapter_locks: dict[str, asyncio.Lock] = {}
         self._create_error_response = create_error_response
 
     def close(self) -> None:
@@ -279,6 +285,9 @@ class VllmEngine(Engine):
                     f"{ignored} is not supported by this model's engine (vLLM would run "
                     "the request as if it were not set)", param=ignored
                 )
+            elif req.adapter_path and (problem := await self._load_adapter(
+                    body.get("model"), req.adapter_path)) is not None:
+                response = problem
             elif req.url == RESPONSES and not self._parses_tools and _calls_functions(body):
                 response = create_error_response(
                     "tools: function calling is not enabled for this model (its engine "
@@ -329,6 +338,26 @@ class VllmEngine(Engine):
             # is `schema_` on the model) and as JSON (its output items are models).
             return HTTPStatus.OK.value, response.model_dump(mode="json", by_alias=True)
         return HTTPStatus.OK.value, response.model_dump()
+
+    async def _load_adapter(self, name: Any, path: str) -> Any:
+        """Make the LoRA adapter `name` known to the serving layer (which then runs every
+        request naming it with its LoRARequest); None once it is, else an error response.
+        Loaded once per name (a lock per name: a shard's requests arrive together). vLLM
+        keeps up to the model's `max_cpu_loras` adapters' weights in memory, dropping the
+        least recently used; a dropped one is read again from its path when next asked for."""
+        if not isinstance(name, str) or name in self._models.lora_requests:
+            return None
+        if self._llm.vllm_config.lora_config is None:
+            return self._create_error_response(
+                f"model {self.spec.name!r} does not load LoRA adapters (its options do not "
+                "set enable_lora)", param="model")
+        async with self._adapter_locks.setdefault(name, asyncio.Lock()):
+            if name in self._models.lora_requests:
+                return None
+            result = await self._models.load_lora_adapter(
+                self._load_lora_request(lora_name=name, lora_path=path),
+                base_model_name=self.spec.name)
+            return result if isinstance(result, self._error_response) else None
 
     # -- the stream ---------------------------------------------------------------------
 
