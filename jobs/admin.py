@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django import forms
 from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.auth import get_user_model
@@ -15,11 +16,13 @@ from django.urls import URLPattern, path
 from django.utils import timezone
 from django.utils.cache import add_never_cache_headers
 
+from jobs.engines import model_specs, serves_adapters
 from jobs.models import (
     ApiKey,
     Batch,
     ContentRule,
     File,
+    LoraAdapter,
     Quota,
     Shard,
     Upload,
@@ -285,3 +288,33 @@ class ContentRuleAdmin(admin.ModelAdmin):
     list_filter = ["kind", "action", "enabled"]
     search_fields = ["name", "pattern", "reason"]
     list_editable = ["enabled"]
+
+
+class LoraAdapterForm(forms.ModelForm):
+    # Offered: the served models whose engine loads adapters (enable_lora in its options).
+    base_model = forms.ChoiceField(choices=())
+
+    class Meta:
+        model = LoraAdapter
+        fields = ["name", "base_model", "source"]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        field = self.fields.get("base_model")
+        if not isinstance(field, forms.ChoiceField):  # read-only once the adapter exists
+            return
+        field.choices = [(spec.name, spec.name) for spec in model_specs()
+                         if serves_adapters(spec)]
+        field.help_text = LoraAdapter._meta.get_field("base_model").help_text
+
+
+@admin.register(LoraAdapter)
+class LoraAdapterAdmin(admin.ModelAdmin):
+    form = LoraAdapterForm
+    list_display = ["name", "base_model", "source", "created_at"]
+    list_filter = ["base_model"]
+    search_fields = ["name", "source"]
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+        # Workers keep an adapter loaded under its name: new weights need a new name.
+        return ["name", "base_model", "source", "created_at"] if obj else ["created_at"]

@@ -63,3 +63,39 @@ def model_names() -> list[str]:
 def served_endpoints() -> dict[str, tuple[str, ...]]:
     """Model name -> the endpoints it serves (what validation and the forms offer)."""
     return {spec.name: spec.endpoints for spec in model_specs()}
+
+
+def serves_adapters(spec: ModelSpec) -> bool:
+    """Whether the model's engine starts with LoRA support (vLLM's own enable_lora option;
+    the echo test engine reads the same option)."""
+    return bool(spec.options.get("enable_lora"))
+
+
+def adapter_problem(*, name: str, base_model: str, source: str) -> tuple[str, str] | None:
+    """(field, message) when a LoRA adapter cannot be registered so, else None."""
+    from engine.prepare import adapter_source_problem
+
+    if model_spec(name) is not None:
+        return "name", f"{name!r} is a served model's name."
+    spec = model_spec(base_model)
+    if spec is None:
+        return "base_model", f"{base_model!r} is not a served model ({', '.join(model_names())})."
+    if not serves_adapters(spec):
+        return "base_model", (f"{base_model!r} does not load adapters: set enable_lora (and "
+                              "max_lora_rank) in its options.")
+    problem = adapter_source_problem(source)
+    return ("source", problem) if problem else None
+
+
+def adapter_bases() -> dict[str, str]:
+    """Adapter name -> its base model, for every registered LoRA adapter."""
+    from jobs.models import LoraAdapter
+
+    return dict(LoraAdapter.objects.values_list("name", "base_model"))
+
+
+def usable_adapters() -> dict[str, str]:
+    """Adapter name -> base model, for the adapters whose base model is served and loads
+    adapters (what validation accepts in a request's `model`)."""
+    bases = {spec.name for spec in model_specs() if serves_adapters(spec)}
+    return {name: base for name, base in adapter_bases().items() if base in bases}

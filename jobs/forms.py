@@ -8,7 +8,7 @@ from typing import Any
 from django import forms
 
 from engine.base import ENDPOINTS
-from jobs.engines import served_endpoints
+from jobs.engines import served_endpoints, usable_adapters
 from jobs.models import Batch, File, SpotCheck
 
 PRIORITY_CHOICES = [(p.value, p.label) for p in Batch.Priority]
@@ -62,7 +62,9 @@ class NewBatchForm(forms.Form):
         assert isinstance(endpoint, forms.ChoiceField) and isinstance(model, forms.ChoiceField)
         endpoint.choices = [("", "from the file")] + [(e, e) for e in ENDPOINTS]
         model.choices = [("", "from the file")] + [
-            (name, f"{name} ({', '.join(eps)})") for name, eps in served_endpoints().items()]
+            (name, f"{name} ({', '.join(eps)})") for name, eps in served_endpoints().items()] + [
+            (name, f"{name} (LoRA adapter of {base})")
+            for name, base in sorted(usable_adapters().items())]
 
     def clean_metadata(self) -> dict[str, str]:
         return parse_metadata(self.cleaned_data.get("metadata") or "")

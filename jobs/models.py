@@ -671,6 +671,42 @@ class ContentRule(models.Model):
                 raise ValidationError({"pattern": problem})
 
 
+class LoraAdapter(models.Model):
+    """A LoRA adapter an operator registered: a request whose `model` names it runs on its
+    base model's workers with the adapter loaded (vLLM's LoRARequest)."""
+
+    name = models.CharField(max_length=200, unique=True, help_text=(
+        "What requests put in their model field; not the name of a served model."))
+    base_model = models.CharField(max_length=200, help_text=(
+        "The served model the adapter was trained on. Its options must set enable_lora "
+        "(and a max_lora_rank at least the adapter's rank)."))
+    # Fixed once registered: workers keep an adapter loaded under its name, so new weights
+    # get a new name (the admin shows the source read-only after creation).
+    source = models.CharField(max_length=500, help_text=(
+        "Where the weights come from: an absolute path to a PEFT adapter folder (holding "
+        "adapter_config.json) that exists on every worker host, or pypi:<requirement> for "
+        "a wheel that carries such a folder (downloaded by each worker on first use)."))
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "LoRA adapter"
+
+    def __str__(self) -> str:
+        return self.name
+
+    def clean(self) -> None:
+        from django.core.exceptions import ValidationError
+
+        from jobs.engines import adapter_problem
+
+        super().clean()
+        problem = adapter_problem(name=self.name, base_model=self.base_model,
+                                  source=self.source)
+        if problem:
+            raise ValidationError({problem[0]: problem[1]})
+
+
 class ScreenedLine(models.Model):
     """An input line that a `skip` content rule kept from running: its shard writes a
     `content_policy_violation` error line for it instead."""

@@ -13,7 +13,7 @@ from django.http.response import HttpResponseBase
 from django.utils.cache import get_conditional_response, patch_cache_control, set_response_etag
 
 from jobs.api.base import api_view, json_body, paginate, parse_limit
-from jobs.engines import model_names
+from jobs.engines import model_names, usable_adapters
 from jobs.models import Batch
 from jobs.queries import results as result_pages
 from jobs.services import batches, stopping
@@ -98,9 +98,13 @@ def cancel(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
 
 def list_models(request: HttpRequest, user: Any) -> HttpResponse:
     created = int(time.time())
+    # LoRA adapters are models a request can name too; `parent` (vLLM's field) says which
+    # model they run on.
     return JsonResponse({"object": "list", "data": [
         {"id": name, "object": "model", "created": created, "owned_by": "batchweb"}
-        for name in model_names()]})
+        for name in model_names()] + [
+        {"id": name, "object": "model", "created": created, "owned_by": "batchweb",
+         "parent": base} for name, base in sorted(usable_adapters().items())]})
 
 
 batch_list = api_view({"GET": list_batches, "POST": create})

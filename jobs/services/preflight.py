@@ -11,7 +11,7 @@ from typing import Any
 
 from django.conf import settings
 
-from jobs.engines import served_endpoints
+from jobs.engines import served_endpoints, usable_adapters
 from jobs.models import ContentRule, File
 from jobs.queries import dashboard
 from jobs.services.files import create_input_file, iter_lines, local_temp, open_file
@@ -40,10 +40,11 @@ def check_file(file: File, *, endpoint: str | None = None,
                guard: Guard | None = None) -> Preflight:
     """The preflight of a stored file. Its check (a pass over the whole file) is cached by
     what decides it: the file's content, the endpoint asked for, the enabled content rules
-    (any change to one makes a new key) and this deployment's limits and models; so
+    (any change to one makes a new key) and this deployment's limits, models and adapters; so
     picking the same file again costs one cache read. `guard` is entered only to check."""
     depends = version(file.sha256 or file.storage_name, endpoint, _rules_version(),
-                      sorted(settings.BATCHWEB.items()), served_endpoints())
+                      sorted(settings.BATCHWEB.items()), served_endpoints(),
+                      sorted(usable_adapters().items()))
     key = f"preflight:{file.pk}:{depends}"
 
     def check() -> InputReport:

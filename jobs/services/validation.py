@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from jobs import queues
 from jobs.digestset import DigestSet
-from jobs.engines import served_endpoints
+from jobs.engines import served_endpoints, usable_adapters
 from jobs.models import Batch, RequestCopy, ScreenedLine, Shard
 from jobs.policy import VIOLATION, Screener, ScreeningChunker, Violation
 from jobs.prefix import prefix_key
@@ -73,6 +73,9 @@ class LineChecker:
         self.media_domains: list[str] = conf["MEDIA_ALLOWED_DOMAINS"]
         self.max_requests: int = conf["MAX_REQUESTS_PER_BATCH"]
         self.models = served_endpoints()
+        # Registered LoRA adapters whose base model loads them: a line naming one runs on
+        # its base model, which is then the batch's model.
+        self.adapters = usable_adapters()
         self.endpoint = endpoint  # None (the dashboard's preflight) takes the first line's
         self.model: str | None = None
         self.requests = 0  # lines that passed, and the one over the limit
@@ -112,17 +115,21 @@ class LineChecker:
             return LineError(Code.MISMATCHED_ENDPOINT,
                              f"url {line.url} differs from the batch's endpoint "
                              f"{self.endpoint}.", "url")
-        served = self.models.get(line.model)
+        model = self.adapters.get(line.model, line.model)
+        served = self.models.get(model)
         if served is None:
             return LineError(Code.MODEL_NOT_FOUND,
                              f"The model '{line.model}' is not served here.", "body.model")
         if line.url not in served:
             return LineError(Code.MODEL_NOT_FOUND,
-                             f"The model '{line.model}' does not serve {line.url}.",
-                             "body.model")
+                             f"The model '{model}' does not serve {line.url}.", "body.model")
         if self.model is None:
-            self.model = line.model
-        elif line.model != self.model:
+            self.model = model
+        elif model != self.model:
+            if model != line.model:
+                return LineError(Code.MISMATCHED_MODEL,
+                                 f"The adapter '{line.model}' is for the model '{model}'; "
+                                 f"this batch's requests run on '{self.model}'.", "body.model")
             return LineError(Code.MISMATCHED_MODEL,
                              f"All requests of a batch must use one model; this line uses "
                              f"'{line.model}', earlier lines '{self.model}'.", "body.model")

@@ -106,7 +106,8 @@ class Dispatcher(Loop):
             if result.aborted:
                 work.write_unrun(request.custom_id, line, work.stop_code or Code.REQUEST_ABORTED)
             elif not is_retry(result.request_id) and needs_json_retry(request, result):
-                retry = retry_request(result.request_id, request)
+                retry = retry_request(result.request_id, request,
+                                      pipeline.adapters.known(request.model))
                 work.pending[retry.request_id] = request
                 work.json_retries += 1
                 pipeline.idle.request_started()

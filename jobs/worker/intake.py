@@ -16,7 +16,7 @@ from jobs.policy import VIOLATION
 from jobs.services import shards as shard_service
 from jobs.services.shard_input import shard_requests
 from jobs.services.shards import Checkpoint
-from jobs.wire import RequestLine, refusal
+from jobs.wire import Code, RequestLine, refusal
 from jobs.worker.db import with_db_retry
 from jobs.worker.parts import ShardWork, adopt_checkpoint, open_work
 from jobs.worker.timings import timed
@@ -101,6 +101,7 @@ class Intake:
         # other: vLLM computes the group's prefix once and the rest find it in its prefix
         # cache, even those scheduled in the same step.
         conf = settings.BATCHWEB
+        missing: set[str] = set()  # adapters found unregistered during this shard
         with shard_requests(shard, work.skip | work.adopted) as requests:
             for number, request in requests:
                 if work.dead or work.handing_back:
@@ -122,11 +123,34 @@ class Intake:
                         work.write_failure(line.custom_id, number, refused.code,
                                            refused.message)
                     continue
+                adapter_path = ""
+                if line.model != shard.batch.model:  # validation let only its adapters by
+                    adapter_path = self._adapter_folder(line.model, shard.batch.model,
+                                                        missing)
+                    if not adapter_path:
+                        with work.lock:
+                            work.write_failure(
+                                line.custom_id, number, Code.MODEL_NOT_FOUND,
+                                f"The adapter '{line.model}' of '{shard.batch.model}' is no "
+                                "longer registered.")
+                        continue
                 engine_request = EngineRequest(request_id=work.request_id(number),
-                                               url=line.url, body=line.body)
+                                               url=line.url, body=line.body,
+                                               adapter_path=adapter_path)
                 with work.lock:
                     work.pending[engine_request.request_id] = line
                 self._put(engine_request)
+
+    def _adapter_folder(self, name: str, base_model: str, missing: set[str]) -> str:
+        """The local folder of a LoRA adapter a line names, "" when it is not registered
+        (asked once per shard, not once per line)."""
+        if name in missing:
+            return ""
+        folder = with_db_retry(lambda: self.pipeline.adapters.folder(
+            name, base_model=base_model))
+        if folder is None:
+            missing.add(name)
+        return folder or ""
 
     def _put(self, request: EngineRequest) -> None:
         # Blocks while the engine is full: this is the backpressure that bounds memory.

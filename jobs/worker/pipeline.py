@@ -14,6 +14,7 @@ from django.conf import settings
 
 from engine.base import Engine
 from jobs.services import shards as shard_service
+from jobs.worker.adapters import AdapterFolders
 from jobs.worker.checkpoint import Checkpointer
 from jobs.worker.db import with_db_retry
 from jobs.worker.dispatch import END, Dispatcher
@@ -49,6 +50,7 @@ class Pipeline:
         self.idle = IdleMeter()
         conf = settings.BATCHWEB
         self.intake = Intake(self)
+        self.adapters = AdapterFolders()
         self.dispatcher = Dispatcher(self)
         self.heartbeat = Heartbeat(self, every=conf["HEARTBEAT_SECONDS"])
         self.top_up = TopUp()

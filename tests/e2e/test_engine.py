@@ -350,3 +350,53 @@ def test_one_worker_switches_between_a_chat_and_an_embeddings_model(openai_clien
     assert closed and len(loaded) == 2, log[-3000:]
     print(f"switch: {float(closed.group(1)) + float(loaded[1]):.1f} s "
           f"(close {closed.group(1)} s, load {loaded[1]} s)")
+
+
+def test_lora_adapters_through_vllm(openai_client, workers, settings, tmp_path):
+    """Two LoRA adapters of fixed random weights (one from a path, one from a wheel the
+    worker fetches with pip) in one batch beside the base model's requests: each adapter
+    changes its answers, and the base model's answers are those of a batch without
+    adapters."""
+    from jobs.models import LoraAdapter
+    from tests.lora import build_wheel, write_adapter
+
+    lora = {"enable_lora": True, "max_lora_rank": 16, "max_loras": 4, "max_cpu_loras": 8}
+    settings.BATCHWEB_MODELS = [
+        {**m, "options": {**m["options"], **lora}} if m["name"] == CHAT_MODEL else m
+        for m in settings.BATCHWEB_MODELS]
+    LoraAdapter.objects.create(name="smol-one", base_model=CHAT_MODEL,
+                               source=str(write_adapter(tmp_path / "one", seed=1)))
+    build_wheel(write_adapter(tmp_path / "two", seed=2), tmp_path / "wheels",
+                name="batchweb-e2e-lora")
+    LoraAdapter.objects.create(name="smol-two", base_model=CHAT_MODEL,
+                               source="pypi:batchweb-e2e-lora==1.0")
+
+    questions = ["Name three colors.", "What is the capital of France?"]
+    base_only = submit(openai_client, [chat(f"base{i}", q) for i, q in enumerate(questions)])
+    mixed_lines = []
+    for i, question in enumerate(questions):
+        mixed_lines += [chat(f"base{i}", question),
+                        chat(f"one{i}", question, model="smol-one"),
+                        chat(f"two{i}", question, model="smol-two")]
+    mixed = submit(openai_client, mixed_lines)
+    workers.start(CHAT_MODEL, env={**ENGINE_ENV, "BATCHWEB_ENABLE_LORA": "1",
+                                   "PIP_FIND_LINKS": str(tmp_path / "wheels")})
+    try:
+        done = [until_ended(openai_client, b.id) for b in (base_only, mixed)]
+    finally:
+        workers.stop_all()
+    assert [d.status for d in done] == ["completed", "completed"], workers.logs()
+    assert done[1].request_counts.completed == 6 and done[1].error_file_id is None
+
+    def contents(batch):
+        return {cid: r["response"]["body"]["choices"][0]["message"]["content"]
+                for cid, r in lines_of(openai_client, batch.output_file_id).items()}
+
+    alone, together = contents(done[0]), contents(done[1])
+    models = {cid: r["response"]["body"]["model"]
+              for cid, r in lines_of(openai_client, done[1].output_file_id).items()}
+    for i in range(len(questions)):
+        assert together[f"base{i}"] == alone[f"base{i}"]
+        assert together[f"one{i}"] != together[f"base{i}"]
+        assert together[f"two{i}"] not in (together[f"base{i}"], together[f"one{i}"])
+        assert (models[f"one{i}"], models[f"two{i}"]) == ("smol-one", "smol-two")
