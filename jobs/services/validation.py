@@ -73,9 +73,10 @@ class LineChecker:
         self.media_domains: list[str] = conf["MEDIA_ALLOWED_DOMAINS"]
         self.max_requests: int = conf["MAX_REQUESTS_PER_BATCH"]
         self.models = served_endpoints()
-        # Registered LoRA adapters whose base model loads them: a line naming one runs on
-        # its base model, which is then the batch's model.
-        self.adapters = usable_adapters()
+        # Registered LoRA adapters whose base model loads them (read from the database the
+        # first time a line names no served model): a line naming one runs on its base
+        # model, which is then the batch's model.
+        self.adapters: dict[str, str] | None = None
         self.endpoint = endpoint  # None (the dashboard's preflight) takes the first line's
         self.model: str | None = None
         self.requests = 0  # lines that passed, and the one over the limit
@@ -115,7 +116,11 @@ class LineChecker:
             return LineError(Code.MISMATCHED_ENDPOINT,
                              f"url {line.url} differs from the batch's endpoint "
                              f"{self.endpoint}.", "url")
-        model = self.adapters.get(line.model, line.model)
+        model = line.model
+        if model not in self.models:
+            if self.adapters is None:
+                self.adapters = usable_adapters()
+            model = self.adapters.get(model, model)
         served = self.models.get(model)
         if served is None:
             return LineError(Code.MODEL_NOT_FOUND,

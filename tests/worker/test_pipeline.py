@@ -61,9 +61,9 @@ def test_json_output_that_does_not_parse_is_run_once_more(make_batch, make_pipel
     computed: list[str] = []
     real_handle = pipeline.engine.handle
 
-    def counting(url, body):
+    def counting(url, body, adapter_path=""):
         computed.append(body["messages"][0]["content"])
-        return real_handle(url, body)
+        return real_handle(url, body, adapter_path)
 
     pipeline.engine.handle = counting  # type: ignore[method-assign]
     run_all_shards(pipeline, batch)
@@ -86,8 +86,8 @@ def test_prompt_tokens_served_from_the_prefix_cache_are_summed(make_batch, make_
     pipeline = make_pipeline()
     real_handle = pipeline.engine.handle
 
-    def with_cached_tokens(url, body):
-        status, answer = real_handle(url, body)
+    def with_cached_tokens(url, body, adapter_path=""):
+        status, answer = real_handle(url, body, adapter_path)
         usage = answer["usage"]
         usage["prompt_tokens_details"] = {"cached_tokens": usage["prompt_tokens"] - 1}
         return status, answer
@@ -130,8 +130,8 @@ def test_a_responses_batch_through_the_openai_client(openai_client, make_pipelin
     pipeline = make_pipeline()
     real_handle = pipeline.engine.handle
 
-    def with_cached_tokens(url, body):
-        status, answer = real_handle(url, body)
+    def with_cached_tokens(url, body, adapter_path=""):
+        status, answer = real_handle(url, body, adapter_path)
         if status == 200:
             usage = answer["usage"]
             usage["input_tokens_details"] = {"cached_tokens": usage["input_tokens"] - 1}
