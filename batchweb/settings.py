@@ -394,7 +394,7 @@ ECHO_MODEL = {
     "name": "echo-test",
     "backend": "echo",
     "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/embeddings",
-                  "/v1/responses"],
+                  "/v1/responses", "/v1/score", "/v1/rerank"],
     "options": {"seconds_per_request": env_float("BATCHWEB_ECHO_SECONDS", 0.0),
                 "max_in_flight": env_int("BATCHWEB_ECHO_MAX_IN_FLIGHT", 64),
                 # Tests count what the engine computed (recomputation) from this file.
