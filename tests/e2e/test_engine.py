@@ -1,6 +1,7 @@
-"""Batches through the real vLLM CPU engine in a real worker process: chat and embeddings,
-output format, usage and token counts; content rules of each type under both policies,
-every quality flag and the JSON retry. Slow (an engine starts in ~25 s): marked `engine`."""
+"""Batches through the real vLLM CPU engine in a real worker process: chat, embeddings,
+score and rerank, output format, usage and token counts; content rules of each type under
+both policies, every quality flag and the JSON retry. Slow (an engine starts in ~25 s):
+marked `engine`."""
 
 from __future__ import annotations
 
@@ -166,6 +167,72 @@ def test_embeddings_batch_through_vllm(openai_client, workers):
     assert cosine(vectors[0], vectors[1]) > cosine(vectors[0], vectors[2])
     assert batch.usage.input_tokens == sum(
         out[f"e{i}"]["response"]["body"]["usage"]["prompt_tokens"] for i in range(3))
+
+
+def test_score_and_rerank_batches_through_vllm(openai_client, workers):
+    """vLLM's score and rerank on the embeddings model (its score path: the cosine of the
+    two embeddings), created through the openai client, which sends any endpoint string
+    though it types `endpoint` as OpenAI's; one worker runs both batches."""
+    texts = ["a cat sits on the mat", "a kitten rests on the rug", "quarterly revenue grew"]
+    score_lines = [
+        {"custom_id": "pets", "method": "POST", "url": "/v1/score",
+         "body": {"model": EMBED_MODEL, "queries": texts[0], "documents": texts[1:]}},
+        {"custom_id": "pairs", "method": "POST", "url": "/v1/score",
+         "body": {"model": EMBED_MODEL, "text_1": texts[:2], "text_2": texts[1:]}},
+        # A BERT model takes text only: vLLM's 400, in the error file.
+        {"custom_id": "content", "method": "POST", "url": "/v1/score",
+         "body": {"model": EMBED_MODEL, "queries": "x", "documents": [
+             {"content": [{"type": "text", "text": "y"}]}]}},
+    ]
+    rerank_lines = [
+        {"custom_id": "ranked", "method": "POST", "url": "/v1/rerank",
+         "body": {"model": EMBED_MODEL, "query": texts[0], "documents": texts[::-1]}},
+        {"custom_id": "top", "method": "POST", "url": "/v1/rerank",
+         "body": {"model": EMBED_MODEL, "query": texts[0], "documents": texts[::-1],
+                  "top_n": 1}},
+    ]
+    batches = {endpoint: openai_client.batches.create(
+        input_file_id=upload(openai_client, jsonl(lines)).id, endpoint=endpoint,
+        completion_window="24h")
+        for endpoint, lines in (("/v1/score", score_lines), ("/v1/rerank", rerank_lines))}
+    worker = workers.start(EMBED_MODEL, env=ENGINE_ENV)
+    try:
+        done = {endpoint: wait_for(
+            lambda b=batch: (r := openai_client.batches.retrieve(b.id)).status in (
+                "completed", "failed") and r, timeout=600, every=1,
+            message=f"the {endpoint} batch to finish") for endpoint, batch in batches.items()}
+    finally:
+        workers.stop_all()
+    assert worker.returncode == 0, workers.logs()
+
+    score = done["/v1/score"]
+    assert score.status == "completed" and score.endpoint == "/v1/score"
+    assert (score.request_counts.completed, score.request_counts.failed) == (2, 1)
+    out = lines_of(openai_client, score.output_file_id)
+    err = lines_of(openai_client, score.error_file_id)
+    assert set(err) == {"content"} and err["content"]["response"]["status_code"] == 400
+    pets = out["pets"]["response"]["body"]
+    assert pets["object"] == "list" and pets["model"] == EMBED_MODEL
+    (kitten, revenue) = (d["score"] for d in pets["data"])
+    assert -1 <= revenue < kitten <= 1  # the two pet sentences are the closest pair
+    pairs = out["pairs"]["response"]["body"]["data"]
+    assert pairs[0]["score"] == pytest.approx(kitten, abs=1e-4)  # the same pair again
+    assert score.usage.input_tokens == sum(
+        r["response"]["body"]["usage"]["prompt_tokens"] for r in out.values())
+    assert score.usage.input_tokens > 0 and score.usage.output_tokens == 0
+
+    rerank = done["/v1/rerank"]
+    assert rerank.status == "completed" and rerank.request_counts.completed == 2
+    out = lines_of(openai_client, rerank.output_file_id)
+    ranked = out["ranked"]["response"]["body"]["results"]
+    # documents are the texts reversed: the query itself (index 2) first, then the kitten.
+    assert [r["index"] for r in ranked] == [2, 1, 0]
+    assert [r["document"]["text"] for r in ranked] == texts
+    assert ranked[0]["relevance_score"] == pytest.approx(1.0, abs=1e-4)
+    assert ranked[1]["relevance_score"] == pytest.approx(kitten, abs=1e-4)
+    assert out["top"]["response"]["body"]["results"] == ranked[:1]
+    assert rerank.usage.input_tokens == sum(
+        r["response"]["body"]["usage"]["prompt_tokens"] for r in out.values())
 
 
 # --- content policy (each rule type, both policies), quality flags and the JSON retry ---

@@ -13,7 +13,9 @@ from engine import (
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
+    RERANK,
     RESPONSES,
+    SCORE,
     EngineError,
     EngineRequest,
     EngineResult,
@@ -122,6 +124,68 @@ def test_embeddings_deterministic_8_dim() -> None:
     assert r1.body["usage"]["prompt_tokens"] == 3 and r1.body["usage"]["total_tokens"] == 3
 
 
+def test_score_is_the_cosine_of_the_echo_embeddings() -> None:
+    engine = echo()
+    texts = ["a cat", "a kitten", "taxes rose"]
+    (embedded,) = engine.run([EngineRequest("e", EMBEDDINGS, {"model": "echo-test",
+                                                              "input": texts})])
+    cat, kitten, taxes = (d["embedding"] for d in embedded.body["data"])
+
+    def cosine(a: list[float], b: list[float]) -> float:
+        dot = sum(x * y for x, y in zip(a, b, strict=True))
+        return dot / (sum(x * x for x in a) ** 0.5 * sum(y * y for y in b) ** 0.5)
+
+    results = run_all(engine, [
+        EngineRequest("1:N", SCORE, {"model": "echo-test", "queries": "a cat",
+                                     "documents": ["a kitten", "taxes rose"]}),
+        EngineRequest("N:N", SCORE, {"model": "echo-test", "text_1": ["a cat", "a kitten"],
+                                     "text_2": [{"content": [{"type": "text",
+                                                              "text": "a kitten"}]},
+                                                "taxes rose"]}),
+    ])
+    one = results["1:N"].body
+    assert results["1:N"].status_code == 200
+    assert set(one) == {"id", "object", "created", "model", "data", "usage"}
+    assert one["id"].startswith("score-") and one["object"] == "list"
+    assert [(d["index"], d["object"]) for d in one["data"]] == [(0, "score"), (1, "score")]
+    assert [d["score"] for d in one["data"]] == pytest.approx(
+        [cosine(cat, kitten), cosine(cat, taxes)])
+    # Each input's words once (the query is embedded once), as vLLM counts them.
+    assert one["usage"] == {"prompt_tokens": 6, "total_tokens": 6, "completion_tokens": 0,
+                            "prompt_tokens_details": None, "completion_tokens_details": None}
+    pairs = results["N:N"].body["data"]
+    assert [d["score"] for d in pairs] == pytest.approx(
+        [cosine(cat, kitten), cosine(kitten, taxes)])
+
+
+def test_rerank_orders_the_documents_by_relevance_and_keeps_top_n() -> None:
+    documents = ["taxes rose", "a kitten", "dogs bark", {"content": [
+        {"type": "text", "text": "a cat"}]}]
+    body = {"model": "echo-test", "query": "a cat", "documents": documents}
+    results = run_all(echo(), [EngineRequest("all", RERANK, body),
+                               EngineRequest("top", RERANK, {**body, "top_n": 2})])
+    ranked = results["all"].body
+    assert set(ranked) == {"id", "model", "usage", "results"}
+    assert ranked["id"].startswith("score-") and ranked["model"] == "echo-test"
+    scores = [r["relevance_score"] for r in ranked["results"]]
+    assert scores == sorted(scores, reverse=True) and len(scores) == 4
+    # The same text scores 1 against itself: the multimodal-shaped document comes first.
+    assert ranked["results"][0] == {"index": 3, "document": {
+        "text": None, "multi_modal": documents[3]["content"]},
+        "relevance_score": pytest.approx(1.0)}
+    assert {r["index"]: r["document"] for r in ranked["results"]}[1] == {
+        "text": "a kitten", "multi_modal": None}
+    assert ranked["usage"] == {"prompt_tokens": 10, "total_tokens": 10}
+    assert results["top"].body["results"] == ranked["results"][:2]
+
+
+def test_a_score_input_over_the_context_is_400_like_vllm() -> None:
+    (result,) = echo(max_model_len=3).run([EngineRequest(
+        "s", RERANK, {"model": "echo-test", "query": "a", "documents": ["w " * 4]})])
+    assert result.status_code == 400
+    assert "maximum context length is 3 tokens" in result.body["error"]["message"]
+
+
 def test_too_long_prompt_is_400_like_vllm() -> None:
     engine = echo(max_model_len=10)
     results = run_all(engine, [chat("long", "w " * 8, max_tokens=5), chat("ok", "short")])
@@ -142,6 +206,9 @@ def test_a_body_it_cannot_read_is_one_400() -> None:
         EngineRequest("p", COMPLETIONS, {"model": "echo-test"}),
         EngineRequest("e", EMBEDDINGS, {"model": "echo-test", "input": 3}),
         EngineRequest("u", "/v1/responses", {"model": "echo-test"}),
+        EngineRequest("s", SCORE, {"model": "echo-test", "text_1": "a"}),
+        EngineRequest("n", SCORE, {"model": "echo-test", "queries": ["a", "b"],
+                                   "documents": ["c", "d", "e"]}),
     ]
     assert {r.status_code for r in echo().run(reqs)} == {400}
 

@@ -7,7 +7,16 @@ import random
 
 import pytest
 
-from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RESPONSES, request_messages
+from engine.base import (
+    CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
+    MESSAGES,
+    RERANK,
+    RESPONSES,
+    SCORE,
+    request_messages,
+)
 from engine.tokens import PromptCounter
 from jobs.engines import model_spec
 
@@ -95,6 +104,20 @@ def test_completions_and_embeddings_prompts(chat_counter, embed_counter):
     assert_over_agrees(embed_counter, EMBEDDINGS, inputs)
     # WordPiece adds [CLS] and [SEP].
     assert embed_counter.count(EMBEDDINGS, {"input": "hello"}) == 3
+
+
+def test_score_and_rerank_count_their_largest_input(embed_counter):
+    # An embeddings model embeds each input of both sides on its own: the largest decides.
+    def tokens(text: str) -> int:
+        return embed_counter.count(EMBEDDINGS, {"input": text})
+
+    score = {"queries": "short", "documents": [SAMPLES[0], {"content": [
+        {"type": "text", "text": SAMPLES[2]}]}]}
+    assert embed_counter.count(SCORE, score) == max(tokens(SAMPLES[0]), tokens(SAMPLES[2]))
+    assert_over_agrees(embed_counter, SCORE, score)
+    rerank = {"query": SAMPLES[3], "documents": ["a cat", "a dog"]}
+    assert embed_counter.count(RERANK, rerank) == tokens(SAMPLES[3])
+    assert_over_agrees(embed_counter, RERANK, rerank)
 
 
 def test_the_prompt_size_rule_counts_the_models_tokens(chat_counter):

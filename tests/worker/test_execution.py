@@ -261,6 +261,43 @@ def test_a_responses_batch_runs_on_a_worker_process(openai_client, workers):
                                             for r in out)
 
 
+@pytest.mark.parametrize("endpoint", ["/v1/score", "/v1/rerank"])
+def test_score_and_rerank_batches_run_on_a_worker_process(openai_client, workers, endpoint):
+    """The openai client's batches.create types `endpoint` as a Literal of OpenAI's
+    endpoints but sends any string: vLLM's score and rerank batches are created with it."""
+    def line(custom_id: str, query: str, **body) -> dict:
+        shape = ({"queries": query, "documents": ["a kitten", "taxes rose"]}
+                 if endpoint == "/v1/score" else {"query": query,
+                                                  "documents": ["taxes rose", "a kitten"]})
+        return {"custom_id": custom_id, "method": "POST", "url": endpoint,
+                "body": {"model": "echo-test", **shape, **body}}
+
+    lines = [line(f"q{i}", f"a cat number {i}") for i in range(6)]
+    lines += [line("again", "a cat number 0"),  # deterministic: computed once
+              line("too-long", "word " * 3000)]
+    batch = openai_client.batches.create(
+        input_file_id=upload(openai_client, jsonl(lines)).id, endpoint=endpoint,
+        completion_window="24h")
+    workers.start(env={"BATCHWEB_SHARD_SIZE": "3"})
+    batch = wait_status(openai_client, batch.id, {"completed"})
+    assert batch.endpoint == endpoint and batch.model == "echo-test"
+    out, err = every_custom_id_once(openai_client, batch,
+                                    {line["custom_id"] for line in lines})
+    assert [e["custom_id"] for e in err] == ["too-long"]
+    assert "maximum context length" in err[0]["response"]["body"]["error"]["message"]
+    bodies = {r["custom_id"]: r["response"]["body"] for r in out}
+    if endpoint == "/v1/score":
+        assert [d["object"] for d in bodies["q1"]["data"]] == ["score", "score"]
+    else:
+        assert {r["document"]["text"] for r in bodies["q1"]["results"]} == {
+            "a kitten", "taxes rose"}
+    assert bodies["again"] == bodies["q0"]
+    assert Batch.objects.get(pk=batch.id).dedup_saved == 1
+    computed = [body for custom_id, body in bodies.items() if custom_id != "again"]
+    assert batch.usage.input_tokens == sum(b["usage"]["prompt_tokens"] for b in computed)
+    assert batch.usage.output_tokens == 0
+
+
 def test_a_worker_with_a_full_batch_leaves_shards_to_an_idle_one(openai_client, workers,
                                                                    settings):
     # Each echo engine computes 4 requests at a time (0.1 s each) and a shard is 8 requests,

@@ -22,6 +22,8 @@ from typing import Any
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
+SCORE = "/v1/score"
+RERANK = "/v1/rerank"
 MODEL = "echo-test"
 DROP = object()  # an override that removes the key
 
@@ -215,6 +217,20 @@ LINE_CASES = [
              jsonl({"custom_id": "e", "method": "POST", "url": EMBEDDINGS,
                     "body": {"model": MODEL, "input": []}}),
              [(1, "invalid_body")], endpoint=EMBEDDINGS),
+    LineCase("score sides that cannot be paired",
+             jsonl({"custom_id": "s", "method": "POST", "url": SCORE,
+                    "body": {"model": MODEL, "queries": ["a", "b"], "documents": ["c"]}},
+                   {"custom_id": "t", "method": "POST", "url": SCORE,
+                    "body": {"model": MODEL, "queries": "a", "documents": []}},
+                   {"custom_id": "u", "method": "POST", "url": SCORE,
+                    "body": {"model": MODEL, "text_1": "a", "documents": ["c"]}}),
+             [(1, "invalid_body"), (2, "invalid_body"), (3, "invalid_body")], endpoint=SCORE),
+    LineCase("rerank without its query or with a bad top_n",
+             jsonl({"custom_id": "r", "method": "POST", "url": RERANK,
+                    "body": {"model": MODEL, "documents": ["c"]}},
+                   {"custom_id": "q", "method": "POST", "url": RERANK,
+                    "body": {"model": MODEL, "query": "a", "documents": ["c"], "top_n": 0}}),
+             [(1, "missing_required_parameter"), (2, "invalid_parameter")], endpoint=RERANK),
     _bad("negative or zero max_tokens", {"body__max_tokens": -5}, {"body__max_tokens": 0},
          code="invalid_parameter"),
     _bad("huge max_tokens", {"body__max_tokens": 10**12}, {"body__max_completion_tokens": 10**6},
