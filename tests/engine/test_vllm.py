@@ -14,9 +14,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed (make engine)")
-
-from engine import (  # noqa: E402
+from engine import (
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
@@ -26,12 +24,13 @@ from engine import (  # noqa: E402
     EngineResult,
     load_engine,
 )
-from engine.prepare import DEFAULT_MODELS, prepare_model  # noqa: E402
-from engine.vllm_engine import VllmEngine  # noqa: E402
-from jobs.quality import flags_for, response_output_text  # noqa: E402
-from jobs.wire import DOCUMENTED_FIELDS, usage_of  # noqa: E402
+from engine.prepare import DEFAULT_MODELS, prepare_model
+from engine.vllm_engine import VllmEngine
+from jobs.quality import flags_for, response_output_text
+from jobs.wire import DOCUMENTED_FIELDS, usage_of
+from tests.engine import needs_vllm
 
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+pytestmark = [needs_vllm, pytest.mark.engine, pytest.mark.timeout(600)]
 
 NAME = "smol"
 MAX_MODEL_LEN = 512

@@ -10,9 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed (make engine)")
-
-from engine import (  # noqa: E402
+from engine import (
     CHAT,
     EMBEDDINGS,
     RERANK,
@@ -21,10 +19,11 @@ from engine import (  # noqa: E402
     ModelSpec,
     load_engine,
 )
-from engine.prepare import DEFAULT_MODELS, prepare_model  # noqa: E402
-from engine.vllm_engine import VllmEngine  # noqa: E402
+from engine.prepare import DEFAULT_MODELS, prepare_model
+from engine.vllm_engine import VllmEngine
+from tests.engine import needs_vllm
 
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(600)]
+pytestmark = [needs_vllm, pytest.mark.engine, pytest.mark.timeout(600)]
 
 NAME = "minilm"
 

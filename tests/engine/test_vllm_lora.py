@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM is not installed (make engine)")
+from engine import CHAT, COMPLETIONS, EngineRequest, ModelSpec, load_engine
+from engine.prepare import DEFAULT_MODELS, prepare_model
+from engine.vllm_engine import VllmEngine
+from tests.engine import needs_vllm
+from tests.lora import write_adapter, write_adapter_config
 
-from engine import CHAT, COMPLETIONS, EngineRequest, ModelSpec, load_engine  # noqa: E402
-from engine.prepare import DEFAULT_MODELS, prepare_model  # noqa: E402
-from engine.vllm_engine import VllmEngine  # noqa: E402
-from tests.lora import write_adapter, write_adapter_config  # noqa: E402
-
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
+pytestmark = [needs_vllm, pytest.mark.engine, pytest.mark.timeout(900)]
 
 NAME = "smol"
 

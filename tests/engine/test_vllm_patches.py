@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("vllm", reason="vLLM is not installed (make engine)")
+from engine.vllm_patches import _applies_base_tokens_delta, _skipping_base_tokens
+from tests.engine import needs_vllm
 
-from engine.vllm_patches import _applies_base_tokens_delta, _skipping_base_tokens  # noqa: E402
-
-pytestmark = pytest.mark.engine
+pytestmark = [needs_vllm, pytest.mark.engine]
 
 
 def original(name: str):
@@ -28,6 +26,8 @@ def test_vllms_own_op_applies_the_last_adapter_to_base_tokens() -> None:
 
 @pytest.mark.parametrize("name", ["bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"])
 def test_the_fix_keeps_base_rows_and_changes_nothing_else(name: str) -> None:
+    import torch
+
     generator = torch.Generator().manual_seed(0)
     slots, rank, width, tokens = 2, 4, 6, 5
     indices = torch.tensor([0, -1, 1, -1, 1])
