@@ -6,8 +6,31 @@ DJANGO_SETTINGS_MODULE."""
 import os
 import tempfile
 from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 _ROOT = Path(__file__).resolve().parent.parent
+
+
+def _redis_url_of_process(url: str, index: int) -> str:
+    """URL on the database `index` places after its own (before it, past Redis's 16)."""
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query))
+    unix = parts.scheme == "unix"
+    base = int(query.get("db", 0) if unix else parts.path.strip("/") or 0)
+    db = base + index if base + index < 16 else base - index
+    if unix:  # unix:///path?db=N (urlunsplit would drop the "//")
+        return f"unix://{parts.path}?{urlencode({**query, 'db': db})}"
+    return urlunsplit(parts._replace(path=f"/{db}"))
+
+
+# pytest-xdist runs the suite in several processes (`make check`). pytest-django gives each
+# its own test database; each also gets a Redis database and a storage folder of its own,
+# which the worker processes its tests start inherit (once: they import this module too).
+_XDIST_PROCESS = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ...
+if _XDIST_PROCESS and os.environ.get("BATCHWEB_TESTS_PROCESS") != _XDIST_PROCESS:
+    os.environ["BATCHWEB_TESTS_PROCESS"] = _XDIST_PROCESS
+    os.environ["REDIS_URL"] = _redis_url_of_process(
+        os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), int(_XDIST_PROCESS[2:]))
 for _name, _value in {
     "BATCHWEB_ECHO_MODEL": "1",
     # Live-server threads must not keep connections, or the test database cannot be dropped.
@@ -16,7 +39,8 @@ for _name, _value in {
     "BATCHWEB_HEARTBEAT_TIMEOUT_SECONDS": "6",
     "BATCHWEB_RECONCILE_SECONDS": "2",
     "BATCHWEB_SHARD_RETRY_BASE_SECONDS": "1",
-    "BATCHWEB_STORAGE_DIR": str(_ROOT / "var" / "test-storage"),
+    "BATCHWEB_STORAGE_DIR": str(_ROOT / "var" / "-".join(filter(None, ["test-storage",
+                                                                      _XDIST_PROCESS]))),
     # Scratch of this test session only (its worker processes inherit it): workers sweep
     # TMP_DIR of parts whose shard is not running in *their* database, so a session must
     # not share it with `make run` or another session.
