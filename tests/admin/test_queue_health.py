@@ -117,9 +117,15 @@ def test_queue_health_shows_workers_per_host_and_a_lost_host(admin_client, user,
         held = int(section.split('<td class="host-held">')[1].split("<")[0])
         assert held == running_rows.count(f"<td>{host}."), section
 
-    # The machine of host-b dies: its worker is SIGKILLed, so it sends no heartbeat.
+    # The machine of host-b dies: its worker is SIGKILLed, so it sends no heartbeat. The
+    # batch is cancelled at once, so that host-a is idle while host-b goes silent.
     doomed.send_signal(signal.SIGKILL)
     doomed.wait()
+    cancel_batch(batch=batch)
+    wait_for(lambda: not Shard.objects.filter(batch=batch, status="running",
+                                              worker__startswith="host-a.").exists(),
+             timeout=30, message="host-a's shards to stop")
+    host_a_idle_since = time.monotonic()
 
     def host_b_lost():
         page = admin_client.get("/admin/jobs/shard/health/").content.decode()
@@ -139,10 +145,8 @@ def test_queue_health_shows_workers_per_host_and_a_lost_host(admin_client, user,
 
     # An idle worker is not lost: RQ itself would refresh its heartbeat only when its wait
     # for a job times out (minutes), batchworker's presence thread does every second.
-    cancel_batch(batch=batch)
-    wait_for(lambda: not Shard.objects.filter(batch=batch, status="running").exists(),
-             timeout=30, message="the batch's shards to stop")
-    time.sleep(settings.BATCHWEB["HEARTBEAT_TIMEOUT_SECONDS"] + 2)
+    time.sleep(max(0.0, host_a_idle_since + settings.BATCHWEB["HEARTBEAT_TIMEOUT_SECONDS"] + 2
+                   - time.monotonic()))
     alive = next(h for h in health.queue_health().hosts if h.hostname == "host-a")
     assert not alive.lost and alive.workers[0].state == "idle"
     assert alive.heartbeat_age is not None and alive.heartbeat_age.total_seconds() < 3
