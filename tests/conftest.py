@@ -4,8 +4,10 @@ receiver on loopback with the settings that let the service call it."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,33 @@ import pytest
 from tests.factories import Receiver, Workers
 
 EPOCH = time.time()
+
+# Fixtures that run workers (real processes, or the pipeline in this one): a test using one
+# spends seconds waiting on them.
+WORKER_FIXTURES = {"workers", "service", "gpu_host", "make_pipeline"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make check`), give every process the same share of the tests that
+    wait on workers, at the head of its share.
+
+    Work stealing hands each process a contiguous slice of the collection and later moves
+    tests from the end of a busy process's queue to an idle one. Left in file order, the
+    slow tests bunch in the slices of a few modules and the run ends waiting on one process;
+    at the heads of the slices they run first, while the quick tests behind them are still
+    there to be stolen."""
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if count < 2:
+        return
+    slow = [item for item in items if WORKER_FIXTURES & set(item.fixturenames)]
+    quick = iter([item for item in items if not WORKER_FIXTURES & set(item.fixturenames)])
+    shares: list[list[pytest.Item]] = [slow[index::count] for index in range(count)]
+    left = len(items)
+    for index, share in enumerate(shares):
+        size = left // (count - index)  # the scheduler's first split of what is left
+        left -= size
+        share.extend(islice(quick, max(0, size - len(share))))
+    items[:] = [item for share in shares for item in share] + list(quick)
 
 
 @pytest.fixture(autouse=True)
