@@ -118,9 +118,11 @@ def manage(env: dict[str, str], *args: str) -> str:
 def in_deployment(env: dict[str, str], command: str, *args: str) -> Any:
     """Run one of this module's COMMANDS inside the deployment of `env`; what it printed
     last, as JSON."""
-    out = subprocess.run([PY, "-m", "bench.harness", command, *args], cwd=ROOT, env=env,
-                         check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    done = subprocess.run([PY, "-m", "bench.harness", command, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True)
+    if done.returncode:  # its traceback, not only its exit status
+        raise RuntimeError(f"bench.harness {command} exited {done.returncode}:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def prepare(env: dict[str, str]) -> str:
