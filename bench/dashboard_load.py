@@ -254,7 +254,11 @@ def main() -> None:
     parser.add_argument("--change-seconds", type=float, default=10.0,
                         help="how often the running batch's counts change (a shard ends)")
     parser.add_argument("--shard-size", type=int, default=50)
-    parser.add_argument("--gunicorn-workers", type=int, default=2)
+    parser.add_argument("--server", choices=("gunicorn", "granian"), default="gunicorn",
+                        help="the web server (granian: to measure what gunicorn itself "
+                             "costs; needs `pip install granian`)")
+    parser.add_argument("--gunicorn-workers", type=int, default=2,
+                        help="web server processes")
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--batchworkers", type=int, default=1)
     parser.add_argument("--database-url", default="",
@@ -298,10 +302,16 @@ def measure(args: argparse.Namespace, scratch: Path) -> None:
         key = harness.in_deployment(env, "history", str(args.history), "10", PASSWORD)["key"]
         print(f"setup: {args.history} ended batches in {time.monotonic() - started:.0f} s",
               flush=True)
-        server = harness.gunicorn(
-            web_port, env, "-k", "gthread", "-w", str(args.gunicorn_workers), "--threads",
-            str(args.threads), "--timeout", "120", "--keep-alive", "30",
-            app="bench.timed_wsgi:application", stdout=log, stderr=subprocess.STDOUT)
+        if args.server == "granian":
+            server = harness.granian(
+                web_port, env, "--workers", str(args.gunicorn_workers), "--blocking-threads",
+                str(args.threads), app="bench.timed_wsgi:application", stdout=log,
+                stderr=subprocess.STDOUT)
+        else:
+            server = harness.gunicorn(
+                web_port, env, "-k", "gthread", "-w", str(args.gunicorn_workers), "--threads",
+                str(args.threads), "--timeout", "120", "--keep-alive", "30",
+                app="bench.timed_wsgi:application", stdout=log, stderr=subprocess.STDOUT)
         procs.append(server)
         for _ in range(args.batchworkers):
             procs.append(harness.batchworker("echo-test", env, log))
@@ -353,7 +363,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> None:
                         for i in range(args.pollers)] + [listers] * args.listers)
             shape = f"{args.pollers} pollers + {args.listers} listers"
         print(f"load: {shape}, every "
-              f"{args.interval:g} s, for {args.seconds:g} s against gunicorn "
+              f"{args.interval:g} s, for {args.seconds:g} s against {args.server} "
               f"{args.gunicorn_workers}x{args.threads} threads ({database}); batch {batch_id} "
               f"of {args.batch_requests} requests in shards of {args.shard_size} on "
               f"{args.batchworkers} echo worker(s) at {echo_seconds} s/request", flush=True)
@@ -403,7 +413,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> None:
     report: dict[str, Any] = {
         "mode": "heavy" if args.heavy else "api" if args.api_clients else "dashboard",
         "seconds": round(elapsed, 1), "interval": args.interval,
-        "gunicorn": f"{args.gunicorn_workers}x{args.threads}", "database": database,
+        "server": f"{args.server} {args.gunicorn_workers}x{args.threads}", "database": database,
         "load_average": [round(load_before[0], 2), round(load_after[0], 2)]}
     if args.heavy:
         report["heavy_clients"] = args.heavy_clients
@@ -452,7 +462,7 @@ def summarize(report: dict[str, Any], stats: Stats, endpoints: dict[str, str], *
     print(f"\noffered load: {offered:.1f} requests/s sent ({nominal:.1f}/s if every answer "
           f"were instant), {len(samples) / elapsed:.1f}/s answered")
     print(f"web server CPU: {cpu:.1f} s, {1000 * cpu / max(total, 1):.2f} ms a request "
-          f"({1000 * django_cpu / max(total, 1):.2f} in Django, {server_ms:.2f} in gunicorn "
+          f"({1000 * django_cpu / max(total, 1):.2f} in Django, {server_ms:.2f} in the server "
           f"around it); the load generator's own CPU: {own:.1f} s")
     header = (f"{'endpoint':<38} {'requests':>8} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} "
               f"{'errors':>6} {'busy':>5} {'cpu ms':>7} {'db ms':>6} {'queries':>7}")

@@ -141,6 +141,14 @@ def gunicorn(port: int, env: dict[str, str], *options: str,
                              f"127.0.0.1:{port}", *options], cwd=ROOT, env=env, **popen)
 
 
+def granian(port: int, env: dict[str, str], *options: str,
+            app: str = "batchweb.wsgi:application", **popen: Any) -> subprocess.Popen:
+    """The same application under Granian (a web server written in Rust, `pip install
+    granian`): for measuring what the web server itself costs a request."""
+    return subprocess.Popen([PY, "-m", "granian", "--interface", "wsgi", "--host", "127.0.0.1",
+                             "--port", str(port), *options, app], cwd=ROOT, env=env, **popen)
+
+
 def batchworker(model: str, env: dict[str, str], out: Any, *options: str,
                 prefix: Sequence[str] = (), **popen: Any) -> subprocess.Popen:
     """`manage.py batchworker --model MODEL OPTIONS`, its output (and errors) to `out`: a
