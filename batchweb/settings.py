@@ -177,11 +177,14 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
 # data it sent) go unanswered: a lost host's locks go within about twice that. A live client
 # answers the probes however long it stays in a transaction. The default, a quarter of the
 # heartbeat timeout, frees the locks before the other workers' waiting heartbeats grow
-# stale. 0 leaves the server's own settings (a pooler such as PgBouncer may refuse the
-# startup `options`: set the same keepalives on the server then).
+# stale. 0 leaves the server's own settings. Behind a pooler (DB_TRANSACTION_POOLING) it is 0
+# unless set: PgBouncer refuses startup `options`, and the sessions PostgreSQL sees are the
+# pooler's, so it is the pooler that must notice a dead client (its tcp_keepalive settings
+# and idle_transaction_timeout; see the README's scaling section).
 DB_DEAD_CLIENT_SECONDS = env_int(
     "BATCHWEB_DB_DEAD_CLIENT_SECONDS",
-    max(1, env_int("BATCHWEB_HEARTBEAT_TIMEOUT_SECONDS", 30) // 4))
+    0 if env_bool("DB_TRANSACTION_POOLING")
+    else max(1, env_int("BATCHWEB_HEARTBEAT_TIMEOUT_SECONDS", 30) // 4))
 if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql" and DB_DEAD_CLIENT_SECONDS:
     _options = DATABASES["default"].setdefault("OPTIONS", {})
     _interval = max(1, DB_DEAD_CLIENT_SECONDS // 3)

@@ -364,9 +364,7 @@ class Fleet:
                     "BATCHWEB_TIMINGS_DIR": str(self.timings),
                     "BATCHWEB_HTTPS": "0", "LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
         if self.bouncer:
-            # PgBouncer refuses the startup `options` that ask PostgreSQL to probe idle
-            # clients; the fleet's hosts do not die here, so none are asked for.
-            self.env.update(DB_TRANSACTION_POOLING="1", BATCHWEB_DB_DEAD_CLIENT_SECONDS="0")
+            self.env["DB_TRANSACTION_POOLING"] = "1"
         self.env.setdefault("BATCHWEB_MODELS_DIR", str(harness.ROOT / "var" / "models"))
         # Migrations straight to PostgreSQL; everything else as the deployment runs it.
         harness.manage({**self.env, "DATABASE_URL": self.direct_url}, "migrate", "-v0")

@@ -101,6 +101,11 @@ def test_postgres_sessions_ask_the_server_to_notice_a_dead_host() -> None:
     assert options["options"].endswith(" -c tcp_keepalives_idle=60")
     assert "options" not in _database_options(DATABASE_URL=url,
                                               BATCHWEB_DB_DEAD_CLIENT_SECONDS="0")
+    # PgBouncer refuses startup options: behind it none are sent unless asked for.
+    assert "options" not in _database_options(DATABASE_URL=url, DB_TRANSACTION_POOLING="1")
+    assert _database_options(DATABASE_URL=url, DB_TRANSACTION_POOLING="1",
+                             BATCHWEB_DB_DEAD_CLIENT_SECONDS="10")["options"].startswith(
+        "-c tcp_keepalives_idle=10 ")
 
 
 @pytest.mark.django_db
