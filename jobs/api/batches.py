@@ -30,13 +30,14 @@ def create(request: HttpRequest, user: Any) -> HttpResponse:
 
 
 def list_batches(request: HttpRequest, user: Any) -> HttpResponse:
-    """OpenAI's list, with two filters of our own: `status` (one or several, comma
-    separated) and `metadata[KEY]=VALUE` (every one given must match). The unfiltered
-    first page, what pollers ask for, comes from a query compiled once."""
-    objects = _filtered(Batch.objects.filter(owner=user), request)
+    """OpenAI's list of the batches made through it, with two filters of our own: `status`
+    (one or several, comma separated) and `metadata[KEY]=VALUE` (every one given must
+    match). The unfiltered first page, what pollers ask for, comes from a query compiled
+    once."""
+    objects = _filtered(Batch.objects.filter(owner=user, api=Batch.Api.OPENAI), request)
     filtered = any(k == "status" or k.startswith("metadata[") for k in request.GET)
     newest = None if filtered else (
-        lambda count: batches.newest_batches(owner=user, count=count))
+        lambda count: batches.newest_batches(owner=user, count=count, api=Batch.Api.OPENAI))
     return paginate(request, objects, default_limit=20, max_limit=100, newest=newest)
 
 
@@ -60,7 +61,7 @@ def retrieve(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
     """The batch; a poller that sends back the ETag of its last answer gets 304 Not Modified
     (no body) while nothing it shows changed. The ETag is the body's hash, so it covers
     every field shown, counters and status alike."""
-    response = JsonResponse(batches.get_batch_for_user(owner=user, batch_id=batch_id)
+    response = JsonResponse(batches.get_openai_batch_for_user(owner=user, batch_id=batch_id)
                             .to_openai())
     set_response_etag(response)
     # Revalidated on every use (a shared cache must never keep one owner's batch).
@@ -73,7 +74,7 @@ def results(request: HttpRequest, user: Any, batch_id: str) -> HttpResponseBase:
     JSONL lines in the output-file format (see jobs.queries.results.results_page). The
     headers say whether the batch has ended, whether more lines are there now, and where
     the next page starts."""
-    batch = batches.get_batch_for_user(owner=user, batch_id=batch_id)
+    batch = batches.get_openai_batch_for_user(owner=user, batch_id=batch_id)
     status = request.GET.get("status")
     if status not in (None, "", *result_pages.STATUSES):
         raise ServiceError("status must be 'succeeded' or 'failed'.", param="status")
@@ -92,7 +93,7 @@ def results(request: HttpRequest, user: Any, batch_id: str) -> HttpResponseBase:
 
 
 def cancel(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
-    batch = batches.get_batch_for_user(owner=user, batch_id=batch_id)
+    batch = batches.get_openai_batch_for_user(owner=user, batch_id=batch_id)
     return JsonResponse(stopping.cancel_batch(batch=batch).to_openai())
 
 

@@ -112,18 +112,20 @@ _BATCH_OF_OWNER = Compiled(lambda owner_id, batch_id: Batch.objects.filter(
 # The newest batches of an owner (the first page of both lists, which clients and open
 # dashboards poll), compiled once for each page size (the size is part of the SQL), and
 # their count.
-_NEWEST: dict[int, Compiled] = {}
+_NEWEST: dict[tuple[int, str | None], Compiled] = {}
 _COUNT = Compiled(lambda owner_id: Batch.objects.filter(owner_id=owner_id).order_by()
                   .values("owner_id").annotate(count=Count("pk")).values_list("count"),
                   "owner_id")
 
 
-def newest_batches(*, owner: Any, count: int) -> list[Batch]:
-    """The owner's `count` newest batches, newest first (ties by id, newest first)."""
-    compiled = _NEWEST.get(count)
+def newest_batches(*, owner: Any, count: int, api: str | None = None) -> list[Batch]:
+    """The owner's `count` newest batches (of one `api`, if given), newest first (ties by
+    id, newest first)."""
+    compiled = _NEWEST.get((count, api))
     if compiled is None:
-        compiled = _NEWEST[count] = Compiled(
-            lambda owner_id: Batch.objects.filter(owner_id=owner_id).order_by(
+        wanted = {"api": api} if api else {}
+        compiled = _NEWEST[count, api] = Compiled(
+            lambda owner_id: Batch.objects.filter(owner_id=owner_id, **wanted).order_by(
                 "-created_at", "-pk")[:count], "owner_id")
     return compiled.rows(owner_id=owner.pk)
 
@@ -138,6 +140,15 @@ def get_batch_for_user(*, owner: Any, batch_id: str) -> Batch:
     if not found:
         raise not_found("batch", batch_id)
     return found[0]
+
+
+def get_openai_batch_for_user(*, owner: Any, batch_id: str) -> Batch:
+    """A batch created through OpenAI's API: each API shows only its own batches (the
+    dashboard shows both)."""
+    batch = get_batch_for_user(owner=owner, batch_id=batch_id)
+    if batch.api != Batch.Api.OPENAI:
+        raise not_found("batch", batch_id)
+    return batch
 
 
 def get_message_batch_for_user(*, owner: Any, batch_id: str) -> Batch:

@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import anthropic
+import openai
 import pytest
 import requests
 from django.utils import timezone
@@ -209,7 +210,7 @@ def test_a_model_not_served_ends_every_request_errored(anthropic_client):
 
 
 def test_another_users_batch_is_404(anthropic_client, other_anthropic_client, openai_client,
-                                    live_server, other_key):
+                                    live_server, api_key, other_key):
     batch = create(anthropic_client, 1)
     calls = [other_anthropic_client.messages.batches.retrieve,
              other_anthropic_client.messages.batches.cancel,
@@ -222,11 +223,21 @@ def test_another_users_batch_is_404(anthropic_client, other_anthropic_client, op
     response = requests.get(f"{live_server.url}/v1/messages/batches/{batch.id}/results",
                             headers={"x-api-key": other_key})
     assert response.status_code == 404
-    # An OpenAI batch is no Message Batch, and a Message Batch is no OpenAI batch's list.
+    # An OpenAI batch is no Message Batch, and a Message Batch is no OpenAI batch: each API
+    # lists and finds only its own.
     openai_batch = submit(openai_client, [chat_line("a", "x")])
     with pytest.raises(anthropic.NotFoundError):
         anthropic_client.messages.batches.retrieve(openai_batch.id)
     assert [b.id for b in anthropic_client.messages.batches.list()] == [batch.id]
+    assert [b.id for b in openai_client.batches.list()] == [openai_batch.id]
+    assert [b.id for b in openai_client.batches.list(extra_query={"status": "validating"})] \
+        == [openai_batch.id]
+    for openai_call in (openai_client.batches.retrieve, openai_client.batches.cancel):
+        with pytest.raises(openai.NotFoundError):
+            openai_call(batch.id)
+    response = requests.get(f"{live_server.url}/v1/batches/{batch.id}/results",
+                            headers={"Authorization": f"Bearer {api_key}"})
+    assert response.status_code == 404
     assert Batch.objects.get(pk=batch.id).status == "validating"
 
 
