@@ -47,7 +47,7 @@ lint: install
 typecheck: install
 	.venv/bin/mypy
 
-# The fast tier (no engine installed; under 2 minutes on 2 cores): lint, types, and every
+# The fast tier (no engine installed; 2-2.5 minutes on 2 cores): lint, types, and every
 # test that needs neither vLLM nor the prepared models. Most of its time is tests waiting on
 # the processes they start, so 4 processes share the 2 cores, work stealing keeps them busy
 # to the end, and the type check runs beside them.
