@@ -257,8 +257,8 @@ def main() -> None:
     parser.add_argument("--server", choices=("gunicorn", "granian"), default="gunicorn",
                         help="the web server (granian: to measure what gunicorn itself "
                              "costs; needs `pip install granian`)")
-    parser.add_argument("--gunicorn-workers", type=int, default=2,
-                        help="web server processes")
+    parser.add_argument("--web-workers", "--gunicorn-workers", dest="web_workers", type=int,
+                        default=2, help="web server processes")
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--batchworkers", type=int, default=1)
     parser.add_argument("--database-url", default="",
@@ -304,12 +304,12 @@ def measure(args: argparse.Namespace, scratch: Path) -> None:
               flush=True)
         if args.server == "granian":
             server = harness.granian(
-                web_port, env, "--workers", str(args.gunicorn_workers), "--blocking-threads",
+                web_port, env, "--workers", str(args.web_workers), "--blocking-threads",
                 str(args.threads), app="bench.timed_wsgi:application", stdout=log,
                 stderr=subprocess.STDOUT)
         else:
             server = harness.gunicorn(
-                web_port, env, "-k", "gthread", "-w", str(args.gunicorn_workers), "--threads",
+                web_port, env, "-k", "gthread", "-w", str(args.web_workers), "--threads",
                 str(args.threads), "--timeout", "120", "--keep-alive", "30",
                 app="bench.timed_wsgi:application", stdout=log, stderr=subprocess.STDOUT)
         procs.append(server)
@@ -364,7 +364,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> None:
             shape = f"{args.pollers} pollers + {args.listers} listers"
         print(f"load: {shape}, every "
               f"{args.interval:g} s, for {args.seconds:g} s against {args.server} "
-              f"{args.gunicorn_workers}x{args.threads} threads ({database}); batch {batch_id} "
+              f"{args.web_workers}x{args.threads} threads ({database}); batch {batch_id} "
               f"of {args.batch_requests} requests in shards of {args.shard_size} on "
               f"{args.batchworkers} echo worker(s) at {echo_seconds} s/request", flush=True)
 
@@ -413,7 +413,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> None:
     report: dict[str, Any] = {
         "mode": "heavy" if args.heavy else "api" if args.api_clients else "dashboard",
         "seconds": round(elapsed, 1), "interval": args.interval,
-        "server": f"{args.server} {args.gunicorn_workers}x{args.threads}", "database": database,
+        "server": f"{args.server} {args.web_workers}x{args.threads}", "database": database,
         "load_average": [round(load_before[0], 2), round(load_after[0], 2)]}
     if args.heavy:
         report["heavy_clients"] = args.heavy_clients

@@ -34,9 +34,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if count < 2:
         return
-    slow = [item for item in items if WORKER_FIXTURES & set(item.fixturenames)]
-    quick = iter([item for item in items if not WORKER_FIXTURES & set(item.fixturenames)])
-    shares: list[list[pytest.Item]] = [slow[index::count] for index in range(count)]
+    slow: list[pytest.Item] = []
+    rest: list[pytest.Item] = []
+    for item in items:
+        (slow if WORKER_FIXTURES.intersection(item.fixturenames) else rest).append(item)
+    quick = iter(rest)
+    shares = [slow[index::count] for index in range(count)]
     left = len(items)
     for index, share in enumerate(shares):
         size = left // (count - index)  # the scheduler's first split of what is left
