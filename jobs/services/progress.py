@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 
 from django.db import transaction
-from django.db.models import F, OuterRef, Subquery, Sum
+from django.db.models import F, Sum
 from django.db.models.functions import Coalesce
 
 from jobs.models import PROGRESS_FIELDS, Batch, Shard
@@ -16,20 +16,24 @@ from jobs.models import PROGRESS_FIELDS, Batch, Shard
 def refresh_progress(*, batch_id: str) -> None:
     """Copy the sums of the batch's shard counters onto its row (Batch.completed and the
     rest). Called after every change to a shard's counters; the shards stay the truth.
+    When the sums are what the row holds already (a heartbeat with nothing new finished),
+    the row is not written: what a poll of the batch shows has not changed, and its
+    version must not either.
 
     The batch row is locked first, so that of two workers refreshing at once the later sum
-    is written last (PostgreSQL: the UPDATE then sees every shard write committed before
-    the lock was granted; SQLite's IMMEDIATE transactions run one writer at a time)."""
-    shards = Shard.objects.filter(batch=OuterRef("pk")).order_by().values("batch")
+    is written last (PostgreSQL: the sums read after the lock is granted see every shard
+    write committed before it; SQLite's IMMEDIATE transactions run one writer at a time)."""
     # Part of the caller's transaction when there is one (it is then undone with it): no
     # savepoint, two round trips less on every heartbeat and finish.
     with transaction.atomic(savepoint=False):
         locked = Batch.objects.select_for_update().filter(pk=batch_id)
-        if not locked.values_list("pk", flat=True):
+        held = locked.values_list(*PROGRESS_FIELDS).first()
+        if held is None:
             return
-        locked.update(progress_version=F("progress_version") + 1,
-                      **{k: Coalesce(Subquery(shards.annotate(total=Sum(k)).values("total")), 0)
-                         for k in PROGRESS_FIELDS})
+        sums = Shard.objects.filter(batch_id=batch_id).order_by().aggregate(
+            **{k: Coalesce(Sum(k), 0) for k in PROGRESS_FIELDS})
+        if tuple(sums[k] for k in PROGRESS_FIELDS) != tuple(held):
+            locked.update(progress_version=F("progress_version") + 1, **sums)
 
 
 # What a poll shows of the batch row that changes without a progress write: a status move

@@ -91,13 +91,19 @@ def test_a_status_change_without_progress_is_a_full_answer(api, running):
     assert response.status_code == 200 and response.json()["status"] == "cancelling"
 
 
-def test_progress_writes_bump_the_version(running):
+def test_progress_writes_bump_the_version_only_when_the_sums_change(running):
     batch, shard = running
     before = Batch.objects.get(pk=batch.pk).progress_version
     heartbeat(shard_id=shard.pk, attempt=shard.attempt, progress=Progress(completed=1))
+    assert Batch.objects.get(pk=batch.pk).progress_version == before + 1
+    # A heartbeat with nothing new finished leaves the row, and so every poll's answer, as
+    # it was.
     heartbeat(shard_id=shard.pk, attempt=shard.attempt, progress=Progress(completed=1))
-    # Even a write that leaves the sums as they were: the version only grows.
-    assert Batch.objects.get(pk=batch.pk).progress_version == before + 2
+    assert Batch.objects.get(pk=batch.pk).progress_version == before + 1
+    heartbeat(shard_id=shard.pk, attempt=shard.attempt,
+              progress=Progress(completed=1, output_tokens=5))
+    after = Batch.objects.get(pk=batch.pk)
+    assert after.progress_version == before + 2 and after.output_tokens == 5
 
 
 def test_another_users_etag_poll_is_still_404(running, other_key):
