@@ -3,9 +3,13 @@
 Django's handler, except that requests to the API (/v1/) go through API_MIDDLEWARE (see
 settings): an API request carries its key and no cookie, and the middlewares only pages need
 (sessions, CSRF, the signed-in user, messages, htmx, login throttling, static files) cost a
-quarter of a light request such as a poll of a batch."""
+quarter of a light request such as a poll of a batch.
+
+Before either, a poll of a batch that has not changed since Django last answered the same
+client is answered from that answer (jobs.polls)."""
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import django
@@ -22,6 +26,9 @@ API_PREFIX = "/v1/"
 class Handler(WSGIHandler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        from jobs.polls import PollMemo  # models: only once Django is set up
+
+        self.polls = PollMemo()
         self.api = BaseHandler()
         # Django builds a chain from settings.MIDDLEWARE only: it is set to the API's list
         # while this one chain is built (once, at start), then put back.
@@ -32,10 +39,24 @@ class Handler(WSGIHandler):
         finally:
             settings.MIDDLEWARE = pages
 
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]
+                 ) -> Any:  # what WSGIHandler returns: an iterable of bytes
+        remembered = self.polls.answer(environ)
+        if remembered is None:
+            return super().__call__(environ, start_response)
+        status, headers, body = remembered
+        start_response(status, headers)
+        return [body]
+
     def get_response(self, request: HttpRequest) -> Any:
+        poll = self.polls.poll_of(request.META)
         if request.path_info.startswith(API_PREFIX):
-            return self.api.get_response(request)
-        return super().get_response(request)
+            response = self.api.get_response(request)
+        else:
+            response = super().get_response(request)
+        if poll is not None:
+            self.polls.file(poll, response)
+        return response
 
 
 django.setup(set_prefix=False)

@@ -94,7 +94,7 @@ P50_TARGET_MS, P99_TARGET_MS = 10.0, 100.0
 API_P99_TARGET_MS = 200.0
 UNCHANGED_CPU_TARGET_MS, CHANGED_CPU_TARGET_MS = 1.0, 3.0
 POLL_URL = re.compile(r'hx-get="([^"]*)"')
-TIMING = re.compile(r"(\w+);dur=([0-9.]+)(?:;desc=\"(\d+)\")?")
+TIMING = re.compile(r"(\w+)(?:;dur=([0-9.]+))?(?:;desc=\"(\d+)\")?")
 
 
 @dataclass
@@ -118,6 +118,7 @@ class Sample:
     cpu_ms: float = 0.0
     db_ms: float = 0.0
     queries: int = 0
+    remembered: int = 0  # 1: answered from the poll memo (jobs.polls), before Django
 
 
 @dataclass
@@ -157,6 +158,8 @@ def server_timing(response: httpx.Response, sample: Sample) -> None:
             sample.cpu_ms = float(value)
         elif name == "db":
             sample.db_ms, sample.queries = float(value), int(desc or 0)
+        elif name == "memo":
+            sample.remembered = int(desc or 0)
 
 
 # One TLS context for every client (none is used over plain HTTP, but each httpx client would
@@ -447,7 +450,8 @@ def _figures(samples: list[Sample], errors: int = 0, busy: int = 0) -> dict[str,
             "django_cpu_ms": round(sum(s.cpu_ms for s in samples) / count, 3),
             "django_wall_ms": round(sum(s.app_ms for s in samples) / count, 3),
             "db_ms": round(sum(s.db_ms for s in samples) / count, 3),
-            "queries": round(sum(s.queries for s in samples) / count, 2)}
+            "queries": round(sum(s.queries for s in samples) / count, 2),
+            "remembered": round(sum(s.remembered for s in samples) / count, 3)}
 
 
 def summarize(report: dict[str, Any], stats: Stats, endpoints: dict[str, str], *,
@@ -465,7 +469,8 @@ def summarize(report: dict[str, Any], stats: Stats, endpoints: dict[str, str], *
           f"({1000 * django_cpu / max(total, 1):.2f} in Django, {server_ms:.2f} in the server "
           f"around it); the load generator's own CPU: {own:.1f} s")
     header = (f"{'endpoint':<38} {'requests':>8} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} "
-              f"{'errors':>6} {'busy':>5} {'cpu ms':>7} {'db ms':>6} {'queries':>7}")
+              f"{'errors':>6} {'busy':>5} {'cpu ms':>7} {'db ms':>6} {'queries':>7} "
+              f"{'memo':>5}")
     print("\n" + header)
     rows: dict[str, Any] = {}
     by_op: dict[str, list[Sample]] = defaultdict(list)
@@ -478,7 +483,7 @@ def summarize(report: dict[str, Any], stats: Stats, endpoints: dict[str, str], *
         print(f"{label:<38} {figures['requests']:>8} {figures['p50_ms']:>7.1f} "
               f"{figures['p99_ms']:>7.1f} {figures['max_ms']:>7.1f} {figures['errors']:>6} "
               f"{figures['busy']:>5} {figures['web_cpu_ms']:>7.2f} {figures['db_ms']:>6.2f} "
-              f"{figures['queries']:>7.1f}")
+              f"{figures['queries']:>7.1f} {figures['remembered']:>5.0%}")
 
     for op, label in endpoints.items():
         figures = _figures(by_op[op], stats.errors[op], stats.busy[op])

@@ -3,10 +3,11 @@
 `gunicorn bench.timed_wsgi:application` serves exactly `batchweb.wsgi.application` and adds
 one header to every answer:
 
-    Server-Timing: app;dur=WALL, cpu;dur=CPU, db;dur=DB;desc="QUERIES"
+    Server-Timing: app;dur=WALL, cpu;dur=CPU, db;dur=DB;desc="QUERIES", memo;desc="M"
 
 WALL is the time in Django (ms), CPU the CPU time its thread spent meanwhile (ms), DB the time
-spent waiting on database queries (ms) and QUERIES their number. The difference WALL - CPU - DB
+spent waiting on database queries (ms) and QUERIES their number; M is 1 when the answer was
+a remembered poll (jobs.polls), else 0. The difference WALL - CPU - DB
 is time the thread was ready but not running (the GIL held by another thread of the process,
 or the core taken by another process) or waiting on Redis. What gunicorn spends around the
 call (reading and parsing the request, writing the answer, its event loop) is not in these
@@ -22,6 +23,7 @@ from typing import Any
 from django.db import connection
 
 from batchweb.wsgi import application as _service
+from jobs.polls import REMEMBERED
 
 
 class _Queries:
@@ -58,7 +60,8 @@ def application(environ: dict[str, Any], start_response: Callable[..., Any]) -> 
     wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
     status, headers, exc_info = held
     timing = (f"app;dur={wall * 1000:.3f}, cpu;dur={cpu * 1000:.3f}, "
-              f'db;dur={queries.seconds * 1000:.3f};desc="{queries.count}"')
+              f'db;dur={queries.seconds * 1000:.3f};desc="{queries.count}", '
+              f'memo;desc="{int(bool(environ.get(REMEMBERED)))}"')
     headers.append(("Server-Timing", timing))
     start_response(status, headers, exc_info)
     return chunks

@@ -28,7 +28,8 @@ import pytest
 from django.apps import apps
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
-from django.db import connection
+from django.core.signals import request_finished, request_started
+from django.db import close_old_connections, connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
@@ -323,6 +324,39 @@ def poll_of(html: str | bytes) -> tuple[str, float]:
 
 # Fields that legitimately change on a refused request (a key's "last used" stamp).
 VOLATILE_FIELDS = {"last_used_at"}
+
+
+def wsgi_call(app: Any, method: str, path: str, headers: dict[str, str] | None = None,
+              body: bytes = b"") -> tuple[str, dict[str, str], bytes]:
+    """Call a WSGI application as a server would: (status line, headers, body)."""
+    environ = {"REQUEST_METHOD": method, "PATH_INFO": path.partition("?")[0],
+               "QUERY_STRING": path.partition("?")[2], "SERVER_NAME": "testserver",
+               "SERVER_PORT": "80", "HTTP_HOST": "testserver", "wsgi.url_scheme": "http",
+               "wsgi.input": io.BytesIO(body), "wsgi.errors": sys.stderr,
+               "SERVER_PROTOCOL": "HTTP/1.1", "REMOTE_ADDR": "127.0.0.1",
+               "CONTENT_LENGTH": str(len(body)), "CONTENT_TYPE": "application/json",
+               "wsgi.multithread": True, "wsgi.multiprocess": True, "wsgi.run_once": False,
+               "wsgi.version": (1, 0), **{f"HTTP_{k.upper().replace('-', '_')}": v
+                                          for k, v in (headers or {}).items()}}
+    answer: dict[str, Any] = {}
+
+    def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None
+                       ) -> Any:
+        answer.update(status=status, headers=dict(headers))
+
+    # As Django's test client does: the test's database connection (and its transaction)
+    # must outlive the request.
+    request_started.disconnect(close_old_connections)
+    request_finished.disconnect(close_old_connections)
+    try:
+        result = app(environ, start_response)
+        content = b"".join(result)
+        if hasattr(result, "close"):  # optional in WSGI: a remembered poll has none
+            result.close()
+    finally:
+        request_started.connect(close_old_connections)
+        request_finished.connect(close_old_connections)
+    return answer["status"], answer["headers"], content
 
 
 def use_private_storage(settings: Any, root: Path) -> Path:

@@ -12,6 +12,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.http.response import HttpResponseBase
 from django.utils.cache import get_conditional_response, patch_cache_control, set_response_etag
 
+from jobs import polls
 from jobs.api.base import api_view, json_body, paginate, parse_limit
 from jobs.engines import model_names, usable_adapters
 from jobs.models import Batch
@@ -66,7 +67,10 @@ def retrieve(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
     set_response_etag(response)
     # Revalidated on every use (a shared cache must never keep one owner's batch).
     patch_cache_control(response, private=True, no_cache=True)
-    return get_conditional_response(request, etag=response["ETag"], response=response) or response
+    answer = get_conditional_response(request, etag=response["ETag"], response=response)
+    # Replayed, while the batch row is unchanged, to this client's next polls (jobs.polls).
+    polls.remember(answer or response)
+    return answer or response
 
 
 def results(request: HttpRequest, user: Any, batch_id: str) -> HttpResponseBase:

@@ -8,6 +8,7 @@ without htmx renders the whole page, so every link works without JavaScript.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import random
@@ -31,6 +32,7 @@ from django.utils.text import slugify
 from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import HttpResponseClientRedirect, HttpResponseStopPolling
 
+from jobs import polls
 from jobs.forms import NewBatchForm, ResultFilterForm, SpotCheckForm
 from jobs.models import Batch, File
 from jobs.quality import FLAG_LABELS, FLAGS
@@ -283,11 +285,17 @@ def _detail_context(batch: Batch, tab: str) -> dict[str, Any]:
     return {"batch": batch, "tab": tab, "spot": spotcheck.summary(batch)}
 
 
+def _blocker(batch: Batch) -> str:
+    """Why the batch cannot progress now, in words ("" when it can)."""
+    if batch.status == Batch.Status.IN_PROGRESS and not batch.stop_code:
+        return health.progress_blocker(batch.model)
+    return ""
+
+
 def _live_head(batch: Batch) -> dict[str, Any]:
     """What the live block shows beside the batch row that is cheap to read: the spot-check
     summary and why the batch cannot progress. With the row they make its version."""
-    blocker = (health.progress_blocker(batch.model)
-               if batch.status == Batch.Status.IN_PROGRESS and not batch.stop_code else "")
+    blocker = _blocker(batch)
     context = {**_detail_context(batch, "overview"), "blocker": blocker}
     spot = context["spot"]
     context["version"] = batch_version(batch, blocker, spot.marked, spot.good)
@@ -328,7 +336,8 @@ def batch_live(request: SignedInRequest, batch_id: str) -> HttpResponse:
     poll = _poll(batch, "batch_live", head["version"], params)
     # The block holds the cancel form's CSRF token: one copy per CSRF secret (per browser).
     csrf = request.META.get("CSRF_COOKIE") or ""
-    body_key = hashlib.sha256(repr((head["version"], int(time.time() // LIVE_STALE_SECONDS),
+    now = time.time()
+    body_key = hashlib.sha256(repr((head["version"], int(now // LIVE_STALE_SECONDS),
                                     csrf)).encode()).hexdigest()
     etag = '"' + hashlib.sha256(f"{body_key}?{sorted(params.items())}".encode()
                                 ).hexdigest()[:32] + '"'
@@ -346,6 +355,10 @@ def batch_live(request: SignedInRequest, batch_id: str) -> HttpResponse:
     response["ETag"] = etag
     # Kept by the browser but checked with us on every poll (If-None-Match).
     patch_cache_control(response, private=True, no_cache=True)
+    # The same answer while the row is unchanged, until the time-derived figures are due,
+    # and while the queue's verdict on the batch stands.
+    polls.remember(response, seconds=LIVE_STALE_SECONDS - now % LIVE_STALE_SECONDS,
+                   checks=((functools.partial(_blocker, batch), head["blocker"]),))
     return response
 
 

@@ -1,0 +1,252 @@
+"""Polls of an unchanged batch, answered before Django.
+
+Clients poll a running batch for hours: the `openai` client's `GET /v1/batches/{id}` (which
+sends no If-None-Match, so it gets the whole batch every time) and the batch page's live
+block (which sends back its ETag). Most polls find the batch as it was. Django's path costs
+such a poll ~2 ms of CPU on the project's 2-core machines (middlewares, URL resolution, the
+credential, the ORM, the answer), while what decides the answer is one row.
+
+So each web process remembers, per client and URL, the last answer Django gave to a poll,
+filed under the batch row it was computed from: every column, read just before Django ran,
+so an answer is never older than the row it is filed under. A later poll of the same URL by
+the same client (the same credential, cookies and host) runs one query, which finds the row
+only while that credential still lets the client see the batch; when every column is
+unchanged (and the view's own checks still hold) the answer is replayed byte for byte, or
+Django's 304 for it when the client sends back its ETag. Anything else goes to Django as
+before, and its new answer is filed.
+
+Only answers a view marks with `remember` are kept, with what else they depend on: how long
+they stay good (the live block's time-derived figures) and checks of inputs that are not in
+the row (why a batch cannot progress, from the queue).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+from django.contrib.sessions.models import Session
+from django.db import connection
+from django.db.models import Count, Exists, IntegerField, OuterRef, QuerySet, Subquery
+from django.db.models.functions import Coalesce, Now
+from django.http import HttpResponseBase
+from django.http.cookie import parse_cookie
+
+from jobs.models import Batch, SpotCheck
+from jobs.queries.compiled import Compiled
+
+log = logging.getLogger(__name__)
+
+# A remembered answer is dropped after this long even if nothing changed, so a client's
+# first poll after it goes through Django again (the API key's last-used time, a revoked
+# staff right). Polls come every 2-30 s.
+REMEMBER_SECONDS = 60.0
+# Answers kept per web process (a few kB each): one per client and URL being polled.
+MAX_ANSWERS = 10_000
+# What in a request can change Django's answer to a poll besides its URL: the host (allowed
+# hosts, redirects), the scheme as the proxy tells it, the credential and the cookies. A
+# request that differs in any of them is another client.
+_CLIENT = ("HTTP_HOST", "wsgi.url_scheme", "HTTP_X_FORWARDED_PROTO", "HTTP_X_FORWARDED_HOST",
+           "HTTP_AUTHORIZATION", "HTTP_X_API_KEY", "HTTP_COOKIE", "HTTP_HX_REQUEST")
+# Conditions other than If-None-Match, and a body, are Django's to answer.
+_NOT_A_POLL = ("HTTP_IF_MODIFIED_SINCE", "HTTP_IF_MATCH", "HTTP_IF_UNMODIFIED_SINCE",
+               "HTTP_RANGE", "HTTP_TRANSFER_ENCODING")
+
+# Set in the WSGI environ of a request answered from the memo (for bench/timed_wsgi.py).
+REMEMBERED = "batchweb.poll_remembered"
+
+_COLUMNS = [f.attname for f in Batch._meta.concrete_fields]
+
+
+def _api_state(batch_id: str, secret_hash: str) -> QuerySet[Any, Any]:
+    # The batch, while this key is live and its owner's (jobs.services.keys.authenticate_key).
+    return Batch.objects.filter(
+        pk=batch_id, api=Batch.Api.OPENAI, owner__is_active=True,
+        owner__apikey__secret_hash=secret_hash, owner__apikey__revoked_at__isnull=True
+    ).values_list(*_COLUMNS)
+
+
+def _spot_count(**verdict: Any) -> Coalesce:
+    marks = (SpotCheck.objects.filter(batch=OuterRef("pk"), **verdict).order_by()
+             .values("batch").annotate(n=Count("pk")).values("n"))
+    return Coalesce(Subquery(marks, output_field=IntegerField()), 0)
+
+
+def _page_state(batch_id: str, session_key: str) -> QuerySet[Any, Any]:
+    # The batch, while this session is signed in (its row exists and has not expired: a
+    # session belongs to one user, sign-in gives a new key) and the owner is active; with
+    # the spot-check counts the live block shows.
+    signed_in = Session.objects.filter(session_key=session_key, expire_date__gt=Now())
+    return (Batch.objects.filter(Exists(signed_in), pk=batch_id, owner__is_active=True)
+            .annotate(spot_marked=_spot_count(), spot_good=_spot_count(verdict="good"))
+            .values_list(*_COLUMNS, "spot_marked", "spot_good"))
+
+
+def _bearer_hash(environ: dict[str, Any]) -> str | None:
+    scheme, _, secret = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+    if scheme.lower() != "bearer" or not secret.strip():
+        return None
+    return hashlib.sha256(secret.strip().encode()).hexdigest()
+
+
+def _session_key(environ: dict[str, Any]) -> str | None:
+    return parse_cookie(environ.get("HTTP_COOKIE", "")).get(settings.SESSION_COOKIE_NAME)
+
+
+@dataclass(frozen=True)
+class Route:
+    """A polled URL: its batch id, and the row that decides the answer while the request's
+    credential (`credential(environ)`) lets the client see it."""
+
+    path: re.Pattern[str]
+    state: Compiled
+    credential: Callable[[dict[str, Any]], str | None]
+
+
+ROUTES = (
+    Route(re.compile(r"/v1/batches/([^/]+)"), Compiled(_api_state, "batch_id", "secret_hash"),
+          _bearer_hash),
+    Route(re.compile(r"/batches/([^/]+)/live"),
+          Compiled(_page_state, "batch_id", "session_key"), _session_key),
+)
+
+
+@dataclass(frozen=True)
+class Validity:
+    """What a view says of an answer it lets be remembered: until when it is good
+    (time.monotonic()), and checks (a function, the value it gave) of inputs other than
+    the batch row, each called again before the answer is replayed."""
+
+    until: float
+    checks: tuple[tuple[Callable[[], object], object], ...] = ()
+
+
+def remember(response: HttpResponseBase, *, seconds: float = REMEMBER_SECONDS,
+             checks: tuple[tuple[Callable[[], object], object], ...] = ()) -> None:
+    """Let this answer to a poll be replayed while the batch row is unchanged (see above)."""
+    response.poll_validity = Validity(  # type: ignore[attr-defined]
+        time.monotonic() + min(seconds, REMEMBER_SECONDS), checks)
+
+
+@dataclass
+class Poll:
+    """A request to a polled URL: who asks for what, and the row as it was before Django
+    answered."""
+
+    key: tuple[Any, ...]
+    state: tuple[Any, ...] | None
+
+
+@dataclass
+class _Answer:
+    state: tuple[Any, ...]
+    validity: Validity
+    etag: str | None = None
+    # (status line, headers, body) of Django's answer to a plain poll and to one that sent
+    # back the ETag, each once Django has given it for this row.
+    whole: tuple[str, list[tuple[str, str]], bytes] | None = None
+    not_modified: tuple[str, list[tuple[str, str]], bytes] | None = None
+
+
+@dataclass
+class PollMemo:
+    """One web process's remembered answers (see the module's docstring)."""
+
+    answers: OrderedDict[tuple[Any, ...], _Answer] = field(default_factory=OrderedDict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    hits: int = 0
+
+    def _match(self, environ: dict[str, Any]) -> tuple[Route, str, tuple[Any, ...]] | None:
+        if environ.get("REQUEST_METHOD") != "GET" or environ.get("CONTENT_LENGTH") not in (
+                None, "", "0") or any(name in environ for name in _NOT_A_POLL):
+            return None
+        path = environ.get("PATH_INFO", "")
+        for route in ROUTES:
+            found = route.path.fullmatch(path)
+            if found:
+                key = (path, environ.get("QUERY_STRING", ""),
+                       *(environ.get(name) for name in _CLIENT))
+                return route, found[1], key
+        return None
+
+    def _state(self, route: Route, batch_id: str,
+               environ: dict[str, Any]) -> tuple[Any, ...] | None:
+        credential = route.credential(environ)
+        if credential is None or "\x00" in batch_id:
+            return None
+        rows = route.state.raw_rows(batch_id=batch_id, **{route.state.names[1]: credential})
+        return tuple(rows[0]) if rows else None
+
+    def answer(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes] | None:
+        """The remembered answer to this request, if it is a poll of an unchanged batch
+        that this client may still see; None sends it to Django."""
+        matched = self._match(environ)
+        if matched is None:
+            return None
+        route, batch_id, key = matched
+        remembered = self.answers.get(key)
+        if remembered is None:
+            return None
+        sent = environ.get("HTTP_IF_NONE_MATCH")
+        replay = remembered.not_modified if sent == remembered.etag else remembered.whole
+        if replay is None or time.monotonic() > remembered.validity.until:
+            return None
+        try:
+            state = self._state(route, batch_id, environ)
+        except Exception:  # the database: Django's path reports it
+            log.warning("poll state unavailable", exc_info=True)
+            if not connection.is_usable():
+                connection.close()
+            return None
+        if state != remembered.state or any(
+                check() != value for check, value in remembered.validity.checks):
+            return None
+        self.hits += 1
+        environ[REMEMBERED] = True
+        status, headers, body = replay
+        return status, list(headers), body  # a server may add to the list it is given
+
+    def poll_of(self, environ: dict[str, Any]) -> Poll | None:
+        """Before Django answers a request: if it is a poll, the row its answer will be
+        filed under."""
+        matched = self._match(environ)
+        if matched is None:
+            return None
+        route, batch_id, key = matched
+        try:
+            return Poll(key, self._state(route, batch_id, environ))
+        except Exception:
+            log.warning("poll state unavailable", exc_info=True)
+            return None
+
+    def file(self, poll: Poll, response: HttpResponseBase) -> None:
+        """After Django answered `poll`: keep the answer if its view let it be remembered,
+        it is whole (not streamed), sets no cookie, and the client could see the batch."""
+        validity: Validity | None = getattr(response, "poll_validity", None)
+        if (validity is None or poll.state is None or response.streaming
+                or response.cookies or response.status_code not in (200, 304)):
+            return
+        replay = (f"{response.status_code} {response.reason_phrase}", list(response.items()),
+                  response.content)  # type: ignore[attr-defined]
+        etag = response.get("ETag")
+        with self.lock:
+            remembered = self.answers.get(poll.key)
+            if remembered is None or remembered.state != poll.state or remembered.etag != etag:
+                remembered = _Answer(poll.state, validity, etag)
+            remembered.validity = validity
+            if response.status_code == 200:
+                remembered.whole = replay
+            else:
+                remembered.not_modified = replay
+            self.answers[poll.key] = remembered
+            self.answers.move_to_end(poll.key)
+            while len(self.answers) > MAX_ANSWERS:
+                self.answers.popitem(last=False)

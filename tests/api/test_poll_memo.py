@@ -1,0 +1,232 @@
+"""Polls of an unchanged batch answered before Django (jobs.polls): the remembered answer is
+Django's own, byte for byte, and it is never given once anything it shows has changed or
+the client may no longer see the batch."""
+
+from __future__ import annotations
+
+import time
+import types
+from http.cookies import SimpleCookie
+from typing import Any
+
+import pytest
+from django.contrib.sessions.models import Session
+from django.core.handlers.wsgi import WSGIHandler
+
+from batchweb.wsgi import application
+from jobs import polls
+from jobs.models import Batch, SpotCheck
+from jobs.queries import health
+from jobs.queries.compiled import Compiled
+from jobs.services.keys import revoke_api_key
+from jobs.services.shards import Progress, heartbeat
+from jobs.services.stopping import cancel_batch
+from tests.factories import claimed_batch, wsgi_call
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture(autouse=True)
+def memo() -> Any:
+    application.polls.answers.clear()
+    return application.polls
+
+
+@pytest.fixture
+def running(user: Any, tmp_path: Any, settings: Any) -> Any:
+    return claimed_batch(user, tmp_path, settings)
+
+
+def _poll(path: str, headers: dict[str, str], memo: Any) -> tuple[tuple, bool]:
+    """The answer, and whether it was the remembered one."""
+    hits = memo.hits
+    answer = wsgi_call(application, "GET", path, headers)
+    return answer, memo.hits > hits
+
+
+# --- the API ---
+
+
+def test_a_repeated_poll_is_djangos_answer_byte_for_byte(running, api_key, memo):
+    batch, _ = running
+    auth = {"Authorization": f"Bearer {api_key}"}
+    path = f"/v1/batches/{batch.pk}"
+    first, remembered = _poll(path, auth, memo)
+    assert first[0].startswith("200") and not remembered
+    again, remembered = _poll(path, auth, memo)
+    assert remembered and again == first
+    # Exactly what the whole of Django's chain answers.
+    assert again == wsgi_call(WSGIHandler(), "GET", path, auth)
+    # A server that adds a header to the answer it is handed adds it to that answer only.
+    environ = {"REQUEST_METHOD": "GET", "PATH_INFO": path, "HTTP_HOST": "testserver",
+               "wsgi.url_scheme": "http", "HTTP_AUTHORIZATION": auth["Authorization"]}
+    memo.answer(environ)[1].append(("Server-Timing", "app;dur=1"))
+    assert _poll(path, auth, memo) == (first, True)
+
+    # Revalidating: Django's 304 first, then the same 304 remembered.
+    conditional = {**auth, "If-None-Match": first[1]["ETag"]}
+    not_modified, remembered = _poll(path, conditional, memo)
+    assert not_modified[0].startswith("304") and not_modified[2] == b"" and not remembered
+    assert _poll(path, conditional, memo) == (not_modified, True)
+    # A stale ETag gets the whole answer.
+    assert _poll(path, {**auth, "If-None-Match": '"old"'}, memo) == (first, True)
+
+
+def test_a_poll_reads_one_row(running, api_key, memo, monkeypatch, django_assert_num_queries):
+    batch, _ = running
+    auth = {"Authorization": f"Bearer {api_key}"}
+    wsgi_call(application, "GET", f"/v1/batches/{batch.pk}", auth)
+    # One query, on the driver's cursor (Compiled.raw_rows), so Django counts none.
+    queries = []
+    raw_rows = Compiled.raw_rows
+    monkeypatch.setattr(Compiled, "raw_rows",
+                        lambda self, **values: queries.append(values) or raw_rows(self, **values))
+    with django_assert_num_queries(0):
+        assert _poll(f"/v1/batches/{batch.pk}", auth, memo)[1]
+    assert len(queries) == 1 and queries[0]["batch_id"] == batch.pk
+
+
+def test_every_change_of_the_row_is_a_new_answer(running, api_key, memo):
+    batch, shard = running
+    auth = {"Authorization": f"Bearer {api_key}"}
+    path = f"/v1/batches/{batch.pk}"
+    _poll(path, auth, memo)
+    assert _poll(path, auth, memo)[1]
+
+    heartbeat(shard_id=shard.pk, attempt=shard.attempt,
+              progress=Progress(completed=3, failed=1, input_tokens=10, output_tokens=6))
+    (status, _, body), remembered = _poll(path, auth, memo)
+    assert not remembered and b'"completed": 3' in body and b'"failed": 1' in body
+    assert _poll(path, auth, memo) == ((status, _, body), True)
+
+    # A change without a progress write: the status.
+    cancel_batch(batch=Batch.objects.get(pk=batch.pk))
+    (_, _, body), remembered = _poll(path, auth, memo)
+    assert not remembered and b'"status": "cancelling"' in body
+    # Nor one written past the ORM's update(): any column.
+    Batch.objects.filter(pk=batch.pk).update(metadata={"k": "v"})
+    (_, _, body), remembered = _poll(path, auth, memo)
+    assert not remembered and b'"k": "v"' in body
+
+
+def test_a_revoked_key_or_a_deactivated_owner_goes_to_django(running, api_key, user, memo):
+    batch, _ = running
+    auth = {"Authorization": f"Bearer {api_key}"}
+    path = f"/v1/batches/{batch.pk}"
+    _poll(path, auth, memo)
+    assert _poll(path, auth, memo)[1]
+    # Django refuses a deactivated owner once the key's cache entry lapses
+    # (jobs.services.keys.KEY_CACHE_SECONDS); the memo stops answering at once.
+    user.is_active = False
+    user.save(update_fields=["is_active"])
+    assert not _poll(path, auth, memo)[1]
+    user.is_active = True
+    user.save(update_fields=["is_active"])
+    _poll(path, auth, memo)
+    assert _poll(path, auth, memo)[1]
+    revoke_api_key(key=user.apikey_set.get())
+    (status, _, _), remembered = _poll(path, auth, memo)
+    assert status.startswith("401") and not remembered
+
+
+def test_another_client_never_gets_the_answer(running, api_key, other_key, memo):
+    batch, _ = running
+    path = f"/v1/batches/{batch.pk}"
+    _poll(path, {"Authorization": f"Bearer {api_key}"}, memo)
+    (status, _, _), remembered = _poll(path, {"Authorization": f"Bearer {other_key}"}, memo)
+    assert status.startswith("404") and not remembered
+    # The same key through another host is another request for Django to judge.
+    (status, _, _), remembered = _poll(path, {"Authorization": f"Bearer {api_key}",
+                                              "Host": "elsewhere.example"}, memo)
+    assert status.startswith("400") and not remembered
+
+
+def test_an_answer_is_kept_for_a_minute_at_most(running, api_key, memo, monkeypatch):
+    batch, _ = running
+    auth = {"Authorization": f"Bearer {api_key}"}
+    path = f"/v1/batches/{batch.pk}"
+    now = [time.monotonic()]
+    monkeypatch.setattr(polls, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    _poll(path, auth, memo)
+    now[0] += polls.REMEMBER_SECONDS - 1
+    assert _poll(path, auth, memo)[1]
+    now[0] += 2
+    assert not _poll(path, auth, memo)[1]
+
+
+def test_the_memo_is_bounded(running, api_key, memo, monkeypatch):
+    batch, _ = running
+    monkeypatch.setattr(polls, "MAX_ANSWERS", 2)
+    auth = {"Authorization": f"Bearer {api_key}"}
+    for query in ("a=1", "a=2", "a=3"):
+        _poll(f"/v1/batches/{batch.pk}?{query}", auth, memo)
+    assert len(memo.answers) == 2
+    assert not _poll(f"/v1/batches/{batch.pk}?a=1", auth, memo)[1]
+
+
+def test_other_api_answers_are_never_remembered(running, api_key, memo):
+    batch, _ = running
+    auth = {"Authorization": f"Bearer {api_key}"}
+    for path in ("/v1/batches?limit=2", f"/v1/batches/{batch.pk}/results", "/v1/models"):
+        wsgi_call(application, "GET", path, auth)
+        assert not _poll(path, auth, memo)[1]
+    assert not memo.answers
+
+
+# --- the batch page's live block ---
+
+
+def _signed_in(site: Any, batch: Batch) -> tuple[str, dict[str, str]]:
+    """The live block's URL and a browser's headers for it (session and CSRF cookies), as
+    after the page loaded."""
+    path = f"/batches/{batch.pk}/live"
+    cookie = f"sessionid={site.cookies['sessionid'].value}"
+    _, headers, _ = wsgi_call(application, "GET", path, {"Cookie": cookie, "HX-Request": "true"})
+    csrf = SimpleCookie(headers["Set-Cookie"])["csrftoken"].value
+    return path, {"Cookie": f"{cookie}; csrftoken={csrf}", "HX-Request": "true"}
+
+
+def _revalidated(site: Any, batch: Batch, memo: Any) -> tuple[str, dict[str, str]]:
+    path, browser = _signed_in(site, batch)
+    status, headers, _ = wsgi_call(application, "GET", path, browser)
+    assert status.startswith("200") and "Set-Cookie" in headers  # renews the CSRF cookie
+    browser = {**browser, "If-None-Match": headers["ETag"]}
+    first, remembered = _poll(path, browser, memo)
+    assert first[0].startswith("304") and not remembered
+    assert _poll(path, browser, memo) == (first, True)
+    return path, browser
+
+
+def test_the_live_block_revalidates_without_django(site, running, memo):
+    batch, _ = running
+    path, browser = _revalidated(site, batch, memo)
+    # A whole answer carries a cookie: never remembered.
+    assert not _poll(path, {k: v for k, v in browser.items() if k != "If-None-Match"},
+                     memo)[1]
+
+
+def test_the_live_block_changes_with_marks_and_the_queue(site, running, user, memo):
+    batch, shard = running
+    path, browser = _revalidated(site, batch, memo)
+    SpotCheck.objects.create(batch=batch, custom_id="r0", verdict="good", marked_by=user)
+    (status, _, _), remembered = _poll(path, browser, memo)
+    assert status.startswith("200") and not remembered
+
+    path, browser = _revalidated(site, batch, memo)
+    health._blockers[batch.model] = (time.monotonic(), "the queue (Redis) cannot be reached")
+    (status, _, _), remembered = _poll(path, browser, memo)
+    assert status.startswith("200") and not remembered
+
+    path, browser = _revalidated(site, batch, memo)
+    heartbeat(shard_id=shard.pk, attempt=shard.attempt, progress=Progress(completed=1))
+    (status, _, _), remembered = _poll(path, browser, memo)
+    assert status.startswith("200") and not remembered
+
+
+def test_a_signed_out_browser_is_sent_to_sign_in(site, running, memo):
+    batch, _ = running
+    path, browser = _revalidated(site, batch, memo)
+    Session.objects.all().delete()
+    (status, headers, _), remembered = _poll(path, browser, memo)
+    assert status.startswith("302") and "/accounts/login/" in headers["Location"]
+    assert not remembered
