@@ -1,6 +1,6 @@
 """`manage.py runservice`: the whole service on one machine (what `make run` starts).
 
-A private Redis when REDIS_URL is unset, gunicorn for the web and API, and one `batchworker`
+A private Redis when REDIS_URL is unset, Granian for the web and API, and one `batchworker`
 per model. It supervises what it started: a worker, the web server or the private Redis that
 dies is started again (the reconciler puts back the queue entries a new Redis lacks); one
 that keeps dying stops everything with a message naming it, so the service is never left up
@@ -10,6 +10,7 @@ these pieces separately instead (see README).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -42,6 +43,15 @@ class Restarts:
         while deaths and deaths[0] < now - RESTART_WINDOW_SECONDS:
             deaths.popleft()
         return len(deaths) < MAX_RESTARTS
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL what is left of an exited process's group (it started a session of its own).
+    Granian's worker processes outlive a main process that was killed (gunicorn's exited
+    once their arbiter was gone) and would go on taking connections on the port beside
+    the web server started again."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 class Command(BaseCommand):
@@ -77,9 +87,15 @@ class Command(BaseCommand):
             self.stdout.write(f"private Redis: {redis.url}")
         wanted = {m for m in options["models"].split(",") if m}
         models = [s.name for s in model_specs() if not wanted or s.name in wanted]
-        web = [sys.executable, "-m", "gunicorn", "batchweb.wsgi:application",
-               "--bind", options["bind"], "--workers", str(options["web_workers"]),
-               "--threads", "8", "--timeout", "600", "--access-logfile", "-"]
+        host, _, port = options["bind"].rpartition(":")
+        # Granian (WSGI): a killed worker process is replaced; one that does not stop within
+        # 30 s of SIGTERM (a request still running) is killed, as gunicorn's graceful timeout
+        # did.
+        web = [sys.executable, "-m", "granian", "--interface", "wsgi",
+               "--host", host.strip("[]"), "--port", port,
+               "--workers", str(options["web_workers"]), "--blocking-threads", "8",
+               "--access-log", "--respawn-failed-workers", "--workers-kill-timeout", "30",
+               "batchweb.wsgi:application"]
         commands = {"web": web} | {
             f"worker:{name}": [sys.executable, "manage.py", "batchworker", "--model", name]
             for name in models}
@@ -111,6 +127,8 @@ class Command(BaseCommand):
                                    f"{RESTART_WINDOW_SECONDS:.0f}s (last code "
                                    f"{proc.returncode}); see its log above")
                         break
+                    if name == "web":
+                        kill_group(proc)
                     self.stderr.write(f"{name} exited with {proc.returncode}; restarting")
                     procs[name] = subprocess.Popen(commands[name], start_new_session=True)
         finally:
@@ -125,6 +143,7 @@ class Command(BaseCommand):
                     proc.wait(timeout=max(1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     proc.kill()
+            kill_group(procs["web"])
             if redis is not None:
                 redis.stop()
             lock.release()
