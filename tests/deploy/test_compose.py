@@ -144,6 +144,18 @@ def test_the_images_default_command_is_the_web_server() -> None:
     assert cmd == batchweb_services()["web"]["command"]
 
 
+def test_runservices_web_server_is_a_granian_command_like_the_images() -> None:
+    from jobs.management.commands.runservice import web_server
+
+    command = web_server("127.0.0.1:8000", 2)
+    assert command[:3] == [sys.executable, "-m", "granian"]
+    check_command(["granian", *command[3:]])
+    image = batchweb_services()["web"]["command"]
+    # The same server options but the address and the number of workers.
+    assert [arg for arg in command[3:] if arg.startswith("--")] == [
+        arg for arg in image if arg.startswith("--")]
+
+
 def test_the_check_catches_a_wrong_command() -> None:
     with pytest.raises(AssertionError, match="no manage.py command"):
         check_command(["python", "manage.py", "gpuworker", "--model", "x"])

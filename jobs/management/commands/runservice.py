@@ -45,6 +45,18 @@ class Restarts:
         return len(deaths) < MAX_RESTARTS
 
 
+def web_server(bind: str, workers: int) -> list[str]:
+    """The web server's command: Granian serving the WSGI application on `bind` (HOST:PORT)
+    with `workers` processes of 8 threads each, and an access log. A worker process that
+    dies is replaced; one still busy 30 s after SIGTERM (a request running) is killed."""
+    host, _, port = bind.rpartition(":")
+    return [sys.executable, "-m", "granian", "--interface", "wsgi",
+            "--host", host.strip("[]"), "--port", port,
+            "--workers", str(workers), "--blocking-threads", "8", "--access-log",
+            "--respawn-failed-workers", "--workers-kill-timeout", "30",
+            "batchweb.wsgi:application"]
+
+
 def kill_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL what is left of an exited process's group (it started a session of its own).
     Granian's worker processes outlive a main process that was killed (gunicorn's exited
@@ -87,16 +99,7 @@ class Command(BaseCommand):
             self.stdout.write(f"private Redis: {redis.url}")
         wanted = {m for m in options["models"].split(",") if m}
         models = [s.name for s in model_specs() if not wanted or s.name in wanted]
-        host, _, port = options["bind"].rpartition(":")
-        # Granian (WSGI): a killed worker process is replaced; one that does not stop within
-        # 30 s of SIGTERM (a request still running) is killed, as gunicorn's graceful timeout
-        # did.
-        web = [sys.executable, "-m", "granian", "--interface", "wsgi",
-               "--host", host.strip("[]"), "--port", port,
-               "--workers", str(options["web_workers"]), "--blocking-threads", "8",
-               "--access-log", "--respawn-failed-workers", "--workers-kill-timeout", "30",
-               "batchweb.wsgi:application"]
-        commands = {"web": web} | {
+        commands = {"web": web_server(options["bind"], options["web_workers"])} | {
             f"worker:{name}": [sys.executable, "manage.py", "batchworker", "--model", name]
             for name in models}
         procs: dict[str, subprocess.Popen[bytes]] = {}
