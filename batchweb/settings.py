@@ -223,7 +223,7 @@ AXES_COOLOFF_TIME = timedelta(minutes=15)
 # A success must not reset the address's count: an attacker with an account of their own
 # could sign in between guesses to start over.
 AXES_RESET_ON_SUCCESS = False
-# Reverse proxies between the clients and gunicorn (0: none), for the client's address.
+# Reverse proxies between the clients and Granian (0: none), for the client's address.
 BATCHWEB_PROXY_COUNT = env_int("BATCHWEB_PROXY_COUNT", 0)
 AXES_CLIENT_IP_CALLABLE = "batchweb.throttle.client_ip"
 # Django's database sessions, read with a cheaper query (see batchweb/sessions.py).
@@ -305,7 +305,7 @@ FILE_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
 # Passed to redis-py unchanged: redis://:password@host/0 authenticates, rediss:// uses TLS.
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 # The cache of the dashboard's heavy views (preflight of a stored file, spot-check samples,
-# error counts) lives in that Redis too: every gunicorn worker and host shares it, where
+# error counts) lives in that Redis too: every Granian worker and host shares it, where
 # Django's default per-process memory would compute each result once per process.
 # "local" is each process's own memory, for what is cheaper to compute again than to fetch
 # from Redis, and the same for every process (the rendered row of an ended batch).

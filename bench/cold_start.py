@@ -6,7 +6,7 @@
     timed from the process start to its "loading" line (Python + Django up), to its
     "ready on" line (engine loaded), to the request's result (its one token: validation,
     shard, engine, result written, shard done) and to the batch `completed` (finalized).
-    Scratch deployment: SQLite, private Redis, gunicorn for the API.
+    Scratch deployment: SQLite, private Redis, Granian for the API.
 (b) `make run` once installed and run before (migrations applied, static files collected,
     models prepared; make's own install/engine checks not included): the manage.py steps
     it runs before `runservice` (each a no-op or nearly), then `manage.py runservice` timed
@@ -89,8 +89,8 @@ def worker_start(model: str, modes: list[str], env: dict[str, str], scratch: Pat
     """(a): per mode, a worker started with a 1-request batch already waiting."""
     port = harness.free_port()
     key = harness.prepare(env)
-    server = harness.gunicorn(port, env, "-w", "1", "--threads", "4",
-                              stderr=subprocess.DEVNULL)
+    server = harness.granian(port, env, "--workers", "1", "--blocking-threads", "4",
+                             stderr=subprocess.DEVNULL)
     rows = []
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key,

@@ -217,8 +217,8 @@ def _run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Pa
     key = harness.prepare(env)
     log_path = scratch / "worker.log"
     port = harness.free_port()
-    server = harness.gunicorn(port, env, "-w", "1", "--threads", "4",
-                              stderr=subprocess.DEVNULL)
+    server = harness.granian(port, env, "--workers", "1", "--blocking-threads", "4",
+                             stderr=subprocess.DEVNULL)
     worker = harness.batchworker(model_name, env, log_path)
     try:
         started = time.monotonic()

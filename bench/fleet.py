@@ -11,7 +11,7 @@ checkpoints, part files), PostgreSQL, Redis, the web server.
 Everything is real and on this machine: the machine's PostgreSQL (a database `--db-name`
 created and dropped here), reached through a private PgBouncer in transaction mode unless
 `--pooler none` (each worker holds a connection per thread: 64 workers need more than
-PostgreSQL's default 100), a private redis-server, gunicorn, and the workers. `--users`
+PostgreSQL's default 100), a private redis-server, Granian, and the workers. `--users`
 users each upload one input file of `--batch-size` requests; then the offered load rises in
 steps (`--rates`, requests a second): for `--step-seconds` the bench creates batches of
 those files (round robin over the users, through the API) at that rate, then waits for them
@@ -373,8 +373,8 @@ class Fleet:
         self.redis_pid = int((scratch / "redis" / "redis.pid").read_text())
         port = harness.free_port()
         self.base_url = f"http://127.0.0.1:{port}/v1"
-        self.web = harness.gunicorn(port, self.env, "-w", "1", "--threads", "8",
-                                    stderr=subprocess.DEVNULL)
+        self.web = harness.granian(port, self.env, "--workers", "1", "--blocking-threads", "8",
+                                   stderr=subprocess.DEVNULL)
         harness.wait_http(f"http://127.0.0.1:{port}/v1/models")
         self.workers: list[subprocess.Popen] = []
         self.file_prefix: dict[str, str] = {}

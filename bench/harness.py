@@ -1,5 +1,5 @@
 """What the benchmarks share: scratch deployments (free ports, a private Redis, the database
-migrated with a user and an API key, gunicorn and `batchworker` processes), the figures
+migrated with a user and an API key, Granian and `batchworker` processes), the figures
 they measure (CPU seconds and peak RSS of a process, percentiles), the requests they send,
 and the `--json PATH` report every script writes.
 
@@ -37,7 +37,7 @@ def run(main: Callable[[], None]) -> None:
     """Run a script's `main`. Started as a file from the repository root (`python
     bench/X.py`), the script first starts again as the module (`python -m bench.X`): then
     the project it imports in this process (Django, the engine, the embedded Redis) is this
-    checkout's, as it is in the processes it starts (manage.py, gunicorn, all run from the
+    checkout's, as it is in the processes it starts (manage.py, Granian, all run from the
     root), not whichever copy is installed."""
     spec = sys.modules["__main__"].__spec__
     if spec is None and Path.cwd().resolve() == ROOT:
@@ -135,16 +135,17 @@ def prepare(env: dict[str, str]) -> str:
 
 def gunicorn(port: int, env: dict[str, str], *options: str,
              app: str = "batchweb.wsgi:application", **popen: Any) -> subprocess.Popen:
-    """The web server on 127.0.0.1:`port`, with gunicorn `options` (workers, threads...);
-    `app` bench.timed_wsgi:application adds what each request cost (see there)."""
+    """The same application under gunicorn, with gunicorn `options` (workers, threads...):
+    bench/dashboard_load.py --server gunicorn compares the two web servers."""
     return subprocess.Popen([PY, "-m", "gunicorn", app, "-b",
                              f"127.0.0.1:{port}", *options], cwd=ROOT, env=env, **popen)
 
 
 def granian(port: int, env: dict[str, str], *options: str,
             app: str = "batchweb.wsgi:application", **popen: Any) -> subprocess.Popen:
-    """The same application under Granian (a web server written in Rust, `pip install
-    granian`): for measuring what the web server itself costs a request."""
+    """The web server on 127.0.0.1:`port`: Granian serving the WSGI application, as
+    `manage.py runservice` does, with Granian `options` (--workers, --blocking-threads...);
+    `app` bench.timed_wsgi:application adds what each request cost (see there)."""
     return subprocess.Popen([PY, "-m", "granian", "--interface", "wsgi", "--host", "127.0.0.1",
                              "--port", str(port), *options, app], cwd=ROOT, env=env, **popen)
 
@@ -215,7 +216,7 @@ def peak_rss_mb(pid: int) -> float:
 
 
 def web_worker_pid(server: subprocess.Popen) -> int:
-    """The pid of gunicorn's (first) worker process: the one that serves requests."""
+    """The pid of the web server's (first) worker process: the one that serves requests."""
     out = subprocess.run(["pgrep", "-P", str(server.pid)], capture_output=True,
                          text=True).stdout
     return int(out.split()[0])

@@ -1,6 +1,6 @@
-"""Load: 200 concurrent API clients for 60 s against gunicorn with real workers.
+"""Load: 200 concurrent API clients for 60 s against Granian with real workers.
 
-Starts, on loopback only: a private redis-server, gunicorn (gthread) serving batchweb, and
+Starts, on loopback only: a private redis-server, Granian (WSGI) serving batchweb, and
 `batchworker` processes with the echo engine; creates users and keys; then runs CLIENTS
 asyncio clients (httpx) for SECONDS, each doing what a real user does: upload small batch
 files, create batches, poll them, list files and batches, download inputs and results.
@@ -181,8 +181,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=200)
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--users", type=int, default=20)
-    parser.add_argument("--gunicorn-workers", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--web-workers", "--gunicorn-workers", dest="web_workers", type=int,
+                        default=3)
+    parser.add_argument("--threads", type=int, default=16, help="per web worker")
     parser.add_argument("--batchworkers", type=int, default=2)
     parser.add_argument("--max-batches", type=int, default=2, help="per client")
     parser.add_argument("--lines", type=int, default=20, help="requests per batch file")
@@ -214,12 +215,12 @@ def main() -> None:
         harness.manage(env, "migrate", "--noinput", "-v0")
         keys = harness.in_deployment(env, "keys", str(args.users))
         harness.wait_port(redis_port)
-        procs.append(harness.gunicorn(
-            web_port, env, "-k", "gthread", "-w", str(args.gunicorn_workers),
-            "--threads", str(args.threads), "--backlog", "2048", "--timeout", "120",
-            # Longer than the clients keep idle connections: otherwise the server closes
-            # one just as a client reuses it (a transport error that is no server fault).
-            "--keep-alive", "30", **detached))
+        # Granian closes a connection idle for 30 s (its --http1-header-read-timeout), longer
+        # than the clients keep idle connections: otherwise the server could close one just
+        # as a client reuses it (a transport error that is no server fault).
+        procs.append(harness.granian(
+            web_port, env, "--workers", str(args.web_workers),
+            "--blocking-threads", str(args.threads), "--backlog", "2048", **detached))
         for _ in range(args.batchworkers):
             procs.append(harness.batchworker("echo-test", env, logs,
                                              start_new_session=True))
@@ -227,7 +228,7 @@ def main() -> None:
         base = f"http://127.0.0.1:{web_port}"
         stats = Stats()
         print(f"load: {args.clients} clients for {args.seconds:.0f} s against {base} "
-              f"(gunicorn {args.gunicorn_workers}x{args.threads} threads, "
+              f"(Granian {args.web_workers}x{args.threads} threads, "
               f"{args.batchworkers} batchworkers, {env['DATABASE_URL'].split(':')[0]})")
 
         async def run() -> dict[str, Any]:

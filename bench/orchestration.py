@@ -42,8 +42,8 @@ def run_size(count: int, workers: int, env: dict[str, str], scratch: Path) -> di
     import openai
 
     port = harness.free_port()
-    server = harness.gunicorn(port, env, "-w", "1", "--threads", "4", "--timeout", "900",
-                              stderr=subprocess.DEVNULL)
+    server = harness.granian(port, env, "--workers", "1", "--blocking-threads", "4",
+                             stderr=subprocess.DEVNULL)
     procs = [harness.batchworker("echo-test", env, scratch / f"worker-{count}-{i}.log")
              for i in range(workers)]
     try:

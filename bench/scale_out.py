@@ -2,7 +2,7 @@
 
 The same batch of distinct chat requests (bench/harness.py's `make_requests`, as benchmark 1:
 mixed prompt lengths, temperature 0) is run twice on a scratch deployment (SQLite, private
-Redis, gunicorn unpinned):
+Redis, Granian unpinned):
   1. by one `batchworker` pinned to core 0,
   2. by two fresh `batchworker`s pinned to cores 0 and 1 (fresh, so that neither engine
      has the first run's prompts in its prefix cache).
@@ -144,8 +144,8 @@ def measure(args: argparse.Namespace, shard_size: int, scratch: Path) -> list[di
                         scratch / "models.json")
     key = harness.prepare(env)
     port = harness.free_port()
-    server = harness.gunicorn(port, env, "-w", "1", "--threads", "4",
-                              stderr=subprocess.DEVNULL)
+    server = harness.granian(port, env, "--workers", "1", "--blocking-threads", "4",
+                             stderr=subprocess.DEVNULL)
     workers: list[Worker] = []
     rows = []
     try:

@@ -1,6 +1,6 @@
 """Peak memory of the web server while it takes big uploads.
 
-Starts gunicorn (1 worker) on a scratch SQLite database and storage, then sends
+Starts Granian (1 worker) on a scratch SQLite database and storage, then sends
   - a FILE_MB multipart upload through POST /v1/files, and
   - an UPLOAD_MB file through the Uploads API (64 MB parts),
 both with the official openai client, and reports the server's peak RSS (VmHWM) after
@@ -59,8 +59,8 @@ def main() -> None:
     env.pop("DATABASE_URL")
     key = harness.prepare(env)
     port = harness.free_port()
-    server = harness.gunicorn(port, env, "-w", "1", "--timeout", "900",
-                              stderr=subprocess.DEVNULL)
+    server = harness.granian(port, env, "--workers", "1", "--blocking-threads", "8",
+                             stderr=subprocess.DEVNULL)
     try:
         time.sleep(3)
         worker = harness.web_worker_pid(server)

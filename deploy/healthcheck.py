@@ -1,4 +1,4 @@
-"""The web container's health check: the login page answers 200 through gunicorn and Django.
+"""The web container's health check: the login page answers 200 through Granian and Django.
 
     python deploy/healthcheck.py [URL]      (default http://127.0.0.1:8000/accounts/login/)
 

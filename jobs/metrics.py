@@ -1,7 +1,7 @@
 """`/metrics` in the Prometheus text format.
 
 Every value is read from the database and Redis at scrape time by a custom collector in a
-fresh registry: the numbers are the service's, not one web process's (gunicorn runs several,
+fresh registry: the numbers are the service's, not one web process's (Granian runs several,
 and workers run on other machines). Counters (`*_total`) are sums over the shards in the
 database, so they drop if an operator deletes batches; Prometheus' rate() treats a drop as
 a reset.

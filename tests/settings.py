@@ -51,7 +51,7 @@ for _name, _value in {
     # A prefix cache of a few requests: the tests' shared-prefix files of a few hundred
     # lines then hold more prefixes than it, as real files do a real engine's cache.
     "BATCHWEB_PREFIX_CACHE_TOKENS": "400",
-    # Live servers and gunicorn in the tests speak plain HTTP on loopback.
+    # Live servers and Granian in the tests speak plain HTTP on loopback.
     "BATCHWEB_HTTPS": "0",
 }.items():
     os.environ.setdefault(_name, _value)

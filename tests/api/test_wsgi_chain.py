@@ -1,4 +1,4 @@
-"""The WSGI application gunicorn serves (batchweb.wsgi) answers the API (/v1/) through a
+"""The WSGI application Granian serves (batchweb.wsgi) answers the API (/v1/) through a
 shorter middleware chain than pages: every answer is the one the whole chain gives
 (status, headers, body), and pages keep every middleware (sign-in, CSRF)."""
 

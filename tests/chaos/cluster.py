@@ -5,7 +5,7 @@ directories covered by empty tmpfs mounts).
 
 - `svc`: PostgreSQL (a private cluster: initdb and postgres run as the postgres user),
   redis-server and moto's S3 server, each listening on the host's address only;
-- `web`: gunicorn;
+- `web`: Granian, as runservice starts it;
 - worker hosts: `batchworker` processes.
 
 Processes reach each other only by address, as on separate machines. `Cluster.cut` takes

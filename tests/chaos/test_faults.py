@@ -8,7 +8,6 @@ import random
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -21,6 +20,7 @@ from django.db import connection
 from django.db.models import Sum
 from django.utils import timezone
 
+from jobs.management.commands.runservice import web_server
 from jobs.models import Batch, File, Shard
 from jobs.services.batches import create_batch
 from jobs.services.files import create_input_file
@@ -285,13 +285,18 @@ def _multipart(key: str, body: bytes, port: int) -> tuple[bytes, bytes]:
     return head, payload
 
 
-def _gunicorn_worker(master: subprocess.Popen) -> int:
+def _listens(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _web_worker(master: subprocess.Popen) -> int:
     def child() -> int | None:
         out = subprocess.run(["pgrep", "-P", str(master.pid)], capture_output=True, text=True)
         pids = out.stdout.split()
         return int(pids[0]) if pids else None
 
-    return wait_for(child, timeout=30, message="a gunicorn worker")
+    return wait_for(child, timeout=30, message="a Granian worker")
 
 
 def test_web_killed_during_uploads_leaves_no_half_file(user, chaos_env, tmp_path, settings):
@@ -302,19 +307,18 @@ def test_web_killed_during_uploads_leaves_no_half_file(user, chaos_env, tmp_path
     port = free_port()
     env = {**os.environ, **chaos_env, "DATABASE_URL": database_url(),
            "DJANGO_SETTINGS_MODULE": "tests.settings"}
-    with open(tmp_path / "gunicorn.log", "wb") as log:
-        master = subprocess.Popen(
-            [sys.executable, "-m", "gunicorn", "batchweb.wsgi:application", "-b",
-             f"127.0.0.1:{port}", "-w", "1", "--timeout", "60"],
-            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    # The web server as runservice starts it, with one worker process.
+    with open(tmp_path / "granian.log", "wb") as log:
+        master = subprocess.Popen(web_server(f"127.0.0.1:{port}", 1), env=env, cwd=ROOT,
+                                  stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
     try:
-        wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, timeout=30,
-                 message="gunicorn")
+        wait_for(lambda: _listens(port), timeout=30, message="Granian")
         body = jsonl([chat_line(f"u{i}", "x" * 200) for i in range(40_000)])  # ~12 MB
         head, payload = _multipart(key, body, port)
         rng = random.Random(SEED)
         for round_ in range(10):
-            worker = _gunicorn_worker(master)
+            worker = _web_worker(master)
             # Kill while the body arrives, or just after it all arrived (scan, store).
             cut = rng.choice([0.05, 0.3, 0.6, 0.95, 1.0, 1.0])
             with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -328,9 +332,16 @@ def test_web_killed_during_uploads_leaves_no_half_file(user, chaos_env, tmp_path
                 if cut == 1.0:  # during the scan, the store, or after the File exists
                     time.sleep(rng.choice([0.2, 0.8, 1.5, 3.0, 6.0]))
                 os.kill(worker, signal.SIGKILL)
-            wait_for(lambda w=worker: _gunicorn_worker(master) != w, timeout=30,
-                     message="gunicorn to replace its worker")
+                killed = time.monotonic()
+            wait_for(lambda w=worker: _web_worker(master) != w, timeout=30,
+                     message="Granian to replace its worker")
+            # Each Granian worker listens on the port itself (SO_REUSEPORT): until the new
+            # one does, the only one here, connections are refused.
+            wait_for(lambda: _listens(port), timeout=60, message="the new worker listening")
             print(f"chaos: upload round {round_} killed at {cut:.0%}")
+            # Granian takes a worker that dies within 5.5 s of being respawned for a crash
+            # loop and exits: the next kill comes later than that.
+            time.sleep(max(0.0, killed + 6 - time.monotonic()))
         # The same upload, not interrupted, is stored whole (the control).
         import httpx
 
@@ -361,9 +372,10 @@ def test_web_killed_during_uploads_leaves_no_half_file(user, chaos_env, tmp_path
     finally:
         master.send_signal(signal.SIGTERM)
         try:
-            master.wait(timeout=20)
+            master.wait(timeout=40)
         except subprocess.TimeoutExpired:
-            master.kill()
+            os.killpg(master.pid, signal.SIGKILL)  # its workers too
+            master.wait()
 
 
 # --- the disk fills up while results are stored ---

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from batchweb.embedded import PrivateS3, s3_storage_env
+from jobs.management.commands.runservice import web_server
 from tests.chaos.cluster import PY, Cluster, Host, start_postgres, start_redis, start_s3
 from tests.factories import ROOT, chat_line, jsonl, prometheus_values, wait_for
 
@@ -131,9 +132,7 @@ def test_a_host_dies_mid_batch_and_the_other_host_finishes_it(cluster: Cluster,
         "from jobs.services.keys import create_api_key; "
         "u = get_user_model().objects.create_user('multihost', password='pw-multihost-1'); "
         "print(create_api_key(owner=u, name='chaos')[1])")], web_env).split()[-1]
-    gunicorn = web.start("gunicorn", [PY, "-m", "gunicorn", "batchweb.wsgi:application",
-                                      "-b", f"{web.address}:8000", "-w", "2",
-                                      "--timeout", "120"], web_env)
+    granian = web.start("granian", web_server(f"{web.address}:8000", 2), web_env)
     for host in (survivor, victim):
         for i in range(WORKERS_PER_HOST):
             host.start(f"worker-{i}", [*manage, "batchworker", "--model", "echo-test"],
@@ -143,7 +142,7 @@ def test_a_host_dies_mid_batch_and_the_other_host_finishes_it(cluster: Cluster,
                        headers={"Authorization": f"Bearer {key}"}, timeout=60)
     try:
         run_the_batch(cluster, db, api, victim=victim, survivor=survivor,
-                      gunicorn_alive=lambda: gunicorn.poll() is None)
+                      web_alive=lambda: granian.poll() is None)
     except BaseException:
         print(cluster.logs())  # shown by pytest when the test failed
         raise
@@ -167,12 +166,12 @@ def registered_workers(redis_url: str) -> dict[str, list[Any]]:
 
 
 def run_the_batch(cluster: Cluster, db: Db, api: httpx.Client, *, victim: Host,
-                  survivor: Host, gunicorn_alive: Any) -> None:
+                  survivor: Host, web_alive: Any) -> None:
     redis_url = f"redis://{cluster.hosts['svc'].address}:6379/0"
     wait_for(lambda: {h: len(ws) for h, ws in registered_workers(redis_url).items()}
              == {"host-a": WORKERS_PER_HOST, "host-b": WORKERS_PER_HOST},
              timeout=180, every=0.5, message="every worker of both hosts registered")
-    wait_for(lambda: gunicorn_alive() and _answers(api), timeout=60,
+    wait_for(lambda: web_alive() and _answers(api), timeout=60,
              message="the web host answering")
 
     upload = api.post("/v1/files", data={"purpose": "batch"}, files={"file": (

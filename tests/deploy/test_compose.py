@@ -1,7 +1,7 @@
 """deploy/: the compose file and the Dockerfile checked against the code they start (no
 container runs here): every variable a batchweb container is given is one the settings read,
-every command is a real manage.py command or gunicorn entry with arguments its parser
-accepts, every worker's GPUs match its model; and the image's helper scripts, run."""
+every command is a real manage.py command or Granian serving a WSGI entry, with arguments its
+parser accepts, every worker's GPUs match its model; and the image's helper scripts, run."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 import yaml
 from django.core.management import get_commands, load_command_class
@@ -106,13 +107,20 @@ def test_the_object_storage_allow_list_holds_only_names_settings_lacks() -> None
 
 def check_command(command: list[str]) -> None:
     args = [interpolated(arg) for arg in command]
-    if args[0] == "gunicorn":
-        from gunicorn.config import Config
+    if args[0] == "granian":
+        from granian.cli import cli
+        from granian.constants import Interfaces
 
-        parsed = Config().parser().parse_args(args[1:])  # exits on an unknown option
-        module, _, attr = parsed.args[0].partition(":")
+        # Granian's own command line (a click command), parsed without serving: raises a
+        # click.UsageError on an unknown option or a value it refuses. No GRANIAN_* variable
+        # of this process is read (the CLI reads them only with auto_envvar_prefix).
+        with cli.make_context("granian", args[1:]) as ctx:
+            params = ctx.params
+        # Granian's default interface is its own (RSGI); batchweb's application is WSGI.
+        assert params["interface"] == Interfaces.WSGI, command
+        module, _, attr = params["app"].partition(":")
         __import__(module)
-        assert callable(getattr(sys.modules[module], attr)), parsed.args[0]
+        assert callable(getattr(sys.modules[module], attr)), params["app"]
         return
     assert args[:2] == ["python", "manage.py"], command
     commands = get_commands()
@@ -121,11 +129,11 @@ def check_command(command: list[str]) -> None:
     parser.parse_args(args[3:])  # raises CommandError on an unknown option
 
 
-def test_every_command_is_a_real_manage_py_command_or_gunicorn_entry() -> None:
+def test_every_command_is_a_real_manage_py_command_or_granian_entry() -> None:
     for name, service in batchweb_services().items():
         try:
             check_command(service["command"])
-        except (SystemExit, CommandError):
+        except (click.UsageError, CommandError):
             pytest.fail(f"{name}: {service['command']} has arguments its parser refuses")
 
 
@@ -136,13 +144,31 @@ def test_the_images_default_command_is_the_web_server() -> None:
     assert cmd == batchweb_services()["web"]["command"]
 
 
+def test_runservices_web_server_is_a_granian_command_like_the_images() -> None:
+    from jobs.management.commands.runservice import web_server
+
+    command = web_server("127.0.0.1:8000", 2)
+    assert command[:3] == [sys.executable, "-m", "granian"]
+    check_command(["granian", *command[3:]])
+    image = batchweb_services()["web"]["command"]
+    # The same server options but the address and the number of workers.
+    assert [arg for arg in command[3:] if arg.startswith("--")] == [
+        arg for arg in image if arg.startswith("--")]
+
+
 def test_the_check_catches_a_wrong_command() -> None:
     with pytest.raises(AssertionError, match="no manage.py command"):
         check_command(["python", "manage.py", "gpuworker", "--model", "x"])
     with pytest.raises(CommandError, match="unrecognized arguments: --gpu-list"):
         check_command(["python", "manage.py", "gpuworkers", "--model", "x", "--gpu-list", "1"])
-    with pytest.raises(SystemExit):
-        check_command(["gunicorn", "batchweb.wsgi:application", "--wokers", "4"])
+    with pytest.raises(click.NoSuchOption, match="--wokers"):
+        check_command(["granian", "--interface", "wsgi", "--wokers", "4",
+                       "batchweb.wsgi:application"])
+    with pytest.raises(click.BadParameter):
+        check_command(["granian", "--interface", "wsgi", "--workers", "four",
+                       "batchweb.wsgi:application"])
+    with pytest.raises(AssertionError):  # served as RSGI, Granian's default
+        check_command(["granian", "--workers", "4", "batchweb.wsgi:application"])
 
 
 def model_spec(name: str) -> ModelSpec:

@@ -66,7 +66,7 @@ def run_next_shard(batch: Batch, **kwargs: Any) -> Batch:
 
 
 def test_the_cache_is_shared_by_every_web_process() -> None:
-    # Django's default is per-process memory: each gunicorn worker would compute again.
+    # Django's default is per-process memory: each Granian worker would compute again.
     assert isinstance(caches["default"], RedisCache)
     assert django_settings.CACHES["default"]["LOCATION"] == django_settings.REDIS_URL
 

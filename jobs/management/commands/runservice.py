@@ -1,6 +1,6 @@
 """`manage.py runservice`: the whole service on one machine (what `make run` starts).
 
-A private Redis when REDIS_URL is unset, gunicorn for the web and API, and one `batchworker`
+A private Redis when REDIS_URL is unset, Granian for the web and API, and one `batchworker`
 per model. It supervises what it started: a worker, the web server or the private Redis that
 dies is started again (the reconciler puts back the queue entries a new Redis lacks); one
 that keeps dying stops everything with a message naming it, so the service is never left up
@@ -10,6 +10,7 @@ these pieces separately instead (see README).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -42,6 +43,27 @@ class Restarts:
         while deaths and deaths[0] < now - RESTART_WINDOW_SECONDS:
             deaths.popleft()
         return len(deaths) < MAX_RESTARTS
+
+
+def web_server(bind: str, workers: int) -> list[str]:
+    """The web server's command: Granian serving the WSGI application on `bind` (HOST:PORT)
+    with `workers` processes of 8 threads each, and an access log. A worker process that
+    dies is replaced; one still busy 30 s after SIGTERM (a request running) is killed."""
+    host, _, port = bind.rpartition(":")
+    return [sys.executable, "-m", "granian", "--interface", "wsgi",
+            "--host", host.strip("[]"), "--port", port,
+            "--workers", str(workers), "--blocking-threads", "8", "--access-log",
+            "--respawn-failed-workers", "--workers-kill-timeout", "30",
+            "batchweb.wsgi:application"]
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL what is left of an exited process's group (it started a session of its own).
+    Granian's worker processes outlive a main process that was killed (gunicorn's exited
+    once their arbiter was gone) and would go on taking connections on the port beside
+    the web server started again."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 class Command(BaseCommand):
@@ -77,10 +99,7 @@ class Command(BaseCommand):
             self.stdout.write(f"private Redis: {redis.url}")
         wanted = {m for m in options["models"].split(",") if m}
         models = [s.name for s in model_specs() if not wanted or s.name in wanted]
-        web = [sys.executable, "-m", "gunicorn", "batchweb.wsgi:application",
-               "--bind", options["bind"], "--workers", str(options["web_workers"]),
-               "--threads", "8", "--timeout", "600", "--access-logfile", "-"]
-        commands = {"web": web} | {
+        commands = {"web": web_server(options["bind"], options["web_workers"])} | {
             f"worker:{name}": [sys.executable, "manage.py", "batchworker", "--model", name]
             for name in models}
         procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -111,6 +130,8 @@ class Command(BaseCommand):
                                    f"{RESTART_WINDOW_SECONDS:.0f}s (last code "
                                    f"{proc.returncode}); see its log above")
                         break
+                    if name == "web":
+                        kill_group(proc)
                     self.stderr.write(f"{name} exited with {proc.returncode}; restarting")
                     procs[name] = subprocess.Popen(commands[name], start_new_session=True)
         finally:
@@ -125,6 +146,7 @@ class Command(BaseCommand):
                     proc.wait(timeout=max(1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     proc.kill()
+            kill_group(procs["web"])
             if redis is not None:
                 redis.stop()
             lock.release()
