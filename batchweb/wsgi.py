@@ -1,4 +1,4 @@
-"""The WSGI application gunicorn serves.
+"""The WSGI application the web server (Granian) serves.
 
 Django's handler, except that requests to the API (/v1/) go through API_MIDDLEWARE (see
 settings): an API request carries its key and no cookie, and the middlewares only pages need
@@ -21,6 +21,12 @@ from django.http import HttpRequest
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "batchweb.settings")
 
 API_PREFIX = "/v1/"
+# What a request's environ holds besides its headers (HTTP_*) and the server's wsgi.* keys
+# (PEP 3333 and CGI).
+REQUEST_VARIABLES = frozenset((
+    "REQUEST_METHOD", "SCRIPT_NAME", "PATH_INFO", "QUERY_STRING", "CONTENT_TYPE",
+    "CONTENT_LENGTH", "SERVER_NAME", "SERVER_PORT", "SERVER_PROTOCOL", "SERVER_SOFTWARE",
+    "GATEWAY_INTERFACE", "REMOTE_ADDR", "REMOTE_HOST", "REMOTE_PORT", "REMOTE_USER", "HTTPS"))
 
 
 class Handler(WSGIHandler):
@@ -29,6 +35,12 @@ class Handler(WSGIHandler):
         from jobs.polls import PollMemo  # models: only once Django is set up
 
         self.polls = PollMemo()
+        # Granian copies the process's environment into every request's environ, as CGI did
+        # (PEP 3333 allows it): SECRET_KEY, DATABASE_URL and the storage keys would be in
+        # request.META, which error reports show. Settings are read by now; requests get
+        # none of it.
+        self.inherited = frozenset(name for name in os.environ if name not in REQUEST_VARIABLES
+                                   and not name.startswith("HTTP_"))
         self.api = BaseHandler()
         # Django builds a chain from settings.MIDDLEWARE only: it is set to the API's list
         # while this one chain is built (once, at start), then put back.
@@ -41,6 +53,8 @@ class Handler(WSGIHandler):
 
     def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]
                  ) -> Any:  # what WSGIHandler returns: an iterable of bytes
+        for name in self.inherited:
+            environ.pop(name, None)
         remembered = self.polls.answer(environ)
         if remembered is None:
             return super().__call__(environ, start_response)

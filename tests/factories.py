@@ -327,9 +327,11 @@ VOLATILE_FIELDS = {"last_used_at"}
 
 
 def wsgi_call(app: Any, method: str, path: str, headers: dict[str, str] | None = None,
-              body: bytes = b"") -> tuple[str, dict[str, str], bytes]:
-    """Call a WSGI application as a server would: (status line, headers, body)."""
-    environ = {"REQUEST_METHOD": method, "PATH_INFO": path.partition("?")[0],
+              body: bytes = b"", environ: dict[str, Any] | None = None
+              ) -> tuple[str, dict[str, str], bytes]:
+    """Call a WSGI application as a server would: (status line, headers, body). `environ`:
+    more of what a server may put in the request's environ."""
+    request = {"REQUEST_METHOD": method, "PATH_INFO": path.partition("?")[0],
                "QUERY_STRING": path.partition("?")[2], "SERVER_NAME": "testserver",
                "SERVER_PORT": "80", "HTTP_HOST": "testserver", "wsgi.url_scheme": "http",
                "wsgi.input": io.BytesIO(body), "wsgi.errors": sys.stderr,
@@ -337,7 +339,8 @@ def wsgi_call(app: Any, method: str, path: str, headers: dict[str, str] | None =
                "CONTENT_LENGTH": str(len(body)), "CONTENT_TYPE": "application/json",
                "wsgi.multithread": True, "wsgi.multiprocess": True, "wsgi.run_once": False,
                "wsgi.version": (1, 0), **{f"HTTP_{k.upper().replace('-', '_')}": v
-                                          for k, v in (headers or {}).items()}}
+                                          for k, v in (headers or {}).items()},
+               **(environ or {})}
     answer: dict[str, Any] = {}
 
     def start_response(status: str, headers: list[tuple[str, str]], exc_info: Any = None
@@ -349,7 +352,7 @@ def wsgi_call(app: Any, method: str, path: str, headers: dict[str, str] | None =
     request_started.disconnect(close_old_connections)
     request_finished.disconnect(close_old_connections)
     try:
-        result = app(environ, start_response)
+        result = app(request, start_response)
         content = b"".join(result)
         if hasattr(result, "close"):  # optional in WSGI: a remembered poll has none
             result.close()

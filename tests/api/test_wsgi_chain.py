@@ -5,11 +5,13 @@ shorter middleware chain than pages: every answer is the one the whole chain giv
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from django.core.handlers.wsgi import WSGIHandler
+from django.http import HttpResponse
 
-from batchweb.wsgi import application
+from batchweb.wsgi import Handler, application
 from tests.factories import claimed_batch, wsgi_call
 
 pytestmark = pytest.mark.django_db
@@ -48,3 +50,18 @@ def test_pages_keep_every_middleware(user):
     # A form POST without its CSRF token is refused.
     status, _, _ = wsgi_call(application, "POST", "/accounts/login/", body=b"username=a")
     assert status.startswith("403")
+
+
+def test_requests_carry_none_of_the_servers_environment(monkeypatch, user, api_key):
+    """Granian copies its process's environment into each request's environ: secrets such
+    as DATABASE_URL must not reach request.META (error reports show it)."""
+    monkeypatch.setenv("DATABASE_URL", "postgres://user:secret@db/batchweb")
+    seen: list[dict] = []
+    handler = Handler()
+    monkeypatch.setattr(handler.api, "get_response",
+                        lambda request: seen.append(dict(request.META)) or HttpResponse())
+    wsgi_call(handler, "GET", "/v1/models", {"Authorization": f"Bearer {api_key}",
+                                             "X-Custom": "kept"},
+              environ={"DATABASE_URL": os.environ["DATABASE_URL"]})
+    assert "DATABASE_URL" not in seen[0] and seen[0]["HTTP_X_CUSTOM"] == "kept"
+    assert seen[0]["PATH_INFO"] == "/v1/models"
