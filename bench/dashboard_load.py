@@ -3,10 +3,12 @@
 A scratch deployment (its own SQLite database, storage and private Redis; or the database
 named by --database-url, which must be a scratch one: it is migrated and rows are added):
   - one user with --history ended batches (10 requests each) so lists are not trivially empty,
-  - gunicorn as `make run` serves it (manage.py runservice: gthread, 2 workers = one per
-    core on this 2-core machine, 8 threads each; threads cover the database waits, the
-    processes the GIL), DEBUG off, through bench.timed_wsgi, which reports what each request
-    cost inside Django (CPU, database time, queries) in a Server-Timing header,
+  - Granian as `make run` serves it (manage.py runservice: 2 worker processes = one per
+    core on this 2-core machine, 8 blocking threads each; threads cover the database waits,
+    the processes the GIL; no access log), DEBUG off, through bench.timed_wsgi, which
+    reports what each request cost inside the application (CPU, database time, queries,
+    whether the poll memo answered) in a Server-Timing header; `--server gunicorn` runs
+    gunicorn's gthread worker instead (2 x 8), the service's server before Granian,
   - --batchworkers echo workers running one big batch, slowed down (BATCHWEB_ECHO_SECONDS)
     so that its counts change every --change-seconds (10 s: a shard of 50 requests ends; the
     worker's heartbeat, every 5 s, also writes its progress) and it is still running when
@@ -33,7 +35,7 @@ answer were instant), then per endpoint: requests, p50, p99, max, errors (non-2x
 or transport errors), and, for the polls, the same split into unchanged answers (a 304, or a
 200 with the ETag the client already had) and changed ones (the batch changed since the
 client's previous poll); and the web server's CPU time: in Django per request (from
-Server-Timing), and the processes' total per request, the difference being gunicorn's own
+Server-Timing), and the processes' total per request, the difference being the server's own
 (reading, parsing, writing, its event loop), shared evenly over the requests.
 
 --heavy instead has --heavy-clients clients (the one signed-in user, as from several tabs)
@@ -257,12 +259,14 @@ def main() -> None:
     parser.add_argument("--change-seconds", type=float, default=10.0,
                         help="how often the running batch's counts change (a shard ends)")
     parser.add_argument("--shard-size", type=int, default=50)
-    parser.add_argument("--server", choices=("gunicorn", "granian"), default="gunicorn",
-                        help="the web server (granian: to measure what gunicorn itself "
-                             "costs; needs `pip install granian`)")
+    parser.add_argument("--server", choices=("granian", "gunicorn"), default="granian",
+                        help="the web server (granian, the service's; gunicorn to compare, "
+                             "from the test extra)")
     parser.add_argument("--web-workers", "--gunicorn-workers", dest="web_workers", type=int,
                         default=2, help="web server processes")
     parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--server-args", default="",
+                        help="more arguments for the web server, as one string (tuning)")
     parser.add_argument("--batchworkers", type=int, default=1)
     parser.add_argument("--database-url", default="",
                         help="a scratch database (default: SQLite in a temporary directory)")
@@ -308,13 +312,15 @@ def measure(args: argparse.Namespace, scratch: Path) -> None:
         if args.server == "granian":
             server = harness.granian(
                 web_port, env, "--workers", str(args.web_workers), "--blocking-threads",
-                str(args.threads), app="bench.timed_wsgi:application", stdout=log,
+                str(args.threads), *args.server_args.split(),
+                app="bench.timed_wsgi:application", stdout=log,
                 stderr=subprocess.STDOUT)
         else:
             server = harness.gunicorn(
                 web_port, env, "-k", "gthread", "-w", str(args.web_workers), "--threads",
                 str(args.threads), "--timeout", "120", "--keep-alive", "30",
-                app="bench.timed_wsgi:application", stdout=log, stderr=subprocess.STDOUT)
+                *args.server_args.split(), app="bench.timed_wsgi:application", stdout=log,
+                stderr=subprocess.STDOUT)
         procs.append(server)
         for _ in range(args.batchworkers):
             procs.append(harness.batchworker("echo-test", env, log))
@@ -371,7 +377,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> None:
               f"of {args.batch_requests} requests in shards of {args.shard_size} on "
               f"{args.batchworkers} echo worker(s) at {echo_seconds} s/request", flush=True)
 
-        # Warm up (not counted): each gunicorn process imports views and compiles
+        # Warm up (not counted): each web server process imports views and compiles
         # templates on its first requests.
         asyncio.run(warm_up(list({op.name: op for ops in clients for op in ops}.values()),
                             base, cookies))
@@ -459,7 +465,7 @@ def summarize(report: dict[str, Any], stats: Stats, endpoints: dict[str, str], *
     samples = stats.samples
     total = len(samples) + sum(stats.errors.values())
     django_cpu = sum(s.cpu_ms for s in samples) / 1000
-    # What gunicorn spends outside Django (parsing, writing, its event loop, the arbiter),
+    # What the server spends outside the application (parsing, writing, its event loop),
     # shared evenly over the requests: it hardly depends on what was asked.
     server_ms = 1000 * max(0.0, cpu - django_cpu) / max(total, 1)
     offered = stats.sent / elapsed
@@ -478,7 +484,7 @@ def summarize(report: dict[str, Any], stats: Stats, endpoints: dict[str, str], *
         by_op[sample.op].append(sample)
 
     def line(label: str, figures: dict[str, Any]) -> None:
-        # cpu ms: Django's CPU a request plus gunicorn's even share.
+        # cpu ms: the application's CPU a request plus the server's even share.
         figures["web_cpu_ms"] = round(figures["django_cpu_ms"] + server_ms, 3)
         print(f"{label:<38} {figures['requests']:>8} {figures['p50_ms']:>7.1f} "
               f"{figures['p99_ms']:>7.1f} {figures['max_ms']:>7.1f} {figures['errors']:>6} "
@@ -508,10 +514,10 @@ def summarize(report: dict[str, Any], stats: Stats, endpoints: dict[str, str], *
                   web_cpu_seconds=round(cpu, 2),
                   web_cpu_ms_per_request=round(1000 * cpu / max(total, 1), 3),
                   django_cpu_ms_per_request=round(1000 * django_cpu / max(total, 1), 3),
-                  gunicorn_cpu_ms_per_request=round(server_ms, 3),
+                  server_cpu_ms_per_request=round(server_ms, 3),
                   load_generator_cpu_seconds=round(own, 1))
     # Where the slowest answers went: in Django (and of that, CPU and database) or outside
-    # it (queued in gunicorn, the network, the load generator's own event loop).
+    # it (queued in the server, the network, the load generator's own event loop).
     slowest = sorted(samples, key=lambda s: s.latency, reverse=True)[:8]
     print("\nslowest: at s, endpoint, status, ms: total / in Django (cpu, db)")
     for s in slowest:

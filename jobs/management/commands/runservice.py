@@ -47,12 +47,16 @@ class Restarts:
 
 def web_server(bind: str, workers: int) -> list[str]:
     """The web server's command: Granian serving the WSGI application on `bind` (HOST:PORT)
-    with `workers` processes of 8 threads each, and an access log. A worker process that
-    dies is replaced; one still busy 30 s after SIGTERM (a request running) is killed."""
+    with `workers` processes of 8 threads each. A worker process that dies is replaced; one
+    still busy 30 s after SIGTERM (a request running) is killed.
+
+    No access log unless GRANIAN_LOG_ACCESS_ENABLED=1 (Granian's own setting): most of what
+    the web tier answers is polls, and logging each cost ~0.2 ms of CPU, a fifth of a poll,
+    on the 2-core machines of bench/RESULTS.md. A proxy in front logs requests anyway."""
     host, _, port = bind.rpartition(":")
     return [sys.executable, "-m", "granian", "--interface", "wsgi",
             "--host", host.strip("[]"), "--port", port,
-            "--workers", str(workers), "--blocking-threads", "8", "--access-log",
+            "--workers", str(workers), "--blocking-threads", "8",
             "--respawn-failed-workers", "--workers-kill-timeout", "30",
             "batchweb.wsgi:application"]
 
