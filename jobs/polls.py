@@ -1,16 +1,17 @@
 """Polls of an unchanged batch, answered before Django.
 
 Clients poll a running batch for hours: the `openai` client's `GET /v1/batches/{id}` (which
-sends no If-None-Match, so it gets the whole batch every time) and the batch page's live
-block (which sends back its ETag). Most polls find the batch as it was. Django's path costs
-such a poll ~2 ms of CPU on the project's 2-core machines (middlewares, URL resolution, the
-credential, the ORM, the answer), while what decides the answer is one row.
+sends no If-None-Match, so it gets the whole batch every time) and first page of
+`GET /v1/batches`, and the batch page's live block (which sends back its ETag). Most polls
+find the batches as they were. Django's path costs such a poll 1-6 ms of CPU on the
+project's 2-core machines (middlewares, URL resolution, the credential, the ORM, the
+answer), while what decides the answer is a row or a page of rows.
 
 So each web process remembers, per client and URL, the last answer Django gave to a poll,
-filed under the batch row it was computed from: every column, read just before Django ran,
-so an answer is never older than the row it is filed under. A later poll of the same URL by
-the same client (the same credential, cookies and host) runs one query, which finds the row
-only while that credential still lets the client see the batch; when every column is
+filed under the batch rows it was computed from: every column, read just before Django ran,
+so an answer is never older than the rows it is filed under. A later poll of the same URL
+by the same client (the same credential, cookies and host) runs one query, which finds the
+rows only while that credential still lets the client see them; when every column is
 unchanged (and the view's own checks still hold) the answer is replayed byte for byte, or
 Django's 304 for it when the client sends back its ETag. Anything else goes to Django as
 before, and its new answer is filed.
@@ -42,6 +43,7 @@ from django.http.cookie import parse_cookie
 
 from jobs.models import Batch, SpotCheck
 from jobs.queries.compiled import Compiled
+from jobs.services.batches import LIST_LIMIT, LIST_MAX_LIMIT
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +68,29 @@ REMEMBERED = "batchweb.poll_remembered"
 _COLUMNS = [f.attname for f in Batch._meta.concrete_fields]
 
 
-def _api_state(batch_id: str, secret_hash: str) -> QuerySet[Any, Any]:
+def _api_batch(batch_id: str, secret_hash: str) -> QuerySet[Any, Any]:
     # The batch, while this key is live and its owner's (jobs.services.keys.authenticate_key).
     return Batch.objects.filter(
         pk=batch_id, api=Batch.Api.OPENAI, owner__is_active=True,
         owner__apikey__secret_hash=secret_hash, owner__apikey__revoked_at__isnull=True
     ).values_list(*_COLUMNS)
+
+
+_API_BATCH = Compiled(_api_batch, "batch_id", "secret_hash")
+# The first page of GET /v1/batches (jobs.api.batches.list_batches), one query for each
+# page size (it is part of the SQL): the page's batches and the one after, while the key
+# is live.
+_API_LISTS: dict[int, Compiled] = {}
+
+
+def _api_list(limit: int) -> Compiled:
+    compiled = _API_LISTS.get(limit)
+    if compiled is None:
+        compiled = _API_LISTS[limit] = Compiled(lambda secret_hash: Batch.objects.filter(
+            api=Batch.Api.OPENAI, owner__is_active=True, owner__apikey__secret_hash=secret_hash,
+            owner__apikey__revoked_at__isnull=True).order_by("-created_at", "-pk")
+            .values_list(*_COLUMNS)[:limit + 1], "secret_hash")
+    return compiled
 
 
 def _spot_count(**verdict: Any) -> Coalesce:
@@ -80,7 +99,7 @@ def _spot_count(**verdict: Any) -> Coalesce:
     return Coalesce(Subquery(marks, output_field=IntegerField()), 0)
 
 
-def _page_state(batch_id: str, session_key: str) -> QuerySet[Any, Any]:
+def _live_block(batch_id: str, session_key: str) -> QuerySet[Any, Any]:
     # The batch, while this session is signed in (its row exists and has not expired: a
     # session belongs to one user, sign-in gives a new key) and the owner is active; with
     # the spot-check counts the live block shows.
@@ -90,6 +109,9 @@ def _page_state(batch_id: str, session_key: str) -> QuerySet[Any, Any]:
             .values_list(*_COLUMNS, "spot_marked", "spot_good"))
 
 
+_LIVE_BLOCK = Compiled(_live_block, "batch_id", "session_key")
+
+
 def _bearer_hash(environ: dict[str, Any]) -> str | None:
     scheme, _, secret = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
     if scheme.lower() != "bearer" or not secret.strip():
@@ -97,25 +119,42 @@ def _bearer_hash(environ: dict[str, Any]) -> str | None:
     return hashlib.sha256(secret.strip().encode()).hexdigest()
 
 
-def _session_key(environ: dict[str, Any]) -> str | None:
-    return parse_cookie(environ.get("HTTP_COOKIE", "")).get(settings.SESSION_COOKIE_NAME)
+# The rows that decide the answer to a polled URL, read while the request's credential lets
+# the client see them; None where the memo does not take the request (no credential, a
+# query it does not know).
+Rows = Callable[[str, dict[str, Any]], list[Any] | None]
 
 
-@dataclass(frozen=True)
-class Route:
-    """A polled URL: its batch id, and the row that decides the answer while the request's
-    credential (`credential(environ)`) lets the client see it."""
-
-    path: re.Pattern[str]
-    state: Compiled
-    credential: Callable[[dict[str, Any]], str | None]
+def _batch_rows(batch_id: str, environ: dict[str, Any]) -> list[Any] | None:
+    secret_hash = _bearer_hash(environ)
+    if secret_hash is None:
+        return None
+    return _API_BATCH.raw_rows(batch_id=batch_id, secret_hash=secret_hash)
 
 
-ROUTES = (
-    Route(re.compile(r"/v1/batches/([^/]+)"), Compiled(_api_state, "batch_id", "secret_hash"),
-          _bearer_hash),
-    Route(re.compile(r"/batches/([^/]+)/live"),
-          Compiled(_page_state, "batch_id", "session_key"), _session_key),
+def _list_rows(_: str, environ: dict[str, Any]) -> list[Any] | None:
+    # Only the unfiltered first page, newest first: what clients poll.
+    query = environ.get("QUERY_STRING", "")
+    given = re.fullmatch(r"limit=([1-9][0-9]{0,2})", query)
+    limit = int(given[1]) if given else LIST_LIMIT if not query else 0
+    secret_hash = _bearer_hash(environ)
+    if not 1 <= limit <= LIST_MAX_LIMIT or secret_hash is None:
+        return None
+    return _api_list(limit).raw_rows(secret_hash=secret_hash)
+
+
+def _live_rows(batch_id: str, environ: dict[str, Any]) -> list[Any] | None:
+    session_key = parse_cookie(environ.get("HTTP_COOKIE", "")).get(
+        settings.SESSION_COOKIE_NAME)
+    if not session_key:
+        return None
+    return _LIVE_BLOCK.raw_rows(batch_id=batch_id, session_key=session_key)
+
+
+ROUTES: tuple[tuple[re.Pattern[str], Rows], ...] = (
+    (re.compile(r"/v1/batches/([^/\x00]+)"), _batch_rows),
+    (re.compile(r"/v1/batches()"), _list_rows),
+    (re.compile(r"/batches/([^/\x00]+)/live"), _live_rows),
 )
 
 
@@ -164,26 +203,23 @@ class PollMemo:
     lock: threading.Lock = field(default_factory=threading.Lock)
     hits: int = 0
 
-    def _match(self, environ: dict[str, Any]) -> tuple[Route, str, tuple[Any, ...]] | None:
+    def _match(self, environ: dict[str, Any]) -> tuple[Rows, str, tuple[Any, ...]] | None:
         if environ.get("REQUEST_METHOD") != "GET" or environ.get("CONTENT_LENGTH") not in (
                 None, "", "0") or any(name in environ for name in _NOT_A_POLL):
             return None
         path = environ.get("PATH_INFO", "")
-        for route in ROUTES:
-            found = route.path.fullmatch(path)
+        for pattern, rows in ROUTES:
+            found = pattern.fullmatch(path)
             if found:
                 key = (path, environ.get("QUERY_STRING", ""),
                        *(environ.get(name) for name in _CLIENT))
-                return route, found[1], key
+                return rows, found[1], key
         return None
 
-    def _state(self, route: Route, batch_id: str,
-               environ: dict[str, Any]) -> tuple[Any, ...] | None:
-        credential = route.credential(environ)
-        if credential is None or "\x00" in batch_id:
-            return None
-        rows = route.state.raw_rows(batch_id=batch_id, **{route.state.names[1]: credential})
-        return tuple(rows[0]) if rows else None
+    @staticmethod
+    def _state(rows: Rows, name: str, environ: dict[str, Any]) -> tuple[Any, ...] | None:
+        found = rows(name, environ)
+        return tuple(tuple(row) for row in found) if found else None
 
     def answer(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes] | None:
         """The remembered answer to this request, if it is a poll of an unchanged batch
@@ -191,16 +227,17 @@ class PollMemo:
         matched = self._match(environ)
         if matched is None:
             return None
-        route, batch_id, key = matched
+        rows, name, key = matched
         remembered = self.answers.get(key)
         if remembered is None:
             return None
         sent = environ.get("HTTP_IF_NONE_MATCH")
-        replay = remembered.not_modified if sent == remembered.etag else remembered.whole
+        replay = (remembered.not_modified if sent is not None and sent == remembered.etag
+                  else remembered.whole)
         if replay is None or time.monotonic() > remembered.validity.until:
             return None
         try:
-            state = self._state(route, batch_id, environ)
+            state = self._state(rows, name, environ)
         except Exception:  # the database: Django's path reports it
             log.warning("poll state unavailable", exc_info=True)
             if not connection.is_usable():
@@ -220,9 +257,9 @@ class PollMemo:
         matched = self._match(environ)
         if matched is None:
             return None
-        route, batch_id, key = matched
+        rows, name, key = matched
         try:
-            return Poll(key, self._state(route, batch_id, environ))
+            return Poll(key, self._state(rows, name, environ))
         except Exception:
             log.warning("poll state unavailable", exc_info=True)
             return None

@@ -39,7 +39,12 @@ def list_batches(request: HttpRequest, user: Any) -> HttpResponse:
     filtered = any(k == "status" or k.startswith("metadata[") for k in request.GET)
     newest = None if filtered else (
         lambda count: batches.newest_batches(owner=user, count=count, api=Batch.Api.OPENAI))
-    return paginate(request, objects, default_limit=20, max_limit=100, newest=newest)
+    response = paginate(request, objects, default_limit=batches.LIST_LIMIT,
+                        max_limit=batches.LIST_MAX_LIMIT, newest=newest)
+    # The first page is replayed, while its batches are unchanged, to this client's next
+    # polls (jobs.polls takes only that page).
+    polls.remember(response)
+    return response
 
 
 def _filtered(objects: QuerySet[Batch], request: HttpRequest) -> QuerySet[Batch]:

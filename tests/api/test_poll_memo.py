@@ -158,7 +158,7 @@ def test_the_memo_is_bounded(running, api_key, memo, monkeypatch):
     batch, _ = running
     monkeypatch.setattr(polls, "MAX_ANSWERS", 2)
     auth = {"Authorization": f"Bearer {api_key}"}
-    for query in ("a=1", "a=2", "a=3"):
+    for query in ("a=1", "a=2", "a=3"):  # Django ignores these: each is a URL of its own
         _poll(f"/v1/batches/{batch.pk}?{query}", auth, memo)
     assert len(memo.answers) == 2
     assert not _poll(f"/v1/batches/{batch.pk}?a=1", auth, memo)[1]
@@ -167,7 +167,7 @@ def test_the_memo_is_bounded(running, api_key, memo, monkeypatch):
 def test_other_api_answers_are_never_remembered(running, api_key, memo):
     batch, _ = running
     auth = {"Authorization": f"Bearer {api_key}"}
-    for path in ("/v1/batches?limit=2", f"/v1/batches/{batch.pk}/results", "/v1/models"):
+    for path in (f"/v1/batches/{batch.pk}/results", "/v1/models", "/v1/files"):
         wsgi_call(application, "GET", path, auth)
         assert not _poll(path, auth, memo)[1]
     assert not memo.answers
@@ -230,3 +230,35 @@ def test_a_signed_out_browser_is_sent_to_sign_in(site, running, memo):
     (status, headers, _), remembered = _poll(path, browser, memo)
     assert status.startswith("302") and "/accounts/login/" in headers["Location"]
     assert not remembered
+
+
+# --- the first page of GET /v1/batches ---
+
+
+def test_the_first_page_of_the_list_is_remembered_until_a_batch_on_it_changes(
+        running, api_key, user, tmp_path, settings, memo):
+    batch, shard = running
+    auth = {"Authorization": f"Bearer {api_key}"}
+    for path in ("/v1/batches", "/v1/batches?limit=1"):
+        first, remembered = _poll(path, auth, memo)
+        assert first[0].startswith("200") and not remembered
+        assert _poll(path, auth, memo) == (first, True), path
+        assert first == wsgi_call(WSGIHandler(), "GET", path, auth)
+
+    heartbeat(shard_id=shard.pk, attempt=shard.attempt, progress=Progress(completed=2))
+    (_, _, body), remembered = _poll("/v1/batches", auth, memo)
+    assert not remembered and b'"completed": 2' in body
+    # A new batch is a new first page.
+    newer, _ = claimed_batch(user, tmp_path, settings)
+    (_, _, body), remembered = _poll("/v1/batches?limit=1", auth, memo)
+    assert not remembered and newer.pk.encode() in body and batch.pk.encode() not in body
+
+
+def test_only_the_unfiltered_first_page_is_remembered(running, api_key, memo):
+    batch, _ = running
+    auth = {"Authorization": f"Bearer {api_key}"}
+    for query in ("limit=0", "limit=101", "limit=20&order=asc", f"after={batch.pk}",
+                  "status=in_progress", "metadata[k]=v"):
+        path = f"/v1/batches?{query}"
+        _poll(path, auth, memo)
+        assert not _poll(path, auth, memo)[1], query
