@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
+from django.contrib.auth import SESSION_KEY
 from django.contrib.sessions.models import Session
 from django.db import connection
 from django.db.models import Count, Exists, IntegerField, OuterRef, QuerySet, Subquery
@@ -41,9 +42,10 @@ from django.db.models.functions import Coalesce, Now
 from django.http import HttpResponseBase
 from django.http.cookie import parse_cookie
 
+from batchweb.sessions import SessionStore
 from jobs.models import Batch, SpotCheck
 from jobs.queries.compiled import Compiled
-from jobs.services.batches import LIST_LIMIT, LIST_MAX_LIMIT
+from jobs.services.batches import LIST_LIMIT, LIST_MAX_LIMIT, LIST_PAGE_SIZE
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +59,8 @@ MAX_ANSWERS = 10_000
 # hosts, redirects), the scheme as the proxy tells it, the credential and the cookies. A
 # request that differs in any of them is another client.
 _CLIENT = ("HTTP_HOST", "wsgi.url_scheme", "HTTP_X_FORWARDED_PROTO", "HTTP_X_FORWARDED_HOST",
-           "HTTP_AUTHORIZATION", "HTTP_X_API_KEY", "HTTP_COOKIE", "HTTP_HX_REQUEST")
+           "HTTP_AUTHORIZATION", "HTTP_X_API_KEY", "HTTP_COOKIE", "HTTP_HX_REQUEST",
+           "HTTP_HX_BOOSTED")
 # Conditions other than If-None-Match, and a body, are Django's to answer.
 _NOT_A_POLL = ("HTTP_IF_MODIFIED_SINCE", "HTTP_IF_MATCH", "HTTP_IF_UNMODIFIED_SINCE",
                "HTTP_RANGE", "HTTP_TRANSFER_ENCODING")
@@ -151,10 +154,56 @@ def _live_rows(batch_id: str, environ: dict[str, Any]) -> list[Any] | None:
     return _LIVE_BLOCK.raw_rows(batch_id=batch_id, session_key=session_key)
 
 
+def _batch_table(owner_id: int, session_key: str) -> QuerySet[Any, Any]:
+    # The first page of the owner's batches, newest first (jobs.views.batches.batch_list),
+    # each with the owner's count of batches (the pages the table offers), while this
+    # session is signed in.
+    signed_in = Session.objects.filter(session_key=session_key, expire_date__gt=Now())
+    count = (Batch.objects.filter(owner_id=OuterRef("owner_id")).order_by()
+             .values("owner_id").annotate(n=Count("pk")).values("n"))
+    return (Batch.objects.filter(Exists(signed_in), owner_id=owner_id, owner__is_active=True)
+            .annotate(owner_batches=Subquery(count, output_field=IntegerField()))
+            .order_by("-created_at", "-pk").values_list(*_COLUMNS, "owner_batches")
+            [:LIST_PAGE_SIZE])
+
+
+_BATCH_TABLE = Compiled(_batch_table, "owner_id", "session_key")
+# Each session's user, as Django's session engine read it once (a session key belongs to
+# one user: signing in gives a new key), so that a poll of the table needs no session read
+# of its own; the state query still checks that the session is signed in.
+_SESSION_USERS: OrderedDict[str, int] = OrderedDict()
+
+
+def _session_user(session_key: str) -> int | None:
+    user_id = _SESSION_USERS.get(session_key)
+    if user_id is None:
+        found = SessionStore(session_key).get(SESSION_KEY)
+        if found is None:
+            return None
+        user_id = _SESSION_USERS[session_key] = int(found)
+        while len(_SESSION_USERS) > MAX_ANSWERS:
+            _SESSION_USERS.popitem(last=False)
+    return user_id
+
+
+def _table_rows(_: str, environ: dict[str, Any]) -> list[Any] | None:
+    # Only the table partial (htmx, not boosted) of the first page of all batches.
+    if (environ.get("HTTP_HX_REQUEST") != "true" or "HTTP_HX_BOOSTED" in environ
+            or environ.get("QUERY_STRING")):
+        return None
+    session_key = parse_cookie(environ.get("HTTP_COOKIE", "")).get(
+        settings.SESSION_COOKIE_NAME)
+    owner_id = _session_user(session_key) if session_key else None
+    if owner_id is None:
+        return None
+    return _BATCH_TABLE.raw_rows(owner_id=owner_id, session_key=session_key)
+
+
 ROUTES: tuple[tuple[re.Pattern[str], Rows], ...] = (
     (re.compile(r"/v1/batches/([^/\x00]+)"), _batch_rows),
     (re.compile(r"/v1/batches()"), _list_rows),
     (re.compile(r"/batches/([^/\x00]+)/live"), _live_rows),
+    (re.compile(r"/()"), _table_rows),
 )
 
 

@@ -112,6 +112,8 @@ _BATCH_OF_OWNER = Compiled(lambda owner_id, batch_id: Batch.objects.filter(
 # The first page of GET /v1/batches: its default size, and the largest a client may ask for.
 LIST_LIMIT = 20
 LIST_MAX_LIMIT = 100
+# Batches a page of the dashboard's list shows.
+LIST_PAGE_SIZE = 20
 
 # The newest batches of an owner (the first page of both lists, which clients and open
 # dashboards poll), compiled once for each page size (the size is part of the SQL), and

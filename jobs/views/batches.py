@@ -20,7 +20,7 @@ from urllib.parse import urlencode
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.cache import cache, caches
-from django.core.paginator import Paginator
+from django.core.paginator import Page, Paginator
 from django.http import Http404, HttpResponse, StreamingHttpResponse
 from django.http.response import HttpResponseBase
 from django.shortcuts import redirect, render
@@ -39,6 +39,7 @@ from jobs.quality import FLAG_LABELS, FLAGS
 from jobs.queries import dashboard, flags, health, results
 from jobs.services import heavy, preflight, spotcheck
 from jobs.services.batches import (
+    LIST_PAGE_SIZE,
     count_batches,
     create_batch,
     get_batch_for_user,
@@ -51,7 +52,6 @@ from jobs.services.rerun import rerun_failed
 from jobs.services.stopping import cancel_batch
 from jobs.web import SignedInRequest, download_response, uploaded_path
 
-LIST_PAGE_SIZE = 20
 BUSY_RETRY_SECONDS = 2
 # Polling of a running batch (its page's live block, its row in the list): every 2 s while
 # it changes, doubling up to 30 s while it does not, each interval spread by +-15% so that
@@ -63,6 +63,8 @@ _SEED = re.compile(r"[0-9a-f]{1,16}")
 # Time-derived figures of the live block (elapsed, throughput now, ETA) are refreshed at
 # least this often even when nothing else changed.
 LIVE_STALE_SECONDS = 60
+# The ETAs of the list's running batches (time-derived too) are at most this old.
+LIST_STALE_SECONDS = 10
 LIVE_CACHE_SECONDS = 300
 # Rendered rows of ended batches (see _rows), in each web process's memory: reading them
 # from Redis would cost about what rendering them does.
@@ -151,32 +153,38 @@ def _rows(page_batches: list[Batch], etas: dict[str, float | None]) -> list[dict
 @require_GET
 def batch_list(request: SignedInRequest) -> HttpResponse:
     status = request.GET.get("status", "")
-    # Explicit order, the one the API's lists use (newest first, ties by id).
-    batches = Batch.objects.filter(owner=request.user).order_by(
-        "-created_at", "-pk")
-    if status == "active":
-        batches = batches.exclude(status__in=Batch.ENDED)
-    elif status in Batch.Status.values:
-        batches = batches.filter(status=status)
-    else:
+    if status != "active" and status not in Batch.Status.values:
         status = ""
-    paginator = Paginator(batches, LIST_PAGE_SIZE)
     number = request.GET.get("page")
-    if not status and number in (None, "", "1"):
+    first = not status and number in (None, "", "1")
+    page: Page[Any]
+    if first:
         # The first page of all batches, which open dashboards poll: cheaper queries.
-        paginator.count = count_batches(owner=request.user)
-        page = paginator.get_page(1)
-        page.object_list = newest_batches(owner=request.user, count=LIST_PAGE_SIZE)
+        numbers: range | list[Batch] = range(count_batches(owner=request.user))
+        page = Paginator(numbers, LIST_PAGE_SIZE).get_page(1)
+        page_batches = page.object_list = newest_batches(owner=request.user,
+                                                         count=LIST_PAGE_SIZE)
     else:
-        page = paginator.get_page(number)
-    page_batches = list(page.object_list)
+        # Explicit order, the one the API's lists use (newest first, ties by id).
+        batches = Batch.objects.filter(owner=request.user).order_by("-created_at", "-pk")
+        if status == "active":
+            batches = batches.exclude(status__in=Batch.ENDED)
+        elif status:
+            batches = batches.filter(status=status)
+        page = Paginator(batches, LIST_PAGE_SIZE).get_page(number)
+        page_batches = list(page.object_list)
     etas = dashboard.list_etas(page_batches)
     context = {"page": page, "rows": _rows(page_batches, etas),
                "status": status, "status_filters": STATUS_FILTERS}
     template = "jobs/batch_list.html"
     if request.htmx and not request.htmx.boosted:
         template += "#batch-table"
-    return render(request, template, context)
+    response = render(request, template, context)
+    if first:
+        # The table is replayed to this browser's next requests while its batches are
+        # unchanged (jobs.polls), until the running ones' ETAs are due again.
+        polls.remember(response, seconds=LIST_STALE_SECONDS)
+    return response
 
 
 @login_required

@@ -21,6 +21,7 @@ from jobs.queries.compiled import Compiled
 from jobs.services.keys import revoke_api_key
 from jobs.services.shards import Progress, heartbeat
 from jobs.services.stopping import cancel_batch
+from jobs.views import batches as views
 from tests.factories import claimed_batch, wsgi_call
 
 pytestmark = pytest.mark.django_db
@@ -262,3 +263,44 @@ def test_only_the_unfiltered_first_page_is_remembered(running, api_key, memo):
         path = f"/v1/batches?{query}"
         _poll(path, auth, memo)
         assert not _poll(path, auth, memo)[1], query
+
+
+# --- the dashboard's table of batches ---
+
+
+def test_the_batch_table_is_remembered_until_a_batch_on_it_changes(site, running, user,
+                                                                   tmp_path, settings, memo):
+    batch, shard = running
+    cookie = f"sessionid={site.cookies['sessionid'].value}"
+    browser = {"Cookie": cookie, "HX-Request": "true"}
+    first, remembered = _poll("/", browser, memo)
+    assert first[0].startswith("200") and batch.pk.encode() in first[2] and not remembered
+    assert "Set-Cookie" not in first[1]
+    assert _poll("/", browser, memo) == (first, True)
+
+    heartbeat(shard_id=shard.pk, attempt=shard.attempt, progress=Progress(completed=3))
+    assert not _poll("/", browser, memo)[1]
+    assert _poll("/", browser, memo)[1]
+    newer, _ = claimed_batch(user, tmp_path, settings)
+    (_, _, body), remembered = _poll("/", browser, memo)
+    assert not remembered and newer.pk.encode() in body
+    # The whole page, a boosted request, another page or filter: Django's.
+    for path, headers in (("/", {"Cookie": cookie}), ("/", {**browser, "HX-Boosted": "true"}),
+                          ("/?page=2", browser), ("/?status=active", browser)):
+        _poll(path, headers, memo)
+        assert not _poll(path, headers, memo)[1], (path, headers)
+    Session.objects.all().delete()
+    (status, _, _), remembered = _poll("/", browser, memo)
+    assert status.startswith("302") and not remembered
+
+
+def test_the_batch_table_shows_its_running_batches_etas_within_seconds(
+        site, running, memo, monkeypatch):
+    cookie = f"sessionid={site.cookies['sessionid'].value}"
+    browser = {"Cookie": cookie, "HX-Request": "true"}
+    now = [time.monotonic()]
+    monkeypatch.setattr(polls, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    _poll("/", browser, memo)
+    assert _poll("/", browser, memo)[1]
+    now[0] += views.LIST_STALE_SECONDS + 1
+    assert not _poll("/", browser, memo)[1]

@@ -174,7 +174,7 @@ def test_the_first_page_of_batches_is_the_orms(user, other_user, tmp_path, setti
 def test_the_dashboards_first_page_is_the_orms(client, user, other_user, tmp_path, settings):
     import re
 
-    from jobs.views.batches import LIST_PAGE_SIZE
+    from jobs.services.batches import LIST_PAGE_SIZE
     from tests.factories import chat_lines, make_batch
 
     client.force_login(user)
