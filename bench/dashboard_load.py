@@ -28,7 +28,9 @@ load; 0 = as fast as possible).
 
 --api-clients N is the API shape instead: N `openai`-like clients (no If-None-Match, each with
 a connection of its own), each polling GET /v1/batches/<id> of the running batch every
---interval seconds (10 s by default then).
+--interval seconds (10 s by default then), sharing --keys API keys of the batch's owner (1 by
+default: the poll memo then answers them all from one remembered answer; with a key each,
+each client's first poll after a change goes through Django).
 
 Reports the offered load (requests sent a second, and what the clients would send if every
 answer were instant), then per endpoint: requests, p50, p99, max, errors (non-2xx/304 answers
@@ -246,6 +248,9 @@ def main() -> None:
     parser.add_argument("--listers", type=int, default=10)
     parser.add_argument("--api-clients", type=int, default=0,
                         help="the API shape instead: this many clients polling the batch")
+    parser.add_argument("--keys", type=int, default=1,
+                        help="API keys the --api-clients share (each client uses one; one "
+                             "per client: --keys N for N clients)")
     parser.add_argument("--interval", type=float, default=None,
                         help="seconds a client waits after each answer (0: none; default 2, "
                              "10 with --api-clients, 0 with --heavy)")
@@ -365,8 +370,14 @@ def measure(args: argparse.Namespace, scratch: Path) -> None:
             clients = [heavy] * args.heavy_clients
             shape = f"{args.heavy_clients} clients on the heavy views"
         elif args.api_clients:
-            clients = [[retrieve]] * args.api_clients
-            shape = f"{args.api_clients} API clients polling the batch"
+            # Client i polls with key i % --keys (1: all share one key, as one program's
+            # threads would; one a client: as many programs do).
+            keys = [key] + (harness.in_deployment(env, "more_keys", "dash", str(args.keys - 1))
+                            if args.keys > 1 else [])
+            clients = [[Op("retrieve", retrieve.url,
+                           {"Authorization": f"Bearer {keys[i % len(keys)]}"})]
+                       for i in range(args.api_clients)]
+            shape = f"{args.api_clients} API clients polling the batch with {len(keys)} keys"
         else:
             clients = ([[live, retrieve if i % 2 == 0 else revalidating]
                         for i in range(args.pollers)] + [listers] * args.listers)

@@ -319,6 +319,16 @@ def _keys(users: str) -> list[str]:
     return keys
 
 
+def _more_keys(username: str, count: str) -> list[str]:
+    """COUNT more API keys of user USERNAME (clients of one user, each with its own key)."""
+    from django.contrib.auth import get_user_model
+
+    from jobs.services.keys import create_api_key
+
+    user = get_user_model().objects.get(username=username)
+    return [create_api_key(owner=user, name=f"client {i}")[1] for i in range(int(count))]
+
+
 def _models() -> list[dict[str, Any]]:
     from django.conf import settings
 
@@ -396,8 +406,8 @@ def _plan(batch_id: str) -> dict[str, Any]:
     return Batch.objects.get(pk=batch_id).plan
 
 
-COMMANDS = {"user": _user, "keys": _keys, "models": _models, "history": _history,
-            "plan": _plan}
+COMMANDS = {"user": _user, "keys": _keys, "more_keys": _more_keys, "models": _models,
+            "history": _history, "plan": _plan}
 
 
 def main() -> None:
