@@ -113,7 +113,9 @@ def test_upload_watch_inspect_download_rerun(live_server, user, workers, browser
         done = int(page.locator("#done-count").inner_text().replace(",", ""))
         if not seen or seen[-1] != done:
             seen.append(done)
-        if not shot_running and 5 <= done <= 30:
+        # Any count short of the end: the block polls every 2 s, and the batch's 4 s of
+        # work may show only one such count on a busy machine.
+        if not shot_running and 0 < done < 40:
             page.screenshot(path=str(ARTIFACTS / "batch-running.png"), full_page=True)
             shot_running = True
         if status == "Completed":
