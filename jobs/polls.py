@@ -8,8 +8,9 @@ project's 2-core machines (middlewares, URL resolution, the credential, the ORM,
 answer), while what decides the answer is a row or a page of rows.
 
 So each web process remembers, per client and URL, the last answer Django gave to a poll,
-filed under the batch rows it was computed from: every column, read just before Django ran,
-so an answer is never older than the rows it is filed under. A later poll of the same URL
+filed under the batch rows it was computed from: every column, read just before Django ran
+and again just after (an answer whose rows changed meanwhile is not kept). A later poll of
+the same URL
 by the same client (the same credential, cookies and host) runs one query, which finds the
 rows only while that credential still lets the client see them; when every column is
 unchanged (and the view's own checks still hold) the answer is replayed byte for byte, or
@@ -226,11 +227,14 @@ def remember(response: HttpResponseBase, *, seconds: float = REMEMBER_SECONDS,
 
 @dataclass
 class Poll:
-    """A request to a polled URL: who asks for what, and the row as it was before Django
-    answered."""
+    """A request to a polled URL: who asks for what, and its rows as they were before
+    Django answered."""
 
     key: tuple[Any, ...]
     state: tuple[Any, ...] | None
+    rows: Rows
+    name: str
+    environ: dict[str, Any]
 
 
 @dataclass
@@ -308,17 +312,26 @@ class PollMemo:
             return None
         rows, name, key = matched
         try:
-            return Poll(key, self._state(rows, name, environ))
+            return Poll(key, self._state(rows, name, environ), rows, name, environ)
         except Exception:
             log.warning("poll state unavailable", exc_info=True)
             return None
 
     def file(self, poll: Poll, response: HttpResponseBase) -> None:
         """After Django answered `poll`: keep the answer if its view let it be remembered,
-        it is whole (not streamed), sets no cookie, and the client could see the batch."""
+        it is whole (not streamed), sets no cookie, the client could see the batches, and
+        they were the same after Django answered as before. Otherwise an answer computed
+        from a change could be filed under the rows before it, and be replayed once the
+        change is undone (a batch created and deleted on a list page)."""
         validity: Validity | None = getattr(response, "poll_validity", None)
         if (validity is None or poll.state is None or response.streaming
                 or response.cookies or response.status_code not in (200, 304)):
+            return
+        try:
+            if self._state(poll.rows, poll.name, poll.environ) != poll.state:
+                return
+        except Exception:
+            log.warning("poll state unavailable", exc_info=True)
             return
         replay = (f"{response.status_code} {response.reason_phrase}", list(response.items()),
                   response.content)  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ from jobs import polls
 from jobs.models import Batch, SpotCheck
 from jobs.queries import health
 from jobs.queries.compiled import Compiled
+from jobs.services import batches
 from jobs.services.keys import revoke_api_key
 from jobs.services.shards import Progress, heartbeat
 from jobs.services.stopping import cancel_batch
@@ -304,3 +305,25 @@ def test_the_batch_table_shows_its_running_batches_etas_within_seconds(
     assert _poll("/", browser, memo)[1]
     now[0] += views.LIST_STALE_SECONDS + 1
     assert not _poll("/", browser, memo)[1]
+
+
+def test_an_answer_whose_rows_changed_while_django_answered_is_not_kept(
+        running, api_key, memo, monkeypatch):
+    """A change made while Django answers, and undone after: the answer shows the change,
+    so it must not be filed under the rows as they were before (and are again)."""
+    batch, _ = running
+    auth = {"Authorization": f"Bearer {api_key}"}
+    path = f"/v1/batches/{batch.pk}"
+    read = batches.get_openai_batch_for_user
+
+    def changed_then_read(**kwargs: Any) -> Batch:
+        Batch.objects.filter(pk=batch.pk).update(metadata={"k": "for a moment"})
+        return read(**kwargs)
+
+    monkeypatch.setattr(batches, "get_openai_batch_for_user", changed_then_read)
+    (_, _, body), _ = _poll(path, auth, memo)
+    assert b"for a moment" in body
+    monkeypatch.setattr(batches, "get_openai_batch_for_user", read)
+    Batch.objects.filter(pk=batch.pk).update(metadata={})
+    (_, _, body), remembered = _poll(path, auth, memo)
+    assert not remembered and b"for a moment" not in body
