@@ -48,6 +48,9 @@ Another model or a GPU (see bench/gpu.md): --model-name, --model-path, --dtype, 
 (CUDA graphs / torch.compile), --tensor-parallel-size; the same engine settings for all three
 paths (max_model_len 2048, vLLM's default prefix caching, which is on).
 
+--keep-scratch keeps the scratch folder: run_batch's log and the worker's log, whose engine
+configuration lines ("Initializing a V1 LLM engine ... with config") can be compared.
+
 The dtype defaults to the service's CPU default (bfloat16 where the CPU has native bf16,
 else float32); compare outputs across paths in float32.
 """
@@ -327,7 +330,10 @@ def run_workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
                                                scratch, args.model_name, args.model_path,
                                                args.eager, tp)
         print(_brief(results), flush=True)
-    harness.remove(scratch)
+    if args.keep_scratch:
+        print(f"scratch kept (run_batch.log, worker.log): {scratch}", flush=True)
+    else:
+        harness.remove(scratch)
     figures = {
         "workload": workload, **sizes, "model": args.model_name, "dtype": args.dtype,
         "eager": args.eager, "tensor_parallel_size": tp, "shard_size": args.shard_size,
@@ -455,6 +461,8 @@ def main() -> None:
                              f"environment's; shared-prefix {SHARED_PREFIX_KV_GIB})")
     parser.add_argument("--dtype", default=None, help="default: engine.best_cpu_dtype()")
     parser.add_argument("--shard-size", type=int, default=128)
+    parser.add_argument("--keep-scratch", action="store_true",
+                        help="keep the scratch folder with each path's log")
     parser.add_argument("--skip", default="", help="comma list of a,b,c to leave out")
     parser.add_argument("--model-name", default=MODEL)
     parser.add_argument("--model-path", default="", help="default: var/models/<model-name>")
