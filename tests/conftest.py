@@ -5,6 +5,7 @@ receiver on loopback with the settings that let the service call it."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from itertools import islice
@@ -54,6 +55,17 @@ def _clean_redis() -> Iterator[None]:
 
     queues.connection().flushdb()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _clean_storage() -> Iterator[None]:
+    """Each test's stored files go with its database rows (after its worker processes have
+    stopped: this fixture is set up first, so torn down last). Left behind, they would be
+    orphans that every later test's cleanup pass lists and looks up again."""
+    from django.conf import settings
+
+    yield
+    shutil.rmtree(settings.STORAGE_DIR, ignore_errors=True)
 
 
 @pytest.fixture

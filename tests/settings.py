@@ -31,6 +31,11 @@ if _XDIST_PROCESS and os.environ.get("BATCHWEB_TESTS_PROCESS") != _XDIST_PROCESS
     os.environ["BATCHWEB_TESTS_PROCESS"] = _XDIST_PROCESS
     os.environ["REDIS_URL"] = _redis_url_of_process(
         os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"), int(_XDIST_PROCESS[2:]))
+    # The controlling process read this module first and set the folder every process
+    # inherits: each takes its own beside it.
+    os.environ["BATCHWEB_STORAGE_DIR"] = "-".join((
+        os.environ.get("BATCHWEB_STORAGE_DIR", str(_ROOT / "var" / "test-storage")),
+        _XDIST_PROCESS))
 for _name, _value in {
     "BATCHWEB_ECHO_MODEL": "1",
     # Live-server threads must not keep connections, or the test database cannot be dropped.
@@ -39,8 +44,7 @@ for _name, _value in {
     "BATCHWEB_HEARTBEAT_TIMEOUT_SECONDS": "6",
     "BATCHWEB_RECONCILE_SECONDS": "2",
     "BATCHWEB_SHARD_RETRY_BASE_SECONDS": "1",
-    "BATCHWEB_STORAGE_DIR": str(_ROOT / "var" / "-".join(filter(None, ["test-storage",
-                                                                      _XDIST_PROCESS]))),
+    "BATCHWEB_STORAGE_DIR": str(_ROOT / "var" / "test-storage"),
     # Scratch of this test session only (its worker processes inherit it): workers sweep
     # TMP_DIR of parts whose shard is not running in *their* database, so a session must
     # not share it with `make run` or another session.
