@@ -58,8 +58,11 @@ class Compiled:
         # The SQL in the driver's own parameter style (see raw_rows): sqlite3 takes "?", as
         # Django's SQLite cursor rewrites it on each call; psycopg takes "%s".
         driver_sql = sql
-        if connections[queryset.db].vendor == "sqlite":
+        vendor = connections[queryset.db].vendor
+        if vendor == "sqlite":
             driver_sql = re.sub(r"(?<!%)%s", "?", sql).replace("%%", "%")
+        elif vendor == "postgresql":
+            driver_sql = f"SELECT CAST(q AS text) FROM ({sql}) AS q"
         return queryset.db, sql, order, list(converters.items()), model_part, driver_sql
 
     def raw_rows(self, **values: Any) -> list[Any]:
@@ -69,7 +72,12 @@ class Compiled:
         The query runs on the driver's own cursor with its SQL made ready once: Django's
         cursor rewrites the placeholders of every query on SQLite (a regular expression
         over the whole SQL: ~60 us of a ~250 us poll here) and wraps each call. Django's
-        debug tools therefore do not count this query."""
+        debug tools therefore do not count this query.
+
+        On PostgreSQL each row comes as one value, the row's text form (a distinct text for
+        distinct values; NULL and "" differ): psycopg turning a batch row's 35 columns into
+        Python values cost the web process more than the query itself (~0.13 ms a poll,
+        against ~0.08 ms for the one text value)."""
         plan = self._plan
         if plan is None:
             plan = self._plan = self._compile()

@@ -64,6 +64,26 @@ def test_annotations_order_and_values_lists(user, other_user, tmp_path, settings
         Batch.objects.filter(owner=user).order_by("pk").values_list("pk", "completed"))
 
 
+def test_raw_rows_tell_every_change_apart(user, tmp_path, settings):
+    # What the poll memo compares: the same row gives the same raw row (on PostgreSQL one
+    # text value), and a change to any column, NULL against "" included, gives another.
+    batch = partly_run_batch(user, tmp_path, settings, requests=4, shard_size=2, done=1)
+    raw = Compiled(lambda batch_id: Batch.objects.filter(pk=batch_id).values_list(
+        "pk", "completed", "metadata", "in_progress_at", "output_file_id", "stop_code"),
+        "batch_id")
+    seen = [raw.raw_rows(batch_id=batch.pk)]
+    assert len(seen[0]) == 1 and raw.raw_rows(batch_id=batch.pk) == seen[0]
+    rows = Batch.objects.filter(pk=batch.pk)
+    for change in ({"completed": 3}, {"metadata": {"k": "v"}}, {"metadata": {"k": "w"}},
+                   {"in_progress_at": batch.in_progress_at + timedelta(microseconds=1)},
+                   {"in_progress_at": None}, {"output_file_id": ""},  # it was NULL
+                   {"stop_code": "x,y"}, {"stop_code": 'x","y'}):
+        rows.update(**change)
+        seen.append(raw.raw_rows(batch_id=batch.pk))
+        assert seen[-1] not in seen[:-1], change
+    assert raw.raw_rows(batch_id="batch_none") == []
+
+
 def test_every_value_must_be_a_parameter():
     unused = Compiled(lambda owner_id, other: Batch.objects.filter(owner_id=owner_id),
                       "owner_id", "other")
