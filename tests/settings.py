@@ -9,6 +9,7 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 _ROOT = Path(__file__).resolve().parent.parent
+_STORAGE_DIR = str(_ROOT / "var" / "test-storage")
 
 
 def _redis_url_of_process(url: str, index: int) -> str:
@@ -34,7 +35,7 @@ if _XDIST_PROCESS and os.environ.get("BATCHWEB_TESTS_PROCESS") != _XDIST_PROCESS
     # The controlling process read this module first and set the folder every process
     # inherits: each takes its own beside it.
     os.environ["BATCHWEB_STORAGE_DIR"] = "-".join((
-        os.environ.get("BATCHWEB_STORAGE_DIR", str(_ROOT / "var" / "test-storage")),
+        os.environ.get("BATCHWEB_STORAGE_DIR", _STORAGE_DIR),
         _XDIST_PROCESS))
 for _name, _value in {
     "BATCHWEB_ECHO_MODEL": "1",
@@ -44,7 +45,7 @@ for _name, _value in {
     "BATCHWEB_HEARTBEAT_TIMEOUT_SECONDS": "6",
     "BATCHWEB_RECONCILE_SECONDS": "2",
     "BATCHWEB_SHARD_RETRY_BASE_SECONDS": "1",
-    "BATCHWEB_STORAGE_DIR": str(_ROOT / "var" / "test-storage"),
+    "BATCHWEB_STORAGE_DIR": _STORAGE_DIR,
     # Scratch of this test session only (its worker processes inherit it): workers sweep
     # TMP_DIR of parts whose shard is not running in *their* database, so a session must
     # not share it with `make run` or another session.
