@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.factories import Receiver, Workers
+from tests.factories import TLS_CONTEXT, Receiver, Workers
 
 EPOCH = time.time()
 
@@ -103,14 +103,16 @@ def other_key(other_user: Any) -> str:
 def openai_client(live_server: Any, api_key: str) -> Any:
     import openai
 
-    return openai.OpenAI(base_url=live_server.url + "/v1", api_key=api_key, max_retries=0)
+    return openai.OpenAI(base_url=live_server.url + "/v1", api_key=api_key, max_retries=0,
+                         http_client=openai.DefaultHttpxClient(verify=TLS_CONTEXT))
 
 
 @pytest.fixture
 def other_client(live_server: Any, other_key: str) -> Any:
     import openai
 
-    return openai.OpenAI(base_url=live_server.url + "/v1", api_key=other_key, max_retries=0)
+    return openai.OpenAI(base_url=live_server.url + "/v1", api_key=other_key, max_retries=0,
+                         http_client=openai.DefaultHttpxClient(verify=TLS_CONTEXT))
 
 
 @pytest.fixture
@@ -118,14 +120,16 @@ def anthropic_client(live_server: Any, api_key: str) -> Any:
     """The official anthropic client on the same server and key (its paths carry /v1)."""
     import anthropic
 
-    return anthropic.Anthropic(base_url=live_server.url, api_key=api_key, max_retries=0)
+    return anthropic.Anthropic(base_url=live_server.url, api_key=api_key, max_retries=0,
+                               http_client=anthropic.DefaultHttpxClient(verify=TLS_CONTEXT))
 
 
 @pytest.fixture
 def other_anthropic_client(live_server: Any, other_key: str) -> Any:
     import anthropic
 
-    return anthropic.Anthropic(base_url=live_server.url, api_key=other_key, max_retries=0)
+    return anthropic.Anthropic(base_url=live_server.url, api_key=other_key, max_retries=0,
+                               http_client=anthropic.DefaultHttpxClient(verify=TLS_CONTEXT))
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.factories import ROOT, chat_line, computed_twice, free_port, jsonl, wait_for
+from tests.factories import ROOT, TLS_CONTEXT, chat_line, computed_twice, free_port, jsonl, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -61,8 +61,9 @@ class Service:
 
     def up(self) -> bool:
         try:
-            return httpx.get(f"http://127.0.0.1:{self.port}/v1/models", timeout=2,
-                             headers={"Authorization": "Bearer none"}).status_code == 401
+            answer = httpx.get(f"http://127.0.0.1:{self.port}/v1/models", timeout=2,
+                               headers={"Authorization": "Bearer none"}, verify=TLS_CONTEXT)
+            return answer.status_code == 401
         except httpx.HTTPError:
             return False
 
@@ -92,7 +93,8 @@ def api_key(service: Service) -> str:
 
 def submit(service: Service, key: str, n: int) -> str:
     client = httpx.Client(base_url=f"http://127.0.0.1:{service.port}/v1",
-                          headers={"Authorization": f"Bearer {key}"}, timeout=30)
+                          headers={"Authorization": f"Bearer {key}"}, timeout=30,
+                          verify=TLS_CONTEXT)
     body = jsonl([chat_line(f"req-{i}", f"hello {i}") for i in range(n)])
     file_id = client.post("/files", data={"purpose": "batch"},
                           files={"file": ("in.jsonl", body)}).json()["id"]
@@ -103,7 +105,8 @@ def submit(service: Service, key: str, n: int) -> str:
 
 def batch_state(service: Service, key: str, batch_id: str) -> dict[str, Any]:
     response = httpx.get(f"http://127.0.0.1:{service.port}/v1/batches/{batch_id}",
-                         headers={"Authorization": f"Bearer {key}"}, timeout=10)
+                         headers={"Authorization": f"Bearer {key}"}, timeout=10,
+                         verify=TLS_CONTEXT)
     return response.json()
 
 
@@ -113,7 +116,8 @@ def custom_ids(service: Service, key: str, batch: dict[str, Any]) -> list[str]:
         if batch.get(field):
             content = httpx.get(
                 f"http://127.0.0.1:{service.port}/v1/files/{batch[field]}/content",
-                headers={"Authorization": f"Bearer {key}"}, timeout=30).content
+                headers={"Authorization": f"Bearer {key}"}, timeout=30,
+                verify=TLS_CONTEXT).content
             found += [json.loads(line)["custom_id"] for line in content.splitlines()]
     return found
 
