@@ -7,6 +7,7 @@ them are in conftest.py."""
 from __future__ import annotations
 
 import hashlib
+import importlib
 import io
 import json
 import os
@@ -58,6 +59,26 @@ TLS_CONTEXT = ssl.create_default_context()
 
 
 # --- request lines ---
+
+
+class _Lazy:
+    """A module's public names, the module imported on the first use of one."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("_"):  # pytest's and others' probes of every module global
+            raise AttributeError(attr)
+        return getattr(importlib.import_module(self._name), attr)
+
+
+def lazy_import(name: str) -> Any:
+    """Module `name`, imported when a test first uses one of its names. The official SDKs
+    take seconds of CPU to import (anthropic ~2 s, openai ~0.8 s): imported at collection,
+    every test process would pay for them before its first test, whether it runs their
+    tests or not."""
+    return _Lazy(name)
 
 
 def chat_line(custom_id: str, text: str, *, model: str = "echo-test", **body: Any) -> dict:

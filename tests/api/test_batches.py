@@ -7,13 +7,22 @@ from __future__ import annotations
 
 from typing import Any
 
-import openai
 import pytest
 import requests
 
 from jobs.models import Batch, Shard
 from jobs.tasks import validate_batch
-from tests.factories import chat_line, jsonl, new_batch, partly_run_batch, query_count, upload
+from tests.factories import (
+    chat_line,
+    jsonl,
+    lazy_import,
+    new_batch,
+    partly_run_batch,
+    query_count,
+    upload,
+)
+
+openai = lazy_import("openai")
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

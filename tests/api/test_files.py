@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 import io
 
-import openai
 import pytest
 import requests
 from django.core.files.storage import default_storage
 
 from jobs.models import File, Upload
-from tests.factories import chat_line, jsonl
+from tests.factories import chat_line, jsonl, lazy_import
+
+openai = lazy_import("openai")
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -8,8 +8,6 @@ import json
 from datetime import timedelta
 from typing import Any
 
-import anthropic
-import openai
 import pytest
 import requests
 from django.utils import timezone
@@ -18,7 +16,10 @@ from jobs.models import Batch, File
 from jobs.services.finalize import finalize_batch
 from jobs.services.stopping import expire_due_batches
 from jobs.tasks import validate_batch
-from tests.factories import chat_line, submit, wait_for
+from tests.factories import chat_line, lazy_import, submit, wait_for
+
+anthropic = lazy_import("anthropic")
+openai = lazy_import("openai")
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -10,7 +10,6 @@ import hashlib
 import json
 from datetime import timedelta
 
-import openai
 import pytest
 import requests
 from django.utils import timezone
@@ -22,12 +21,15 @@ from tests.factories import (
     assert_exactly_once,
     chat_line,
     jsonl,
+    lazy_import,
     new_batch,
     shared_prefix_lines,
     upload,
     wait_for,
     wait_status,
 )
+
+openai = lazy_import("openai")
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -10,7 +10,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from anthropic.types.messages import MessageBatch, MessageBatchIndividualResponse
 from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
@@ -178,7 +177,10 @@ def _translated(raw: bytes) -> dict[str, Any]:
     line = anthropic.result_line(raw.rstrip(b"\n"))
     assert line is not None and line.endswith(b"\n")
     parsed = json.loads(line)
-    MessageBatchIndividualResponse.model_validate(parsed)  # the client's own type
+    # The client's own type (imported here: the SDK takes ~2 s to import).
+    from anthropic.types.messages import MessageBatchIndividualResponse
+
+    MessageBatchIndividualResponse.model_validate(parsed)
     return parsed
 
 
@@ -228,6 +230,8 @@ def test_processing_status(status: str, processing: str) -> None:
 
 
 def test_a_running_batch_counts_every_request_processing() -> None:
+    from anthropic.types.messages import MessageBatch
+
     shown = anthropic.message_batch(_batch(status="in_progress", completed=3, failed=1),
                                     base_url="http://h:1/")
     MessageBatch.model_validate(shown)
@@ -239,6 +243,8 @@ def test_a_running_batch_counts_every_request_processing() -> None:
 
 
 def test_an_ended_batch_counts_by_outcome() -> None:
+    from anthropic.types.messages import MessageBatch
+
     ended = datetime(2026, 12, 1, 13, 0, tzinfo=UTC)
     shown = anthropic.message_batch(
         _batch(status="completed", completed=4, failed=1, completed_at=ended),

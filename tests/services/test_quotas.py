@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from datetime import UTC, timedelta
 
-import openai
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.urls import reverse
@@ -18,6 +17,7 @@ from jobs.services.errors import ServiceError
 from tests.factories import (
     chat_line,
     jsonl,
+    lazy_import,
     make_batch,
     make_file,
     new_batch,
@@ -25,6 +25,8 @@ from tests.factories import (
     upload,
     used_tokens,
 )
+
+openai = lazy_import("openai")
 
 ONE = jsonl([chat_line("r0", "hello")])
 THREE = jsonl([chat_line(f"r{i}", f"hello {i}") for i in range(3)])

@@ -9,7 +9,6 @@ import json
 import time
 from datetime import timedelta
 
-import openai
 import pytest
 from django.utils import timezone
 
@@ -20,7 +19,17 @@ from jobs.services.batches import create_batch
 from jobs.services.finalize import finalize_batch, notify_ended
 from jobs.services.stopping import cancel_batch, expire_due_batches
 from jobs.services.validation import run_validation
-from tests.factories import chat_line, jsonl, make_batch, make_file, run_batch, wait_for
+from tests.factories import (
+    chat_line,
+    jsonl,
+    lazy_import,
+    make_batch,
+    make_file,
+    run_batch,
+    wait_for,
+)
+
+openai = lazy_import("openai")
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
