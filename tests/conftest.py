@@ -49,6 +49,41 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items[:] = [item for share in shares for item in share] + list(quick)
 
 
+@pytest.fixture(scope="session")
+def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[None]:
+    """The test database as pytest-django builds it, with a cheaper refill after each flush.
+
+    A test on a live database (workers, a live server) ends with Django's `flush`, which
+    empties every table, then sends `post_migrate` so the content types and permissions
+    are created again: ~28 ms of queries per test, ~9 s of the fast tier's CPU. Their rows
+    never change after migrate, so they are kept here once and inserted back as they were."""
+    from django.apps import apps
+    from django.contrib.auth.management import create_permissions
+    from django.contrib.auth.models import Permission
+    from django.contrib.contenttypes.management import create_contenttypes
+    from django.contrib.contenttypes.models import ContentType
+    from django.db.models.signals import post_migrate
+
+    with django_db_blocker.unblock():
+        content_types = list(ContentType.objects.all())
+        permissions = list(Permission.objects.all())
+
+    def refill(using: str, **kwargs: Any) -> None:
+        ContentType.objects.using(using).bulk_create(content_types, ignore_conflicts=True)
+        Permission.objects.using(using).bulk_create(permissions, ignore_conflicts=True)
+
+    auth_uid = "django.contrib.auth.management.create_permissions"
+    post_migrate.disconnect(create_permissions, dispatch_uid=auth_uid)
+    post_migrate.disconnect(create_contenttypes)
+    # Sent once per installed app: answered for one of them.
+    once = apps.get_app_config("contenttypes")
+    post_migrate.connect(refill, sender=once, weak=False)
+    yield
+    post_migrate.disconnect(refill, sender=once)
+    post_migrate.connect(create_contenttypes)
+    post_migrate.connect(create_permissions, dispatch_uid=auth_uid)
+
+
 @pytest.fixture(autouse=True)
 def _clean_redis() -> Iterator[None]:
     from jobs import queues
