@@ -134,37 +134,39 @@ def other_key(other_user: Any) -> str:
     return create_api_key(owner=other_user, name="test")[1]
 
 
-@pytest.fixture
-def openai_client(live_server: Any, api_key: str) -> Any:
+def _openai(live_server: Any, key: str) -> Any:
     import openai
 
-    return openai.OpenAI(base_url=live_server.url + "/v1", api_key=api_key, max_retries=0,
+    return openai.OpenAI(base_url=live_server.url + "/v1", api_key=key, max_retries=0,
                          http_client=openai.DefaultHttpxClient(verify=TLS_CONTEXT))
+
+
+def _anthropic(live_server: Any, key: str) -> Any:
+    """The official anthropic client (its paths carry /v1)."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=live_server.url, api_key=key, max_retries=0,
+                               http_client=anthropic.DefaultHttpxClient(verify=TLS_CONTEXT))
+
+
+@pytest.fixture
+def openai_client(live_server: Any, api_key: str) -> Any:
+    return _openai(live_server, api_key)
 
 
 @pytest.fixture
 def other_client(live_server: Any, other_key: str) -> Any:
-    import openai
-
-    return openai.OpenAI(base_url=live_server.url + "/v1", api_key=other_key, max_retries=0,
-                         http_client=openai.DefaultHttpxClient(verify=TLS_CONTEXT))
+    return _openai(live_server, other_key)
 
 
 @pytest.fixture
 def anthropic_client(live_server: Any, api_key: str) -> Any:
-    """The official anthropic client on the same server and key (its paths carry /v1)."""
-    import anthropic
-
-    return anthropic.Anthropic(base_url=live_server.url, api_key=api_key, max_retries=0,
-                               http_client=anthropic.DefaultHttpxClient(verify=TLS_CONTEXT))
+    return _anthropic(live_server, api_key)
 
 
 @pytest.fixture
 def other_anthropic_client(live_server: Any, other_key: str) -> Any:
-    import anthropic
-
-    return anthropic.Anthropic(base_url=live_server.url, api_key=other_key, max_retries=0,
-                               http_client=anthropic.DefaultHttpxClient(verify=TLS_CONTEXT))
+    return _anthropic(live_server, other_key)
 
 
 @pytest.fixture

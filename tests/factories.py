@@ -58,9 +58,6 @@ HTMX = {"HTTP_HX_REQUEST": "true"}
 TLS_CONTEXT = ssl.create_default_context()
 
 
-# --- request lines ---
-
-
 class _Lazy:
     """A module's public names, the module imported on the first use of one."""
 
@@ -79,6 +76,9 @@ def lazy_import(name: str) -> Any:
     every test process would pay for them before its first test, whether it runs their
     tests or not."""
     return _Lazy(name)
+
+
+# --- request lines ---
 
 
 def chat_line(custom_id: str, text: str, *, model: str = "echo-test", **body: Any) -> dict:

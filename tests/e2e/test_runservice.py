@@ -59,11 +59,13 @@ class Service:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def get(self, path: str, key: str, *, timeout: float) -> httpx.Response:
+        return httpx.get(f"http://127.0.0.1:{self.port}{path}", timeout=timeout,
+                         headers={"Authorization": f"Bearer {key}"}, verify=TLS_CONTEXT)
+
     def up(self) -> bool:
         try:
-            answer = httpx.get(f"http://127.0.0.1:{self.port}/v1/models", timeout=2,
-                               headers={"Authorization": "Bearer none"}, verify=TLS_CONTEXT)
-            return answer.status_code == 401
+            return self.get("/v1/models", "none", timeout=2).status_code == 401
         except httpx.HTTPError:
             return False
 
@@ -104,20 +106,15 @@ def submit(service: Service, key: str, n: int) -> str:
 
 
 def batch_state(service: Service, key: str, batch_id: str) -> dict[str, Any]:
-    response = httpx.get(f"http://127.0.0.1:{service.port}/v1/batches/{batch_id}",
-                         headers={"Authorization": f"Bearer {key}"}, timeout=10,
-                         verify=TLS_CONTEXT)
-    return response.json()
+    return service.get(f"/v1/batches/{batch_id}", key, timeout=10).json()
 
 
 def custom_ids(service: Service, key: str, batch: dict[str, Any]) -> list[str]:
     found = []
     for field in ("output_file_id", "error_file_id"):
         if batch.get(field):
-            content = httpx.get(
-                f"http://127.0.0.1:{service.port}/v1/files/{batch[field]}/content",
-                headers={"Authorization": f"Bearer {key}"}, timeout=30,
-                verify=TLS_CONTEXT).content
+            content = service.get(f"/v1/files/{batch[field]}/content", key,
+                                  timeout=30).content
             found += [json.loads(line)["custom_id"] for line in content.splitlines()]
     return found
 
