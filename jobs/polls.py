@@ -17,6 +17,13 @@ unchanged (and the view's own checks still hold) the answer is replayed byte for
 Django's 304 for it when the client sends back its ETag. Anything else goes to Django as
 before, and its new answer is filed.
 
+A client that revalidates sends back the ETag of the answer it got, and the first such poll
+of each new version would otherwise need Django for its 304 (a revalidating API client; the
+live block, whose whole answers set a cookie and are never replayed). So the memo learns,
+once per polled URL pattern and shape of answer, how Django's 304 is made from its 200
+(which headers it keeps, which it sets to a value of its own), and files a new version's
+304 as soon as Django has given that version's 200.
+
 Only answers a view marks with `remember` are kept, with what else they depend on: how long
 they stay good (the live block's time-derived figures) and checks of inputs that are not in
 the row (why a batch cannot progress, from the queue).
@@ -237,15 +244,45 @@ class Poll:
     environ: dict[str, Any]
 
 
+Headers = list[tuple[str, str]]
+Replay = tuple[str, Headers, bytes]  # status line, headers, body
+# How Django's 304 is made from its 200, header by header in the 304's order: a name and
+# None where the 304 has the 200's value, or the name and the 304's own value.
+Shape = tuple[tuple[str, str | None], ...]
+NOT_MODIFIED = "304 Not Modified"
+
+
+def _shape(whole: Headers, not_modified: Headers) -> Shape:
+    given = dict(whole)
+    return tuple((name, None if given.get(name) == value else value)
+                 for name, value in not_modified)
+
+
+def _not_modified(shape: Shape, whole: Headers) -> Replay | None:
+    # The 304 Django would give for this 200, or None if the 200 lacks a header it keeps.
+    given = dict(whole)
+    headers = []
+    for name, value in shape:
+        if value is None:
+            if name not in given:
+                return None
+            value = given[name]
+        headers.append((name, value))
+    return NOT_MODIFIED, headers, b""
+
+
 @dataclass
 class _Answer:
     state: tuple[Any, ...]
     validity: Validity
     etag: str | None = None
-    # (status line, headers, body) of Django's answer to a plain poll and to one that sent
-    # back the ETag, each once Django has given it for this row.
-    whole: tuple[str, list[tuple[str, str]], bytes] | None = None
-    not_modified: tuple[str, list[tuple[str, str]], bytes] | None = None
+    # Django's answer to a plain poll and to one that sent back the ETag, each once Django
+    # has given it for this row (the 304 also once made from the 200 by a learned shape).
+    whole: Replay | None = None
+    not_modified: Replay | None = None
+    # The 200's headers, kept even when the 200 itself cannot be replayed (it sets a
+    # cookie), so that Django's 304 for it teaches the memo the shape of its 304s.
+    whole_headers: Headers | None = None
 
 
 @dataclass
@@ -253,6 +290,9 @@ class PollMemo:
     """One web process's remembered answers (see the module's docstring)."""
 
     answers: OrderedDict[tuple[Any, ...], _Answer] = field(default_factory=OrderedDict)
+    # The shapes of Django's 304s, by polled URL pattern and the header names of the 200
+    # (a few: one per view and kind of client).
+    shapes: dict[tuple[Rows, tuple[str, ...]], Shape] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     hits: int = 0
 
@@ -274,7 +314,7 @@ class PollMemo:
         found = rows(name, environ)
         return tuple(tuple(row) for row in found) if found else None
 
-    def answer(self, environ: dict[str, Any]) -> tuple[str, list[tuple[str, str]], bytes] | None:
+    def answer(self, environ: dict[str, Any]) -> Replay | None:
         """The remembered answer to this request, if it is a poll of an unchanged batch
         that this client may still see; None sends it to Django."""
         matched = self._match(environ)
@@ -322,10 +362,14 @@ class PollMemo:
         it is whole (not streamed), sets no cookie, the client could see the batches, and
         they were the same after Django answered as before. Otherwise an answer computed
         from a change could be filed under the rows before it, and be replayed once the
-        change is undone (a batch created and deleted on a list page)."""
+        change is undone (a batch created and deleted on a list page).
+
+        A 200 that sets a cookie is not kept, but the 304 made from it is: Django's 304
+        for the same row sets none (the cookie comes from rendering the answer)."""
         validity: Validity | None = getattr(response, "poll_validity", None)
         if (validity is None or poll.state is None or response.streaming
-                or response.cookies or response.status_code not in (200, 304)):
+                or response.status_code not in (200, 304)
+                or (response.cookies and response.status_code != 200)):
             return
         try:
             if self._state(poll.rows, poll.name, poll.environ) != poll.state:
@@ -333,8 +377,8 @@ class PollMemo:
         except Exception:
             log.warning("poll state unavailable", exc_info=True)
             return
-        replay = (f"{response.status_code} {response.reason_phrase}", list(response.items()),
-                  response.content)  # type: ignore[attr-defined]
+        headers = list(response.items())
+        content: bytes = response.content  # type: ignore[attr-defined]
         etag = response.get("ETag")
         with self.lock:
             remembered = self.answers.get(poll.key)
@@ -342,9 +386,20 @@ class PollMemo:
                 remembered = _Answer(poll.state, validity, etag)
             remembered.validity = validity
             if response.status_code == 200:
-                remembered.whole = replay
+                if not response.cookies:
+                    remembered.whole = (f"200 {response.reason_phrase}", headers, content)
+                # An empty 200 could not tell the 304's Content-Length from its own.
+                if etag is not None and content:
+                    remembered.whole_headers = headers
+                    shape = self.shapes.get((poll.rows, tuple(name for name, _ in headers)))
+                    if shape is not None and remembered.not_modified is None:
+                        remembered.not_modified = _not_modified(shape, headers)
             else:
-                remembered.not_modified = replay
+                remembered.not_modified = (NOT_MODIFIED, headers, content)
+                if remembered.whole_headers is not None:
+                    whole_names = tuple(name for name, _ in remembered.whole_headers)
+                    self.shapes[(poll.rows, whole_names)] = _shape(remembered.whole_headers,
+                                                                   headers)
             self.answers[poll.key] = remembered
             self.answers.move_to_end(poll.key)
             while len(self.answers) > MAX_ANSWERS:

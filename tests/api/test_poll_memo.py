@@ -31,6 +31,7 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture(autouse=True)
 def memo() -> Any:
     application.polls.answers.clear()
+    application.polls.shapes.clear()
     return application.polls
 
 
@@ -72,6 +73,30 @@ def test_a_repeated_poll_is_djangos_answer_byte_for_byte(running, api_key, memo)
     assert _poll(path, conditional, memo) == (not_modified, True)
     # A stale ETag gets the whole answer.
     assert _poll(path, {**auth, "If-None-Match": '"old"'}, memo) == (first, True)
+
+
+def test_a_new_versions_304_is_made_from_its_200(running, api_key, memo):
+    batch, shard = running
+    auth = {"Authorization": f"Bearer {api_key}"}
+    path = f"/v1/batches/{batch.pk}"
+    (_, headers, _), _ = _poll(path, auth, memo)
+    # Django's first 304 shows the memo how its 304s are made from its 200s...
+    assert not _poll(path, {**auth, "If-None-Match": headers["ETag"]}, memo)[1]
+
+    heartbeat(shard_id=shard.pk, attempt=shard.attempt, progress=Progress(completed=2))
+    (status, headers, _), remembered = _poll(path, {**auth, "If-None-Match": headers["ETag"]},
+                                             memo)
+    assert status.startswith("200") and not remembered
+    # ...so a new version's first revalidation needs no Django, and gets Django's own 304.
+    conditional = {**auth, "If-None-Match": headers["ETag"]}
+    not_modified, remembered = _poll(path, conditional, memo)
+    assert remembered and not_modified[0].startswith("304")
+    assert not_modified == wsgi_call(WSGIHandler(), "GET", path, conditional)
+    # Another client's answer of the same shape too.
+    other = {"Authorization": f"Bearer {api_key}", "Host": "localhost"}
+    (status, headers, _), _ = _poll(path, other, memo)
+    assert status.startswith("200")
+    assert _poll(path, {**other, "If-None-Match": headers["ETag"]}, memo)[1]
 
 
 def test_a_poll_reads_one_row(running, api_key, memo, monkeypatch, django_assert_num_queries):
@@ -193,8 +218,10 @@ def _revalidated(site: Any, batch: Batch, memo: Any) -> tuple[str, dict[str, str
     status, headers, _ = wsgi_call(application, "GET", path, browser)
     assert status.startswith("200") and "Set-Cookie" in headers  # renews the CSRF cookie
     browser = {**browser, "If-None-Match": headers["ETag"]}
+    learned = bool(memo.shapes)
     first, remembered = _poll(path, browser, memo)
-    assert first[0].startswith("304") and not remembered
+    # Django's 304, or once the memo has seen one, the same made from the 200.
+    assert first[0].startswith("304") and remembered == learned
     assert _poll(path, browser, memo) == (first, True)
     return path, browser
 
@@ -223,6 +250,21 @@ def test_the_live_block_changes_with_marks_and_the_queue(site, running, user, me
     heartbeat(shard_id=shard.pk, attempt=shard.attempt, progress=Progress(completed=1))
     (status, _, _), remembered = _poll(path, browser, memo)
     assert status.startswith("200") and not remembered
+
+
+def test_the_live_blocks_new_version_revalidates_without_django(site, running, memo):
+    batch, shard = running
+    path, browser = _revalidated(site, batch, memo)
+    heartbeat(shard_id=shard.pk, attempt=shard.attempt, progress=Progress(completed=1))
+    (status, headers, _), remembered = _poll(path, browser, memo)
+    # The new version's whole answer renews the CSRF cookie, so it is never replayed...
+    assert status.startswith("200") and "Set-Cookie" in headers and not remembered
+    # ...but the 304 made from it is Django's, which sets no cookie.
+    browser = {**browser, "If-None-Match": headers["ETag"]}
+    not_modified, remembered = _poll(path, browser, memo)
+    assert remembered and not_modified[0].startswith("304")
+    assert "Set-Cookie" not in not_modified[1]
+    assert not_modified == wsgi_call(WSGIHandler(), "GET", path, browser)
 
 
 def test_a_signed_out_browser_is_sent_to_sign_in(site, running, memo):
