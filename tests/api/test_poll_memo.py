@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import types
+from datetime import timedelta
 from http.cookies import SimpleCookie
 from typing import Any
 
@@ -335,6 +336,23 @@ def test_the_batch_table_is_remembered_until_a_batch_on_it_changes(site, running
     Session.objects.all().delete()
     (status, _, _), remembered = _poll("/", browser, memo)
     assert status.startswith("302") and not remembered
+
+
+def test_the_batch_table_changes_with_a_batch_beyond_its_first_page(site, running, memo):
+    batch, _ = running
+    older = Batch.objects.get(pk=batch.pk)
+    for i in range(batches.LIST_PAGE_SIZE):  # older batches: the first page is full
+        older.pk = f"batch_older{i:02d}"
+        older.save(force_insert=True)
+        Batch.objects.filter(pk=older.pk).update(
+            created_at=batch.created_at - timedelta(hours=1, minutes=i))
+    browser = {"Cookie": f"sessionid={site.cookies['sessionid'].value}", "HX-Request": "true"}
+    first, _ = _poll("/", browser, memo)
+    assert b"Page 1 of 2" in first[2] and _poll("/", browser, memo) == (first, True)
+    # The oldest is on the second page, but the table offers one page fewer.
+    Batch.objects.filter(pk=older.pk).delete()
+    (_, _, body), remembered = _poll("/", browser, memo)
+    assert not remembered and b"Page 1 of 2" not in body
 
 
 def test_the_batch_table_shows_its_running_batches_etas_within_seconds(
