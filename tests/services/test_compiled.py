@@ -7,9 +7,11 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import psycopg
 import pytest
 from django.contrib.auth import SESSION_KEY
 from django.contrib.sessions.models import Session
+from django.db import connection, transaction
 from django.db.models import Count
 from django.test import Client
 from django.urls import reverse
@@ -82,6 +84,35 @@ def test_raw_rows_tell_every_change_apart(user, tmp_path, settings):
         seen.append(raw.raw_rows(batch_id=batch.pk))
         assert seen[-1] not in seen[:-1], change
     assert raw.raw_rows(batch_id="batch_none") == []
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="PostgreSQL's statements")
+def test_postgresql_prepares_once_and_again_when_the_statement_is_lost(
+        user, tmp_path, settings, monkeypatch):
+    batch = partly_run_batch(user, tmp_path, settings, requests=4, shard_size=2, done=1)
+    raw = Compiled(lambda batch_id: Batch.objects.filter(pk=batch_id).values_list(
+        "pk", "completed"), "batch_id")
+
+    def prepared() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_prepared_statements")
+            return cursor.fetchone()[0]
+
+    before = prepared()
+    first = raw.raw_rows(batch_id=batch.pk)
+    assert first == [(f"({batch.pk},2)".encode(),)]
+    assert raw.raw_rows(batch_id=batch.pk) == first and prepared() == before + 1
+    # A session that lost its statements (DISCARD ALL) fails that poll, then prepares again.
+    with connection.cursor() as cursor:
+        cursor.execute("DEALLOCATE ALL")
+    with pytest.raises(psycopg.Error, match="does not exist"), transaction.atomic():
+        raw.raw_rows(batch_id=batch.pk)
+    assert raw.raw_rows(batch_id=batch.pk) == first and prepared() == 1
+    # Behind a pooler in transaction mode nothing is prepared.
+    monkeypatch.setitem(connection.settings_dict, "DISABLE_SERVER_SIDE_CURSORS", True)
+    other = Compiled(lambda batch_id: Batch.objects.filter(pk=batch_id).values_list(
+        "pk", "completed"), "batch_id")
+    assert other.raw_rows(batch_id=batch.pk) == first and prepared() == 1
 
 
 def test_every_value_must_be_a_parameter():
