@@ -59,6 +59,9 @@ try:
 except ImportError:  # run as `python bench/fleet.py`: bench/ itself is on the path
     import harness  # type: ignore[no-redef]
 
+pg_connect, create_database, drop_database = (
+    harness.pg_connect, harness.create_database, harness.drop_database)
+
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 MODEL = "echo-test"
 # What a claim may take at the 99th percentile (the target of the fleet's ceiling).
@@ -66,23 +69,6 @@ CLAIM_P99_TARGET = 0.050
 
 
 # --- the services ---
-
-
-def pg_connect(url: str, **kwargs: Any) -> Any:
-    import psycopg
-
-    return psycopg.connect(url, autocommit=True, **kwargs)
-
-
-def create_database(server: str, name: str) -> None:
-    with pg_connect(f"{server}/postgres") as db:
-        db.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        db.execute(f'CREATE DATABASE "{name}"')
-
-
-def drop_database(server: str, name: str) -> None:
-    with pg_connect(f"{server}/postgres") as db:
-        db.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 class PgBouncer:

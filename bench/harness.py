@@ -109,6 +109,25 @@ def private_redis(scratch: Path, *, reuse: bool = False) -> Iterator[None]:
             os.environ.pop("REDIS_URL", None)
 
 
+def pg_connect(url: str, **kwargs: Any) -> Any:
+    import psycopg
+
+    return psycopg.connect(url, autocommit=True, **kwargs)
+
+
+def create_database(server: str, name: str) -> None:
+    """A new, empty PostgreSQL database `name` on `server` (postgres://user@host:port),
+    dropping one of that name first."""
+    with pg_connect(f"{server}/postgres") as db:
+        db.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        db.execute(f'CREATE DATABASE "{name}"')
+
+
+def drop_database(server: str, name: str) -> None:
+    with pg_connect(f"{server}/postgres") as db:
+        db.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 def manage(env: dict[str, str], *args: str) -> str:
     """Run `manage.py ARGS` in the deployment of `env`; its output."""
     return subprocess.run([PY, "manage.py", *args], cwd=ROOT, env=env, check=True,
