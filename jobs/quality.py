@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import jsonschema
-
 from engine.base import CHAT, COMPLETIONS, MESSAGES, RESPONSES, text_parts
 
 EMPTY = "empty_output"
@@ -54,6 +52,10 @@ def json_problem(text: str, response_format: dict[str, Any]) -> str | None:
     schema = (nested.get("schema") if isinstance(nested, dict)
               else response_format.get("schema"))
     if response_format.get("type") == "json_schema" and isinstance(schema, dict):
+        # Imported here: most workers never check a schema, and jsonschema's import is
+        # ~0.06 s of each worker's start.
+        import jsonschema
+
         try:
             jsonschema.validate(value, schema)
         except jsonschema.ValidationError as exc:
