@@ -83,10 +83,7 @@ ALLOWED_HOSTS = os.environ.get("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1],tests
 CSRF_TRUSTED_ORIGINS = [o for o in os.environ.get("CSRF_TRUSTED_ORIGINS", "").split(",") if o]
 
 INSTALLED_APPS = [
-    # The admin without autodiscovery at start: batchweb/urls.py loads the apps' admin
-    # modules, so the processes that serve no pages (workers, the scheduler, migrate) skip
-    # them (~0.1 s of each start, and tests start workers by the dozen).
-    "django.contrib.admin.apps.SimpleAdminConfig",
+    "batchweb.apps.AdminConfig",  # the admin's modules loaded by the URLconf (see there)
     "django.contrib.auth",
     "django.contrib.contenttypes",
     "django.contrib.sessions",

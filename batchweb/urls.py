@@ -14,8 +14,8 @@ superuser_required: Callable[[Callable], Callable] = user_passes_test(
 rq_urlpatterns = [*get_api_urlpatterns(),
                   *get_admin_urlpatterns(view_wrapper=superuser_required)]
 
-# Each app's admin module, registered here rather than when Django starts (settings'
-# SimpleAdminConfig): only a process that serves pages loads them.
+# Each app's admin module, registered here rather than when Django starts
+# (batchweb.apps.AdminConfig): only a process that serves pages loads them.
 admin.autodiscover()
 
 urlpatterns = [
