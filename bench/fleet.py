@@ -59,9 +59,6 @@ try:
 except ImportError:  # run as `python bench/fleet.py`: bench/ itself is on the path
     import harness  # type: ignore[no-redef]
 
-pg_connect, create_database, drop_database = (
-    harness.pg_connect, harness.create_database, harness.drop_database)
-
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 MODEL = "echo-test"
 # What a claim may take at the 99th percentile (the target of the fleet's ceiling).
@@ -189,7 +186,7 @@ class Sampler:
         self.thread.start()
 
     def _run(self) -> None:
-        with pg_connect(self.db_url) as db:
+        with harness.pg_connect(self.db_url) as db:
             while not self.stop.wait(1.0):
                 connections = db.execute(
                     "SELECT COUNT(*) FROM pg_stat_activity WHERE datname = %s AND pid <> "
@@ -237,7 +234,7 @@ class Counters:
         times = psutil.cpu_times()
         self.machine_busy = sum(getattr(times, k, 0.0)
                                 for k in ("user", "nice", "system", "irq", "softirq"))
-        with pg_connect(fleet.direct_url) as db:
+        with harness.pg_connect(fleet.direct_url) as db:
             row = db.execute(
                 "SELECT xact_commit + xact_rollback, tup_returned + tup_fetched, "
                 "tup_inserted + tup_updated + tup_deleted FROM pg_stat_database "
@@ -284,7 +281,7 @@ def check_exactly_once(fleet: Fleet, batch_ids: list[str], expected: dict[str, i
     error files (read from storage, where the finalizer wrote them). Raises otherwise."""
     storage = fleet.scratch / "storage"
     checked = lines = 0
-    with pg_connect(fleet.direct_url) as db:
+    with harness.pg_connect(fleet.direct_url) as db:
         rows = db.execute(
             "SELECT b.id, b.status, b.input_file_id, o.storage_name, e.storage_name "
             "FROM jobs_batch b LEFT JOIN jobs_file o ON o.id = b.output_file_id "
@@ -329,8 +326,8 @@ class Fleet:
         self.db_name = args.db_name
         server = args.database_server.rstrip("/")
         self.direct_url = f"{server}/{self.db_name}"
-        create_database(server, self.db_name)
-        with pg_connect(f"{server}/postgres") as db:
+        harness.create_database(server, self.db_name)
+        with harness.pg_connect(f"{server}/postgres") as db:
             self.max_connections = int(db.execute("SHOW max_connections").fetchone()[0])
         self.bouncer: PgBouncer | None = None
         if args.pooler == "pgbouncer":
@@ -399,12 +396,12 @@ class Fleet:
             self.bouncer.stop()
 
     def statuses(self, batch_ids: list[str]) -> Counter[str]:
-        with pg_connect(self.direct_url) as db:
+        with harness.pg_connect(self.direct_url) as db:
             return Counter(status for (status,) in db.execute(
                 "SELECT status FROM jobs_batch WHERE id = ANY(%s)", (batch_ids,)).fetchall())
 
     def shard_state(self) -> dict[str, int]:
-        with pg_connect(self.direct_url) as db:
+        with harness.pg_connect(self.direct_url) as db:
             rows = db.execute("SELECT status, COUNT(*), COALESCE(SUM(failures), 0) "
                               "FROM jobs_shard GROUP BY status").fetchall()
         state = {status: count for status, count, _ in rows}
@@ -606,7 +603,7 @@ def main() -> None:
         print("pgbouncer is not installed: the quick run connects straight to PostgreSQL")
         args.pooler = "none"
     try:
-        with pg_connect(f"{args.database_server.rstrip('/')}/postgres", connect_timeout=5):
+        with harness.pg_connect(f"{args.database_server.rstrip('/')}/postgres", connect_timeout=5):
             pass
     except Exception as exc:
         sys.exit(f"PostgreSQL at {args.database_server} does not answer ({exc}): the fleet "
@@ -647,7 +644,7 @@ def main() -> None:
     finally:
         if fleet is not None:
             fleet.stop()
-        drop_database(args.database_server.rstrip("/"), args.db_name)
+        harness.drop_database(args.database_server.rstrip("/"), args.db_name)
         harness.remove(scratch)
     report(args, rows, load_start)
 
