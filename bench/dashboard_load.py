@@ -68,7 +68,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import httpx
 
@@ -98,6 +97,7 @@ P50_TARGET_MS, P99_TARGET_MS = 10.0, 100.0
 API_P99_TARGET_MS = 200.0
 UNCHANGED_CPU_TARGET_MS, CHANGED_CPU_TARGET_MS = 1.0, 3.0
 POLL_URL = re.compile(r'hx-get="([^"]*)"')
+POLL_VERSION = re.compile(r'data-poll-version="([^"]*)"')
 TIMING = re.compile(r"(\w+)(?:;dur=([0-9.]+))?(?:;desc=\"(\d+)\")?")
 
 
@@ -207,15 +207,16 @@ async def client_loop(ops: list[Op], base: str, cookies: dict[str, str], started
                 kind = ""
                 if op.name in POLLS and status in (200, 286, 304):
                     # What the client holds of the batch: the answer's ETag, or for the
-                    # live block the version its polling URL carries (the URL, and so the
-                    # ETag, also changes with the interval while the batch does not).
+                    # live block the version it shows (its ETag also changes each minute,
+                    # with the block's time-derived figures).
                     etag = response.headers.get("ETag", "")
+                    seen = etag
                     if op.follow and status != 304:
                         found = POLL_URL.search(response.text)
                         if found:
                             urls[op.name] = found[1].replace("&amp;", "&")
-                    seen = (parse_qs(urlsplit(urls[op.name]).query).get("v", [""])[0]
-                            if op.follow else etag)
+                        version = POLL_VERSION.search(response.text)
+                        seen = version[1] if version else ""
                     if status == 304 or (seen and versions.get(op.name) == seen):
                         kind = "unchanged"
                     else:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import random
 import re
 import time
@@ -53,9 +52,11 @@ from jobs.services.stopping import cancel_batch
 from jobs.web import SignedInRequest, download_response, uploaded_path
 
 BUSY_RETRY_SECONDS = 2
-# Polling of a running batch (its page's live block, its row in the list): every 2 s while
-# it changes, doubling up to 30 s while it does not, each interval spread by +-15% so that
-# many open pages do not all ask at the same instant.
+# Polling of a running batch (its page's live block, its row in the list): every 2 s, each
+# page's period spread by +-15% so that many open pages do not all ask at the same instant.
+# While the batch does not change the page lets polls pass, up to 30 s apart (static/js/
+# app.js): the polling URL stays the same, so each such poll is the browser revalidating
+# its copy, which the poll memo (jobs.polls) answers without Django.
 POLL_MIN_SECONDS = 2
 POLL_MAX_SECONDS = 30
 POLL_JITTER = 0.15
@@ -95,36 +96,25 @@ def _guard(request: SignedInRequest) -> heavy.Guard:
     return heavy.one_per_user(request.user.pk)
 
 
-def _poll(batch: Batch, url_name: str, version: str,
-          params: dict[str, str] | None = None) -> dict[str, Any]:
-    """When and where a running batch's block polls next. `params` are the query of the
-    poll being answered (none on a first render): the interval it was given (`every`), the
-    version it saw (`v`), and the page's jitter seed, which stays the page's own so that a
-    repeated poll gets the same answer (and its 304)."""
-    params = params or {}
-    try:
-        previous = float(params.get("every", ""))
-    except ValueError:
-        previous = 0.0
-    unchanged = params.get("v") == version and math.isfinite(previous)
-    base = (min(POLL_MAX_SECONDS, max(POLL_MIN_SECONDS, int(previous) * 2)) if unchanged
-            else POLL_MIN_SECONDS)
-    seed = params.get("seed", "")
+def _poll(batch: Batch, url_name: str, version: str, seed: str = "") -> dict[str, Any]:
+    """Where and how often a running batch's block polls: its URL carries the page's
+    jitter seed (`seed` of the poll being answered, a new one on a first render), so that a
+    repeated poll gets the same answer (and its 304) and the period stays the page's own.
+    The version lets the page tell an unchanged answer from a new one (static/js/app.js)."""
     if not _SEED.fullmatch(seed):
         seed = f"{random.getrandbits(32):08x}"
-    spread = random.Random(f"{seed}:{base}").uniform(1 - POLL_JITTER, 1 + POLL_JITTER)
-    query = urlencode({"v": version, "every": base, "seed": seed})
-    return {"url": f"{reverse(url_name, args=[batch.pk])}?{query}",
-            "every": f"{base * spread:.1f}"}
+    spread = random.Random(seed).uniform(1 - POLL_JITTER, 1 + POLL_JITTER)
+    return {"url": f"{reverse(url_name, args=[batch.pk])}?{urlencode({'seed': seed})}",
+            "every": f"{POLL_MIN_SECONDS * spread:.1f}", "max": POLL_MAX_SECONDS,
+            "version": version}
 
 
-def _row(batch: Batch, eta: float | None, params: dict[str, str] | None = None
-         ) -> dict[str, Any]:
+def _row(batch: Batch, eta: float | None, seed: str = "") -> dict[str, Any]:
     shares = dashboard.BatchProgress.of(batch)
     return {"batch": batch, "progress": batch.progress(), "done": shares.done, "eta": eta,
             "pct": shares.percent, "pct_completed": shares.percent_completed,
             "pct_failed": shares.percent_failed,
-            "poll": _poll(batch, "batch_row", batch_version(batch), params)}
+            "poll": _poll(batch, "batch_row", batch_version(batch), seed)}
 
 
 def _rows(page_batches: list[Batch], etas: dict[str, float | None]) -> list[dict[str, Any]]:
@@ -193,7 +183,7 @@ def batch_row(request: SignedInRequest, batch_id: str) -> HttpResponse:
     """One row of the list, polled while the batch runs; 286 stops polling once it ended."""
     batch = _get_batch_for_user(request, batch_id)
     eta = dashboard.list_etas([batch]).get(batch.pk)
-    context = {"row": _row(batch, eta, request.GET.dict())}
+    context = {"row": _row(batch, eta, request.GET.get("seed", ""))}
     if batch.is_ended:
         return HttpResponseStopPolling(
             render_to_string("jobs/batch_list.html#batch-row", context, request=request))
@@ -340,15 +330,13 @@ def batch_live(request: SignedInRequest, batch_id: str) -> HttpResponse:
         return HttpResponseStopPolling(render_to_string(
             "jobs/batch_detail.html#live", {**_overview_context(batch, head), "poll": {}},
             request=request))
-    params = request.GET.dict()
-    poll = _poll(batch, "batch_live", head["version"], params)
+    poll = _poll(batch, "batch_live", head["version"], request.GET.get("seed", ""))
     # The block holds the cancel form's CSRF token: one copy per CSRF secret (per browser).
     csrf = request.META.get("CSRF_COOKIE") or ""
     now = time.time()
     body_key = hashlib.sha256(repr((head["version"], int(now // LIVE_STALE_SECONDS),
                                     csrf)).encode()).hexdigest()
-    etag = '"' + hashlib.sha256(f"{body_key}?{sorted(params.items())}".encode()
-                                ).hexdigest()[:32] + '"'
+    etag = '"' + hashlib.sha256(f"{body_key}{poll['url']}".encode()).hexdigest()[:32] + '"'
     response = get_conditional_response(request, etag=etag)
     if response is None:
         cache_key = f"batch-live:{batch.pk}:{body_key}"

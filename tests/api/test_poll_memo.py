@@ -206,8 +206,8 @@ def test_other_api_answers_are_never_remembered(running, api_key, memo):
 
 def _signed_in(site: Any, batch: Batch) -> tuple[str, dict[str, str]]:
     """The live block's URL and a browser's headers for it (session and CSRF cookies), as
-    after the page loaded."""
-    path = f"/batches/{batch.pk}/live"
+    after the page loaded (its URL carries the page's jitter seed)."""
+    path = f"/batches/{batch.pk}/live?seed=5eed"
     cookie = f"sessionid={site.cookies['sessionid'].value}"
     _, headers, _ = wsgi_call(application, "GET", path, {"Cookie": cookie, "HX-Request": "true"})
     csrf = SimpleCookie(headers["Set-Cookie"])["csrftoken"].value

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.factories import chat_line, jsonl
+from jobs.services.shards import Progress, heartbeat
+from tests.factories import chat_line, claimed_batch, jsonl
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
@@ -174,6 +175,65 @@ def test_upload_watch_inspect_download_rerun(live_server, user, workers, browser
     assert "rerun_of" in page.locator(".metadata").inner_text()
     page.goto(base + "/")
     page.screenshot(path=str(ARTIFACTS / "batch-list.png"), full_page=True)
+    context.close()
+
+
+def test_polls_come_further_apart_while_the_batch_is_unchanged(live_server, user, browser,
+                                                               tmp_path, settings,
+                                                               monkeypatch):
+    """The live block polls on every tick (about 2 s) while the batch changes, and 4, 8, 16,
+    then 30 s apart while it does not, always at the same URL, which the browser revalidates
+    with the ETag of the copy it shows. The page's clock is Playwright's, moved by hand."""
+    # The test itself writes to the database while Playwright's event loop runs in this
+    # thread, which Django would otherwise take for async code.
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    batch, shard = claimed_batch(user, tmp_path, settings)
+    context = browser.new_context()
+    page = context.new_page()
+    sign_in(page, live_server.url)
+    polls: list[Any] = []
+    page.on("request", lambda request: "/live" in request.url and polls.append(request))
+    page.clock.install()
+    page.goto(f"{live_server.url}/batches/{batch.pk}/")
+    page.evaluate("""() => {
+        window.pollTimes = []; window.polling = 0;
+        document.body.addEventListener("htmx:beforeRequest", () => {
+            window.pollTimes.push(Date.now() / 1000); window.polling++; });
+        document.body.addEventListener("htmx:afterRequest", () => { window.polling--; });
+    }""")
+    page.clock.pause_at(page.evaluate("Date.now()") + 100)
+
+    def run_for(seconds: float) -> list[float]:
+        # A quarter of a second at a time, letting each poll's answer land before the
+        # clock moves on (the network is not faked).
+        for _ in range(round(seconds * 4)):
+            page.clock.run_for(250)
+            deadline = time.monotonic() + 10
+            while page.evaluate("window.polling") and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return page.evaluate("window.pollTimes")
+
+    times = run_for(85)
+    tick = float(page.locator("#live").get_attribute("hx-trigger").split()[1].rstrip("s"))
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    # Ticks come every `tick` s: a poll on the 1st, 2nd, 4th and 8th, then about 30 s apart.
+    assert [round(gap / tick) for gap in gaps[:4]] == [1, 2, 4, 8], (tick, gaps)
+    # (The 16th tick comes after 27-37 s: the first one 30 s after the poll before it.)
+    assert gaps[4:] and all(26 < gap < 30 + tick for gap in gaps[4:]), (tick, gaps)
+    assert len(times) <= 7, times  # against ~40 polls without the stretching
+
+    heartbeat(shard_id=shard.pk, attempt=shard.attempt, progress=Progress(completed=3))
+    seen = len(times)
+    times = run_for(45)
+    assert page.locator("#done-count").inner_text() == "3"
+    # From the poll that saw the change, every tick again, then stretching once more.
+    gaps = [b - a for a, b in zip(times[seen:], times[seen + 1:], strict=False)]
+    assert [round(gap / tick) for gap in gaps[:3]] == [1, 1, 2], (tick, gaps)
+
+    assert {request.url for request in polls} == {live_server.url +
+                                                 page.locator("#live").get_attribute("hx-get")}
+    revalidated = [request.all_headers().get("if-none-match") for request in polls[1:]]
+    assert all(revalidated), revalidated
     context.close()
 
 
