@@ -318,8 +318,8 @@ def batch_detail(request: SignedInRequest, batch_id: str) -> HttpResponse:
 @require_GET
 def batch_live(request: SignedInRequest, batch_id: str) -> HttpResponse:
     """The live block of the batch page (progress, numbers, report, chart, actions), polled
-    every 2 to 30 s (see _poll); 286 once the batch has ended, so htmx shows the final state
-    and stops.
+    every 2 to 30 s (see _poll and static/js/app.js); 286 once the batch has ended, so htmx
+    shows the final state and stops.
 
     While the batch is unchanged a poll that sends back its ETag gets 304 Not Modified (the
     browser shows the copy it has) without the block being computed; a changed batch's block
