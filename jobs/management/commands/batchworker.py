@@ -18,6 +18,7 @@ from typing import Any
 
 import redis
 from django.conf import settings
+from django.core.checks import Tags
 from django.core.management.base import BaseCommand, CommandError
 from rq import SimpleWorker
 
@@ -38,6 +39,12 @@ IDLE_CHECK_SECONDS = 5
 
 class Command(BaseCommand):
     help = "Run a worker that loads one model's engine once and runs its shards."
+    # Only the checks about what a worker uses. The URL, admin, template, security and
+    # static file checks are the web tier's (`runservice` and `manage.py check` run them),
+    # and the URL check imports every view: ~0.3 s of CPU at each worker's start, paid by
+    # every worker a host (or a test) starts.
+    requires_system_checks = [Tags.models, Tags.caches, Tags.files, Tags.signals,
+                              Tags.compatibility]
 
     def add_arguments(self, parser: Any) -> None:
         parser.add_argument("--model", required=True, action="append",
