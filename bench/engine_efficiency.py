@@ -192,14 +192,15 @@ def run_vllm_batch(requests: list[dict], model_path: str, dtype: str, scratch: P
 
 def run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Path,
                  model_name: str = MODEL, model_path: str = "", eager: bool = True,
-                 tp: int = 1) -> dict:
+                 tp: int = 1, poll_seconds: float = 0.5) -> dict:
     with harness.private_redis(scratch, reuse=True):
         return _run_batchweb(requests, dtype, shard_size, scratch, model_name, model_path,
-                             eager, tp)
+                             eager, tp, poll_seconds)
 
 
 def _run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Path,
-                  model_name: str, model_path: str, eager: bool, tp: int) -> dict:
+                  model_name: str, model_path: str, eager: bool, tp: int,
+                  poll_seconds: float) -> dict:
     import openai
 
     env = {**os.environ, "BATCHWEB_VAR_DIR": str(scratch), "BATCHWEB_DTYPE": dtype,
@@ -241,7 +242,7 @@ def _run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Pa
                                       completion_window="24h")
         while (batch := client.batches.retrieve(batch.id)).status not in (
                 "completed", "failed", "expired", "cancelled"):
-            time.sleep(0.5)
+            time.sleep(poll_seconds)
         assert batch.status == "completed", batch
         assert batch.output_file_id and batch.request_counts and batch.usage, batch
         lines = client.files.content(batch.output_file_id).text.splitlines()
@@ -328,7 +329,7 @@ def run_workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
         else:
             results[PATHS["c"]] = run_batchweb(requests, args.dtype, args.shard_size,
                                                scratch, args.model_name, args.model_path,
-                                               args.eager, tp)
+                                               args.eager, tp, args.poll_seconds)
         print(_brief(results), flush=True)
     if args.keep_scratch:
         print(f"scratch kept (run_batch.log, worker.log): {scratch}", flush=True)
@@ -469,6 +470,9 @@ def main() -> None:
     parser.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
                         help="enforce_eager (--no-eager: CUDA graphs / compilation)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--poll-seconds", type=float, default=0.5,
+                        help="how often (c) asks for its batch's status; its time is only "
+                             "as fine as this, and each poll is work for the web tier")
     parser.add_argument("--batchweb-first", action="store_true",
                         help="run (c) batchweb before (b) run_batch")
     harness.add_json_option(parser)
