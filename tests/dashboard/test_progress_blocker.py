@@ -3,7 +3,6 @@ health and in /metrics, when no worker for its model is alive or Redis cannot be
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +14,6 @@ from jobs.queries import health
 from tests.factories import Workers, chat_line, make_batch, register_worker, wait_for
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture(autouse=True)
-def _fresh_answers() -> Iterator[None]:
-    health._blockers.clear()
-    yield
-    health._blockers.clear()
 
 
 def _blocked_metric(client: Any) -> float:
