@@ -48,6 +48,11 @@ Another model or a GPU (see bench/gpu.md): --model-name, --model-path, --dtype, 
 (CUDA graphs / torch.compile), --tensor-parallel-size; the same engine settings for all three
 paths (max_model_len 2048, vLLM's default prefix caching, which is on).
 
+A machine shared with others drifts in speed over minutes, by more than the few percent
+between (b) and (c): --rounds N runs (b) and (c) N times, swapping which runs first each
+round (--batchweb-first sets the first round's order), and reports every round's c/b
+against run_batch's batch phase and their median. The table shows the first round.
+
 --keep-scratch keeps the scratch folder: run_batch's log and the worker's log, whose engine
 configuration lines ("Initializing a V1 LLM engine ... with config") can be compared.
 
@@ -61,6 +66,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -319,18 +325,29 @@ def run_workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
             os.environ["BATCHWEB_PREFIX_CACHE_TOKENS"] = str(
                 results[PATHS["a"]]["kv_cache_tokens"])
     # A shared machine drifts in speed over minutes, so the path run last can be slowed
-    # (or sped) by its neighbours alone: --batchweb-first swaps (b) and (c) to tell.
-    for path in ("c", "b") if args.batchweb_first else ("b", "c"):
-        if path in skip:
-            continue
-        if path == "b":
-            results[PATHS["b"]] = run_vllm_batch(requests, model_path, args.dtype, scratch,
+    # (or sped) by its neighbours alone: --batchweb-first swaps (b) and (c) to tell, and
+    # --rounds runs them again with the order swapped each round. The table shows the
+    # first round; the rounds' ratios follow it.
+    rounds: list[dict[str, Any]] = []
+    for number in range(args.rounds):
+        batchweb_first = args.batchweb_first != (number % 2 == 1)
+        ran: dict[str, dict] = {}
+        place = scratch / f"round-{number}" if number else scratch
+        place.mkdir(exist_ok=True)
+        for path in ("c", "b") if batchweb_first else ("b", "c"):
+            if path in skip:
+                continue
+            if path == "b":
+                ran[PATHS["b"]] = run_vllm_batch(requests, model_path, args.dtype, place,
                                                  args.model_name, args.eager, tp)
-        else:
-            results[PATHS["c"]] = run_batchweb(requests, args.dtype, args.shard_size,
-                                               scratch, args.model_name, args.model_path,
+            else:
+                ran[PATHS["c"]] = run_batchweb(requests, args.dtype, args.shard_size,
+                                               place, args.model_name, args.model_path,
                                                args.eager, tp, args.poll_seconds)
-        print(_brief(results), flush=True)
+            print(_brief(ran), flush=True)
+        if number == 0:
+            results.update(ran)
+        rounds.append(_round(ran, "c,b" if batchweb_first else "b,c", len(requests)))
     if args.keep_scratch:
         print(f"scratch kept (run_batch.log, worker.log): {scratch}", flush=True)
     else:
@@ -344,11 +361,31 @@ def run_workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
         "prefix_cache_tokens_setting": os.environ.get("BATCHWEB_PREFIX_CACHE_TOKENS"),
         "paths": {name: _figures(row) for name, row in results.items()},
         "outputs": compare_outputs(results, len(requests))}
+    if args.rounds > 1:
+        phases = [r["c/b_phase"] for r in rounds if "c/b_phase" in r]
+        figures.update(rounds=rounds,
+                       **({"c/b_phase_median": statistics.median(phases)} if phases else {}))
     rate = {k[0]: v["tok_s"] for k, v in figures["paths"].items()}
     figures.update({f"{k}/{base}": rate[k] / rate[base] for k, base in (("c", "a"), ("c", "b"))
                     if k in rate and base in rate})
     print_table(figures)
     return figures
+
+
+def _round(ran: dict[str, dict], order: str, count: int) -> dict[str, Any]:
+    """One round of (b) and (c): their seconds, batchweb's rate against run_batch's whole
+    run and its batch phase, and how many outputs they share."""
+    out: dict[str, Any] = {"order": order}
+    b, c = ran.get(PATHS["b"]), ran.get(PATHS["c"])
+    if b and c:
+        c_rate = c["tokens"] / c["seconds"]
+        out.update(b_seconds=b["seconds"], c_seconds=c["seconds"],
+                   **{"c/b": c_rate / (b["tokens"] / b["seconds"])},
+                   identical=compare_outputs(ran, count)["identical"].get("b=c"))
+        if "batch_phase_tok_s" in b:
+            out.update(b_phase_seconds=b["batch_phase_seconds"],
+                       **{"c/b_phase": c_rate / b["batch_phase_tok_s"]})
+    return out
 
 
 def _figures(row: dict) -> dict:
@@ -400,6 +437,16 @@ def print_table(f: dict[str, Any]) -> None:
             f"{k} {v}" for k, v in out["identical"].items()))
         if out["first_differing"]:
             print(f"  first differing custom_ids: {', '.join(out['first_differing'])}")
+    for number, r in enumerate(f.get("rounds", ())):
+        if "c/b" in r:
+            phase = (f", against its batch phase ({r['b_phase_seconds']:.1f} s) "
+                     f"{r['c/b_phase']:.3f}" if "c/b_phase" in r else "")
+            print(f"round {number + 1} ({r['order']}): b {r['b_seconds']:.1f} s, c "
+                  f"{r['c_seconds']:.1f} s; c/b {r['c/b']:.3f}{phase}; identical b=c "
+                  f"{r['identical']}")
+    if "c/b_phase_median" in f:
+        print(f"c/b against the batch phase, median of {len(f['rounds'])} rounds: "
+              f"{f['c/b_phase_median']:.3f}")
     c = f["paths"].get(PATHS["c"])
     if c:
         print(f"engine idle in the worker: {c['idle']}% of the {c['window']}s between its "
@@ -475,6 +522,9 @@ def main() -> None:
                              "as fine as this, and each poll is work for the web tier")
     parser.add_argument("--batchweb-first", action="store_true",
                         help="run (c) batchweb before (b) run_batch")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run (b) and (c) this many times, swapping their order each "
+                             "round, and report each round's ratio and the median")
     harness.add_json_option(parser)
     args = parser.parse_args()
     if args.workload == "all":
