@@ -5,12 +5,16 @@ It never forks per job (CUDA cannot be forked, and loading a model per shard wou
 minutes): jobs run in this process (rq's SimpleWorker) and feed the engine pipeline.
 SIGTERM stops taking jobs, lets the shards in flight finish (up to --drain-seconds) and
 hands back the rest; a second SIGTERM hands everything back at once. SIGKILL loses
-nothing: the reconciler gives the shards of a silent worker to another.
+nothing: the reconciler gives the shards of a silent worker to another. SIGUSR1 writes
+every thread's stack to the worker's stderr and changes nothing else: for a worker that
+seems stuck, before it is killed.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import socket
 import sys
 import time
@@ -64,6 +68,7 @@ class Command(BaseCommand):
                             help="On SIGTERM, how long shards in flight may take to finish.")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         specs = []
         for model in dict.fromkeys(options["model"]):  # in order, each once
             found = model_spec(model)
