@@ -538,12 +538,11 @@ class Workers:
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                # Slow to stop: its threads' stacks go to its log (batchworker's SIGUSR1),
-                # so a failing test shows where it waits. A stop has been seen to take
-                # 60 s, once in a while; let it, and kill only past that.
+                # Stuck: its threads' stacks go to its log (batchworker's SIGUSR1), so
+                # the failing test shows where it waits, before it is killed.
                 proc.send_signal(signal.SIGUSR1)
                 try:
-                    proc.wait(timeout=60)
+                    proc.wait(timeout=5)
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
@@ -697,13 +696,13 @@ def response_text(response) -> str:
 def register_worker(name: str, host: str, *, heartbeat_age: float = 0.0) -> Any:
     """An RQ worker registered in Redis as batchworker registers one (its model's queues,
     its host), its last heartbeat `heartbeat_age` seconds ago."""
-    from rq import SimpleWorker
     from rq.utils import utcformat
 
     from jobs import queues
+    from jobs.worker.rq_worker import BatchWorker
 
-    worker = SimpleWorker([queues.queue(q) for q in queues.model_queue_names("echo-test")],
-                          name=name, connection=queues.connection())
+    worker = BatchWorker([queues.queue(q) for q in queues.model_queue_names("echo-test")],
+                         name=name, connection=queues.connection())
     worker.hostname = host
     worker.register_birth()
     worker.set_state("idle")  # as it is while it waits for a job

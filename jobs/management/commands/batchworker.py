@@ -2,7 +2,8 @@
 (or, with several --model, one of them at a time: jobs/worker/switching.py).
 
 It never forks per job (CUDA cannot be forked, and loading a model per shard would waste
-minutes): jobs run in this process (rq's SimpleWorker) and feed the engine pipeline.
+minutes): jobs run in this process (rq's SimpleWorker: jobs/worker/rq_worker.py) and feed
+the engine pipeline.
 SIGTERM stops taking jobs, lets the shards in flight finish (up to --drain-seconds) and
 hands back the rest; a second SIGTERM hands everything back at once. SIGKILL loses
 nothing: the reconciler gives the shards of a silent worker to another. SIGUSR1 writes
@@ -24,7 +25,6 @@ import redis
 from django.conf import settings
 from django.core.checks import Tags
 from django.core.management.base import BaseCommand, CommandError
-from rq import SimpleWorker
 
 from engine import load_engine
 from engine.base import ModelSpec
@@ -35,6 +35,7 @@ from jobs.services.cleanup import sweep_temp_dir
 from jobs.worker.db import with_db_retry
 from jobs.worker.pipeline import Pipeline
 from jobs.worker.presence import Presence
+from jobs.worker.rq_worker import BatchWorker
 from jobs.worker.switching import model_due
 
 # With several models, how often an idle worker looks whether another model is due.
@@ -152,9 +153,9 @@ class Command(BaseCommand):
             redis_failed = False
             try:
                 # A fresh name per loop: the last loop's registration may still be in Redis.
-                worker = SimpleWorker([queues.queue(q) for q in queue_names],
-                                      name=f"{name}.{loops}" if loops else name,
-                                      connection=queues.connection())
+                worker = BatchWorker([queues.queue(q) for q in queue_names],
+                                     name=f"{name}.{loops}" if loops else name,
+                                     connection=queues.connection())
                 worker.hostname = host  # registered with the worker (RQ's own field)
                 presence.worker = worker
                 worker.work(logging_level=settings.LOG_LEVEL, max_idle_time=idle_check)
