@@ -51,9 +51,9 @@ lint: install
 typecheck: install
 	.venv/bin/mypy
 
-# The fast tier (no engine installed; with the embedded defaults on 2 cores, 1.7 minutes
-# on an Intel Xeon, 1.7-2 on a Zen 5, 1.7-2.5 on Zen 4s, 2.1-2.8 on Zen 3s; more on
-# PostgreSQL): lint, types, and every test that needs neither vLLM nor the prepared models. Much of its time
+# The fast tier (no engine installed; with the embedded defaults on 2 cores, 1.8-1.9
+# minutes on a Zen 4, more on PostgreSQL; bench/RESULTS.md §11 has other machines): lint,
+# types, and every test that needs neither vLLM nor the prepared models. Much of its time
 # is tests waiting on the processes they start, so 4 processes share the 2 cores (3, 5
 # and 6 were no faster), work stealing keeps them busy to the end, and the type check runs
 # beside them.
