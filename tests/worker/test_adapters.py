@@ -112,15 +112,15 @@ def test_an_adapter_from_a_wheel_is_fetched_with_pip_once(tmp_path, monkeypatch)
     # pip finds it in a local folder, as it would on an operator's index.
     monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
     cache = tmp_path / "models"
-    path = prepare_adapter("tuned/1", "pypi:batchweb-test-lora==1.2", cache)
-    assert path == cache / "adapters" / "tuned_1"
+    path = prepare_adapter("tuned-1", "pypi:batchweb-test-lora==1.2", cache)
+    assert path == cache / "adapters" / "tuned-1"
     assert (path / "adapter_model.safetensors").read_bytes() == b"weights"
     assert (path / "adapter_config.json").read_text() == (folder / "adapter_config.json"
                                                           ).read_text()
     # Prepared once: a second call does not ask pip (the wheel is gone).
     for wheel in wheels.iterdir():
         wheel.unlink()
-    assert prepare_adapter("tuned/1", "pypi:batchweb-test-lora==1.2", cache) == path
+    assert prepare_adapter("tuned-1", "pypi:batchweb-test-lora==1.2", cache) == path
 
 
 def test_an_adapter_path_must_hold_an_adapter(tmp_path):
