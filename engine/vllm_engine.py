@@ -22,6 +22,7 @@ must never block the loop) and hands results back through a queue.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -113,6 +114,42 @@ def set_env_defaults() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     # No usage reporting from a self-hosted service.
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    # A media URL is checked against the allow-list before it is fetched, never after a
+    # redirect: an allowed host answering "302 http://169.254.169.254/..." would take the
+    # fetch anywhere. Not an operator's choice: set whatever the environment says.
+    os.environ["VLLM_MEDIA_URL_ALLOW_REDIRECTS"] = "0"
+
+
+# vLLM fetches media URLs from any host when its allow-list (`allowed_media_domains`) is
+# empty. An engine given none gets this one, under .invalid (RFC 2606): no URL it names
+# resolves, so every http(s) media URL is refused; validation refuses them first, this
+# holds for a field validation missed. jobs/engines.py passes the operator's
+# BATCHWEB_MEDIA_ALLOWED_DOMAINS.
+NO_MEDIA_HOSTS = ("media-urls-not-allowed.invalid",)
+
+
+def serve_args(spec: ModelSpec, options: dict[str, Any]) -> argparse.Namespace:
+    """The `vllm serve` settings the engine of `spec` starts with: vLLM's own defaults,
+    then `options` (vLLM's settings, dashes as underscores)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    # vLLM's own parser gives every engine and frontend setting its `vllm serve`
+    # default, so the serving objects are configured exactly as the server's are.
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args([])
+    args.model = spec.path
+    args.served_model_name = [spec.name]
+    args.disable_log_stats = True  # nothing here would print them (no periodic logger)
+    # usage.prompt_tokens_details.cached_tokens, as OpenAI reports it: the prompt tokens
+    # served from the prefix cache (summed into the batch's usage and run report).
+    args.enable_prompt_tokens_details = True
+    for key, value in options.items():
+        if not hasattr(args, key):
+            raise ValueError(f"unknown vLLM option {key!r} for model {spec.name!r}")
+        setattr(args, key, value)
+    if not args.allowed_media_domains:
+        args.allowed_media_domains = list(NO_MEDIA_HOSTS)
+    return args
 
 
 @dataclass(frozen=True)
@@ -171,7 +208,6 @@ class VllmEngine(Engine):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
@@ -182,22 +218,9 @@ class VllmEngine(Engine):
         )
         from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
         from vllm.usage.usage_lib import UsageContext
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        # vLLM's own parser gives every engine and frontend setting its `vllm serve`
-        # default, so the serving objects are configured exactly as the server's are.
-        args = make_arg_parser(FlexibleArgumentParser()).parse_args([])
-        args.model = self.spec.path
-        args.served_model_name = [self.spec.name]
-        args.disable_log_stats = True  # nothing here would print them (no periodic logger)
-        # usage.prompt_tokens_details.cached_tokens, as OpenAI reports it: the prompt tokens
-        # served from the prefix cache (summed into the batch's usage and run report).
-        args.enable_prompt_tokens_details = True
-        for key, value in options.items():
-            if not hasattr(args, key):
-                raise ValueError(f"unknown vLLM option {key!r} for model {self.spec.name!r}")
-            setattr(args, key, value)
+        args = serve_args(self.spec, options)
 
         # The usage context picks vLLM's batch-size defaults: LLM_CLASS gets the offline
         # throughput ones (on CPU max_num_seqs 256 / max_num_batched_tokens 4096, against

@@ -29,7 +29,18 @@ def _options(entry: dict) -> dict:
     # computes natively.
     if entry.get("backend") == "vllm" and options.get("dtype") == "":
         options["dtype"] = _cpu_dtype()
+    if entry.get("backend") == "vllm" and "allowed_media_domains" not in options:
+        options["allowed_media_domains"] = engine_media_domains()
     return options
+
+
+def engine_media_domains() -> list[str]:
+    """BATCHWEB_MEDIA_ALLOWED_DOMAINS as vLLM's own allow-list, which the engine checks
+    again before fetching a media URL (for a field validation missed). vLLM matches exact
+    host names: ".example.com" becomes "example.com", and a subdomain passes the engine
+    only when listed itself. Empty: the engine fetches nothing (engine/vllm_engine.py)."""
+    return [domain.lower().strip(".") for domain in settings.BATCHWEB["MEDIA_ALLOWED_DOMAINS"]
+            if domain.strip(".")]
 
 
 def _endpoints(entry: dict) -> tuple[str, ...]:

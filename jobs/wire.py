@@ -88,6 +88,18 @@ def unrun_message(code: str, reason: str = "") -> str:
     return _UNRUN_MESSAGES.get(code) or f"The request could not be run: {reason or 'unknown'}"
 
 
+# What an error message quotes of a value the user sent (a model name, a custom_id): a
+# 6 MB model name must not make a 6 MB message on every line of a batch's errors.
+QUOTE_CHARS = 100
+# No message of an `errors.data` item is longer, whatever it quotes.
+MAX_MESSAGE_CHARS = 1000
+
+
+def quoted(value: str) -> str:
+    """`value` in single quotes for an error message, cut to QUOTE_CHARS."""
+    return f"'{value}'" if len(value) <= QUOTE_CHARS else f"'{value[:QUOTE_CHARS]}…'"
+
+
 @dataclass(frozen=True)
 class LineError:
     code: str
@@ -96,9 +108,10 @@ class LineError:
 
     def entry(self, line: int) -> dict[str, Any]:
         """One `errors.data` item of the Batch object. Messages quote what the line sent (a
-        model name): NUL is escaped, as PostgreSQL cannot store it in JSON text."""
-        return {"code": self.code, "line": line, "param": self.param,
-                "message": self.message.replace("\x00", "\\u0000")}
+        model name): NUL is escaped, as PostgreSQL cannot store it in JSON text, and the
+        message is cut, so `errors` stays small however large the lines were."""
+        message = self.message[:MAX_MESSAGE_CHARS].replace("\x00", "\\u0000")
+        return {"code": self.code, "line": line, "param": self.param, "message": message}
 
 
 @dataclass(frozen=True)
@@ -106,9 +119,9 @@ class RequestLine:
     custom_id: str
     url: str
     body: dict[str, Any]
-    # The problem of a body that is answered per request instead of failing the batch (the
-    # Messages API's, as Anthropic's batches answer it: an `errored` result): the line runs
-    # nowhere, its shard writes this as its error line (see `refusal`).
+    # The problem of a body the endpoint refuses: a request problem, answered per request
+    # (as OpenAI's and Anthropic's batches answer it) unless the batch is strict. The line
+    # runs nowhere; its shard writes `refused_line` as its error line.
     refused: LineError | None = None
 
     @property
@@ -154,6 +167,16 @@ def _is_unicode(value: Any) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def custom_id_of(raw: bytes | None) -> str | None:
+    """The custom_id of an input line, None when it is not an object with a string one."""
+    try:
+        obj = json.loads(raw or b"")
+    except (ValueError, RecursionError):
+        return None
+    custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
+    return custom_id if isinstance(custom_id, str) else None
 
 
 def parse_line(raw: bytes, *, max_tokens_cap: int,
@@ -202,21 +225,13 @@ def parse_line(raw: bytes, *, max_tokens_cap: int,
     if not isinstance(body, dict):
         return LineError(Code.INVALID_BODY, "body must be a JSON object.", "body")
     problem = check_body(url, body, max_tokens_cap=max_tokens_cap, media_domains=media_domains)
-    if problem and url == MESSAGES and problem.param != "body.model":
-        # The batch still needs the line's model (one per batch, the queue it runs on).
-        return RequestLine(custom_id=custom_id, url=url, body=body, refused=problem)
-    if problem:
+    if problem and problem.param == "body.model":
+        # A file problem: the batch needs every line's model (one per batch, the queue it
+        # runs on).
         return problem
-    return RequestLine(custom_id=custom_id, url=url, body=body)
-
-
-def refusal(url: str, body: dict[str, Any], *, max_tokens_cap: int,
-            media_domains: Sequence[str] = ()) -> LineError | None:
-    """The per-request answer of a validated line that must not run (`RequestLine.refused`),
-    found again by the worker that runs its shard (the same rule, so no state is kept)."""
-    if url != MESSAGES:
-        return None
-    return check_body(url, body, max_tokens_cap=max_tokens_cap, media_domains=media_domains)
+    # Any other problem of the body is the request's own (validation decides whether it
+    # fails the request or, for a strict batch, the batch).
+    return RequestLine(custom_id=custom_id, url=url, body=body, refused=problem)
 
 
 # The request fields each endpoint documents: OpenAI's request parameters of
@@ -477,6 +492,17 @@ def _check_input_items(items: list[Any], media_domains: Sequence[str]) -> LineEr
                              f"{', '.join(sorted(RESPONSES_ITEM_TYPES))} (items that "
                              "reference stored items or built-in tool calls are not "
                              "available here).", f"{param}.type")
+        if kind == "function_call_output":
+            # Its output becomes a tool message's content: parts there are fetched as a
+            # message's are (an input_image's image_url included).
+            output = item.get("output")
+            if isinstance(output, list):
+                problem = _check_parts(output, f"{param}.output", media_domains,
+                                       text_types=RESPONSES_TEXT_PART_TYPES,
+                                       media_types=RESPONSES_MEDIA_PART_TYPES)
+                if problem:
+                    return problem
+            continue
         if kind != "message":
             continue
         content = item.get("content")
@@ -801,6 +827,14 @@ def response_line(custom_id: str, status_code: int, body: dict[str, Any]) -> byt
         "error": None,
     }
     return json.dumps(line, ensure_ascii=False).encode() + b"\n"
+
+
+def refused_line(custom_id: str, *, code: str, message: str, param: str | None) -> bytes:
+    """An error file line for a request problem: the 400 the endpoint answers a body it
+    refuses, in OpenAI's shape (`response.body.error`), never run."""
+    return response_line(custom_id, 400, {"error": {
+        "message": message, "type": "invalid_request_error", "param": param or None,
+        "code": code}})
 
 
 def failure_line(custom_id: str, code: str, message: str) -> bytes:

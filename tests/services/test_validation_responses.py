@@ -148,6 +148,28 @@ def test_media_of_a_responses_message_is_checked_as_chat_media() -> None:
     assert _check(allowed, ("images.example.com",)) is None
 
 
+def test_media_of_a_function_call_output_is_checked_as_a_messages() -> None:
+    # The output becomes a tool message: an input_image there is fetched as anywhere else.
+    def output(*parts: dict[str, Any]) -> dict[str, Any]:
+        return {**BASE, "input": [
+            {"role": "user", "content": "Look."},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": list(parts)}]}
+
+    metadata = {"type": "input_image", "image_url": "http://169.254.169.254/latest/meta-data/"}
+    problem = _check(output({"type": "input_text", "text": "here"}, metadata))
+    assert problem is not None and problem.param == "body.input[2].output[1]"
+    assert "BATCHWEB_MEDIA_ALLOWED_DOMAINS" in problem.message
+    problem = _check(output({"type": "input_file", "file_url": "file:///etc/passwd"}))
+    assert problem is not None and problem.param == "body.input[2].output[0]"
+    problem = _check(output({"type": "image_url", "image_url": {"url": "http://10.0.0.1/"}}))
+    assert problem is not None and problem.param == "body.input[2].output[0].type"
+    allowed = {"type": "input_image", "image_url": "https://images.example.com/cat.png"}
+    assert _check(output(allowed), ("images.example.com",)) is None
+    inline = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+    assert _check(output({"type": "input_text", "text": "ok"}, inline)) is None
+
+
 def test_the_messages_and_text_of_a_responses_prompt() -> None:
     body = {**BASE, "instructions": "Be brief.", "input": [
         {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
