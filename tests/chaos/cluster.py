@@ -162,12 +162,26 @@ class Cluster:
     def build(self, host_names: list[str]) -> None:
         net = free_subnet()
         addresses = list(net.hosts())
+        # The bridge lives in a namespace of its own (the switch), not in this machine's:
+        # with br_netfilter loaded (Docker loads it), frames crossing a bridge pass the
+        # iptables FORWARD chain of the bridge's namespace, whose policy Docker sets to
+        # DROP. The switch's own chain is empty. This machine reaches the hosts through
+        # an uplink veth that holds the gateway address.
+        self.switch = f"{self.tag}-sw"
         self.bridge = f"{self.tag}br"
         self.gateway = str(addresses[0])
-        run("ip", "link", "add", self.bridge, "type", "bridge")
-        self.cleanups.append(lambda: run("ip", "link", "del", self.bridge, check=False))
-        run("ip", "addr", "add", f"{self.gateway}/{net.prefixlen}", "dev", self.bridge)
-        run("ip", "link", "set", self.bridge, "up")
+        uplink = f"{self.tag}up"
+        run("ip", "netns", "add", self.switch)
+        self.cleanups.append(lambda: run("ip", "netns", "del", self.switch, check=False))
+        run("ip", "-n", self.switch, "link", "add", self.bridge, "type", "bridge")
+        run("ip", "-n", self.switch, "link", "set", self.bridge, "up")
+        run("ip", "link", "add", uplink, "type", "veth", "peer", "name", f"{self.tag}upb",
+            "netns", self.switch)
+        self.cleanups.append(lambda: run("ip", "link", "del", uplink, check=False))
+        run("ip", "-n", self.switch, "link", "set", f"{self.tag}upb", "master", self.bridge,
+            "up")
+        run("ip", "addr", "add", f"{self.gateway}/{net.prefixlen}", "dev", uplink)
+        run("ip", "link", "set", uplink, "up")
         dirs = {name: self.root / name for name in host_names}
         for i, name in enumerate(host_names):
             netns = f"{self.tag}-{name}"
@@ -178,9 +192,10 @@ class Cluster:
             run("ip", "netns", "add", netns)
             host.dir.mkdir(parents=True)
             inner = f"{self.tag}v{i}"
-            run("ip", "link", "add", host.link, "type", "veth", "peer", "name", inner)
-            run("ip", "link", "set", inner, "netns", netns)
-            run("ip", "link", "set", host.link, "master", self.bridge, "up")
+            run("ip", "-n", self.switch, "link", "add", host.link, "type", "veth",
+                "peer", "name", inner, "netns", netns)
+            run("ip", "-n", self.switch, "link", "set", host.link, "master", self.bridge,
+                "up")
             run("ip", "-n", netns, "link", "set", inner, "name", "eth0")
             run("ip", "-n", netns, "addr", "add", f"{host.address}/{net.prefixlen}",
                 "dev", "eth0")
@@ -190,13 +205,14 @@ class Cluster:
 
     def _remove(self, host: Host) -> None:
         host.kill_all()
-        run("ip", "link", "del", host.link, check=False)
+        run("ip", "-n", self.switch, "link", "del", host.link, check=False)
         run("ip", "netns", "del", host.netns, check=False)
 
     def cut(self, name: str, *, down: bool = True) -> None:
         """Take a host's link down: its packets (a FIN or RST of its dying sockets
         included) reach no one, as when a machine loses power. Or up again."""
-        run("ip", "link", "set", self.hosts[name].link, "down" if down else "up")
+        run("ip", "-n", self.switch, "link", "set", self.hosts[name].link,
+            "down" if down else "up")
 
     def close(self) -> None:
         while self.cleanups:
