@@ -170,6 +170,11 @@ class EngineRequest:
     # folder (a PEFT adapter_config.json and its weights). The engine loads it on first
     # use and keeps it under that name; empty for the base model's own requests.
     adapter_path: str = ""
+    # Requests share prefix cache entries only with requests of the same salt (vLLM's
+    # cache_salt): the worker gives each owner's requests their own, so a cache hit, which
+    # every answer reports in its usage, tells nothing of another user's prompts. At most
+    # 128 characters, none of '@', '/', '\\' or NUL (vLLM's rule); empty: no salt.
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)

@@ -312,7 +312,9 @@ class VllmEngine(Engine):
     async def _serve(self, req: EngineRequest) -> tuple[int, dict[str, Any]]:
         """(status, body) for one request; a bad request is a 4xx body, never a raise."""
         create_error_response = self._create_error_response
-        body = req.body
+        # The salt goes in as the request's own cache_salt field, which every serving layer
+        # here reads (validation refuses it from a batch line: only the worker sets it).
+        body = {**req.body, "cache_salt": req.cache_salt} if req.cache_salt else req.body
         try:
             ignored = next((name for name in self._ignored.get(req.url, ())
                             if _changes_the_answer(name, body.get(name), body)), None)

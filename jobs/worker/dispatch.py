@@ -77,7 +77,7 @@ class Dispatcher(Loop):
                 if not (work.dead or work.handing_back):
                     return True
                 work.pending.pop(request.request_id, None)
-        pipeline.idle.request_finished()
+        pipeline.idle.request_finished(request.request_id)
         return False
 
     def _loop(self) -> None:
@@ -92,7 +92,7 @@ class Dispatcher(Loop):
 
     def on_result(self, result: EngineResult) -> None:
         pipeline = self.pipeline
-        pipeline.idle.request_finished()
+        pipeline.idle.request_finished(result.request_id)
         shard_id, attempt, line = parse_request_id(result.request_id)
         work = pipeline.works.get(shard_id)
         if work is None or work.attempt != attempt:
@@ -107,10 +107,11 @@ class Dispatcher(Loop):
                 work.write_unrun(request.custom_id, line, work.stop_code or Code.REQUEST_ABORTED)
             elif not is_retry(result.request_id) and needs_json_retry(request, result):
                 retry = retry_request(result.request_id, request,
-                                      pipeline.adapters.known(request.model))
+                                      pipeline.adapters.known(request.model),
+                                      cache_salt=work.cache_salt)
                 work.pending[retry.request_id] = request
                 work.json_retries += 1
-                pipeline.idle.request_started()
+                pipeline.idle.request_started(retry.request_id)
                 self._add_retry(retry)
             else:
                 work.write_result(request, line, result)
@@ -131,11 +132,14 @@ class Dispatcher(Loop):
         work.checkpoint_lock.acquire()
         try:
             store_parts(work, stored)
+            work.usage.engine_seconds += self.pipeline.idle.engine_seconds(
+                work.attempt_key, take=True)
             with timed("finish"):
                 finished = with_db_retry(lambda: shard_service.finish_shard(
                     shard_id=work.shard_id, attempt=work.attempt, output_part=stored[0],
                     error_part=stored[1], flags_part=stored[2], progress=work.progress,
-                    flag_counts=work.flag_counts, json_retries=work.json_retries))
+                    flag_counts=work.flag_counts, json_retries=work.json_retries,
+                    usage=work.usage))
             if finished:
                 # The parts hold the checkpoint's results now (the row no longer names it).
                 delete_stored(work.saved.storage_names())

@@ -7,16 +7,14 @@ import logging
 import queue
 from typing import TYPE_CHECKING
 
-from django.conf import settings
 from django.db import close_old_connections
 
 from engine.base import EngineRequest
 from jobs.models import Shard
-from jobs.policy import VIOLATION
 from jobs.services import shards as shard_service
 from jobs.services.shard_input import shard_requests
 from jobs.services.shards import Checkpoint
-from jobs.wire import Code, RequestLine, refusal
+from jobs.wire import Code, RequestLine
 from jobs.worker.db import with_db_retry
 from jobs.worker.parts import ShardWork, adopt_checkpoint, open_work
 from jobs.worker.timings import timed
@@ -100,7 +98,6 @@ class Intake:
         # A grouped shard's lines come in run order, a prefix group's requests next to each
         # other: vLLM computes the group's prefix once and the rest find it in its prefix
         # cache, even those scheduled in the same step.
-        conf = settings.BATCHWEB
         missing: set[str] = set()  # adapters found unregistered during this shard
         with shard_requests(shard, work.skip | work.adopted) as requests:
             for number, request in requests:
@@ -110,19 +107,11 @@ class Intake:
                     with work.lock:
                         work.write_unrun(request["custom_id"], number, work.stop_code)
                     continue
-                if number in work.screened:
+                if number in work.screened:  # validation kept it from running
                     with work.lock:
-                        work.write_failure(request["custom_id"], number, VIOLATION,
-                                           work.screened[number])
+                        work.write_screened(request["custom_id"], number)
                     continue
                 line = RequestLine(request["custom_id"], request["url"], request["body"])
-                refused = refusal(line.url, line.body, max_tokens_cap=conf["MAX_TOKENS_CAP"],
-                                  media_domains=conf["MEDIA_ALLOWED_DOMAINS"])
-                if refused is not None:  # validation let it through, to answer it here
-                    with work.lock:
-                        work.write_failure(line.custom_id, number, refused.code,
-                                           refused.message)
-                    continue
                 adapter_path = ""
                 if line.model != shard.batch.model:  # validation let only its adapters by
                     adapter_path = self._adapter_folder(line.model, shard.batch.model,
@@ -136,7 +125,8 @@ class Intake:
                         continue
                 engine_request = EngineRequest(request_id=work.request_id(number),
                                                url=line.url, body=line.body,
-                                               adapter_path=adapter_path)
+                                               adapter_path=adapter_path,
+                                               cache_salt=work.cache_salt)
                 with work.lock:
                     work.pending[engine_request.request_id] = line
                 self._put(engine_request)
@@ -156,7 +146,7 @@ class Intake:
         # Blocks while the engine is full: this is the backpressure that bounds memory.
         # Counted before it goes in, so its result can never be counted first.
         pipeline = self.pipeline
-        pipeline.idle.request_started()
+        pipeline.idle.request_started(request.request_id)
         while True:
             if pipeline.broken is not None:
                 raise RuntimeError(f"engine failed: {pipeline.broken}")

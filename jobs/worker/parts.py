@@ -18,20 +18,43 @@ from typing import Any
 
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
+from django.utils.crypto import salted_hmac
 
 from engine.base import EngineResult
 from jobs.models import ContentRule, ScreenedLine, Shard
-from jobs.policy import Violation
+from jobs.policy import VIOLATION, Violation
 from jobs.quality import flags_for
+from jobs.services.ledger import ShardUsage
 from jobs.services.shard_input import shard_lines
-from jobs.services.shards import Checkpoint, Progress
+from jobs.services.shards import PART_KINDS, Checkpoint, Progress
 from jobs.storage import Source, backend
-from jobs.wire import RequestLine, failure_line, response_line, unrun_message, usage_of
+from jobs.wire import (
+    LineError,
+    RequestLine,
+    failure_line,
+    refused_line,
+    response_line,
+    unrun_message,
+    usage_of,
+)
 
 log = logging.getLogger(__name__)
 
-# The kinds of part a shard attempt writes, in the order of a checkpoint segment's names.
-PART_KINDS = ("output", "error", "flags")
+
+
+@dataclass(frozen=True)
+class Screened:
+    """Why validation kept a line from running (a ScreenedLine row), and its error line."""
+
+    error: LineError
+    # A request problem: the endpoint's 400 answer. Else a `skip` content rule's line.
+    refused: bool
+
+    def error_line(self, custom_id: str) -> bytes:
+        if self.refused:
+            return refused_line(custom_id, code=self.error.code, message=self.error.message,
+                                param=self.error.param)
+        return failure_line(custom_id, self.error.code, self.error.message)
 
 
 class PartBuffer:
@@ -73,8 +96,13 @@ class ShardWork:
     copies: dict[int, list[str]]
     # Lines in this shard's range that are copies answered by another line.
     skip: set[int]
-    # Lines a `skip` content rule kept from running -> the error message they get.
-    screened: dict[int, str]
+    # Lines validation kept from running -> the error line they get.
+    screened: dict[int, Screened]
+    # The batch's model: requests naming another (a LoRA adapter) are counted apart, for
+    # the ledger.
+    model: str = ""
+    # The prefix cache salt of the batch owner's requests (`prefix_cache_salt`).
+    cache_salt: str = ""
     out: PartBuffer = field(default_factory=PartBuffer)
     err: PartBuffer = field(default_factory=PartBuffer)
     # Quality flags: one {"custom_id", "flags"} line per flagged request.
@@ -84,6 +112,9 @@ class ShardWork:
     progress: Progress = field(default_factory=Progress)
     flag_counts: dict[str, int] = field(default_factory=dict)
     json_retries: int = 0
+    # The adapters' counters, and the engine seconds of earlier attempts (adopted with
+    # their checkpoint; this attempt's are the worker's IdleMeter's until it finishes).
+    usage: ShardUsage = field(default_factory=ShardUsage)
     all_submitted: bool = False
     finishing: bool = False
     dead: bool = False
@@ -113,6 +144,11 @@ class ShardWork:
 
     def request_id(self, line: int) -> str:
         return f"{self.shard_id}:{self.attempt}:{line}"
+
+    @property
+    def attempt_key(self) -> str:
+        """What its request ids start with (IdleMeter's key for its engine time)."""
+        return f"{self.shard_id}:{self.attempt}"
 
     def unsaved_results(self) -> int:
         """Lines answered since the last checkpoint (with the lock held)."""
@@ -144,6 +180,16 @@ class ShardWork:
             self.progress.input_tokens += tokens_in
             self.progress.output_tokens += tokens_out
             self.progress.cached_tokens += cached
+            if request.model != self.model:
+                self.usage.add(request.model, requests=1 + len(self.copies.get(line, ())),
+                               input_tokens=tokens_in, cached_tokens=cached,
+                               output_tokens=tokens_out)
+
+    def write_screened(self, custom_id: str, line: int) -> None:
+        for cid in [custom_id, *self.copies.get(line, ())]:
+            self.err.write(self.screened[line].error_line(cid))
+            self.progress.failed += 1
+        self.answered.add(line)
 
     def write_unrun(self, custom_id: str, line: int, code: str) -> None:
         self.write_failure(custom_id, line, code, unrun_message(code))
@@ -169,7 +215,8 @@ class ShardWork:
         return (Checkpoint(attempt=self.attempt, lines=set(self.answered),
                            progress=Progress(**self.progress.as_fields()),
                            flag_counts=dict(self.flag_counts),
-                           json_retries=self.adopted_json_retries + self.retries_answered),
+                           json_retries=self.adopted_json_retries + self.retries_answered,
+                           usage=self.usage.copy()),
                 (out_size, err_size, flags_size), self.computed)
 
     def mark_saved(self, checkpoint: Checkpoint, sizes: tuple[int, int, int],
@@ -191,15 +238,31 @@ def open_work(shard: Shard) -> ShardWork:
     """Read what the shard's lines need besides their text (dedup copies, copies to skip,
     screened lines). Only reads: safe to repeat on a dropped connection."""
     lines = shard_lines(shard)
-    rules = {line: rule for where in lines.where("line")
-             for line, rule in ScreenedLine.objects.filter(where, batch_id=shard.batch_id)
-             .values_list("line", "rule")}
-    reasons = dict(ContentRule.objects.values_list("name", "reason")) if rules else {}
-    screened = {
-        line: Violation(rule=rule, action="skip", reason=reasons.get(rule, "")).message
-        for line, rule in rules.items()}
+    rows = [row for where in lines.where("line")
+            for row in ScreenedLine.objects.filter(where, batch_id=shard.batch_id)
+            .values_list("line", "rule", "code", "param", "message")]
+    reasons = (dict(ContentRule.objects.values_list("name", "reason"))
+               if any(rule for _, rule, *_ in rows) else {})
+    screened = {}
+    for line, rule, code, param, message in rows:
+        if rule:  # a `skip` rule: its reason as the rule says it now
+            message = Violation(rule=rule, action="skip", reason=reasons.get(rule, "")).message
+            screened[line] = Screened(LineError(VIOLATION, message), refused=False)
+        else:
+            screened[line] = Screened(LineError(code, message, param or None), refused=True)
     return ShardWork(shard_id=shard.id, attempt=shard.attempt, batch_id=shard.batch_id,
-                     copies=lines.copies, skip=lines.skip, screened=screened)
+                     copies=lines.copies, skip=lines.skip, screened=screened,
+                     model=shard.batch.model,
+                     cache_salt=prefix_cache_salt(shard.batch.owner_id))
+
+
+def prefix_cache_salt(owner_id: int) -> str:
+    """The engine's prefix cache salt (vLLM's cache_salt) for one owner's requests. Prompts
+    of different owners never share cache entries, so `cached_tokens` tells no user how
+    another's prompts begin; one owner's batches still share theirs. Keyed with the secret
+    key: no user can compute another's salt (validation refuses the field anyway)."""
+    return salted_hmac("batchweb.prefix-cache-salt", str(owner_id),
+                       algorithm="sha256").hexdigest()[:32]
 
 
 def adopt_checkpoint(work: ShardWork, value: dict[str, Any]) -> None:
@@ -220,6 +283,7 @@ def adopt_checkpoint(work: ShardWork, value: dict[str, Any]) -> None:
         work.progress = Progress(**checkpoint.progress.as_fields())
         work.flag_counts = dict(checkpoint.flag_counts)
         work.json_retries = work.adopted_json_retries = checkpoint.json_retries
+        work.usage = checkpoint.usage.copy()
     log.info("shard %s attempt %d adopts %d results of attempt %d", work.shard_id,
              work.attempt, len(checkpoint.lines), checkpoint.attempt)
 

@@ -27,10 +27,13 @@ def needs_json_retry(request: RequestLine, result: EngineResult) -> bool:
                for text, _ in output_texts(request.url, result.body))
 
 
-def retry_request(request_id: str, request: RequestLine, adapter_path: str) -> EngineRequest:
-    """The second run of a request, with the LoRA adapter folder its first run had."""
+def retry_request(request_id: str, request: RequestLine, adapter_path: str, *,
+                  cache_salt: str) -> EngineRequest:
+    """The second run of a request, with the LoRA adapter folder and the prefix cache salt
+    its first run had."""
     return EngineRequest(request_id=request_id + RETRY_SUFFIX, url=request.url,
-                         body=reseeded(request.body), adapter_path=adapter_path)
+                         body=reseeded(request.body), adapter_path=adapter_path,
+                         cache_salt=cache_salt)
 
 
 def reseeded(body: dict[str, Any]) -> dict[str, Any]:

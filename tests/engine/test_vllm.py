@@ -378,6 +378,40 @@ def test_requests_fed_by_prefix_group_compute_the_prefix_once(engine: VllmEngine
         rid: content(r) for rid, r in first.items()}
 
 
+def test_the_prefix_cache_is_shared_only_under_one_salt(engine: VllmEngine) -> None:
+    """Requests of different owners (salts) never find each other's prompts in the prefix
+    cache, so `cached_tokens` tells no user how another's prompts begin; one owner's
+    requests still do. Every endpoint of a chat model takes the salt."""
+    system = " ".join(f"salted rule {i}: answer briefly and politely." for i in range(30))
+    messages = [{"role": "system", "content": system},
+                {"role": "user", "content": "Is the sky blue?"}]
+
+    def ask(rid: str, salt: str) -> dict[str, Any]:
+        (result,) = run_all(engine, [EngineRequest(
+            rid, CHAT, {"model": NAME, "max_tokens": 2, "temperature": 0,
+                        "messages": messages}, cache_salt=salt)]).values()
+        assert result.status_code == 200, result.body
+        return result.body["usage"]
+
+    first = ask("owner-a-1", "owner-a")
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    for rid, salt in (("owner-b", "owner-b"), ("unsalted", "")):
+        assert ask(rid, salt)["prompt_tokens_details"]["cached_tokens"] == 0, rid
+    again = ask("owner-a-2", "owner-a")
+    assert again["prompt_tokens_details"]["cached_tokens"] > first["prompt_tokens"] // 2
+
+    results = run_all(engine, [
+        EngineRequest("completion", COMPLETIONS, {"model": NAME, "prompt": "Hi",
+                                                  "max_tokens": 2}, cache_salt="owner-a"),
+        EngineRequest("response", RESPONSES, {"model": NAME, "input": "Hi",
+                                              "max_output_tokens": 2}, cache_salt="owner-a"),
+        EngineRequest("message", MESSAGES, {"model": NAME, "max_tokens": 2, "messages": [
+            {"role": "user", "content": "Hi"}]}, cache_salt="owner-a")])
+    for rid, result in results.items():
+        assert result.status_code == 200, (rid, result.body)
+        assert "owner-a" not in json.dumps(result.body), rid
+
+
 def responses(rid: str, words: str, **body: Any) -> EngineRequest:
     return EngineRequest(rid, RESPONSES, {"model": NAME, "input": words, **body})
 
