@@ -7,11 +7,11 @@ find the batches as they were. Django's path costs such a poll 1-6 ms of CPU on 
 project's 2-core machines (middlewares, URL resolution, the credential, the ORM, the
 answer), while what decides the answer is a row or a page of rows.
 
-So each web process remembers, per client and URL, the last answer Django gave to a poll,
-filed under the batch rows it was computed from: every column, read just before Django ran
-and again just after (an answer whose rows changed meanwhile is not kept). A later poll of
-the same URL
-by the same client (the same credential, cookies and host) runs one query, which finds the
+So each web process remembers, per credential and URL, the last answer Django gave to a
+poll, filed under the batch rows it was computed from: every column, read just before Django
+ran and again just after (an answer whose rows changed meanwhile is not kept). A later poll
+of the same URL by the same client (the same credential, and the same cookies and host as
+the remembered answer's) runs one query, which finds the
 rows only while that credential still lets the client see them; when every column is
 unchanged (and the view's own checks still hold) the answer is replayed byte for byte, or
 Django's 304 for it when the client sends back its ETag. Anything else goes to Django as
@@ -27,6 +27,11 @@ once per polled URL pattern and shape of answer, how Django's 304 is made from i
 Only answers a view marks with `remember` are kept, with what else they depend on: how long
 they stay good (the live block's time-derived figures) and checks of inputs that are not in
 the row (why a batch cannot progress, from the queue).
+
+The memo is bounded in bytes (MAX_BYTES), never keeps a large answer (MAX_ANSWER_BYTES) and
+lets expired answers go as it files new ones. A client keeps one answer per URL whatever
+headers it sends (a new Cookie or X-Forwarded-Host replaces its answer): headers the client
+chooses never multiply what a web process holds.
 """
 
 from __future__ import annotations
@@ -61,14 +66,23 @@ log = logging.getLogger(__name__)
 # first poll after it goes through Django again (the API key's last-used time, a revoked
 # staff right). Polls come every 2-30 s.
 REMEMBER_SECONDS = 60.0
-# Answers kept per web process (a few kB each): one per client and URL being polled.
+# Answers kept per web process (a few kB each): one per credential and URL being polled.
 MAX_ANSWERS = 10_000
-# What in a request can change Django's answer to a poll besides its URL: the host (allowed
-# hosts, redirects), the scheme as the proxy tells it, the credential and the cookies. A
-# request that differs in any of them is another client.
+# What the answers kept per web process may hold in all (bodies, headers and the rows they
+# were computed from, about); the least recently filed go first.
+MAX_BYTES = 32 << 20
+# An answer larger than this is never kept (a poll of it goes to Django): a poll's answer
+# is a few kB, a first page of 100 batches some 100 kB.
+MAX_ANSWER_BYTES = 512 << 10
+# The credentials a poll is made with: an API key (OpenAI's bearer, Anthropic's x-api-key)
+# or, for the dashboard, the session cookie (read from the Cookie header). An answer is
+# filed under the URL and these.
+_CREDENTIALS = ("HTTP_AUTHORIZATION", "HTTP_X_API_KEY")
+# What else in a request can change Django's answer to a poll: the host (allowed hosts,
+# redirects), the scheme as the proxy tells it, the cookies and htmx's headers. An answer is
+# replayed only to a request that sends the same; one that sends others replaces it.
 _CLIENT = ("HTTP_HOST", "wsgi.url_scheme", "HTTP_X_FORWARDED_PROTO", "HTTP_X_FORWARDED_HOST",
-           "HTTP_AUTHORIZATION", "HTTP_X_API_KEY", "HTTP_COOKIE", "HTTP_HX_REQUEST",
-           "HTTP_HX_BOOSTED")
+           "HTTP_COOKIE", "HTTP_HX_REQUEST", "HTTP_HX_BOOSTED")
 # Conditions other than If-None-Match, and a body, are Django's to answer.
 _NOT_A_POLL = ("HTTP_IF_MODIFIED_SINCE", "HTTP_IF_MATCH", "HTTP_IF_UNMODIFIED_SINCE",
                "HTTP_RANGE", "HTTP_TRANSFER_ENCODING")
@@ -240,6 +254,7 @@ class Poll:
     Django answered."""
 
     key: tuple[Any, ...]
+    client: tuple[Any, ...]
     state: tuple[Any, ...] | None
     rows: Rows
     name: str
@@ -273,10 +288,22 @@ def _not_modified(shape: Shape, whole: Headers) -> Replay | None:
     return NOT_MODIFIED, headers, b""
 
 
+def _size(value: Any) -> int:
+    """About the bytes `value` holds: its strings' lengths, 16 for anything else, through
+    tuples and lists (an answer's rows, headers and replays)."""
+    if isinstance(value, str | bytes):
+        return 16 + len(value)
+    if isinstance(value, tuple | list):
+        return 16 + sum(_size(item) for item in value)
+    return 16
+
+
 @dataclass
 class _Answer:
     state: tuple[Any, ...]
     validity: Validity
+    # The request's _CLIENT headers: replayed only to the same.
+    client: tuple[Any, ...]
     etag: str | None = None
     # Django's answer to a plain poll and to one that sent back the ETag, each once Django
     # has given it for this row (the 304 also once made from the 200 by a learned shape).
@@ -297,6 +324,9 @@ class PollMemo:
     shapes: dict[tuple[Rows, tuple[str, ...]], Shape] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     hits: int = 0
+    # About the bytes the answers hold (`_size` of each, kept by key).
+    bytes: int = 0
+    sizes: dict[tuple[Any, ...], int] = field(default_factory=dict)
 
     def _match(self, environ: dict[str, Any]) -> tuple[Rows, str, tuple[Any, ...]] | None:
         if environ.get("REQUEST_METHOD") != "GET" or environ.get("CONTENT_LENGTH") not in (
@@ -306,10 +336,22 @@ class PollMemo:
         for pattern, rows in ROUTES:
             found = pattern.fullmatch(path)
             if found:
+                cookie = environ.get("HTTP_COOKIE")
+                session = (parse_cookie(cookie).get(settings.SESSION_COOKIE_NAME)
+                           if cookie else None)
                 key = (path, environ.get("QUERY_STRING", ""),
-                       *(environ.get(name) for name in _CLIENT))
+                       *(environ.get(name) for name in _CREDENTIALS), session)
                 return rows, found[1], key
         return None
+
+    @staticmethod
+    def _client(environ: dict[str, Any]) -> tuple[Any, ...]:
+        return tuple(environ.get(name) for name in _CLIENT)
+
+    def _drop(self, key: tuple[Any, ...]) -> None:
+        """Forget the answer filed under `key` (with the lock held)."""
+        self.answers.pop(key, None)
+        self.bytes -= self.sizes.pop(key, 0)
 
     @staticmethod
     def _state(rows: Rows, name: str, environ: dict[str, Any]) -> tuple[Any, ...] | None:
@@ -326,10 +368,15 @@ class PollMemo:
         remembered = self.answers.get(key)
         if remembered is None:
             return None
+        if time.monotonic() > remembered.validity.until:
+            with self.lock:
+                if self.answers.get(key) is remembered:
+                    self._drop(key)
+            return None
         sent = environ.get("HTTP_IF_NONE_MATCH")
         replay = (remembered.not_modified if sent is not None and sent == remembered.etag
                   else remembered.whole)
-        if replay is None or time.monotonic() > remembered.validity.until:
+        if replay is None or remembered.client != self._client(environ):
             return None
         try:
             state = self._state(rows, name, environ)
@@ -354,7 +401,8 @@ class PollMemo:
             return None
         rows, name, key = matched
         try:
-            return Poll(key, self._state(rows, name, environ), rows, name, environ)
+            return Poll(key, self._client(environ), self._state(rows, name, environ), rows,
+                        name, environ)
         except Exception:
             log.warning("poll state unavailable", exc_info=True)
             return None
@@ -384,8 +432,9 @@ class PollMemo:
         etag = response.get("ETag")
         with self.lock:
             remembered = self.answers.get(poll.key)
-            if remembered is None or remembered.state != poll.state or remembered.etag != etag:
-                remembered = _Answer(poll.state, validity, etag)
+            if (remembered is None or remembered.state != poll.state
+                    or remembered.etag != etag or remembered.client != poll.client):
+                remembered = _Answer(poll.state, validity, poll.client, etag)
             remembered.validity = validity
             if response.status_code == 200:
                 if not response.cookies:
@@ -402,7 +451,20 @@ class PollMemo:
                     whole_names = tuple(name for name, _ in remembered.whole_headers)
                     self.shapes[(poll.rows, whole_names)] = _shape(remembered.whole_headers,
                                                                    headers)
+            self._drop(poll.key)
+            size = _size((poll.key, remembered.state, remembered.client, remembered.whole,
+                          remembered.not_modified, remembered.whole_headers))
+            if size > MAX_ANSWER_BYTES:
+                return
             self.answers[poll.key] = remembered
-            self.answers.move_to_end(poll.key)
-            while len(self.answers) > MAX_ANSWERS:
-                self.answers.popitem(last=False)
+            self.sizes[poll.key] = size
+            self.bytes += size
+            # Filed last, so the oldest filings come first: those that expired go, then
+            # the oldest of the rest while the memo is over its bounds.
+            now = time.monotonic()
+            while self.answers:
+                oldest, answer = next(iter(self.answers.items()))
+                if (answer.validity.until >= now and len(self.answers) <= MAX_ANSWERS
+                        and self.bytes <= MAX_BYTES):
+                    break
+                self._drop(oldest)

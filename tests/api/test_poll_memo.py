@@ -33,6 +33,8 @@ pytestmark = pytest.mark.django_db
 def memo() -> Any:
     application.polls.answers.clear()
     application.polls.shapes.clear()
+    application.polls.sizes.clear()
+    application.polls.bytes = 0
     return application.polls
 
 
@@ -190,6 +192,61 @@ def test_the_memo_is_bounded(running, api_key, memo, monkeypatch):
         _poll(f"/v1/batches/{batch.pk}?{query}", auth, memo)
     assert len(memo.answers) == 2
     assert not _poll(f"/v1/batches/{batch.pk}?a=1", auth, memo)[1]
+
+
+def test_a_client_keeps_one_answer_whatever_headers_it_sends(running, api_key, memo):
+    batch, _ = running
+    auth = {"Authorization": f"Bearer {api_key}"}
+    path = f"/v1/batches/{batch.pk}"
+    for i in range(20):
+        _poll(path, {**auth, "Cookie": f"junk={i}", "X-Forwarded-Host": f"h{i}.example"}, memo)
+    assert len(memo.answers) == 1
+    # Replayed only to a request that sends what the remembered one sent.
+    last = {**auth, "Cookie": "junk=19", "X-Forwarded-Host": "h19.example"}
+    assert _poll(path, last, memo)[1]
+    assert not _poll(path, {**last, "Cookie": "junk=0"}, memo)[1]
+    assert _poll(path, {**last, "Cookie": "junk=0"}, memo)[1]  # now its answer
+
+
+def test_the_memo_is_bounded_in_bytes(running, api_key, memo, monkeypatch):
+    batch, _ = running
+    auth = {"Authorization": f"Bearer {api_key}"}
+    _poll(f"/v1/batches/{batch.pk}", auth, memo)
+    one = memo.bytes
+    assert one > len(memo.answers[next(iter(memo.answers))].whole[2])
+    monkeypatch.setattr(polls, "MAX_BYTES", 2 * one + one // 2)
+    for query in ("a=1", "a=2", "a=3"):
+        _poll(f"/v1/batches/{batch.pk}?{query}", auth, memo)
+        assert memo.bytes <= polls.MAX_BYTES
+    assert [key[1] for key in memo.answers] == ["a=2", "a=3"]
+    assert memo.bytes == sum(memo.sizes.values()) and set(memo.sizes) == set(memo.answers)
+
+
+def test_a_large_answer_is_not_kept(running, api_key, memo, monkeypatch):
+    batch, _ = running
+    auth = {"Authorization": f"Bearer {api_key}"}
+    path = f"/v1/batches/{batch.pk}"
+    first, _ = _poll(path, auth, memo)
+    monkeypatch.setattr(polls, "MAX_ANSWER_BYTES", len(first[2]))
+    memo.answers.clear()
+    memo.sizes.clear()
+    memo.bytes = 0
+    assert not _poll(path, auth, memo)[1]
+    assert not _poll(path, auth, memo)[1] and not memo.answers and memo.bytes == 0
+
+
+def test_expired_answers_leave_the_memo(running, api_key, memo, monkeypatch):
+    batch, _ = running
+    path = f"/v1/batches/{batch.pk}"
+    now = [time.monotonic()]
+    monkeypatch.setattr(polls, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    for query in ("a=1", "a=2"):
+        _poll(f"{path}?{query}", {"Authorization": f"Bearer {api_key}"}, memo)
+    now[0] += polls.REMEMBER_SECONDS + 1
+    # Filing any answer lets the expired ones go, though nobody polls them again.
+    _poll("/v1/batches", {"Authorization": f"Bearer {api_key}"}, memo)
+    assert [key[0] for key in memo.answers] == ["/v1/batches"]
+    assert memo.bytes == sum(memo.sizes.values())
 
 
 def test_other_api_answers_are_never_remembered(running, api_key, memo):
