@@ -31,7 +31,7 @@ CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 # Every Message Batch has Anthropic's 24-hour window.
 WINDOW = "24h"
 _READ = 64 * 1024
-_WHITESPACE = " \t\n\r"
+_NOT_WHITESPACE = re.compile(r"[^ \t\n\r]")
 _DELIMITER = re.compile(r"[,\]}\s]")
 
 
@@ -80,12 +80,17 @@ class _JsonStream:
     def peek(self) -> str:
         """The next character that is not whitespace ("" at the end)."""
         while True:
-            while self.pos < len(self.text) and self.text[self.pos] in _WHITESPACE:
-                self.pos += 1
-            if self.pos < len(self.text):
+            found = _NOT_WHITESPACE.search(self.text, self.pos)
+            if found is not None:
+                self.pos = found.start()
                 return self.text[self.pos]
+            self.pos = len(self.text)
             if not self._more():
                 return ""
+
+    def _too_large(self) -> ServiceError:
+        return ServiceError(f"A request is larger than {self.max_value} bytes (or not valid "
+                            "JSON).", status=413, code="request_too_large")
 
     def expect(self, char: str) -> None:
         if self.peek() != char:
@@ -95,18 +100,23 @@ class _JsonStream:
     def value(self) -> Any:
         if self.peek() not in ("{", "[", '"'):
             # A number or literal ends only where a delimiter follows: "1" may be the start
-            # of "10" or "1.5" in the next chunk.
-            while not _DELIMITER.search(self.text, self.pos) and self._more():
-                pass
+            # of "10" or "1.5" in the next chunk. Each search looks at the new text only,
+            # and each read doubles the pending text: linear, however long the value, and
+            # no longer than a request may be.
+            searched = 0  # of the pending text, searched already
+            while not _DELIMITER.search(self.text, self.pos + searched):
+                searched = len(self.text) - self.pos
+                if searched > self.max_value:
+                    raise self._too_large()
+                if not self._more(searched):
+                    break
         while True:
             try:
                 value, end = raw_decode_strict(self.text, self.pos)
             except (ValueError, RecursionError):
                 pending = len(self.text) - self.pos
                 if pending > self.max_value:
-                    raise ServiceError(f"A request is larger than {self.max_value} bytes "
-                                       "(or not valid JSON).", status=413,
-                                       code="request_too_large") from None
+                    raise self._too_large() from None
                 if not self._more(pending):  # read as much again: parsing stays linear
                     raise ServiceError("The request body is not valid JSON.") from None
                 continue
@@ -166,7 +176,8 @@ def _input_line(index: int, item: Any) -> bytes:
                            "Unicode.", param=where) from None
 
 
-def create_message_batch(*, owner: Any, body: Readable, declared_length: int) -> Batch:
+def create_message_batch(*, owner: Any, body: Readable, declared_length: int,
+                         api_key: Any = None) -> Batch:
     """A Message Batch from the create body: its requests written to an input file as they
     are read, then a batch of it as the OpenAI API would create. Refused whole (nothing
     stored) when the body is malformed or over the limit."""
@@ -192,6 +203,7 @@ def create_message_batch(*, owner: Any, body: Readable, declared_length: int) ->
     try:
         with transaction.atomic():
             batch = create_batch(owner=owner, input_file_id=file.pk, endpoint=MESSAGES,
+                                 api_key=api_key,
                                  completion_window=WINDOW, api=Batch.Api.ANTHROPIC)
             # Anthropic counts every request as processing from the start.
             Batch.objects.filter(pk=batch.pk).update(total=len(seen))

@@ -26,11 +26,11 @@ from jobs.wire import (
     Code,
     LineError,
     RequestLine,
+    check_body,
     dedup_key,
     failure_line,
     parse_line,
     prompt_text,
-    refusal,
     response_line,
     usage_of,
 )
@@ -91,7 +91,7 @@ def test_a_bad_param_is_answered_per_request(change: dict, param: str, fragment:
     assert parsed.refused is not None
     assert parsed.refused.param == param
     assert fragment in parsed.refused.message
-    assert refusal(MESSAGES, body, max_tokens_cap=CAP) == parsed.refused
+    assert check_body(MESSAGES, body, max_tokens_cap=CAP) == parsed.refused
     assert dedup_key(parsed) is None
     assert prompt_text(parsed) == ("", 0)
 
@@ -154,6 +154,38 @@ def test_a_malformed_body_is_refused(data: bytes, fragment: str) -> None:
     with pytest.raises(ServiceError) as caught:
         list(iter_requests(io.BytesIO(data), limit=1000))
     assert fragment in caught.value.message
+
+
+class _Counted(io.BytesIO):
+    """A body that counts what is read of it."""
+
+    reads = 0
+    read_bytes = 0
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        chunk = super().read(size)
+        self.reads += 1
+        self.read_bytes += len(chunk)
+        return chunk
+
+
+def test_a_long_number_is_read_in_growing_steps() -> None:
+    # Each step reads as much again as is pending and searches only the new text for the
+    # number's end: a few reads for a megabyte, not one per 64 kB, each searching it all.
+    number = "0." + "0" * (1 << 20) + "1"
+    body = _Counted(f'{{"requests": [{number}, 2]}}'.encode())
+    assert list(iter_requests(body, limit=1 << 24)) == [float(number), 2]
+    assert body.reads <= 8
+
+
+def test_reading_stops_once_a_value_passes_the_request_limit(settings) -> None:
+    settings.BATCHWEB = {**settings.BATCHWEB, "MAX_LINE_BYTES": 64 * 1024}
+    for value in ("1" * (4 << 20), '"' + "x" * (4 << 20) + '"'):
+        body = _Counted(f'{{"requests": [{value}]}}'.encode())
+        with pytest.raises(ServiceError) as caught:
+            list(iter_requests(body, limit=1 << 24))
+        assert (caught.value.status, caught.value.code) == (413, "request_too_large")
+        assert body.read_bytes <= 4 * 64 * 1024, value[:3]
 
 
 def test_a_body_over_the_limit_is_413() -> None:
