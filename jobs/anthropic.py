@@ -37,7 +37,8 @@ from jobs.models import Batch, File
 from jobs.queries.dashboard import ended_at
 from jobs.queries.results import Kind, error_counts, segments
 from jobs.services.files import iter_lines, open_file, open_range
-from jobs.wire import Code, read_result_line
+from jobs.services.heavy import Guard
+from jobs.wire import Code, custom_id_of, read_result_line
 
 # A result line is read whole however long (a Message of a long answer).
 _MAX_RESULT_LINE = 256 * 1024 * 1024
@@ -62,10 +63,10 @@ def rfc3339(value: datetime | None) -> str | None:
     return value.astimezone(UTC).isoformat().replace("+00:00", "Z")
 
 
-def request_counts(batch: Batch) -> dict[str, int]:
+def request_counts(batch: Batch, *, guard: Guard | None = None) -> dict[str, int]:
     """Anthropic's tallies: all processing until the batch ends, then by outcome. The
     cancelled and expired requests of a stopped batch are counted in its error file (one
-    pass, cached, see jobs.queries.results.error_counts)."""
+    pass, cached, see jobs.queries.results.error_counts; under `guard` when it counts)."""
     counts = {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
     if not batch.is_ended:
         counts["processing"] = batch.total
@@ -75,21 +76,22 @@ def request_counts(batch: Batch) -> dict[str, int]:
         return counts
     counts["succeeded"] = batch.completed
     if batch.stop_code:
-        by_code = dict(error_counts(batch))
+        by_code = dict(error_counts(batch, guard=guard))
         counts["canceled"] = by_code.get(Code.BATCH_CANCELLED, 0)
         counts["expired"] = by_code.get(Code.BATCH_EXPIRED, 0)
     counts["errored"] = max(0, batch.failed - counts["canceled"] - counts["expired"])
     return counts
 
 
-def message_batch(batch: Batch, *, base_url: str) -> dict[str, Any]:
+def message_batch(batch: Batch, *, base_url: str, guard: Guard | None = None
+                  ) -> dict[str, Any]:
     """The MessageBatch object; `base_url` is the service's own (results_url is absolute,
-    as Anthropic's, and the client fetches it as it is)."""
+    as Anthropic's, and the client fetches it as it is). `guard`: see request_counts."""
     return {
         "id": batch.id,
         "type": "message_batch",
         "processing_status": PROCESSING_STATUS[Batch.Status(batch.status)],
-        "request_counts": request_counts(batch),
+        "request_counts": request_counts(batch, guard=guard),
         "ended_at": rfc3339(ended_at(batch)),
         "created_at": rfc3339(batch.created_at),
         "expires_at": rfc3339(batch.expires_at),
@@ -151,11 +153,8 @@ def _unvalidated(batch: Batch) -> Iterator[bytes]:
         return
     with open_file(file) as stream:
         for line in iter_lines(stream, max_line_bytes=settings.BATCHWEB["MAX_LINE_BYTES"]):
-            try:
-                custom_id = json.loads(line.content or b"").get("custom_id")
-            except (ValueError, AttributeError, RecursionError):
-                continue
-            if not isinstance(custom_id, str):
+            custom_id = custom_id_of(line.content)
+            if custom_id is None:
                 continue
             message = problems.get(line.number) or (
                 f"Not run: the batch failed validation ({first})")

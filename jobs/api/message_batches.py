@@ -14,7 +14,7 @@ from django.utils.cache import patch_cache_control
 from jobs import anthropic
 from jobs.api.base import ANTHROPIC, api_view, parse_limit
 from jobs.models import Batch
-from jobs.services import stopping
+from jobs.services import heavy, stopping
 from jobs.services.batches import get_message_batch_for_user
 from jobs.services.errors import ServiceError, storable_id
 from jobs.services.message_batches import create_message_batch, delete_message_batch
@@ -22,14 +22,23 @@ from jobs.web import declared_length
 
 
 def _shown(request: HttpRequest, batch: Batch) -> dict[str, Any]:
-    return anthropic.message_batch(batch, base_url=request.build_absolute_uri("/"))
+    # A stopped batch's counts are a pass over its error file (cached once counted): made
+    # under the per-user guard of the dashboard's heavy views, so that one user's requests
+    # cannot keep every web process counting.
+    try:
+        return anthropic.message_batch(batch, base_url=request.build_absolute_uri("/"),
+                                       guard=heavy.one_per_user(batch.owner_id))
+    except heavy.Busy:
+        raise ServiceError("Another of your requests is counting a batch's results; retry "
+                           "in a moment.", status=429, code="rate_limit_exceeded") from None
 
 
 def create(request: HttpRequest, user: Any) -> HttpResponse:
     if request.content_type != "application/json":
         raise ServiceError("Send the request body as JSON with Content-Type: application/json.")
     batch = create_message_batch(owner=user, body=request,  # read as a stream
-                                 declared_length=declared_length(request))
+                                 declared_length=declared_length(request),
+                                 api_key=getattr(request, "api_key", None))
     return JsonResponse(_shown(request, batch))
 
 

@@ -13,6 +13,7 @@ import requests
 from django.utils import timezone
 
 from jobs.models import Batch, File
+from jobs.services import heavy
 from jobs.services.finalize import finalize_batch
 from jobs.services.stopping import expire_due_batches
 from jobs.tasks import validate_batch
@@ -156,6 +157,26 @@ def test_cancel_before_running(anthropic_client):
     assert batch.request_counts.canceled == 3 and batch.request_counts.processing == 0
     assert {r.result.type for r in anthropic_client.messages.batches.results(batch.id)} == {
         "canceled"}
+
+
+def test_a_stopped_batchs_counts_are_counted_under_the_users_guard(anthropic_client):
+    batch = create(anthropic_client, 3)
+    validate_batch(batch.id)
+    anthropic_client.messages.batches.cancel(batch.id)
+    finalize_batch(batch_id=batch.id)
+    owner = Batch.objects.get(pk=batch.id).owner_id
+    once = anthropic_client.with_options(max_retries=0)
+    # While another heavy computation of the same user runs, counting waits its turn.
+    with heavy.one_per_user(owner):
+        for call in (lambda: once.messages.batches.retrieve(batch.id),
+                     lambda: once.messages.batches.list()):
+            with pytest.raises(anthropic.RateLimitError) as caught:
+                call()
+            assert caught.value.body["error"]["type"] == "rate_limit_error"
+    assert once.messages.batches.retrieve(batch.id).request_counts.canceled == 3
+    # Counted once, the counts are a cache read: no guard to wait for.
+    with heavy.one_per_user(owner):
+        assert once.messages.batches.list().data[0].request_counts.canceled == 3
 
 
 def test_expired_before_running(anthropic_client):
