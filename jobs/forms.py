@@ -46,6 +46,10 @@ class NewBatchForm(forms.Form):
     priority = forms.ChoiceField(choices=PRIORITY_CHOICES, initial="default")
     metadata = forms.CharField(required=False, widget=forms.Textarea(attrs={"rows": 3}),
                                help_text="Optional, one key=value a line (at most 16).")
+    strict = forms.BooleanField(
+        required=False, label="Strict",
+        help_text="Fail the whole batch on any problem of any line, before anything runs "
+                  "(otherwise a request the endpoint refuses fails alone).")
 
     def __init__(self, *args: Any, owner: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -86,3 +90,24 @@ class ResultFilterForm(forms.Form):
     q = forms.CharField(required=False, max_length=512, label="custom_id contains")
     code = forms.CharField(required=False, max_length=100)
     cursor = forms.CharField(required=False, max_length=40, widget=forms.HiddenInput)
+
+
+class UsageFilterForm(forms.Form):
+    """The Usage page's filters (GET): an API key of the user's, a model, the last N days."""
+
+    PERIODS = [(7, "last 7 days"), (30, "last 30 days"), (90, "last 90 days"),
+               (365, "last 365 days")]
+
+    key = forms.TypedChoiceField(required=False, coerce=int, empty_value=None, label="API key")
+    model = forms.ChoiceField(required=False)
+    days = forms.TypedChoiceField(choices=PERIODS, coerce=int, required=False,
+                                  empty_value=None, label="Period")
+
+    def __init__(self, *args: Any, keys: list[tuple[int, str]], models: list[str],
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        key = self.fields["key"]
+        model = self.fields["model"]
+        assert isinstance(key, forms.ChoiceField) and isinstance(model, forms.ChoiceField)
+        key.choices = [("", "all keys and the dashboard"), *keys]
+        model.choices = [("", "all models"), *((m, m) for m in models)]

@@ -228,6 +228,10 @@ class Batch(models.Model):
         max_length=20, choices=Status.choices, default=Status.VALIDATING, db_index=True
     )
     priority = models.CharField(max_length=10, choices=Priority.choices, default="default")
+    # Any problem of any line fails the whole batch before anything runs (the dashboard's
+    # checkbox, `strict` on batches.create). Off, as OpenAI: a request problem fails that
+    # request only (jobs.services.validation's two kinds of problems).
+    strict = models.BooleanField(default=False)
     metadata = models.JSONField(default=dict, blank=True)
     # OpenAI's `errors.data`: validation problems, one entry per bad line up to a cap.
     errors = models.JSONField(default=list, blank=True)
@@ -241,10 +245,18 @@ class Batch(models.Model):
     )
     # Seconds the output and error files live after the batch ends (None: no expiry).
     output_expires_after = models.PositiveIntegerField(null=True, blank=True)
+    # The API key that created the batch (None: the dashboard): what its usage is charged
+    # under in the ledger (UsageRecord.api_key).
+    api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.SET_NULL,
+                                related_name="+")
 
     # Set when the batch must stop early ("batch_cancelled" or "batch_expired"): workers
     # abort its running shards and the finalizer writes what never ran as error lines.
     stop_code = models.CharField(max_length=30, blank=True)
+
+    # What the batch could cost at most (its input tokens estimated, all its max output
+    # tokens), priced when validation planned it; what it did cost is in the ledger.
+    cost_ceiling_nanos = models.BigIntegerField(null=True, blank=True)
 
     # Set by whoever merges the results, so two finalizers never run at once.
     finalize_claimed_at = models.DateTimeField(null=True, blank=True)
@@ -336,6 +348,8 @@ class Batch(models.Model):
                 "total_tokens": progress["input_tokens"] + progress["output_tokens"],
             },
             "metadata": self.metadata or None,
+            # Extension: any problem of any line fails the batch before anything runs.
+            "strict": self.strict,
         }
 
 
@@ -499,7 +513,7 @@ class Quota(models.Model):
     """
 
     LIMITS = ("max_file_bytes", "max_requests_per_batch", "max_active_batches",
-              "max_stored_bytes", "tokens_per_day", "tokens_per_month")
+              "max_stored_bytes", "tokens_per_day", "tokens_per_month", "cost_per_month")
 
     user = models.OneToOneField(settings.AUTH_USER_MODEL, null=True, blank=True,
                                 on_delete=models.CASCADE, related_name="quota",
@@ -518,6 +532,13 @@ class Quota(models.Model):
                                          "UTC day; new batches are refused once reached.")
     tokens_per_month = models.PositiveBigIntegerField(
         null=True, blank=True, help_text="The same per calendar month.")
+    # The monthly budget (jobs.services.budgets): what the ledger charged this calendar
+    # month plus a new batch's cost ceiling may not pass it.
+    cost_per_month = models.DecimalField(
+        max_digits=14, decimal_places=2, null=True, blank=True,
+        help_text="Monthly budget, in the prices' currency: a batch whose cost ceiling "
+                  "(estimated input + all max output tokens, priced) exceeds what is left "
+                  "this month is refused.")
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
@@ -633,8 +654,9 @@ class ContentRule(models.Model):
         MODERATION = "moderation", "Moderation model (similarity to example texts)"
 
     class Action(models.TextChoices):
-        REJECT = "reject", "Reject the batch"
-        SKIP = "skip", "Skip the line (error file)"
+        REJECT = "reject", "Fail the request (error file; the whole batch if strict)"
+        REJECT_BATCH = "reject_batch", "Fail the whole batch"
+        SKIP = "skip", "Skip the line (error file, even if strict)"
 
     name = models.CharField(max_length=100, unique=True)
     kind = models.CharField(max_length=20, choices=Kind.choices)
@@ -648,7 +670,7 @@ class ContentRule(models.Model):
     # Moderation: a configured embeddings model and the cosine similarity that flags a line.
     model = models.CharField(max_length=200, blank=True)
     threshold = models.FloatField(null=True, blank=True)
-    action = models.CharField(max_length=10, choices=Action.choices, default=Action.REJECT)
+    action = models.CharField(max_length=20, choices=Action.choices, default=Action.REJECT)
     reason = models.CharField(max_length=300, blank=True)
     enabled = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -708,13 +730,113 @@ class LoraAdapter(models.Model):
 
 
 class ScreenedLine(models.Model):
-    """An input line that a `skip` content rule kept from running: its shard writes a
-    `content_policy_violation` error line for it instead."""
+    """An input line that validation kept from running: its shard writes its error line
+    instead. Either a request problem (`code`, `param`, `message`: a body the endpoint
+    refuses, a `reject` content rule; written as the 400 answer the endpoint would give) or
+    a `skip` content rule's violation (`rule`: a `content_policy_violation` error line)."""
 
     batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="screened")
     line = models.PositiveIntegerField()
     custom_id = models.CharField(max_length=512)
-    rule = models.CharField(max_length=100)
+    rule = models.CharField(max_length=100, blank=True)
+    code = models.CharField(max_length=50, blank=True)
+    param = models.CharField(max_length=200, blank=True)
+    message = models.TextField(blank=True)
 
     class Meta:
         indexes = [models.Index(fields=["batch", "line"])]
+
+
+# --- Usage and cost: prices set by the operator, the ledger of what was charged ---
+
+
+class Price(models.Model):
+    """What a model's tokens cost: list prices per million tokens and the batch discount
+    against them. The row with an empty `model` is the default. A request is priced by its
+    own model (a LoRA adapter's name), else its adapter's base model, else the default;
+    with no row at all, usage is recorded at zero cost. Charges store their prices
+    (UsageRecord), so changing a row never changes what was charged."""
+
+    model = models.CharField(max_length=200, blank=True, unique=True, help_text=(
+        "A served model or a LoRA adapter name; empty: the default for every other model."))
+    input_per_million = models.DecimalField(
+        max_digits=12, decimal_places=6, default=0,
+        help_text="List price of a million input (prompt) tokens.")
+    cached_input_per_million = models.DecimalField(
+        max_digits=12, decimal_places=6, null=True, blank=True,
+        help_text="Of a million input tokens served from the prefix cache; empty: as input.")
+    output_per_million = models.DecimalField(
+        max_digits=12, decimal_places=6, default=0,
+        help_text="Of a million output tokens (embeddings, score and rerank have none).")
+    currency = models.CharField(max_length=3, default="usd")
+    batch_discount_percent = models.DecimalField(
+        max_digits=5, decimal_places=2, default=50,
+        help_text="Off the list prices for batch requests (50: half price).")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["model"]
+
+    def __str__(self) -> str:
+        return self.model or "default price"
+
+    def clean(self) -> None:
+        from django.core.exceptions import ValidationError
+
+        super().clean()
+        if not 0 <= self.batch_discount_percent <= 100:
+            raise ValidationError({"batch_discount_percent": "Between 0 and 100."})
+
+
+class UsageRecord(models.Model):
+    """One finished shard's usage of one model (the batch's model, or a LoRA adapter of
+    it): written in the transaction that marks the shard done under its attempt, at most
+    once per (shard, model), so a retried, resumed, handed-back or zombie shard is charged
+    exactly once. Keeps the batch's and shard's ids, not references: the ledger outlives
+    deleted batches. Cost is in billionths of `currency`, from the prices stored beside it."""
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE,
+                              related_name="+")
+    api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.SET_NULL,
+                                related_name="+")
+    batch_id = models.CharField(max_length=40)
+    shard_id = models.CharField(max_length=40)
+    model = models.CharField(max_length=200)
+    # The served model the requests ran on (== model unless model is an adapter).
+    base_model = models.CharField(max_length=200)
+    endpoint = models.CharField(max_length=40)
+    requests_succeeded = models.PositiveIntegerField(default=0)
+    requests_failed = models.PositiveIntegerField(default=0)
+    input_tokens = models.BigIntegerField(default=0)  # cached ones included
+    cached_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField(default=0)
+    cost_nanos = models.BigIntegerField(default=0)
+    currency = models.CharField(max_length=3, default="usd")
+    # The prices charged (per million tokens, discount applied).
+    input_price = models.DecimalField(max_digits=12, decimal_places=6, default=0)
+    cached_price = models.DecimalField(max_digits=12, decimal_places=6, default=0)
+    output_price = models.DecimalField(max_digits=12, decimal_places=6, default=0)
+    # The engine's time the work took: each moment the engine was busy split evenly among
+    # the requests in it, summed over this model's requests in the shard.
+    engine_seconds = models.FloatField(default=0)
+    recorded_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["-recorded_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(fields=["shard_id", "model"], name="one_charge_per_shard"),
+        ]
+        indexes = [
+            models.Index(fields=["recorded_at"]),
+            models.Index(fields=["owner", "recorded_at"]),
+            models.Index(fields=["batch_id"]),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.shard_id} {self.model}"
+
+    @property
+    def cost(self) -> Any:
+        from decimal import Decimal
+
+        return Decimal(self.cost_nanos) / 10**9

@@ -26,7 +26,8 @@ def create(request: HttpRequest, user: Any) -> HttpResponse:
     batch = batches.create_batch(
         owner=user, input_file_id=body.get("input_file_id"), endpoint=body.get("endpoint"),
         completion_window=body.get("completion_window"), metadata=body.get("metadata"),
-        priority=body.get("priority"), output_expires_after=body.get("output_expires_after"))
+        priority=body.get("priority"), output_expires_after=body.get("output_expires_after"),
+        api_key=getattr(request, "api_key", None), strict=body.get("strict", False))
     return JsonResponse(batches.get_batch_for_user(owner=user, batch_id=batch.pk).to_openai())
 
 

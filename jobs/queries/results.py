@@ -3,10 +3,10 @@ offset, never by reading a whole file), error counts by code, the input line beh
 custom_id, and the results finished so far while the batch still runs.
 
 Where results live: once the batch has ended, in its output and error Files; while it runs,
-in the parts of its finished shards (`Shard.output_part` / `error_part`), in shard order.
-Both are read as a list of segments, and a cursor names a segment and a byte offset in it
-("f:0" for a file, "s3:1024" for shard 3's part), so a page link stays valid while more
-shards finish.
+in the parts of its finished shards (`Shard.output_part` / `error_part`) and the checkpoint
+segments of its running ones, in shard order. Both are read as a list of segments, and a
+cursor names a segment and a byte offset in it ("f:0" for a file, "s3:1024" for shard 3's
+part), so a page link stays valid while more shards finish.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from jobs.models import Batch, File, Shard
 from jobs.services.errors import ServiceError
 from jobs.services.files import CHUNK, iter_lines, open_file, open_range
 from jobs.services.heavy import Guard, cached, version
+from jobs.services.shards import Checkpoint
 from jobs.wire import read_result_line
 
 Kind = Literal["output", "error"]
@@ -54,17 +55,18 @@ def segments(batch: Batch, kind: Kind) -> list[Segment]:
         file_id = batch.output_file_id if kind == "output" else batch.error_file_id
         file = File.objects.filter(pk=file_id).only("storage_name").first() if file_id else None
         return [Segment("f", file.storage_name)] if file else []
-    field_name = "output_part" if kind == "output" else "error_part"
-    parts = (Shard.objects.filter(batch=batch, status=Shard.Status.DONE)
-             .exclude(**{field_name: ""}).order_by("index").values_list("index", field_name))
-    return [Segment(f"s{index}", name) for index, name in parts]
+    # A finished shard's part is "s<index>", a running one's checkpoint segments
+    # "c<index>.<n>" (a cursor into one is gone once its shard finishes: paging restarts).
+    return [Segment(f"s{found.index}" if found.done else f"c{found.index}.{number}", name)
+            for found in _shard_results(batch, kind, set())
+            for number, name in enumerate(found.names)]
 
 
 def parse_cursor(value: str | None) -> tuple[str, int] | None:
     if not value:
         return None
     key, _, offset = value.partition(":")
-    if not re.fullmatch(r"f|s\d{1,9}", key) or not offset.isdigit():
+    if not re.fullmatch(r"f|s\d{1,9}|c\d{1,9}\.\d{1,9}", key) or not offset.isdigit():
         raise ServiceError("Bad page cursor.", param="cursor")
     return key, int(offset)
 
@@ -249,14 +251,16 @@ STATUSES: dict[str, Kind] = {"succeeded": "output", "failed": "error"}
 @dataclass
 class ResultsCursor:
     """Where an API reader of a batch's results stopped. While the batch runs: the shards
-    whose parts it read to the end (a shard may finish after a later one, so a position in
-    shard order alone would skip it), and the part it is inside. Once the batch has ended:
-    a position in its output or error File."""
+    whose results it read to the end (a shard may finish after a later one, so a position
+    in shard order alone would skip it), and how far it read of each of the others, by
+    kind, as a byte offset in the shard's results (`ShardResults`). Once the batch has
+    ended: a position in its output or error File."""
 
     ended: bool = False
     consumed: set[int] = field(default_factory=set)
-    shard: int | None = None  # the shard index being read (running), None between shards
-    kind: Kind = "output"
+    # Shard index -> kind -> bytes read of that kind.
+    read: dict[int, dict[Kind, int]] = field(default_factory=dict)
+    kind: Kind = "output"  # ended: the file being read
     offset: int = 0
 
     def encode(self) -> str:
@@ -267,11 +271,14 @@ class ResultsCursor:
         for index in self.consumed:
             bitmap[index // 8] |= 1 << (index % 8)
         packed = base64.urlsafe_b64encode(zlib.compress(bytes(bitmap))).decode().rstrip("=")
-        here = "" if self.shard is None else f"{self.shard}.{self.kind}.{self.offset}"
+        here = ",".join(f"{index}.{kinds.get('output', 0)}.{kinds.get('error', 0)}"
+                        for index, kinds in sorted(self.read.items()) if any(kinds.values()))
         return f"r~{packed}~{here}"
 
     @classmethod
-    def decode(cls, value: str) -> ResultsCursor:
+    def decode(cls, value: str, *, shards: int) -> ResultsCursor:
+        """The cursor `value`, for a batch of `shards` shards: a cursor naming a shard the
+        batch does not have is refused before it is expanded."""
         bad = ServiceError("Bad `after` cursor: pass back the X-Next-After header of the "
                            "previous page.", param="after")
         try:
@@ -280,17 +287,22 @@ class ResultsCursor:
                 return cls(ended=True, kind=first, offset=int(second))  # type: ignore[arg-type]
             if phase != "r" or not re.fullmatch(r"[A-Za-z0-9_-]+", first):
                 raise bad
-            bitmap = zlib.decompressobj().decompress(
-                base64.urlsafe_b64decode(first + "=" * (-len(first) % 4)), 1 << 20)
+            inflate = zlib.decompressobj()
+            bitmap = inflate.decompress(
+                base64.urlsafe_b64decode(first + "=" * (-len(first) % 4)), (shards + 7) // 8)
+            if inflate.unconsumed_tail:  # more shards than the batch has
+                raise bad
             consumed = {i * 8 + bit for i, byte in enumerate(bitmap) for bit in range(8)
                         if byte >> bit & 1}
-            if not second:
-                return cls(consumed=consumed)
-            shard, kind, offset = second.split(".")
-            if kind not in ("output", "error"):
+            read: dict[int, dict[Kind, int]] = {}
+            for item in second.split(",") if second else ():
+                index, output, error = (int(n) for n in item.split("."))
+                if not 0 <= index < shards or min(output, error) < 0 or len(read) >= shards:
+                    raise bad
+                read[index] = {"output": output, "error": error}
+            if max(consumed, default=-1) >= shards:
                 raise bad
-            return cls(consumed=consumed, shard=int(shard), kind=kind,  # type: ignore[arg-type]
-                       offset=int(offset))
+            return cls(consumed=consumed, read=read)
         except (ValueError, zlib.error, binascii.Error):
             raise bad from None
 
@@ -304,36 +316,64 @@ class ResultsPage:
     restarted: bool = False  # a running batch's cursor, after it ended: read again from the top
 
 
-def _running_units(batch: Batch, kinds: tuple[Kind, ...], cursor: ResultsCursor
-                   ) -> list[tuple[int, Kind, str, int]]:
-    """(shard index, kind, part, offset to start at) of what the cursor has not read of the
-    finished shards: the rest of the one it is inside first, then the others in shard order
-    (those that finished since, before it or after it)."""
-    done = (Shard.objects.filter(batch=batch, status=Shard.Status.DONE)
-            .order_by("index").values_list("index", "output_part", "error_part"))
-    current, others = [], []
-    for index, output_part, error_part in done.iterator():
-        if index in cursor.consumed:
-            continue
-        parts = {"output": output_part, "error": error_part}
-        for kind in kinds:
-            if not parts[kind]:
+@dataclass
+class ShardResults:
+    """What a shard of a running batch has answered so far, of one kind, as one stream of
+    bytes: its part once it is done, else the segments of its recorded checkpoint (a
+    running attempt's, or the one a queued shard's next attempt adopts). The part of a
+    finished shard begins with the segments of the checkpoint it adopted, so an offset
+    read in the segments stays valid in the part. Only recorded checkpoints are read: a
+    fenced-out attempt's segments are never on the row, and never shown."""
+
+    index: int
+    done: bool
+    names: list[str]
+
+    def read(self, offset: int) -> Iterator[tuple[bytes | None, int, int]]:
+        """(content, start, end) of each line from `offset` on, offsets in the stream."""
+        base = 0
+        for name in self.names:
+            size = default_storage.size(name) if len(self.names) > 1 else None
+            if size is not None and base + size <= offset:
+                base += size
                 continue
-            if index != cursor.shard:
-                others.append((index, kind, parts[kind], 0))
-            elif cursor.kind not in kinds or kinds.index(kind) >= kinds.index(cursor.kind):
-                offset = cursor.offset if kind == cursor.kind else 0
-                current.append((index, kind, parts[kind], offset))
-    return current + others
+            start = max(offset - base, 0)
+            with open_range(name, start) as stream:
+                for line in iter_lines(stream, max_line_bytes=API_PAGE_BYTES, start=start):
+                    yield line.content, base + line.start, base + line.end
+            if size is None:
+                return
+            base += size
+
+
+def _shard_results(batch: Batch, kind: Kind, skip: set[int]) -> list[ShardResults]:
+    """The results of `kind` of every shard not in `skip` that has any, in shard order."""
+    field_name = "output_part" if kind == "output" else "error_part"
+    found = []
+    rows = (Shard.objects.filter(batch=batch, status__in=(
+        Shard.Status.DONE, Shard.Status.RUNNING, Shard.Status.QUEUED))
+        .order_by("index").values_list("index", "status", field_name, "checkpoint"))
+    for index, status, part, checkpoint in rows.iterator():
+        if index in skip:
+            continue
+        if status == Shard.Status.DONE:
+            names = [part] if part else []
+        else:
+            names = Checkpoint.from_json(checkpoint).names_of(kind)
+        if names or status == Shard.Status.DONE:
+            found.append(ShardResults(index, status == Shard.Status.DONE, names))
+    return found
 
 
 def results_page(batch: Batch, *, statuses: tuple[str, ...], custom_id: str | None,
                  after: str | None, limit: int) -> ResultsPage:
     """Up to `limit` result lines in the output-file format (API_PAGE_BYTES at most, and
     SCAN_BUDGET_BYTES read at most when looking for a custom_id), from where `after` left
-    off: those of the finished shards while the batch runs, of its files once it ended."""
+    off: those answered so far while the batch runs (finished shards' parts, running
+    shards' checkpoints), of its files once it ended."""
     kinds = tuple(STATUSES[s] for s in statuses)
-    cursor = ResultsCursor.decode(after) if after else ResultsCursor(ended=batch.is_ended)
+    cursor = (ResultsCursor.decode(after, shards=Shard.objects.filter(batch=batch).count())
+              if after else ResultsCursor(ended=batch.is_ended))
     restarted = bool(batch.is_ended and not cursor.ended)
     if restarted:
         cursor = ResultsCursor(ended=True)
@@ -342,24 +382,24 @@ def results_page(batch: Batch, *, statuses: tuple[str, ...], custom_id: str | No
     lines: list[bytes] = []
     held = scanned = 0
 
-    def read(name: str, offset: int) -> int | None:
-        """Read one segment from `offset`: None when finished, else where to go on (the
-        page is full, or a custom_id search read its budget)."""
+    def read(source: Iterator[tuple[bytes | None, int, int]], at: int) -> tuple[bool, int]:
+        """Read lines from offset `at`: (whether to stop here, the page being full or a
+        custom_id search having read its budget; the offset reached)."""
         nonlocal held, scanned
-        with open_range(name, offset) as stream:
-            for line in iter_lines(stream, max_line_bytes=API_PAGE_BYTES, start=offset):
-                scanned += line.end - line.start
-                content = line.content  # None: a line over the page size, never answered
-                if content is not None and (not needles or (
-                        any(n in content for n in needles)
-                        and read_result_line(content).custom_id == custom_id)):
-                    lines.append(content + b"\n")
-                    held += len(content) + 1
-                    if len(lines) >= limit or held >= API_PAGE_BYTES:
-                        return line.end
-                if custom_id and scanned > SCAN_BUDGET_BYTES:
-                    return line.end
-        return None
+        for content, start, end in source:
+            at = end
+            scanned += end - start
+            # content None: a line over the page size, never answered.
+            if content is not None and (not needles or (
+                    any(n in content for n in needles)
+                    and read_result_line(content).custom_id == custom_id)):
+                lines.append(content + b"\n")
+                held += len(content) + 1
+                if len(lines) >= limit or held >= API_PAGE_BYTES:
+                    return True, at
+            if custom_id and scanned > SCAN_BUDGET_BYTES:
+                return True, at
+        return False, at
 
     if cursor.ended:
         files = {"output": batch.output_file_id, "error": batch.error_file_id}
@@ -368,23 +408,39 @@ def results_page(batch: Batch, *, statuses: tuple[str, ...], custom_id: str | No
         for position, kind in enumerate(order[start:]):
             offset = cursor.offset if position == 0 and kind == cursor.kind else 0
             file = File.objects.filter(pk=files[kind]).first() if files[kind] else None
-            stop = read(file.storage_name, offset) if file else None
-            if stop is not None:
-                at = ResultsCursor(ended=True, kind=kind, offset=stop)
+            stop, reached = read(_file_lines(file.storage_name, offset), offset) if file else (
+                False, 0)
+            if stop:
+                at = ResultsCursor(ended=True, kind=kind, offset=reached)
                 return ResultsPage(lines, at.encode(), True, True, restarted)
         last = ResultsCursor(ended=True, kind=order[-1], offset=_file_size(files[order[-1]]))
         return ResultsPage(lines, last.encode(), False, True, restarted)
 
-    consumed = set(cursor.consumed)
-    units = _running_units(batch, kinds, cursor)
-    for number, (index, kind, name, offset) in enumerate(units):
-        stop = read(name, offset)
-        if stop is not None:
-            here = ResultsCursor(consumed=consumed, shard=index, kind=kind, offset=stop)
-            return ResultsPage(lines, here.encode(), True, False)
-        if number + 1 == len(units) or units[number + 1][0] != index:
-            consumed.add(index)
-    return ResultsPage(lines, ResultsCursor(consumed=consumed).encode(), False, False)
+    here = ResultsCursor(consumed=set(cursor.consumed),
+                         read={index: dict(kinds) for index, kinds in cursor.read.items()})
+    by_shard: dict[int, dict[Kind, ShardResults]] = {}
+    for kind in kinds:
+        for results in _shard_results(batch, kind, cursor.consumed):
+            by_shard.setdefault(results.index, {})[kind] = results
+    # The shards the reader is inside first, then the others in shard order.
+    for index in sorted(by_shard, key=lambda index: (index not in cursor.read, index)):
+        position = here.read.setdefault(index, {})
+        for kind, results in by_shard[index].items():
+            stop, position[kind] = read(results.read(position.get(kind, 0)),
+                                        position.get(kind, 0))
+            if stop:
+                return ResultsPage(lines, here.encode(), True, False)
+        if all(results.done for results in by_shard[index].values()) and \
+                len(by_shard[index]) == len(kinds):
+            here.consumed.add(index)
+            here.read.pop(index, None)
+    return ResultsPage(lines, here.encode(), False, False)
+
+
+def _file_lines(name: str, offset: int) -> Iterator[tuple[bytes | None, int, int]]:
+    with open_range(name, offset) as stream:
+        for line in iter_lines(stream, max_line_bytes=API_PAGE_BYTES, start=offset):
+            yield line.content, line.start, line.end
 
 
 def _file_size(file_id: str | None) -> int:

@@ -24,6 +24,8 @@ from engine.base import ENDPOINTS
 from jobs import queues
 from jobs.models import Batch, File, new_batch_id, new_message_batch_id
 from jobs.queries.compiled import Compiled
+from jobs.services import preflight
+from jobs.services.budgets import check_budget
 from jobs.services.errors import ServiceError, not_found, storable_id
 from jobs.services.files import get_file_for_user, parse_expires_after
 from jobs.services.quotas import check_quota
@@ -73,14 +75,20 @@ def check_priority(value: Any) -> str:
 
 def create_batch(*, owner: Any, input_file_id: Any, endpoint: Any, completion_window: Any,
                  metadata: Any = None, priority: Any = None,
-                 output_expires_after: Any = None, api: str = Batch.Api.OPENAI) -> Batch:
+                 output_expires_after: Any = None, api: str = Batch.Api.OPENAI,
+                 api_key: Any = None, strict: Any = False) -> Batch:
     """Create a batch in `validating` and, after commit, enqueue its validation. `api` is
-    the API it was created through: only its id and the shape it is shown in differ."""
+    the API it was created through: only its id and the shape it is shown in differ.
+    `api_key`: the key it was created with (its usage is charged under it). `strict`: any
+    problem of any line fails the batch before anything runs (else a request problem fails
+    that request only)."""
     if endpoint not in ENDPOINTS:
         raise ServiceError(f"endpoint must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
     window = parse_completion_window(completion_window)
     metadata = check_metadata(metadata)
     priority = check_priority(priority)
+    if not isinstance(strict, bool):
+        raise ServiceError("strict must be true or false.", param="strict")
     output_lifetime = parse_expires_after(output_expires_after)
     if not isinstance(input_file_id, str) or not input_file_id:
         raise ServiceError("input_file_id is required.", param="input_file_id")
@@ -88,11 +96,14 @@ def create_batch(*, owner: Any, input_file_id: Any, endpoint: Any, completion_wi
     if input_file.purpose != File.Purpose.BATCH:
         raise ServiceError("The input file must have purpose 'batch'.", param="input_file_id")
     check_quota(owner=owner, batch_requests=input_file.line_count)
+    check_budget(owner=owner, estimate_of=lambda: preflight.check_file(
+        input_file, endpoint=endpoint).cost)
     now = timezone.now()
     batch = Batch.objects.create(
         id=new_message_batch_id() if api == Batch.Api.ANTHROPIC else new_batch_id(), api=api,
-        owner=owner, endpoint=endpoint, input_file=input_file,
+        owner=owner, api_key=api_key, endpoint=endpoint, input_file=input_file,
         completion_window=completion_window, metadata=metadata, priority=priority,
+        strict=strict,
         output_expires_after=int(output_lifetime.total_seconds()) if output_lifetime else None,
         expires_at=now + window,
     )

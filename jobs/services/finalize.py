@@ -5,7 +5,7 @@ set its final status and record its webhook event."""
 from __future__ import annotations
 
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.db.models import Q
 from django.utils import timezone
@@ -13,7 +13,7 @@ from django.utils import timezone
 from jobs.models import Batch, File, Shard
 from jobs.services.files import delete_file, store_concatenated
 from jobs.services.progress import refresh_progress
-from jobs.services.stopping import drop_queued_shards, unrun_lines
+from jobs.services.stopping import UnstartedLines, drop_queued_shards, unrun_lines
 from jobs.storage import Source
 from jobs.wire import Code
 
@@ -50,7 +50,16 @@ def finalize_batch(*, batch_id: str) -> Batch | None:
     refresh_progress(batch_id=batch_id)  # every shard has ended: the final counts
     batch.refresh_from_db()
 
-    output_file, error_file = _merge_parts(batch)
+    counts: dict[str, int] = {}
+    if batch.in_progress_at is None:
+        # Stopped while validating: no shard exists, and every request is still owed its
+        # line (Anthropic's contract, and the one promise of both faces: each custom_id
+        # once in the results).
+        unstarted = UnstartedLines(batch, code=batch.stop_code)
+        output_file, error_file = None, _store_errors(batch, [unstarted])
+        counts = {"total": unstarted.count, "failed": unstarted.count}
+    else:
+        output_file, error_file = _merge_parts(batch)
     ending = {
         "": (Batch.Status.COMPLETED, "completed_at"),
         Code.BATCH_CANCELLED: (Batch.Status.CANCELLED, "cancelled_at"),
@@ -59,7 +68,7 @@ def finalize_batch(*, batch_id: str) -> Batch | None:
     status, stamp = ending
     ended = Batch.objects.filter(pk=batch_id, finalize_claimed_at=now).update(
         status=status, output_file=output_file, error_file=error_file,
-        **{stamp: timezone.now()})
+        **{stamp: timezone.now()}, **counts)
     if not ended:
         # Another finalizer took over: our files are not the batch's.
         for file in (output_file, error_file):
@@ -73,8 +82,6 @@ def finalize_batch(*, batch_id: str) -> Batch | None:
 def _merge_parts(batch: Batch) -> tuple[File | None, File | None]:
     """Join the parts in shard order into two new Files inside the storage (server-side
     copies on S3), with the error lines of shards that never finished streamed in between."""
-    expires_at = (timezone.now() + timedelta(seconds=batch.output_expires_after)
-                  if batch.output_expires_after else None)
     outputs: list[Source] = []
     errors: list[Source] = []
     for shard in Shard.objects.filter(batch=batch).order_by("index").iterator():
@@ -88,11 +95,21 @@ def _merge_parts(batch: Batch) -> tuple[File | None, File | None]:
                                       reason=shard.last_error))
     output = store_concatenated(owner=batch.owner, sources=outputs,
                                 filename=f"{batch.id}_output.jsonl",
-                                purpose=File.Purpose.BATCH_OUTPUT, expires_at=expires_at)
-    error = store_concatenated(owner=batch.owner, sources=errors,
-                               filename=f"{batch.id}_error.jsonl",
-                               purpose=File.Purpose.BATCH_ERROR, expires_at=expires_at)
-    return output, error
+                                purpose=File.Purpose.BATCH_OUTPUT,
+                                expires_at=_output_expiry(batch))
+    return output, _store_errors(batch, errors)
+
+
+def _store_errors(batch: Batch, sources: list[Source]) -> File | None:
+    return store_concatenated(owner=batch.owner, sources=sources,
+                              filename=f"{batch.id}_error.jsonl",
+                              purpose=File.Purpose.BATCH_ERROR,
+                              expires_at=_output_expiry(batch))
+
+
+def _output_expiry(batch: Batch) -> datetime | None:
+    return (timezone.now() + timedelta(seconds=batch.output_expires_after)
+            if batch.output_expires_after else None)
 
 
 def notify_ended(batch_id: str) -> None:

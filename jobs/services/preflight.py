@@ -14,6 +14,7 @@ from django.conf import settings
 from jobs.engines import served_endpoints, usable_adapters
 from jobs.models import ContentRule, File
 from jobs.queries import dashboard
+from jobs.services.budgets import Estimate, estimate
 from jobs.services.files import create_input_file, iter_lines, local_temp, open_file
 from jobs.services.heavy import Guard, cached, version
 from jobs.services.validation import InputReport, check_batch_input
@@ -30,26 +31,33 @@ class Preflight:
     def ok(self) -> bool:
         return self.report.ok
 
+    @property
+    def cost(self) -> Estimate:
+        """The most the batch could cost (jobs.services.budgets)."""
+        return estimate(model=self.report.model, input_tokens=self.report.input_tokens_estimate,
+                        output_tokens_ceiling=self.report.output_tokens_ceiling)
 
-def check_path(path: str | Path, *, endpoint: str | None = None) -> Preflight:
+
+def check_path(path: str | Path, *, endpoint: str | None = None,
+               strict: bool = False) -> Preflight:
     with open(path, "rb") as stream:
-        return _preflight(check_batch_input(stream, endpoint=endpoint))
+        return _preflight(check_batch_input(stream, endpoint=endpoint, strict=strict))
 
 
-def check_file(file: File, *, endpoint: str | None = None,
+def check_file(file: File, *, endpoint: str | None = None, strict: bool = False,
                guard: Guard | None = None) -> Preflight:
     """The preflight of a stored file. Its check (a pass over the whole file) is cached by
     what decides it: the file's content, the endpoint asked for, the enabled content rules
     (any change to one makes a new key) and this deployment's limits, models and adapters; so
     picking the same file again costs one cache read. `guard` is entered only to check."""
-    depends = version(file.sha256 or file.storage_name, endpoint, _rules_version(),
+    depends = version(file.sha256 or file.storage_name, endpoint, strict, _rules_version(),
                       sorted(settings.BATCHWEB.items()), served_endpoints(),
                       sorted(usable_adapters().items()))
     key = f"preflight:{file.pk}:{depends}"
 
     def check() -> InputReport:
         with open_file(file) as stream:
-            return check_batch_input(stream, endpoint=endpoint)
+            return check_batch_input(stream, endpoint=endpoint, strict=strict)
 
     return _preflight(cached(key, check, guard=guard))
 

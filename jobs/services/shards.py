@@ -24,6 +24,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from jobs.models import PROGRESS_FIELDS, Batch, Shard
+from jobs.services.ledger import ShardUsage, record_shard_usage
 from jobs.services.progress import refresh_progress
 from jobs.services.scheduling import enqueue_next_shards, request_finalize
 from jobs.wire import Code
@@ -43,6 +44,10 @@ class Progress:
         return {name: getattr(self, name) for name in PROGRESS_FIELDS}
 
 
+# The kinds of part a shard attempt writes, in the order of a checkpoint segment's names.
+PART_KINDS = ("output", "error", "flags")
+
+
 @dataclass
 class Checkpoint:
     """The results an attempt saved so far: its part files' stored segments, in order
@@ -55,11 +60,13 @@ class Checkpoint:
     progress: Progress = field(default_factory=Progress)
     flag_counts: dict[str, int] = field(default_factory=dict)
     json_retries: int = 0
+    usage: ShardUsage = field(default_factory=ShardUsage)
 
     def as_json(self) -> dict[str, Any]:
         return {"attempt": self.attempt, "segments": [list(s) for s in self.segments],
                 "lines": _ranges(self.lines), "progress": self.progress.as_fields(),
-                "flag_counts": self.flag_counts, "json_retries": self.json_retries}
+                "flag_counts": self.flag_counts, "json_retries": self.json_retries,
+                "usage": self.usage.as_json()}
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> Checkpoint:
@@ -70,7 +77,13 @@ class Checkpoint:
                    lines={line for first, last in value["lines"]
                           for line in range(first, last + 1)},
                    progress=Progress(**value["progress"]),
-                   flag_counts=dict(value["flag_counts"]), json_retries=value["json_retries"])
+                   flag_counts=dict(value["flag_counts"]), json_retries=value["json_retries"],
+                   usage=ShardUsage.from_json(value.get("usage")))
+
+    def names_of(self, kind: str) -> list[str]:
+        """The stored segments of one kind of part (PART_KINDS), in order."""
+        index = PART_KINDS.index(kind)
+        return [segment[index] for segment in self.segments if segment[index]]
 
     def storage_names(self) -> list[str]:
         return [name for segment in self.segments for name in segment if name]
@@ -160,11 +173,13 @@ def record_checkpoint(*, shard_id: str, attempt: int, checkpoint: Checkpoint,
 
 def finish_shard(*, shard_id: str, attempt: int, output_part: str, error_part: str,
                  progress: Progress, flags_part: str = "",
-                 flag_counts: dict[str, int] | None = None, json_retries: int = 0) -> bool:
-    """Record a shard's results as complete. False when the attempt is no longer the
-    current one (the caller must then discard its parts). Enqueues finalization when this
-    was the batch's last shard. The parts hold the adopted checkpoint's results too: the
-    checkpoint is cleared (the caller deletes its segments)."""
+                 flag_counts: dict[str, int] | None = None, json_retries: int = 0,
+                 usage: ShardUsage | None = None) -> bool:
+    """Record a shard's results as complete and charge them (the usage ledger, in the same
+    transaction: charged exactly when the results become the shard's). False when the
+    attempt is no longer the current one (the caller must then discard its parts).
+    Enqueues finalization when this was the batch's last shard. The parts hold the adopted
+    checkpoint's results too: the checkpoint is cleared (the caller deletes its segments)."""
     with transaction.atomic():
         done = Shard.objects.filter(pk=shard_id, attempt=attempt,
                                     status=Shard.Status.RUNNING).update(
@@ -173,6 +188,7 @@ def finish_shard(*, shard_id: str, attempt: int, output_part: str, error_part: s
             json_retries=json_retries, last_error="", checkpoint={}, computed_unsaved=0,
             **progress.as_fields())
         if done:
+            record_shard_usage(shard_id=shard_id, progress=progress, usage=usage)
             batch_id = _refresh_batch_progress(shard_id)
             transaction.on_commit(lambda: request_finalize(batch_id=batch_id), robust=True)
     return bool(done)

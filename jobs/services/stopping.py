@@ -7,16 +7,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from jobs.models import Batch, Shard
+from jobs.digestset import DigestSet
+from jobs.models import Batch, File, Shard
 from jobs.services.errors import wrong_state
+from jobs.services.files import iter_lines, open_file
 from jobs.services.progress import refresh_progress
 from jobs.services.scheduling import request_finalize
 from jobs.services.shard_input import shard_custom_ids
-from jobs.wire import Code, failure_line, unrun_message
+from jobs.wire import Code, custom_id_of, failure_line, unrun_message
 
 
 def cancel_batch(*, batch: Batch) -> Batch:
@@ -74,3 +77,30 @@ def unrun_lines(shard: Shard, *, code: str, reason: str = "") -> Iterator[bytes]
     message = unrun_message(code, reason)
     for custom_id in shard_custom_ids(shard):
         yield failure_line(custom_id, code, message)
+
+
+class UnstartedLines:
+    """Error lines for every request of a batch stopped while it was still validating
+    (nothing of it ran, no shard exists): one `code` line for each custom_id of its input
+    file, the first time it appears, streamed. `count` is how many were written, once
+    read to the end: the batch's total and failed requests."""
+
+    def __init__(self, batch: Batch, *, code: str) -> None:
+        self.batch = batch
+        self.message = unrun_message(code)
+        self.code = code
+        self.count = 0
+
+    def __iter__(self) -> Iterator[bytes]:
+        file = File.objects.filter(pk=self.batch.input_file_id).first()
+        if file is None:
+            return
+        seen = DigestSet()
+        self.count = 0
+        with open_file(file) as stream:
+            for line in iter_lines(stream, max_line_bytes=settings.BATCHWEB["MAX_LINE_BYTES"]):
+                custom_id = custom_id_of(line.content)
+                if custom_id is None or not seen.add_new(custom_id):
+                    continue
+                self.count += 1
+                yield failure_line(custom_id, self.code, self.message)

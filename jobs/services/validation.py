@@ -2,13 +2,26 @@
 content rules applied, prompt prefixes keyed and, where it pays, shards grouped by prefix;
 and the validation task that runs it before a batch starts.
 
+Two kinds of problems, one rule each (as OpenAI's Batch API and the seeds have it):
+- a *file problem* fails the batch, every problem listed by line in `errors.data`: a line
+  that is not JSON or not an object, a missing, non-string or duplicate custom_id, a method
+  other than POST, a url other than the batch's, a model that is missing, differs from the
+  first line's or is not served, a line over the size limit, more requests than the limit,
+  a `reject_batch` content rule;
+- a *request problem* fails that request only: a body the endpoint refuses (`wire.check_body`:
+  types, ranges, unknown fields, media outside the allowed domains) or a `reject` content
+  rule. The line runs nowhere; its shard writes the endpoint's 400 to the error file
+  (`wire.refused_line`), counted as a failed request. A `strict` batch makes every request
+  problem a file problem, so nothing runs unless every line is right.
+A `skip` content rule's line is the operator's filter, not a problem: it goes to the error
+file as `content_policy_violation` whether the batch is strict or not.
+
 The dashboard's preflight (before a batch exists) runs the same check (`check_batch_input`),
 so both report the same problems with the same line numbers.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,13 +38,22 @@ from jobs.engines import served_endpoints, usable_adapters
 from jobs.models import Batch, RequestCopy, ScreenedLine, Shard
 from jobs.policy import VIOLATION, Screener, ScreeningChunker, Violation
 from jobs.prefix import prefix_key
+from jobs.services.budgets import estimate
 from jobs.services.files import Line, iter_lines, local_temp, open_file
 from jobs.services.finalize import notify_ended
 from jobs.services.line_index import write_line_index
 from jobs.services.planning import CopySink, ShardPlan, ShardPlanner
 from jobs.services.prefix_plan import GroupedShard, PrefixPlan, PrefixPlanner
 from jobs.services.scheduling import enqueue_next_shards
-from jobs.wire import Code, LineError, RequestLine, estimate_tokens, parse_line, prompt_text
+from jobs.wire import (
+    Code,
+    LineError,
+    RequestLine,
+    estimate_tokens,
+    parse_line,
+    prompt_text,
+    quoted,
+)
 
 
 @dataclass
@@ -49,6 +71,10 @@ class InputReport:
     grouped_shards: list[GroupedShard] = field(default_factory=list)
     dedup_saved: int = 0
     screened: int = 0  # lines a `skip` content rule keeps from running
+    # Request problems (not of a strict batch): these requests fail, the others run. The
+    # first MAX_ERRORS_REPORTED are listed as `errors` entries are.
+    refused: int = 0
+    refused_lines: list[dict[str, Any]] = field(default_factory=list)
     input_tokens_estimate: int = 0
     output_tokens_ceiling: int = 0
 
@@ -56,17 +82,25 @@ class InputReport:
     def ok(self) -> bool:
         return self.error_count == 0
 
+    @property
+    def runnable(self) -> int:
+        """The requests that will run: all but those failed or skipped without running."""
+        return max(0, self.requests - self.refused - self.screened)
 
-# (line, custom_id, rule name) of a line a `skip` content rule keeps from running.
-ScreenSink = Callable[[int, str, str], object]
+
+# (line, custom_id, what keeps it from running) of a line validation keeps from running: a
+# `skip` content rule's name (str) or a request problem (LineError).
+ScreenSink = Callable[[int, str, "str | LineError"], object]
 
 
 class LineChecker:
     """The rules of each input line, alone (its size, its JSON, the request's shape) and
     against the lines before it (one endpoint, a model served for it and the same on every
-    line, unique custom_ids, at most MAX_REQUESTS_PER_BATCH requests)."""
+    line, unique custom_ids, at most MAX_REQUESTS_PER_BATCH requests). A body the endpoint
+    refuses is the line's request problem (`RequestLine.refused`), or, if `strict`, its
+    line error."""
 
-    def __init__(self, *, endpoint: str | None) -> None:
+    def __init__(self, *, endpoint: str | None, strict: bool = False) -> None:
         conf = settings.BATCHWEB
         self.max_line_bytes: int = conf["MAX_LINE_BYTES"]
         self.max_tokens_cap: int = conf["MAX_TOKENS_CAP"]
@@ -78,6 +112,7 @@ class LineChecker:
         # model, which is then the batch's model.
         self.adapters: dict[str, str] | None = None
         self.endpoint = endpoint  # None (the dashboard's preflight) takes the first line's
+        self.strict = strict
         self.model: str | None = None
         self.requests = 0  # lines that passed, and the one over the limit
         # custom_ids remembered as 8-byte digests, so memory stays small.
@@ -99,6 +134,8 @@ class LineChecker:
                             media_domains=self.media_domains)
         if isinstance(parsed, LineError):
             return parsed
+        if self.strict and parsed.refused is not None:
+            return parsed.refused
         error = self._against_batch(parsed)
         if error:
             return error
@@ -124,31 +161,32 @@ class LineChecker:
         served = self.models.get(model)
         if served is None:
             return LineError(Code.MODEL_NOT_FOUND,
-                             f"The model '{line.model}' is not served here.", "body.model")
+                             f"The model {quoted(line.model)} is not served here.",
+                             "body.model")
         if line.url not in served:
             return LineError(Code.MODEL_NOT_FOUND,
-                             f"The model '{model}' does not serve {line.url}.", "body.model")
+                             f"The model {quoted(model)} does not serve {line.url}.",
+                             "body.model")
         if self.model is None:
             self.model = model
         elif model != self.model:
             if model != line.model:
                 return LineError(Code.MISMATCHED_MODEL,
-                                 f"The adapter '{line.model}' is for the model '{model}'; "
-                                 f"this batch's requests run on '{self.model}'.", "body.model")
+                                 f"The adapter {quoted(line.model)} is for the model "
+                                 f"{quoted(model)}; this batch's requests run on "
+                                 f"{quoted(self.model)}.", "body.model")
             return LineError(Code.MISMATCHED_MODEL,
                              f"All requests of a batch must use one model; this line uses "
-                             f"'{line.model}', earlier lines '{self.model}'.", "body.model")
-        digest = int.from_bytes(hashlib.blake2b(line.custom_id.encode(),
-                                                digest_size=8).digest())
-        if digest in self.seen_ids:
+                             f"{quoted(line.model)}, earlier lines {quoted(self.model)}.",
+                             "body.model")
+        if not self.seen_ids.add_new(line.custom_id):
             return LineError(Code.DUPLICATE_CUSTOM_ID,
-                             f"custom_id {json.dumps(line.custom_id)[:200]} appears more "
-                             f"than once.", "custom_id")
-        self.seen_ids.add(digest)
+                             f"custom_id {quoted(line.custom_id)} appears more than once.",
+                             "custom_id")
         return None
 
 
-def check_input(stream: IO[bytes], *, endpoint: str | None,
+def check_input(stream: IO[bytes], *, endpoint: str | None, strict: bool = False,
                 on_copy: CopySink | None = None, screener: Screener | None = None,
                 on_screened: ScreenSink | None = None) -> InputReport:
     """Check every line of a batch input file (`LineChecker`) and plan its shards
@@ -156,13 +194,16 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
 
     `endpoint` is the batch's; None (the dashboard's preflight) takes the first line's.
 
-    With a `screener`, every line is checked against the content rules, a chunk at a time
-    (`ScreeningChunker`): a `reject` rule's violation is a line error; a `skip` rule's goes
-    to `on_screened` and the line stays in the batch (its shard writes the error line).
+    A request problem (see the module docstring) goes to `on_screened` with its LineError
+    and the line stays in the batch (its shard writes the error line); if `strict`, it is a
+    file problem instead. With a `screener`, every line is checked against the content
+    rules, a chunk at a time (`ScreeningChunker`): a `reject` rule's violation is a request
+    problem, a `reject_batch` rule's a file problem, and a `skip` rule's goes to
+    `on_screened` with the rule's name.
     """
     conf = settings.BATCHWEB
     report = InputReport(endpoint=endpoint)
-    checker = LineChecker(endpoint=endpoint)
+    checker = LineChecker(endpoint=endpoint, strict=strict)
     planner = ShardPlanner(shard_size=conf["SHARD_SIZE"], max_bodies=conf["DEDUP_MAX_BODIES"],
                            on_copy=on_copy)
     prefixes = PrefixPlanner(shard_size=conf["SHARD_SIZE"],
@@ -174,9 +215,22 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
         if len(report.errors) < conf["MAX_ERRORS_REPORTED"]:
             report.errors.append(error.entry(line_number))
 
+    def request_problem(line_number: int, custom_id: str, error: LineError) -> None:
+        if strict:
+            problem(line_number, error)
+            return
+        report.refused += 1
+        if len(report.refused_lines) < conf["MAX_ERRORS_REPORTED"]:
+            report.refused_lines.append({"custom_id": custom_id, **error.entry(line_number)})
+        if on_screened:
+            on_screened(line_number, custom_id, error)
+
     def screened(line_number: int, custom_id: str, violation: Violation) -> None:
-        if violation.action == "reject":
-            problem(line_number, LineError(VIOLATION, violation.message, "body"))
+        error = LineError(VIOLATION, violation.message, "body")
+        if violation.action == "reject_batch":
+            problem(line_number, error)
+        elif violation.action == "reject":
+            request_problem(line_number, custom_id, error)
         else:
             report.screened += 1
             if on_screened:
@@ -192,16 +246,19 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
             if checker.full:
                 break
             continue
+        if request.refused is not None:
+            # Nothing to screen, estimate or share: it never runs.
+            request_problem(line.number, request.custom_id, request.refused)
         text, chars = prompt_text(request)
         tokens_in, ceiling = estimate_tokens(request, chars)
-        # A refused line (answered per request, never run) has nothing to screen.
         if chunker is not None and request.refused is None:
             chunker.add(line.number, request, tokens_in, text)
         report.input_tokens_estimate += tokens_in
         report.output_tokens_ceiling += ceiling
         primary = planner.add(line, request)
         if primary is None:
-            prefixes.add(line, prefix_key(request) if prefixes.enabled else None, tokens_in)
+            key = prefix_key(request) if prefixes.enabled and request.refused is None else None
+            prefixes.add(line, key, tokens_in)
         else:
             prefixes.add_copy(primary)
 
@@ -211,6 +268,7 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
     if chunker is not None:
         chunker.finish()
         report.errors.sort(key=lambda entry: entry["line"] or 0)
+        report.refused_lines.sort(key=lambda entry: entry["line"] or 0)
     if report.requests == 0 and report.error_count == 0:
         problem(1, LineError(Code.EMPTY_FILE, "The file has no requests."))
     if report.error_count:
@@ -220,14 +278,14 @@ def check_input(stream: IO[bytes], *, endpoint: str | None,
     return report
 
 
-def check_batch_input(stream: IO[bytes], *, endpoint: str | None,
+def check_batch_input(stream: IO[bytes], *, endpoint: str | None, strict: bool = False,
                       on_copy: CopySink | None = None,
                       on_screened: ScreenSink | None = None) -> InputReport:
     """What validation decides about a batch input file: `check_input` with the enabled
     content rules. The validation task and the dashboard's preflight both call it, so the
     preflight shows exactly what validation would decide."""
-    return check_input(stream, endpoint=endpoint, on_copy=on_copy, screener=Screener.load(),
-                       on_screened=on_screened)
+    return check_input(stream, endpoint=endpoint, strict=strict, on_copy=on_copy,
+                       screener=Screener.load(), on_screened=on_screened)
 
 
 # --- the validation task ---
@@ -243,10 +301,11 @@ def run_validation(*, batch_id: str) -> None:
         with open(copies_path, "w") as copies, open(screened_path, "w") as screened, \
                 open_file(batch.input_file) as stream:
             report = check_batch_input(
-                stream, endpoint=batch.endpoint,
+                stream, endpoint=batch.endpoint, strict=batch.strict,
                 on_copy=lambda p, line, cid: copies.write(json.dumps([p, line, cid]) + "\n"),
-                on_screened=lambda line, cid, rule: screened.write(
-                    json.dumps([line, cid, rule]) + "\n"))
+                on_screened=lambda line, cid, why: screened.write(
+                    json.dumps([line, cid, why if isinstance(why, str) else why.entry(line)])
+                    + "\n"))
         if not report.ok:
             errors = report.errors
             if report.error_count > len(errors):
@@ -254,9 +313,12 @@ def run_validation(*, batch_id: str) -> None:
                                "message": f"{report.error_count} lines have problems; "
                                           f"the first {len(errors)} are listed."})
             now = timezone.now()
-            Batch.objects.filter(pk=batch_id, status=Batch.Status.VALIDATING).update(
-                status=Batch.Status.FAILED, failed_at=now, errors=errors)
-            transaction.on_commit(lambda: notify_ended(batch_id), robust=True)
+            # Unless it was cancelled or expired meanwhile: then it ends so, each request
+            # with its batch_cancelled / batch_expired line.
+            if Batch.objects.filter(pk=batch_id, status=Batch.Status.VALIDATING,
+                                    stop_code="").update(
+                    status=Batch.Status.FAILED, failed_at=now, errors=errors):
+                transaction.on_commit(lambda: notify_ended(batch_id), robust=True)
             return
         # Stored before the batch starts: its shards read it.
         line_index = (write_line_index(batch_id, report.line_records)
@@ -267,7 +329,9 @@ def run_validation(*, batch_id: str) -> None:
                 status=Batch.Status.IN_PROGRESS, in_progress_at=timezone.now(),
                 total=report.requests, model=report.model or "",
                 dedup_saved=report.dedup_saved, plan=report.plan.to_json(),
-                line_index=line_index)
+                line_index=line_index, cost_ceiling_nanos=estimate(
+                    model=report.model, input_tokens=report.input_tokens_estimate,
+                    output_tokens_ceiling=report.output_tokens_ceiling).ceiling_nanos)
             if not started:
                 return
             Shard.objects.bulk_create(_shard_rows(batch_id, report, queues.shard_queue_name(
@@ -291,8 +355,14 @@ def _shard_rows(batch_id: str, report: InputReport, queue_name: str) -> list[Sha
 
 
 def _save_screened(batch_id: str, path: Path) -> None:
-    _bulk_save(path, lambda line, custom_id, rule: ScreenedLine(
-        batch_id=batch_id, line=line, custom_id=custom_id, rule=rule))
+    def row(line: int, custom_id: str, why: str | dict[str, Any]) -> ScreenedLine:
+        if isinstance(why, str):  # a `skip` rule's name
+            return ScreenedLine(batch_id=batch_id, line=line, custom_id=custom_id, rule=why)
+        return ScreenedLine(batch_id=batch_id, line=line, custom_id=custom_id,
+                            code=why["code"], param=why["param"] or "",
+                            message=why["message"])
+
+    _bulk_save(path, row)
 
 
 def _save_copies(batch_id: str, path: Path) -> None:

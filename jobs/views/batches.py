@@ -35,7 +35,7 @@ from jobs import polls
 from jobs.forms import NewBatchForm, ResultFilterForm, SpotCheckForm
 from jobs.models import Batch, File
 from jobs.quality import FLAG_LABELS, FLAGS
-from jobs.queries import dashboard, flags, health, results
+from jobs.queries import dashboard, flags, health, results, usage
 from jobs.services import heavy, preflight, spotcheck
 from jobs.services.batches import (
     LIST_PAGE_SIZE,
@@ -44,8 +44,10 @@ from jobs.services.batches import (
     get_batch_for_user,
     newest_batches,
 )
+from jobs.services.budgets import budget_for
 from jobs.services.errors import ServiceError
 from jobs.services.files import create_input_file, get_file_for_user
+from jobs.services.pricing import format_cost, rate_for
 from jobs.services.progress import batch_version
 from jobs.services.rerun import rerun_failed
 from jobs.services.stopping import cancel_batch
@@ -198,10 +200,11 @@ def _check(request: SignedInRequest, data: dict[str, Any]) -> tuple[File | None,
     """Check the uploaded or chosen file. An upload is stored only when it has no problems,
     so a bad file never becomes a File (the user fixes it and uploads again)."""
     endpoint = data.get("endpoint") or None
+    strict = bool(data.get("strict"))
     upload = data.get("upload")
     if upload:
         with uploaded_path(upload) as path:
-            result = preflight.check_path(path, endpoint=endpoint)
+            result = preflight.check_path(path, endpoint=endpoint, strict=strict)
             if not result.ok:
                 return None, result
             file = create_input_file(owner=request.user, path=path,
@@ -209,7 +212,8 @@ def _check(request: SignedInRequest, data: dict[str, Any]) -> tuple[File | None,
         return file, result
     if data.get("file_id"):
         file = get_file_for_user(owner=request.user, file_id=data["file_id"])
-        return file, preflight.check_file(file, endpoint=endpoint, guard=_guard(request))
+        return file, preflight.check_file(file, endpoint=endpoint, strict=strict,
+                                          guard=_guard(request))
     raise ServiceError("Upload a JSONL file or choose one you uploaded before.")
 
 
@@ -223,13 +227,15 @@ def _submit(request: SignedInRequest, data: dict[str, Any]) -> tuple[Batch | Non
         return None, result
     if data.get("model") and data["model"] != result.report.model:
         file = preflight.with_model(file=file, model=data["model"], owner=request.user)
-        result = preflight.check_file(file, endpoint=endpoint, guard=_guard(request))
+        result = preflight.check_file(file, endpoint=endpoint, strict=bool(data.get("strict")),
+                                      guard=_guard(request))
     if not result.ok:
         return None, result
     batch = create_batch(owner=request.user, input_file_id=file.pk,
                          endpoint=endpoint or result.report.endpoint,
                          completion_window=data["completion_window"],
-                         metadata=data["metadata"], priority=data["priority"])
+                         metadata=data["metadata"], priority=data["priority"],
+                         strict=bool(data.get("strict")))
     return batch, result
 
 
@@ -260,7 +266,7 @@ def batch_new(request: SignedInRequest) -> HttpResponse:
                 # and model the file asks for as suggestions.
                 form = NewBatchForm(owner=request.user, initial={
                     **{k: request.POST.get(k) for k in
-                       ("completion_window", "priority", "metadata")},
+                       ("completion_window", "priority", "metadata", "strict")},
                     "file_id": checked.pk,
                     "endpoint": data.get("endpoint") or result.report.endpoint,
                     "model": data.get("model") or result.report.model})
@@ -269,7 +275,8 @@ def batch_new(request: SignedInRequest) -> HttpResponse:
         if request.GET.get("file_id"):
             initial["file_id"] = request.GET["file_id"]
         form = NewBatchForm(owner=request.user, initial=initial)
-    context = {"form": form, "preflight": result, "checked": checked}
+    context = {"form": form, "preflight": result, "checked": checked,
+               "budget": budget_for(request.user) if result is not None else None}
     template = "jobs/batch_new.html"
     if request.htmx:
         template += "#new-batch"
@@ -301,7 +308,19 @@ def _live_head(batch: Batch) -> dict[str, Any]:
 
 
 def _overview_context(batch: Batch, head: dict[str, Any]) -> dict[str, Any]:
-    return {**head, "stats": dashboard.batch_stats(batch), "flag_counts": flags.flag_counts(batch)}
+    return {**head, "stats": dashboard.batch_stats(batch), "flag_counts": flags.flag_counts(batch),
+            "cost": _cost(batch)}
+
+
+def _cost(batch: Batch) -> dict[str, Any]:
+    """The estimate validation priced, then what the ledger has charged so far (it follows
+    the shards as they finish, in the transaction that moves the progress version)."""
+    charged = usage.batch_cost(batch.pk)
+    currency = charged["currency"] or rate_for(batch.model).currency
+    return {"charged": format_cost(charged["cost_nanos"], currency),
+            "ceiling": (format_cost(batch.cost_ceiling_nanos, currency)
+                        if batch.cost_ceiling_nanos is not None else None),
+            "engine_seconds": charged["engine_seconds"]}
 
 
 @login_required

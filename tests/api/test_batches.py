@@ -62,18 +62,20 @@ def test_validation_reports_every_bad_line(openai_client):
         chat_line("neg", "x", max_tokens=-5),
         {"method": "POST", "url": "/v1/chat/completions", "body": {"model": "echo-test"}},
     ]
-    batch = new_batch(openai_client, upload(openai_client, jsonl(lines)).id)
-    validate_batch(batch.id)
-    batch = openai_client.batches.retrieve(batch.id)
-    assert batch.status == "failed"
-    assert batch.failed_at is not None
-    found = {(e.line, e.code) for e in batch.errors.data}
-    assert found == {
+    file_id = upload(openai_client, jsonl(lines)).id
+    file_problems = {
         (2, "duplicate_custom_id"), (3, "invalid_method"), (4, "mismatched_endpoint"),
-        (5, "model_not_found"), (6, "invalid_body"), (7, "invalid_parameter"),
-        (8, "missing_required_parameter"),
-    }
-    assert not Shard.objects.filter(batch_id=batch.id).exists()
+        (5, "model_not_found"), (6, "invalid_body"), (8, "missing_required_parameter")}
+    # Line 7's body is its request's own problem, a file problem only in a strict batch.
+    for extra, expected in (({}, file_problems),
+                            ({"strict": True}, {*file_problems, (7, "invalid_parameter")})):
+        batch = new_batch(openai_client, file_id, extra_body=extra)
+        validate_batch(batch.id)
+        batch = openai_client.batches.retrieve(batch.id)
+        assert batch.status == "failed"
+        assert batch.failed_at is not None
+        assert {(e.line, e.code) for e in batch.errors.data} == expected
+        assert not Shard.objects.filter(batch_id=batch.id).exists()
 
 
 def test_mixed_models_fail_validation(openai_client, settings):

@@ -323,8 +323,8 @@ def test_content_policy_under_both_policies_and_quality_flags_with_the_real_engi
         "/v1/chat/completions", flag_lines[-1]["body"])
     policy_lines = [line for line, _ in POLICY_LINES.values()]
 
-    # 1. Every rule `reject`: validation fails the batch, naming each line and rule.
-    create_content_rules("reject", size_limit)
+    # 1. Every rule `reject_batch`: validation fails the batch, naming each line and rule.
+    create_content_rules("reject_batch", size_limit)
     rejected_id = submit(openai_client, [*policy_lines, flag_lines[0]]).id
     worker = workers.start(CHAT_MODEL, env=ENGINE_ENV)
     try:

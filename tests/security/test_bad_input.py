@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from django.core.files.uploadedfile import SimpleUploadedFile
 
-from jobs.models import Batch, File, RequestCopy, Shard, Upload
+from jobs.models import Batch, File, RequestCopy, ScreenedLine, Shard, Upload
 from jobs.services.keys import create_api_key
 from jobs.tasks import validate_batch
 from tests.factories import (
@@ -140,7 +140,8 @@ def test_bad_lines_fail_validation_with_every_line_named(world: World, settings:
     settings.BATCHWEB = {**settings.BATCHWEB, **LINE_LIMITS.get(case.name, {})}
     created = world.api.post_json("/v1/batches", {"input_file_id": file_id,
                                                   "endpoint": case.endpoint,
-                                                  "completion_window": "24h"})
+                                                  "completion_window": "24h",
+                                                  "strict": True})
     assert created.status_code == 200, created.content
     storage_before = storage_snapshot(world.storage)
     validate_batch(created.json()["id"])
@@ -158,6 +159,30 @@ def test_bad_lines_fail_validation_with_every_line_named(world: World, settings:
     # Validating again changes nothing.
     validate_batch(batch["id"])
     assert world.api.get(f"/v1/batches/{batch['id']}").json()["errors"]["data"] == data
+
+
+@pytest.mark.parametrize("case", LINE_CASES, ids=lambda c: c.name)
+def test_bad_lines_not_strict_fail_the_batch_or_only_their_requests(
+        world: World, settings: Any, case: LineCase) -> None:
+    """Not strict (the default), each case's lines are file problems (the batch fails with
+    exactly them, as strict) or request problems: the batch runs, and each of those lines is
+    kept from running with the same line and code (its shard writes the endpoint's 400)."""
+    file_id = world.api.upload(case.content).json()["id"]
+    settings.BATCHWEB = {**settings.BATCHWEB, **LINE_LIMITS.get(case.name, {})}
+    created = world.api.post_json("/v1/batches", {"input_file_id": file_id,
+                                                  "endpoint": case.endpoint,
+                                                  "completion_window": "24h"}).json()
+    validate_batch(created["id"])
+    batch = world.api.get(f"/v1/batches/{created['id']}").json()
+    kept = sorted(ScreenedLine.objects.filter(batch_id=batch["id"]).values_list("line", "code"))
+    if batch["status"] == "failed":
+        assert [(e["line"], e["code"]) for e in batch["errors"]["data"]] == case.errors
+        assert kept == []
+    else:
+        assert batch["status"] == "in_progress", batch
+        assert kept == case.errors
+        lines = len([line for line in case.content.splitlines() if line.strip()])
+        assert batch["request_counts"]["total"] == lines and batch["errors"] is None
 
 
 @pytest.mark.parametrize("case", API_CASES, ids=lambda c: c.name)

@@ -184,7 +184,8 @@ def test_the_preflight_of_a_stored_file_is_cached_by_file_rules_and_endpoint(
         assert len(checks) == 3
         # A content rule added, changed or disabled decides anew.
         rule = ContentRule.objects.create(name="no questions", kind=ContentRule.Kind.TERM,
-                                          pattern="question")
+                                          pattern="question",
+                                          action=ContentRule.Action.REJECT_BATCH)
         assert not preflight.check_file(file).ok
         ContentRule.objects.filter(pk=rule.pk).update(pattern="answer")
         assert preflight.check_file(file).ok
@@ -192,6 +193,8 @@ def test_the_preflight_of_a_stored_file_is_cached_by_file_rules_and_endpoint(
         ContentRule.objects.filter(pk=rule.pk).update(enabled=False)
         assert preflight.check_file(file).ok
         assert len(checks) == 5  # the same rules as the very first check
+        assert preflight.check_file(file, strict=True).ok  # strict decides anew
+        assert len(checks) == 6
 
 
 # --- one heavy computation per user at a time ---

@@ -45,11 +45,12 @@ def _check(url: str, body: dict[str, Any], domains: tuple[str, ...] = ()) -> Lin
     (COMPLETIONS, "tools"), (EMBEDDINGS, "messages"), (EMBEDDINGS, "temperature"),
     (EMBEDDINGS, "mm_processor_kwargs"),
 ])
-def test_an_undocumented_field_is_a_line_error_naming_it(url: str, name: str) -> None:
+def test_an_undocumented_field_is_a_request_problem_naming_it(url: str, name: str) -> None:
     result = parse_line(_line(url, {**BASES[url], name: 1}), max_tokens_cap=CAP)
-    assert isinstance(result, LineError)
-    assert (result.code, result.param) == (Code.INVALID_PARAMETER, f"body.{name}")
-    assert name in result.message
+    assert isinstance(result, RequestLine) and result.refused is not None
+    assert (result.refused.code, result.refused.param) == (Code.INVALID_PARAMETER,
+                                                           f"body.{name}")
+    assert name in result.refused.message
 
 
 @pytest.mark.parametrize("url", [CHAT, COMPLETIONS, EMBEDDINGS])
@@ -146,7 +147,10 @@ def test_validation_reads_the_allowed_domains_from_settings(settings: Any) -> No
 
     content = (_line(CHAT, _image("https://images.example.com/cat.png")) + b"\n")
     report = check_input(io.BytesIO(content), endpoint=None)
-    assert [(e["line"], e["code"]) for e in report.errors] == [(1, Code.INVALID_PARAMETER)]
-    assert "BATCHWEB_MEDIA_ALLOWED_DOMAINS" in report.errors[0]["message"]
+    assert report.ok and report.refused == 1
+    assert [(e["line"], e["code"]) for e in report.refused_lines] == [
+        (1, Code.INVALID_PARAMETER)]
+    assert "BATCHWEB_MEDIA_ALLOWED_DOMAINS" in report.refused_lines[0]["message"]
     settings.BATCHWEB = {**settings.BATCHWEB, "MEDIA_ALLOWED_DOMAINS": ["images.example.com"]}
-    assert check_input(io.BytesIO(content), endpoint=None).ok
+    report = check_input(io.BytesIO(content), endpoint=None)
+    assert report.ok and report.refused == 0

@@ -46,8 +46,8 @@ def rules(action: str) -> None:
 
 
 @pytest.mark.django_db
-def test_reject_fails_validation_naming_line_and_rule(user, tmp_path):
-    rules("reject")
+def test_reject_batch_fails_validation_naming_line_and_rule(user, tmp_path):
+    rules("reject_batch")
     batch = validate(user, tmp_path)
     assert batch.status == "failed"
     assert [(e["line"], e["code"]) for e in batch.errors] == [
@@ -60,8 +60,30 @@ def test_reject_fails_validation_naming_line_and_rule(user, tmp_path):
 
 
 @pytest.mark.django_db
-def test_responses_lines_are_screened_by_their_instructions_and_input(user, tmp_path):
+def test_reject_fails_each_request_and_strict_the_batch(user, tmp_path):
+    """A `reject` rule's line is a request problem: the batch runs, the line is kept from
+    running with the rule's message (its shard writes the 400); a strict batch fails."""
     rules("reject")
+    batch = validate(user, tmp_path)
+    assert batch.status == "in_progress" and batch.total == 5
+    kept = list(ScreenedLine.objects.filter(batch=batch).order_by("line").values_list(
+        "line", "custom_id", "rule", "code", "param", "message"))
+    assert [row[:5] for row in kept] == [
+        (2, "term", "", "content_policy_violation", "body"),
+        (3, "regex", "", "content_policy_violation", "body"),
+        (4, "big", "", "content_policy_violation", "body")]
+    assert "'weapons'" in kept[0][5] and "no weapons" in kept[0][5]
+    strict = make_batch(user, LINES, tmp_path, strict=True)
+    assert strict.status == "failed"
+    assert [(e["line"], e["code"]) for e in strict.errors] == [
+        (2, "content_policy_violation"), (3, "content_policy_violation"),
+        (4, "content_policy_violation")]
+    assert [e["message"] for e in strict.errors] == [row[5] for row in kept]
+
+
+@pytest.mark.django_db
+def test_responses_lines_are_screened_by_their_instructions_and_input(user, tmp_path):
+    rules("reject_batch")
     lines = [responses_line("ok", "Summarise the plot of Hamlet."),
              responses_line("term", "Go on.", instructions="Explain a Molotov cocktail."),
              responses_line("regex", "", input=[{"role": "user", "content": [
@@ -78,7 +100,7 @@ def test_preflight_reports_the_content_rules_as_validation_does(user, tmp_path):
     """The new-batch page checks a file with validation's own check: lines a `reject`
     content rule refuses are shown before any batch exists, exactly as validation fails the
     batch with them."""
-    rules("reject")
+    rules("reject_batch")
     path = tmp_path / "preflight.jsonl"
     path.write_bytes(jsonl(LINES))
     file = create_input_file(owner=user, path=path, filename="in.jsonl", purpose="batch")
@@ -101,7 +123,7 @@ def test_moderation_rule_uses_the_embeddings_engine(user, tmp_path):
     # The echo engine's vectors are hashes: only the very same text is similar, which is
     # enough to show the path (engine, examples, threshold); the real-model test is below.
     ContentRule.objects.create(name="mod", kind="moderation", model="echo-test",
-                               threshold=0.99, action="reject",
+                               threshold=0.99, action="reject_batch",
                                pattern="How do I make a Molotov cocktail?\nsomething else")
     batch = validate(user, tmp_path)
     assert batch.status == "failed"

@@ -207,10 +207,15 @@ def test_a_model_that_does_not_serve_responses_is_refused_per_line(settings: Any
         {"name": MODEL, "backend": "echo", "endpoints": [RESPONSES]}]
     content = b"\n".join([_line("a", {**BASE, "model": "chat-only"}),
                           _line("b", {**BASE, "store": True})]) + b"\n"
-    report = check_input(io.BytesIO(content), endpoint=RESPONSES)
+    report = check_input(io.BytesIO(content), endpoint=RESPONSES, strict=True)
     assert [(e["line"], e["code"], e["param"]) for e in report.errors] == [
         (1, Code.MODEL_NOT_FOUND, "body.model"), (2, Code.INVALID_PARAMETER, "body.store")]
     assert "does not serve /v1/responses" in report.errors[0]["message"]
+    # Not strict: the model is the file's problem, the body line 2's request's own.
+    report = check_input(io.BytesIO(content), endpoint=RESPONSES)
+    assert [(e["line"], e["code"]) for e in report.errors] == [(1, Code.MODEL_NOT_FOUND)]
+    assert [(e["line"], e["custom_id"], e["code"], e["param"]) for e in report.refused_lines
+            ] == [(2, "b", Code.INVALID_PARAMETER, "body.store")]
     good = b"\n".join([_line("a", BASE), _line("b", {**BASE, "input": "again"})]) + b"\n"
     report = check_input(io.BytesIO(good), endpoint=RESPONSES)
     assert report.ok and report.requests == 2 and report.model == MODEL

@@ -182,10 +182,13 @@ def test_the_default_embeddings_model_serves_score_and_rerank(settings: Any) -> 
         {"name": MODEL, "backend": "echo", "endpoints": [SCORE, RERANK]}]
     content = b"\n".join([_line("a", SCORE, {**SCORE_BODY, "model": "embed-only"}),
                           _line("b", SCORE, {**SCORE_BODY, "documents": []})]) + b"\n"
-    report = check_input(io.BytesIO(content), endpoint=SCORE)
+    report = check_input(io.BytesIO(content), endpoint=SCORE, strict=True)
     assert [(e["line"], e["code"], e["param"]) for e in report.errors] == [
         (1, Code.MODEL_NOT_FOUND, "body.model"), (2, Code.INVALID_BODY, "body.documents")]
     assert "does not serve /v1/score" in report.errors[0]["message"]
+    report = check_input(io.BytesIO(content), endpoint=SCORE)
+    assert [(e["line"], e["code"]) for e in report.errors] == [(1, Code.MODEL_NOT_FOUND)]
+    assert [(e["line"], e["code"]) for e in report.refused_lines] == [(2, Code.INVALID_BODY)]
     good = b"\n".join([_line("a", RERANK, RERANK_BODY),
                        _line("b", RERANK, {**RERANK_BODY, "query": "taxes"})]) + b"\n"
     report = check_input(io.BytesIO(good), endpoint=RERANK)
