@@ -23,9 +23,11 @@ from jobs.models import (
     ContentRule,
     File,
     LoraAdapter,
+    Price,
     Quota,
     Shard,
     Upload,
+    UsageRecord,
     UserSettings,
     WebhookDelivery,
     WebhookEvent,
@@ -224,6 +226,98 @@ class QuotaAdmin(admin.ModelAdmin):
 
         default_quota()  # so the default row is always there to edit
         return super().changelist_view(request, extra_context)
+
+
+# --- usage and cost: prices, the ledger ---
+
+
+@admin.register(Price)
+class PriceAdmin(admin.ModelAdmin):
+    list_display = ["__str__", "input_per_million", "cached_input_per_million",
+                    "output_per_million", "currency", "batch_discount_percent", "updated_at"]
+    search_fields = ["model"]
+    readonly_fields = ["updated_at"]
+
+
+@admin.register(UsageRecord)
+class UsageRecordAdmin(admin.ModelAdmin):
+    """The ledger, read-only: charges are never edited (a price change applies to what is
+    charged next). Above the rows, their sums by user and model for the filters chosen;
+    both exported as CSV."""
+
+    list_display = ["recorded_at", "owner", "api_key", "model", "endpoint", "batch_id",
+                    "requests_succeeded", "requests_failed", "input_tokens", "cached_tokens",
+                    "output_tokens", "cost_display", "engine_seconds"]
+    list_filter = ["model", "endpoint", "currency", ("recorded_at", admin.DateFieldListFilter),
+                   ("owner", admin.RelatedOnlyFieldListFilter)]
+    search_fields = ["owner__username", "batch_id", "shard_id", "model"]
+    date_hierarchy = "recorded_at"
+    list_select_related = ["owner", "api_key"]
+    actions = ["export_rows", "export_by_user_and_model"]
+    change_list_template = "admin/jobs/usagerecord/change_list.html"
+
+    @admin.display(description="cost", ordering="cost_nanos")
+    def cost_display(self, obj: UsageRecord) -> str:
+        from jobs.services.pricing import format_cost
+
+        return format_cost(obj.cost_nanos, obj.currency)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def changelist_view(self, request: HttpRequest, extra_context: Any = None) -> HttpResponse:
+        response = super().changelist_view(request, extra_context)
+        changelist = getattr(response, "context_data", {}).get("cl")
+        if changelist is not None:
+            response.context_data["usage_summary"] = _by_user_and_model(  # type: ignore[attr-defined]
+                changelist.queryset)[:50]
+        return response
+
+    @admin.action(description="Export selected rows as CSV")
+    def export_rows(self, request: HttpRequest, queryset: QuerySet[UsageRecord]
+                    ) -> HttpResponse:
+        from jobs.queries.usage import SUMS, csv_lines
+
+        keys = ["recorded_at", "owner__username", "api_key_id", "batch_id", "shard_id",
+                "model", "endpoint"]
+        rows = queryset.order_by("recorded_at").values(*keys, *SUMS, "currency")
+        return _csv_response("usage.csv", csv_lines(rows.iterator(), keys))
+
+    @admin.action(description="Export selected rows' sums by user and model as CSV")
+    def export_by_user_and_model(self, request: HttpRequest,
+                                 queryset: QuerySet[UsageRecord]) -> HttpResponse:
+        from jobs.queries.usage import csv_lines
+
+        return _csv_response("usage-by-user-and-model.csv", csv_lines(
+            _by_user_and_model(queryset), ["owner__username", "model"]))
+
+
+def _by_user_and_model(queryset: QuerySet[UsageRecord]) -> list[dict[str, Any]]:
+    from django.db.models import Sum
+
+    from jobs.queries.usage import SUMS
+    from jobs.services.pricing import format_cost
+
+    sums = (queryset.order_by().values("owner__username", "model", "currency")
+            .annotate(**{name: Sum(name) for name in SUMS}).order_by("-cost_nanos"))
+    rows: list[dict[str, Any]] = [dict(row) for row in sums]
+    for row in rows:
+        row["cost"] = format_cost(row["cost_nanos"] or 0, row["currency"])
+    return rows
+
+
+def _csv_response(filename: str, lines: Any) -> HttpResponse:
+    from django.http import StreamingHttpResponse
+
+    response = StreamingHttpResponse(lines, content_type="text/csv; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="{filename}"'
+    return response  # type: ignore[return-value]
 
 
 @admin.register(UserSettings)

@@ -37,7 +37,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobs.models import Batch, File, Quota, Shard
+from jobs.models import Batch, File, Quota, Shard, UsageRecord
 from jobs.services.batches import create_batch
 from jobs.services.files import create_input_file, new_storage_name, open_file
 from jobs.services.finalize import finalize_batch
@@ -456,6 +456,22 @@ def assert_every_custom_id_once(batch: Any, expected: set[str]) -> tuple[list, l
     assert len(ids) == len(set(ids)), f"{len(ids) - len(set(ids))} custom_ids doubled"
     assert set(ids) == expected, f"{len(expected - set(ids))} custom_ids lost"
     return out, err
+
+
+def assert_charged_once(batch_id: str, out: list[dict], *, copies: set[str] = frozenset()
+                        ) -> None:
+    """The usage ledger holds the batch's output exactly once: one record per finished
+    shard, none for a shard that never finished, and its requests and tokens are the sums
+    of the output lines' usage (`copies`: dedup copies' custom_ids, whose tokens are the
+    computed request's and are not charged again)."""
+    records = list(UsageRecord.objects.filter(batch_id=batch_id))
+    done = set(Shard.objects.filter(batch_id=batch_id, status=Shard.Status.DONE)
+               .values_list("pk", flat=True))
+    assert sorted(r.shard_id for r in records) == sorted(done), "a shard charged twice or never"
+    usage = [r["response"]["body"]["usage"] for r in out if r["custom_id"] not in copies]
+    assert sum(r.requests_succeeded for r in records) == len(out)
+    assert sum(r.input_tokens for r in records) == sum(u["prompt_tokens"] for u in usage)
+    assert sum(r.output_tokens for r in records) == sum(u["completion_tokens"] for u in usage)
 
 
 # --- the worker's pipeline in this process ---

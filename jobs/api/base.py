@@ -107,6 +107,7 @@ def api_view(methods: dict[str, Handler], *, dialect: Dialect = OPENAI) -> Handl
             return dialect.render(ServiceError(f"Method {request.method} is not allowed here.",
                                                status=405, code="method_not_allowed"))
         request.user = key.owner
+        request.api_key = key  # type: ignore[attr-defined]  # charged in the usage ledger
         try:
             return handler(request, key.owner, **kwargs)
         except ServiceError as exc:

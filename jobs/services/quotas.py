@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
@@ -37,7 +38,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import F, Sum
 from django.utils import timezone
 
-from jobs.models import Batch, File, Quota, Shard, Upload, UploadPart
+from jobs.models import Batch, File, Quota, Shard, Upload, UploadPart, UsageRecord
 from jobs.services.errors import ServiceError
 
 LABELS = {
@@ -47,6 +48,7 @@ LABELS = {
     "max_stored_bytes": "stored bytes",
     "tokens_per_day": "tokens today",
     "tokens_per_month": "tokens this month",
+    "cost_per_month": "cost this month",
     "max_open_uploads": "open uploads",
 }
 
@@ -92,6 +94,14 @@ def tokens_since(owner: Any, start: datetime) -> int:
     return int(total or 0)
 
 
+def cost_nanos_since(owner: Any, start: datetime) -> int:
+    """What the usage ledger charged the user since `start`, in billionths of the
+    currency (the budget, cost_per_month, is checked in jobs.services.budgets)."""
+    total = UsageRecord.objects.filter(owner=owner, recorded_at__gte=start).order_by() \
+        .aggregate(total=Sum("cost_nanos"))["total"]
+    return int(total or 0)
+
+
 def stored_bytes(owner: Any, *, but_upload: str | None = None) -> int:
     """What the user stores or has reserved (see max_stored_bytes above). `but_upload`: a
     pending upload being assembled, whose reservation becomes the new file."""
@@ -115,13 +125,14 @@ def _open_uploads(owner: Any, *, now: datetime) -> Any:
 
 
 def usage_for(owner: Any, *, now: datetime | None = None,
-              but_upload: str | None = None) -> dict[str, int]:
+              but_upload: str | None = None) -> dict[str, Any]:
     day, month = period_starts(now)
     return {
         "max_stored_bytes": stored_bytes(owner, but_upload=but_upload),
         "max_active_batches": Batch.objects.active().filter(owner=owner).count(),
         "tokens_per_day": tokens_since(owner, day),
         "tokens_per_month": tokens_since(owner, month),
+        "cost_per_month": Decimal(cost_nanos_since(owner, month)) / 10**9,
     }
 
 
@@ -191,14 +202,20 @@ def check_open_uploads(*, owner: Any) -> None:
 class QuotaRow:
     name: str
     label: str
-    used: int | None  # None: a per-submission limit, nothing accumulates
-    limit: int | None
+    used: int | Decimal | None  # None: a per-submission limit, nothing accumulates
+    limit: int | Decimal | None
 
     @property
     def percent(self) -> float | None:
         if self.used is None or not self.limit:
             return None
-        return min(100.0, round(100.0 * self.used / self.limit, 1))
+        return min(100.0, round(100.0 * float(self.used) / float(self.limit), 1))
+
+    @property
+    def left(self) -> int | Decimal | None:
+        if self.used is None or self.limit is None:
+            return None
+        return max(self.limit - self.used, 0)
 
 
 def summary(owner: Any) -> list[QuotaRow]:

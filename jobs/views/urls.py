@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from jobs.views import batches, files, keys
+from jobs.views import batches, files, keys, usage
 
 urlpatterns = [
     path("accounts/login/", auth_views.LoginView.as_view(redirect_authenticated_user=True),
@@ -26,4 +26,6 @@ urlpatterns = [
     path("files/<str:file_id>/delete", files.file_delete, name="file_delete"),
     path("keys/", keys.key_list, name="key_list"),
     path("keys/<int:key_id>/revoke", keys.key_revoke, name="key_revoke"),
+    path("usage/", usage.usage_page, name="usage"),
+    path("usage/export.csv", usage.usage_csv, name="usage_csv"),
 ]

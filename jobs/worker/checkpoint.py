@@ -82,6 +82,8 @@ class Checkpointer(Loop):
                 if not work.unsaved_results():
                     return True
                 checkpoint, sizes, computed = work.snapshot()
+                checkpoint.usage.engine_seconds += self.pipeline.idle.engine_seconds(
+                    work.attempt_key)
                 start = work.saved_offsets()
                 segments = list(work.saved.segments)
             checkpoint.segments = [*segments, store_segment(work, start, sizes)]

@@ -1,4 +1,6 @@
-"""How long the engine waited for work while this worker had some (the benchmarks read it)."""
+"""How long the engine waited for work while this worker had some (the benchmarks read it),
+and how its busy time splits among the shard attempts it served (the ledger's engine
+seconds)."""
 
 from __future__ import annotations
 
@@ -23,10 +25,48 @@ class IdleMeter:
         self.last: float | None = None
         self.idle_since: float | None = None
         self.idle_total = 0.0
+        # A processor-sharing clock: it advances by dt / in_flight while requests are in
+        # flight, so a request's share of the engine's time is the clock's advance while it
+        # was in. Per shard attempt (request ids up to the line): [requests in flight, the
+        # clock when last counted, seconds so far].
+        self.clock = 0.0
+        self.clock_at = time.monotonic()
+        self.shares: dict[str, list[float]] = {}
 
-    def request_started(self) -> None:
+    def _advance(self, now: float) -> None:
+        if self.in_flight > 0:
+            self.clock += (now - self.clock_at) / self.in_flight
+        self.clock_at = now
+
+    def _count(self, request_id: str, step: int) -> None:
+        if not request_id:
+            return
+        key = request_id.rsplit(":", 1)[0]
+        share = self.shares.get(key)
+        if share is None:
+            if step < 0:
+                return  # an attempt already taken or dropped
+            share = self.shares[key] = [0, self.clock, 0.0]
+        share[2] += share[0] * (self.clock - share[1])
+        share[1] = self.clock
+        share[0] = max(0, share[0] + step)
+
+    def engine_seconds(self, attempt_key: str, *, take: bool = False) -> float:
+        """The engine's time the requests of one shard attempt ("shard_id:attempt") took
+        so far; `take`: and forget the attempt (it has finished or was dropped)."""
+        with self.lock:
+            self._advance(time.monotonic())
+            share = (self.shares.pop(attempt_key, None) if take
+                     else self.shares.get(attempt_key))
+            if share is None:
+                return 0.0
+            return share[2] + share[0] * (self.clock - share[1])
+
+    def request_started(self, request_id: str = "") -> None:
         now = time.monotonic()
         with self.lock:
+            self._advance(now)
+            self._count(request_id, +1)
             if self.first is None:
                 self.first = now
             if self.in_flight == 0 and self.idle_since is not None:
@@ -35,9 +75,11 @@ class IdleMeter:
             self.in_flight += 1
             self.requests += 1
 
-    def request_finished(self) -> None:
+    def request_finished(self, request_id: str = "") -> None:
         now = time.monotonic()
         with self.lock:
+            self._advance(now)
+            self._count(request_id, -1)
             self.in_flight = max(0, self.in_flight - 1)
             self.last = now
             if self.in_flight == 0:

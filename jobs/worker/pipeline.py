@@ -152,6 +152,7 @@ class Pipeline:
             work.pending.clear()
         if in_flight:
             self.engine.abort(in_flight)
+        self.idle.engine_seconds(work.attempt_key, take=True)
         work.discard()
         self.unregister(work)
 

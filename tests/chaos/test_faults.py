@@ -29,6 +29,7 @@ from tests.factories import (
     ROOT,
     PrivateRedis,
     Workers,
+    assert_charged_once,
     assert_every_custom_id_once,
     chat_line,
     database_url,
@@ -144,6 +145,7 @@ def test_workers_sigkilled_20_times_lose_and_double_nothing(user, chaos_env, wor
     out, err = assert_every_custom_id_once(batch, {f"r{i}" for i in range(n)})
     assert len(out) == n and err == []
     assert batch.to_openai()["request_counts"] == {"total": n, "completed": n, "failed": 0}
+    assert_charged_once(batch.pk, out)
     assert failures(batch) >= 10  # the kills did hit running shards
     print(f"chaos: kills={kills} shard failures={failures(batch)} restarts={pool.restarts} "
           f"batch ended {time.monotonic() - started:.0f}s after the kills began")
@@ -191,6 +193,7 @@ def test_vllm_worker_sigkilled_mid_shard_loses_nothing_and_leaves_no_engine(
     assert batch.status == "completed"
     out, err = assert_every_custom_id_once(batch, {f"r{i}" for i in range(n)})
     assert len(out) == n and err == []
+    assert_charged_once(batch.pk, out)
     assert failures(batch) >= 1  # the kill hit a running shard, which ran again
     assert all(r["response"]["status_code"] == 200 and
                r["response"]["body"]["choices"][0]["message"]["content"] for r in out)
@@ -265,6 +268,8 @@ def test_postgres_backends_terminated_mid_batch(user, chaos_env, workers, settin
     assert batch.status == "completed"
     out, err = assert_every_custom_id_once(batch, {f"r{i}" for i in range(n)})
     assert len(out) == n and err == []
+    # A finish retried after its commit's answer was lost charged nothing twice.
+    assert_charged_once(batch.pk, out)
     # The workers reconnected: none had to be restarted.
     assert pool.restarts == 0, workers.logs()
     print(f"chaos: {terminated} backends terminated in {rounds} rounds")

@@ -12,7 +12,7 @@ import pytest
 from django.core.files.storage import default_storage
 from django.utils import timezone
 
-from jobs.models import Batch, Shard
+from jobs.models import Batch, Shard, UsageRecord
 from jobs.services import shards as shard_service
 from jobs.services.batches import create_batch
 from jobs.services.files import create_input_file, open_file
@@ -20,6 +20,7 @@ from jobs.services.finalize import finalize_batch
 from jobs.services.shards import Checkpoint, Progress
 from jobs.services.validation import run_validation
 from tests.factories import (
+    assert_charged_once,
     assert_exactly_once,
     chat_line,
     computed_twice,
@@ -135,6 +136,8 @@ def test_sigterm_hands_back_and_another_worker_finishes(openai_client, workers):
     out = openai_client.files.content(batch.output_file_id).text.splitlines()
     assert sorted(json.loads(line)["custom_id"] for line in out) == sorted(
         f"t{i}" for i in range(40))
+    # The shards handed back in the drain are charged once, by the worker that finished them.
+    assert_charged_once(created.id, [json.loads(line) for line in out])
 
 
 def test_batch_row_keeps_the_shards_sums_through_every_transition(batch):
@@ -274,6 +277,13 @@ def test_checkpoints_are_fenced_and_handed_on_by_the_claim(batch):
                                       error_part="", progress=Progress(completed=2))
     shard.refresh_from_db()
     assert shard.checkpoint == {} and shard.recomputed == 1
+    # Late finishes (a zombie's, a call retried after its commit) charge nothing more.
+    for attempt in (1, 2, 3):
+        assert not shard_service.finish_shard(shard_id=shard.pk, attempt=attempt,
+                                              output_part="", error_part="",
+                                              progress=Progress(completed=2, input_tokens=9))
+    [record] = UsageRecord.objects.filter(shard_id=shard.pk)
+    assert (record.requests_succeeded, record.input_tokens) == (2, 0)
 
 
 RESUME_LINES = 60
@@ -310,6 +320,8 @@ def _finish_and_check(openai_client, workers, created, expected, env) -> list[Sh
     computed = [r["response"]["body"]["usage"] for r in out if r["custom_id"] != "same-2"]
     assert batch.usage.input_tokens == sum(u["prompt_tokens"] for u in computed)
     assert batch.usage.output_tokens == sum(u["completion_tokens"] for u in computed)
+    # The ledger charged each computed request once, whichever attempt finished its shard.
+    assert_charged_once(created.id, out, copies={"same-2"})
     return list(Shard.objects.filter(batch_id=created.id).order_by("index"))
 
 
@@ -411,6 +423,7 @@ def test_vllm_worker_sigkilled_at_half_a_shard_resumes_from_its_checkpoint(
     with open_file(batch.output_file) as stream:
         out = [json.loads(line) for line in stream]
     assert_exactly_once(out, [], {f"v{i}" for i in range(n)})
+    assert_charged_once(created.pk, out)
     assert all(r["response"]["body"]["choices"][0]["message"]["content"] for r in out)
     log = (tmp_path / "worker-1.log").read_text(errors="replace")
     adopted = int(re.search(r"attempt 2 adopts (\d+) results of attempt 1", log)[1])

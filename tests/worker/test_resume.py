@@ -17,6 +17,7 @@ from jobs.services import shards as shard_service
 from jobs.services.shards import Checkpoint
 from tests.factories import (
     SHAPES,
+    assert_charged_once,
     assert_exactly_once,
     chat_line,
     computed_twice,
@@ -85,6 +86,8 @@ def test_handed_back_shard_resumes_without_computing_anything_twice(
     assert done.output_tokens == sum(u["completion_tokens"] for cid, u in by_id.items()
                                      if cid != "dup-b")
     assert by_id["dup-a"] == by_id["dup-b"]
+    # The ledger: the shard charged once, by the attempt that finished it.
+    assert_charged_once(batch.pk, out, copies={"dup-b"})
     # The checkpoint's segments were merged into the parts and deleted.
     assert not [name for name in default_storage.listdir(f"parts/{batch.pk}")[1]
                 if ".ckpt" in name]

@@ -1,0 +1,99 @@
+"""The usage ledger: what each finished shard used and cost, one UsageRecord per (shard,
+model), written by `finish_shard` in the transaction that marks the shard done under its
+attempt.
+
+Why the shard: it is the unit that finishes exactly once. Its results become final in one
+fenced UPDATE (`status = done WHERE attempt = N AND status = running`), so a charge written
+in that same transaction commits exactly when the results do: a zombie's late finish, a
+retried or resumed attempt, a shard handed back in a drain and finished elsewhere, each
+finishes the shard at most once, and a crash between the two writes is impossible. Charging
+per batch would wait for the finalizer (a run of several days shows nothing meanwhile) and
+would need its own idempotence; charging per request would write a row per request.
+The unique (shard_id, model) constraint states the rule in the schema as well.
+
+Shards that never finish (dropped on cancel or expiry, abandoned after their retries)
+charge nothing: their requests are all error lines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.utils import timezone
+
+from jobs.models import Shard, UsageRecord
+from jobs.services.pricing import rates_for
+
+# Per model: requests succeeded, input tokens, cached input tokens, output tokens.
+ModelCounts = list[int]
+
+
+@dataclass
+class ShardUsage:
+    """What a shard attempt used beyond its Progress: the counters of requests that ran on a
+    LoRA adapter (by adapter name; the rest ran on the batch's model), and the engine's time
+    its requests took. Carried in checkpoints, so a resumed attempt keeps them."""
+
+    adapters: dict[str, ModelCounts] = field(default_factory=dict)
+    engine_seconds: float = 0.0
+
+    def add(self, model: str, *, requests: int, input_tokens: int, cached_tokens: int,
+            output_tokens: int) -> None:
+        counts = self.adapters.setdefault(model, [0, 0, 0, 0])
+        for index, value in enumerate((requests, input_tokens, cached_tokens, output_tokens)):
+            counts[index] += value
+
+    def as_json(self) -> dict[str, Any]:
+        return {"adapters": {k: list(v) for k, v in self.adapters.items()},
+                "engine_seconds": self.engine_seconds}
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any] | None) -> ShardUsage:
+        value = value or {}
+        return cls(adapters={k: list(v) for k, v in (value.get("adapters") or {}).items()},
+                   engine_seconds=float(value.get("engine_seconds") or 0.0))
+
+    def copy(self) -> ShardUsage:
+        return ShardUsage.from_json(self.as_json())
+
+
+def record_shard_usage(*, shard_id: str, progress: Any, usage: ShardUsage | None) -> None:
+    """Charge a shard that has just been marked done: call inside that transaction, after
+    the fenced UPDATE succeeded. `progress`: the shard's final counters (Progress)."""
+    usage = usage or ShardUsage()
+    batch = (Shard.objects.filter(pk=shard_id)
+             .values("batch_id", "batch__owner_id", "batch__api_key_id", "batch__model",
+                     "batch__endpoint").get())
+    base = batch["batch__model"]
+    rows: dict[str, list[int]] = {}
+    adapters = {k: v for k, v in usage.adapters.items() if k != base}
+    for model, counts in adapters.items():
+        rows[model] = list(counts)
+    # The batch's model takes the rest, failures included (a failure costs nothing).
+    rest = [progress.completed, progress.input_tokens, progress.cached_tokens,
+            progress.output_tokens]
+    for counts in adapters.values():
+        rest = [max(0, a - b) for a, b in zip(rest, counts, strict=True)]
+    if any(rest) or progress.failed or not rows:
+        rows[base] = rest
+    rates = rates_for(set(rows), base_model=base)
+    total_requests = sum(counts[0] for counts in rows.values()) or 1
+    now = timezone.now()
+    records = []
+    for model, (succeeded, tokens_in, cached, tokens_out) in rows.items():
+        rate = rates[model]
+        records.append(UsageRecord(
+            owner_id=batch["batch__owner_id"], api_key_id=batch["batch__api_key_id"],
+            batch_id=batch["batch_id"], shard_id=shard_id, model=model, base_model=base,
+            endpoint=batch["batch__endpoint"], requests_succeeded=succeeded,
+            requests_failed=progress.failed if model == base else 0,
+            input_tokens=tokens_in, cached_tokens=cached, output_tokens=tokens_out,
+            cost_nanos=rate.cost_nanos(input_tokens=tokens_in, cached_tokens=cached,
+                                       output_tokens=tokens_out),
+            currency=rate.currency, input_price=rate.input, cached_price=rate.cached,
+            output_price=rate.output,
+            engine_seconds=usage.engine_seconds * succeeded / total_requests
+            if len(rows) > 1 else usage.engine_seconds,
+            recorded_at=now))
+    UsageRecord.objects.bulk_create(records)
