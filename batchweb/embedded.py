@@ -150,6 +150,28 @@ class InstanceLock:
             self.handle = None
 
 
+# The files `make run` makes for itself (the SQLite database: sessions, key hashes; stored
+# files: users' batches and results; scratch files; the private Redis' socket and log) are
+# its user's alone, not readable by the machine's other accounts.
+PRIVATE_UMASK = 0o077
+
+
+def keep_files_private(directories: list[Path], database: Path | None) -> None:
+    """From now on this process and its children (the web server, the workers) create
+    files for this user alone; the service's `directories` and a SQLite `database` made
+    before (by `manage.py migrate`, or an earlier version) become so too. Files already
+    in the directories keep their mode, but no other account can reach them."""
+    os.umask(PRIVATE_UMASK)
+    for directory in directories:
+        if directory.is_dir():
+            directory.chmod(0o700)
+    if database is not None:
+        for path in (database, database.with_name(f"{database.name}-wal"),
+                     database.with_name(f"{database.name}-shm")):
+            if path.exists():
+                path.chmod(0o600)
+
+
 def ensure_redis(directory: Path) -> PrivateRedis | None:
     """Start a private Redis in `directory` and export REDIS_URL for this process and its
     children; None (and nothing started) when REDIS_URL is already set."""

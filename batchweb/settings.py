@@ -301,6 +301,9 @@ TMP_DIR = Path(os.environ.get("BATCHWEB_TMP_DIR", VAR_DIR / "tmp"))
 FILE_UPLOAD_TEMP_DIR = str(TMP_DIR)
 # Uploads bigger than this go to a temporary file while they arrive, never into memory.
 FILE_UPLOAD_MAX_MEMORY_SIZE = 1024 * 1024
+# Stored files get the mode the process's umask gives them, not Django's fixed 0644:
+# `make run` (runservice) keeps its files private with umask 077.
+FILE_UPLOAD_PERMISSIONS = None
 
 # Passed to redis-py unchanged: redis://:password@host/0 authenticates, rediss:// uses TLS.
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")

@@ -181,6 +181,24 @@ def test_the_test_command_beside_a_service_leaves_it_alone(service: Service) -> 
     assert "Redis unavailable" not in service.log()
 
 
+def test_the_services_files_are_its_users_alone(service: Service) -> None:
+    # The database was made by `manage.py migrate` under this test's umask (0644):
+    # runservice makes it private, and everything it and its children create.
+    database = service.var_dir / "batchweb.sqlite3"
+    database.chmod(0o644)
+    service.start()
+    wait_for(service.up, timeout=90, message="the service")
+    key = api_key(service)
+    batch = finished(service, key, submit(service, key, 30), timeout=120)
+    assert len(custom_ids(service, key, batch)) == 30
+    stored = [path for path in (service.var_dir / "storage").rglob("*") if path.is_file()]
+    assert len(stored) >= 2  # the input file and the output file at least
+    for path in [service.var_dir, database, *stored,
+                 *(service.var_dir / "storage").rglob("*"), *(service.var_dir / "tmp").rglob("*"),
+                 *(service.var_dir / "run").rglob("*")]:
+        assert path.stat().st_mode & 0o077 == 0, (path, oct(path.stat().st_mode))
+
+
 def test_a_killed_private_redis_is_started_again(service: Service) -> None:
     # Killed after 20 of 150 results: at ~20 requests a second the rest takes ~6 s, so the
     # batch is still running when Redis comes back.

@@ -17,12 +17,18 @@ import subprocess
 import sys
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from batchweb.embedded import EmbeddedRedisError, InstanceLock, ensure_redis
+from batchweb.embedded import (
+    EmbeddedRedisError,
+    InstanceLock,
+    ensure_redis,
+    keep_files_private,
+)
 from jobs.engines import model_specs
 
 # A process that dies this often within the window is not going to recover by itself.
@@ -80,6 +86,10 @@ class Command(BaseCommand):
         parser.add_argument("--web-workers", type=int, default=2)
 
     def handle(self, *args: Any, **options: Any) -> None:
+        database = settings.DATABASES["default"]
+        keep_files_private(
+            [settings.VAR_DIR, settings.STORAGE_DIR, settings.TMP_DIR],
+            Path(database["NAME"]) if database["ENGINE"].endswith("sqlite3") else None)
         lock = InstanceLock(settings.VAR_DIR)
         try:
             # Ctrl-C while waiting gives up (SIGINT's default KeyboardInterrupt).
