@@ -1,6 +1,6 @@
 from django.urls import path
 
-from jobs.api import batches, files, message_batches, uploads
+from jobs.api import batches, files, message_batches, uploads, usage
 
 urlpatterns = [
     path("files", files.files),
@@ -15,6 +15,10 @@ urlpatterns = [
     path("batches/<str:batch_id>/cancel", batches.batch_cancel),
     path("batches/<str:batch_id>/results", batches.batch_results),
     path("models", batches.models),
+    # OpenAI's Usage and Costs API, over the usage ledger.
+    path("organization/usage/completions", usage.usage_completions),
+    path("organization/usage/embeddings", usage.usage_embeddings),
+    path("organization/costs", usage.organization_costs),
     # Anthropic's Message Batches API.
     path("messages/batches", message_batches.batch_list),
     path("messages/batches/<str:batch_id>", message_batches.batch_detail),

@@ -34,6 +34,7 @@ class Filters:
     (completions or embeddings)."""
 
     owner_id: int | None = None
+    owner_ids: list[int] | None = None
     start: datetime | None = None
     end: datetime | None = None
     models: list[str] | None = None
@@ -45,6 +46,8 @@ class Filters:
         rows = UsageRecord.objects.order_by()
         if self.owner_id is not None:
             rows = rows.filter(owner_id=self.owner_id)
+        if self.owner_ids:
+            rows = rows.filter(owner_id__in=self.owner_ids)
         if self.start is not None:
             rows = rows.filter(recorded_at__gte=self.start)
         if self.end is not None:

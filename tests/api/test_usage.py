@@ -1,0 +1,139 @@
+"""OpenAI's Usage and Costs API over the ledger (GET /v1/organization/usage/completions,
+/usage/embeddings, /costs): OpenAI's shapes, buckets, group_by, filters, paging, and who sees
+what (a key its owner's usage, a staff key everyone's)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from jobs.models import ApiKey, Price, UsageRecord
+from jobs.services.keys import create_api_key
+
+pytestmark = pytest.mark.django_db
+
+DAY = 86400
+
+
+@pytest.fixture
+def ledger(user, other_user):
+    """Charges over three days: two models of `user` (one through a key), an embeddings
+    batch, and another user's charge."""
+    Price.objects.create(model="", input_per_million=1, output_per_million=2)
+    key, _ = create_api_key(owner=user, name="ci")
+    day0 = datetime(2026, 11, 2, tzinfo=UTC)
+
+    def record(owner, model, *, at, key=None, endpoint="/v1/chat/completions", n=1,
+               tokens=(100, 10, 50), cost=1_000_000):
+        UsageRecord.objects.create(
+            owner=owner, api_key=key, batch_id=f"batch_{model}{at.day}{owner.pk}",
+            shard_id=f"shard_{model}{int(at.timestamp())}{owner.pk}", model=model,
+            base_model=model, endpoint=endpoint, requests_succeeded=n,
+            input_tokens=tokens[0], cached_tokens=tokens[1], output_tokens=tokens[2],
+            cost_nanos=cost, recorded_at=at)
+
+    record(user, "echo-test", at=day0 + timedelta(hours=1), key=key, n=3)
+    record(user, "echo-test", at=day0 + timedelta(hours=5), n=2)
+    record(user, "small", at=day0 + timedelta(days=1, hours=2), key=key, cost=2_500_000)
+    record(user, "embed", at=day0 + timedelta(days=2), endpoint="/v1/embeddings",
+           tokens=(40, 0, 0), cost=40_000)
+    record(other_user, "echo-test", at=day0 + timedelta(hours=3), n=7, cost=9_000_000)
+    return {"start": int(day0.timestamp()), "key": key}
+
+
+def get(client, key: str, path: str, **params):
+    response = client.get(f"/v1/organization/{path}", params,
+                          HTTP_AUTHORIZATION=f"Bearer {key}")
+    return response.status_code, response.json()
+
+
+def test_completions_usage_by_day_and_model_for_the_keys_owner(client, api_key, ledger):
+    status, page = get(client, api_key, "usage/completions", start_time=ledger["start"],
+                       end_time=ledger["start"] + 3 * DAY, group_by="model")
+    assert status == 200 and page["object"] == "page" and page["has_more"] is False
+    assert [b["start_time"] - ledger["start"] for b in page["data"]] == [0, DAY, 2 * DAY]
+    first, second, third = page["data"]
+    assert first["object"] == "bucket" and first["end_time"] == ledger["start"] + DAY
+    # The other user's 7 requests are not this key's to see.
+    assert first["results"] == [{
+        "object": "organization.usage.completions.result", "input_tokens": 200,
+        "output_tokens": 100, "input_cached_tokens": 20, "input_audio_tokens": 0,
+        "output_audio_tokens": 0, "num_model_requests": 5, "project_id": None,
+        "user_id": None, "api_key_id": None, "model": "echo-test", "batch": None}]
+    assert [r["model"] for r in second["results"]] == ["small"]
+    assert third["results"] == []  # the embeddings batch is not a completion
+
+
+def test_filters_and_groups(client, api_key, ledger):
+    key_id = str(ledger["key"].pk)
+    _, page = get(client, api_key, "usage/completions", start_time=ledger["start"],
+                  end_time=ledger["start"] + 2 * DAY, api_key_ids=key_id,
+                  group_by=["api_key_id", "batch"])
+    assert [(r["api_key_id"], r["batch"], r["num_model_requests"])
+            for b in page["data"] for r in b["results"]] == [(key_id, True, 3),
+                                                            (key_id, True, 1)]
+    _, page = get(client, api_key, "usage/completions", start_time=ledger["start"],
+                  end_time=ledger["start"] + 2 * DAY, models="small")
+    assert [r["num_model_requests"] for b in page["data"] for r in b["results"]] == [1]
+    _, page = get(client, api_key, "usage/completions", start_time=ledger["start"],
+                  end_time=ledger["start"] + 2 * DAY, batch="false")
+    assert all(b["results"] == [] for b in page["data"])
+    _, page = get(client, api_key, "usage/completions", start_time=ledger["start"],
+                  end_time=ledger["start"] + DAY, bucket_width="1h", limit=24)
+    hours = [b for b in page["data"] if b["results"]]
+    assert [b["start_time"] - ledger["start"] for b in hours] == [3600, 5 * 3600]
+
+
+def test_embeddings_usage(client, api_key, ledger):
+    _, page = get(client, api_key, "usage/embeddings", start_time=ledger["start"],
+                  end_time=ledger["start"] + 3 * DAY, group_by="model")
+    results = [r for b in page["data"] for r in b["results"]]
+    assert results == [{"object": "organization.usage.embeddings.result", "input_tokens": 40,
+                        "num_model_requests": 1, "project_id": None, "user_id": None,
+                        "api_key_id": None, "model": "embed"}]
+
+
+def test_costs_by_day_and_line_item_with_paging(client, api_key, ledger):
+    _, page = get(client, api_key, "costs", start_time=ledger["start"],
+                  end_time=ledger["start"] + 3 * DAY, limit=2, group_by="line_item")
+    assert page["has_more"] is True and len(page["data"]) == 2
+    assert page["data"][0]["results"] == [{
+        "object": "organization.costs.result", "amount": {"value": 0.002, "currency": "usd"},
+        "line_item": "echo-test", "project_id": None}]
+    assert page["data"][1]["results"][0]["amount"]["value"] == 0.0025
+    _, rest = get(client, api_key, "costs", start_time=ledger["start"],
+                  end_time=ledger["start"] + 3 * DAY, limit=2, group_by="line_item",
+                  page=page["next_page"])
+    assert rest["has_more"] is False and rest["next_page"] is None
+    assert [b["start_time"] for b in rest["data"]] == [ledger["start"] + 2 * DAY]
+    assert rest["data"][0]["results"][0]["amount"]["value"] == 0.00004
+
+
+def test_a_staff_key_sees_everyone_and_filters_by_user(client, ledger, user, other_user,
+                                                       django_user_model):
+    staff = django_user_model.objects.create_user("ops", password="pw-ops-123456",
+                                                  is_staff=True)
+    _, secret = create_api_key(owner=staff, name="ops")
+    _, page = get(client, secret, "usage/completions", start_time=ledger["start"],
+                  end_time=ledger["start"] + DAY, group_by="user_id")
+    assert sorted((r["user_id"], r["num_model_requests"]) for r in page["data"][0]["results"]) \
+        == sorted([(str(user.pk), 5), (str(other_user.pk), 7)])
+    _, page = get(client, secret, "costs", start_time=ledger["start"],
+                  end_time=ledger["start"] + DAY, user_ids=str(other_user.pk))
+    assert page["data"][0]["results"][0]["amount"]["value"] == 0.009
+    assert ApiKey.objects.count() == 2
+
+
+def test_bad_parameters_get_openai_errors(client, api_key, ledger):
+    status, body = get(client, api_key, "usage/completions")
+    assert status == 400 and body["error"]["param"] == "start_time"
+    status, body = get(client, api_key, "costs", start_time=ledger["start"],
+                       bucket_width="1h")
+    assert status == 400 and body["error"]["param"] == "bucket_width"
+    status, body = get(client, api_key, "usage/completions", start_time=ledger["start"],
+                       group_by="line_item")
+    assert status == 400 and body["error"]["param"] == "group_by"
+    status, body = get(client, api_key, "costs", start_time=ledger["start"], limit=181)
+    assert status == 400 and body["error"]["param"] == "limit"
+    assert client.get("/v1/organization/costs", {"start_time": 0}).status_code == 401
