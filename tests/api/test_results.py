@@ -3,7 +3,9 @@ the batch runs and after it ended; and the list's status and metadata filters.""
 
 from __future__ import annotations
 
+import base64
 import json
+import zlib
 from typing import Any
 
 import pytest
@@ -149,3 +151,20 @@ def test_the_openai_client_reads_results_as_the_readme_says(openai_client, user,
                                  options={"params": {"status": "failed"}})
     assert [json.loads(line)["custom_id"] for line in response.text.splitlines()] == ["r3"]
     assert response.headers["X-Batch-Ended"] == "false"
+
+
+def test_a_cursor_naming_more_shards_than_the_batch_has_is_refused(user, api_key, tmp_path,
+                                                                    settings):
+    """A cursor is expanded only as far as the batch's shards: ~1 KB naming 8M shards would
+    otherwise be a set of 8M integers (half a gigabyte) per request."""
+    batch = make_batch(user, chat_lines(4), tmp_path, shard_size=2, settings=settings)
+    run(Shard.objects.get(batch=batch, index=0))
+    api = Api(api_key)
+    url = f"/v1/batches/{batch.pk}/results"
+    huge = base64.urlsafe_b64encode(zlib.compress(b"\xff" * (1 << 20))).decode().rstrip("=")
+    assert len(huge) < 2000
+    assert_openai_error(api.get(url, data={"after": f"r~{huge}~"}), 400, param="after")
+    assert_openai_error(api.get(url, data={"after": "r~eJwDAAAAAAE~2.0.0"}), 400, param="after")
+    lines, after, _ = read_all(api, batch.pk)
+    assert sorted(ids(lines)) == ["r0", "r1"]
+    assert read_all(api, batch.pk, after)[0] == []  # the cursor it gave is accepted

@@ -154,3 +154,20 @@ def test_validation_reads_the_allowed_domains_from_settings(settings: Any) -> No
     settings.BATCHWEB = {**settings.BATCHWEB, "MEDIA_ALLOWED_DOMAINS": ["images.example.com"]}
     report = check_input(io.BytesIO(content), endpoint=None)
     assert report.ok and report.refused == 0
+
+
+@pytest.mark.django_db
+def test_errors_quote_at_most_a_hundred_characters_of_a_value() -> None:
+    """A 100 kB model name makes a short errors.data message, not a copy of the name on
+    every line of a batch's errors."""
+    from jobs.services.validation import check_input
+
+    name = "m" * 100_000
+    content = b"\n".join(_line(CHAT, {**BASES[CHAT], "model": name + str(i)})
+                         for i in range(3)) + b"\n"
+    report = check_input(io.BytesIO(content), endpoint=None)
+    assert [e["code"] for e in report.errors] == [Code.MODEL_NOT_FOUND] * 3
+    for entry in report.errors:
+        assert len(entry["message"]) < 200 and "m" * 100 + "…" in entry["message"]
+    long = LineError(Code.INVALID_PARAMETER, "x" * 10_000, "body.x").entry(1)
+    assert len(long["message"]) == 1000
