@@ -19,6 +19,12 @@ setting), or a signed-in staff user.
                                                     (outcome: completed | failed)
     batchweb_tokens_processed_total{model,kind}     tokens of successful requests
                                                     (kind: input | output)
+    batchweb_usage_tokens_total{model,kind}         tokens charged in the usage ledger, by
+                                                    the request's model or adapter (kind:
+                                                    input | cached_input | output; input
+                                                    counts the cached ones too)
+    batchweb_usage_cost_total{model,currency}       what the ledger charged, in the currency
+    batchweb_usage_engine_seconds_total{model}      the engine's time the charged work took
     batchweb_throughput_requests_per_second{model}  requests of shards finished in the last
                                                     5 minutes, per second
     batchweb_workers{model}                         live batchworkers serving a model
@@ -50,10 +56,41 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from jobs import queues
-from jobs.models import Batch, Shard, WebhookEvent
+from jobs.models import Batch, Shard, UsageRecord, WebhookEvent
 from jobs.queries.health import Health, queue_health, shard_counts_by_model
 
 THROUGHPUT_WINDOW = timedelta(minutes=5)
+
+
+def _usage_metrics() -> Iterator[Metric]:
+    """The usage ledger's sums: one GROUP BY over it (it outlives deleted batches, so these
+    counters never drop)."""
+    tokens = CounterMetricFamily("batchweb_usage_tokens", "Tokens charged in the usage ledger.",
+                                 labels=["model", "kind"])
+    cost = CounterMetricFamily("batchweb_usage_cost", "What the usage ledger charged.",
+                               labels=["model", "currency"])
+    engine = CounterMetricFamily("batchweb_usage_engine_seconds",
+                                 "The engine's time the charged work took.", labels=["model"])
+    rows = (UsageRecord.objects.order_by().values("model", "currency")
+            .annotate(input=Sum("input_tokens"), cached=Sum("cached_tokens"),
+                      output=Sum("output_tokens"), nanos=Sum("cost_nanos"),
+                      seconds=Sum("engine_seconds")).order_by("model", "currency"))
+    # Per model across currencies (a model repriced in another currency has two rows).
+    by_model: dict[str, list[float]] = {}
+    for row in rows:
+        sums = by_model.setdefault(row["model"], [0, 0, 0, 0.0])
+        for index, name in enumerate(("input", "cached", "output")):
+            sums[index] += row[name] or 0
+        sums[3] += float(row["seconds"] or 0)
+        cost.add_metric([row["model"], row["currency"]], (row["nanos"] or 0) / 10**9)
+    for model, (tokens_in, cached, tokens_out, seconds) in by_model.items():
+        for kind, value in (("input", tokens_in), ("cached_input", cached),
+                            ("output", tokens_out)):
+            tokens.add_metric([model, kind], value)
+        engine.add_metric([model], seconds)
+    yield tokens
+    yield cost
+    yield engine
 
 
 class ServiceCollector:
@@ -127,6 +164,7 @@ class ServiceCollector:
             tokens.add_metric([row["model"], "output"], row["output"] or 0)
         yield requests
         yield tokens
+        yield from _usage_metrics()
 
         throughput = GaugeMetricFamily(
             "batchweb_throughput_requests_per_second",

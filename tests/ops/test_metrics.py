@@ -100,3 +100,28 @@ def test_metrics_workers_per_host(admin_client, user, tmp_path, settings):
     # Lost workers are not counted as serving the model.
     assert value("batchweb_workers", model="echo-test") == 2
     assert value("batchweb_workers_total") == 2
+
+
+def test_metrics_usage_ledger(admin_client, user, tmp_path, settings):
+    from jobs.models import Price
+    from jobs.services import shards as shard_service
+    from jobs.services.shards import Progress
+
+    Price.objects.create(model="echo-test", input_per_million=4, cached_input_per_million=2,
+                         output_per_million=8)
+    batch = make_batch(user, chat_lines(4), tmp_path, shard_size=2, settings=settings)
+    for shard in Shard.objects.filter(batch=batch):
+        claimed = shard_service.claim_shard(shard_id=shard.pk, worker="w", top_up=False)
+        assert shard_service.finish_shard(
+            shard_id=shard.pk, attempt=claimed.attempt, output_part="", error_part="",
+            progress=Progress(completed=2, input_tokens=1000, cached_tokens=500,
+                              output_tokens=100))
+    values = prometheus_values(admin_client.get("/metrics").content.decode())
+    echo = ("model", "echo-test")
+    assert values[("batchweb_usage_tokens_total", (("kind", "input"), echo))] == 2000
+    assert values[("batchweb_usage_tokens_total", (("kind", "cached_input"), echo))] == 1000
+    assert values[("batchweb_usage_tokens_total", (("kind", "output"), echo))] == 200
+    # (500 x 4 + 500 x 2 + 100 x 8) / 1e6, half off, twice.
+    assert values[("batchweb_usage_cost_total", (("currency", "usd"), echo))] == \
+        pytest.approx(0.0038)
+    assert (("batchweb_usage_engine_seconds_total", (echo,))) in values
