@@ -101,7 +101,7 @@ class UsageFilterForm(forms.Form):
     key = forms.TypedChoiceField(required=False, coerce=int, empty_value=None, label="API key")
     model = forms.ChoiceField(required=False)
     days = forms.TypedChoiceField(choices=PERIODS, coerce=int, required=False,
-                                  empty_value=None, label="Period")
+                                  empty_value=None, initial=30, label="Period")
 
     def __init__(self, *args: Any, keys: list[tuple[int, str]], models: list[str],
                  **kwargs: Any) -> None:

@@ -254,3 +254,75 @@ def test_phone_layout_and_no_javascript(live_server, user, browser):
     page.click("text=Create key")
     assert page.locator("#new-key").inner_text().startswith("sk-bw-")
     context.close()
+
+
+def test_usage_page_chart_filters_and_csv(live_server, user, workers, browser, tmp_path,
+                                          monkeypatch):
+    """A batch run by a real worker, then the Usage page: its chart has a bar for today,
+    the table and the totals show what the ledger charged, the period and key filters and
+    the CSV export work, and the batch page shows the same cost."""
+    # The test reads the database while Playwright's event loop runs in this thread.
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    import csv
+    import io
+
+    from jobs.models import Batch, Price, Quota, UsageRecord
+    from jobs.services.batches import create_batch
+    from jobs.services.files import create_input_file
+    from jobs.services.pricing import format_cost
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    Price.objects.create(model="echo-test", input_per_million=3, output_per_million=15)
+    Quota.objects.create(user=user, cost_per_month=5)
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(jsonl([chat_line(f"u{i}", f"usage question {i}", max_tokens=6)
+                            for i in range(12)]))
+    file = create_input_file(owner=user, path=path, filename="in.jsonl", purpose="batch")
+    batch = create_batch(owner=user, input_file_id=file.pk, endpoint="/v1/chat/completions",
+                         completion_window="24h")
+    workers.start(env={"BATCHWEB_SHARD_SIZE": "4"})
+    deadline = time.monotonic() + 60
+    while Batch.objects.get(pk=batch.pk).status != "completed":
+        assert time.monotonic() < deadline, "the batch did not complete"
+        time.sleep(0.3)
+    charged = sum(UsageRecord.objects.filter(batch_id=batch.pk).values_list(
+        "cost_nanos", flat=True))
+    assert UsageRecord.objects.filter(batch_id=batch.pk).count() == 3 and charged > 0
+
+    base = live_server.url
+    context = browser.new_context(viewport={"width": 1280, "height": 900},
+                                  accept_downloads=True)
+    page = context.new_page()
+    sign_in(page, base)
+    page.click("nav >> text=Usage")
+    page.wait_for_url(base + "/usage/")
+    assert page.locator("#usage-chart svg rect").count() == 1
+    assert page.text_content("#usage-cost").strip() == format_cost(charged)
+    assert "echo-test" in page.text_content("#usage-chart .chart-legend")
+    assert page.locator("#usage-table tbody tr").count() == 1
+    assert "12" in page.text_content("#usage-table tbody tr")
+    left = format_cost(5 * 10**9 - charged)
+    assert left in page.text_content("#budget-left")
+    page.screenshot(path=str(ARTIFACTS / "usage.png"), full_page=True)
+
+    with page.expect_download() as download_info:
+        page.click("#usage-csv")
+    rows = list(csv.DictReader(io.StringIO(Path(download_info.value.path()).read_text())))
+    assert [(r["model"], r["requests_succeeded"]) for r in rows] == [("echo-test", "12")]
+
+    page.select_option("#usage-filters select[name=days]", "7")
+    page.click("#usage-filters button[type=submit]")
+    page.wait_for_url(re.compile(r".*days=7.*"))
+    assert page.locator("#usage-chart svg rect").count() == 1
+    # An API key filter with a key that ran nothing: no usage.
+    from jobs.services.keys import create_api_key
+    create_api_key(owner=user, name="unused")
+    page.goto(base + "/usage/")
+    page.select_option("#usage-filters select[name=key]", label="unused")
+    page.click("#usage-filters button[type=submit]")
+    page.wait_for_url(re.compile(r".*key=.*"))
+    assert "No usage in this period" in page.text_content("#usage-chart")
+
+    page.goto(f"{base}/batches/{batch.pk}/")
+    assert format_cost(charged) in page.text_content("#batch-cost")
+    context.close()
