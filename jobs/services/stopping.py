@@ -12,7 +12,6 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from jobs.digestset import DigestSet
 from jobs.models import Batch, File, Shard
 from jobs.services.errors import wrong_state
 from jobs.services.files import iter_lines, open_file
@@ -95,6 +94,9 @@ class UnstartedLines:
         file = File.objects.filter(pk=self.batch.input_file_id).first()
         if file is None:
             return
+        # Imported here: numpy is not loaded by a worker's start (tests/ops/test_startup.py).
+        from jobs.digestset import DigestSet
+
         seen = DigestSet()
         self.count = 0
         with open_file(file) as stream:

@@ -885,7 +885,9 @@ def test_message_batch_page_labels_it_and_previews_messages(site, user, tmp_path
     assert [line["custom_id"] for line in out] == ["m1"]
     assert out[0]["response"]["body"]["type"] == "message"
     # The refused request never reached the engine: its shard wrote the problem.
-    assert [(e["custom_id"], e["error"]["code"]) for e in err] == [("m2", "invalid_parameter")]
+    assert [(e["custom_id"], e["response"]["status_code"],
+             e["response"]["body"]["error"]["code"]) for e in err] == [
+        ("m2", 400, "invalid_parameter")]
 
     page = site.get(reverse("batch_detail", args=[batch.pk])).content.decode()
     assert "Anthropic Message Batch" in page and "/v1/messages" in page
