@@ -143,3 +143,32 @@ def test_a_cancelled_batch_is_charged_for_what_completed_only(make_batch, make_p
     assert records[0].requests_succeeded == len(out)
     expected = expected_cost([r["response"]["body"] for r in out])
     assert abs(Decimal(records[0].cost_nanos) / 10**9 - expected) <= Decimal("1e-9")
+
+
+def test_an_expired_batch_is_charged_once_for_what_completed(make_batch, make_pipeline,
+                                                              prices, client):
+    from django.utils import timezone
+
+    from jobs.models import Batch
+    from jobs.services.stopping import expire_due_batches
+    from tests.factories import assert_charged_once
+
+    lines = [chat_line(f"e{i}", f"slow {i}") for i in range(16)]
+    batch = make_batch(lines, shard_size=8)
+    pipeline = make_pipeline(seconds_per_request=0.3, max_in_flight=2, inbox_size=2)
+    first = Shard.objects.get(batch=batch, index=0)
+    start_shard(pipeline, first.pk)
+    wait_for(lambda: Shard.objects.filter(pk=first.pk, completed__gt=0).exists(),
+             timeout=20, message="a first result")
+    Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now())
+    assert expire_due_batches() == [batch.pk]
+    wait_for(lambda: Shard.objects.filter(pk=first.pk, status="done").exists(),
+             timeout=20, message="the shard stopped")
+    done, _, err = finalized(batch)
+    assert done.status == "expired" and err
+    out = downloaded_output(client, done) if done.output_file_id else []
+    assert 0 < len(out) < 16
+    # Finalizing again (a second finalizer, the reconciler) charges nothing more.
+    finalized(batch)
+    assert_charged_once(batch.pk, out)
+    assert UsageRecord.objects.filter(batch_id=batch.pk).count() == 1
