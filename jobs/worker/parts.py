@@ -262,7 +262,7 @@ def prefix_cache_salt(owner_id: int) -> str:
     another's prompts begin; one owner's batches still share theirs. Keyed with the secret
     key: no user can compute another's salt (validation refuses the field anyway)."""
     return salted_hmac("batchweb.prefix-cache-salt", str(owner_id),
-                       algorithm="sha256").hexdigest()[:32]
+                       algorithm="sha256").hexdigest()
 
 
 def adopt_checkpoint(work: ShardWork, value: dict[str, Any]) -> None:
