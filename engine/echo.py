@@ -14,6 +14,8 @@ on a million requests without loading a model.
   the base model answers "echo:" (completions gain it in front); refused as vLLM refuses
   it when the model's options lack enable_lora or the folder holds no adapter_config.json.
 - embeddings: an 8-dim vector per input derived from sha256 of the input.
+- no prefix cache (usage reports 0 cached tokens), so a request's `cache_salt` changes
+  nothing here: there is no cache to share between owners.
 - score and rerank: a pair's score is the cosine similarity of its two inputs' echo
   embeddings (as vLLM scores pairs on an embeddings model); rerank orders the documents by
   it and keeps `top_n`. Shaped as vLLM's ScoreResponse and RerankResponse.
