@@ -518,7 +518,7 @@ def test_nothing_unpickles_or_evals_user_input() -> None:
 
 # --- deployment settings and headers ---
 
-# Exactly the production environment of the README ("Running on real infrastructure").
+# Exactly the production environment of docs/operations.md ("Running on real infrastructure").
 PRODUCTION_ENV = {
     "DEBUG": "0", "SECRET_KEY": "k" * 20 + "-Zq8#x!v2@P9$w7&L0^e%R4*t6(Y1)u3-" + "m" * 20,
     "ALLOWED_HOSTS": "batch.example.com",
