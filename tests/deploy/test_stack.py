@@ -25,7 +25,9 @@ import json
 import os
 import re
 import secrets
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -51,6 +53,9 @@ REQUESTS = 200
 # What the operator must set: compose refuses to start without each.
 SECRETS = ("POSTGRES_PASSWORD", "SECRET_KEY", "REDIS_PASSWORD", "BATCHWEB_S3_ACCESS_KEY_ID",
            "BATCHWEB_S3_SECRET_ACCESS_KEY")
+# The local torch index's port: a fixed one, since the index's URL is a build argument
+# and so part of the key of the build cache's dependency layer.
+TORCH_INDEX_PORT = 18099
 # The engine lock of this machine: no two vLLM engines run at once (the worker is one).
 ENGINE_LOCK = Path("/tmp/engine.lock")
 
@@ -63,11 +68,21 @@ def log(message: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def docker_host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerHost]:
+def workdir() -> Iterator[Path]:
+    """The test's own files (.env, logs): not pytest's numbered temporary folders, which
+    any other pytest run on the machine may prune while the stack still needs them."""
+    folder = Path(tempfile.mkdtemp(prefix="batchweb-deploytest-"))
+    log(f"files: {folder}")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def docker_host(workdir: Path) -> Iterator[DockerHost]:
     reason = why_not()
     if reason:
         pytest.skip(reason)
-    host = DockerHost(tmp_path_factory.mktemp("dockerd"))
+    host = DockerHost(workdir)
     try:
         host.up()
         yield host
@@ -95,7 +110,7 @@ def torch_index() -> Iterator[list[str]]:
         yield []
         return
     handler = functools.partial(_WheelIndex, wheel)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", TORCH_INDEX_PORT), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield ["--network", "host", "--build-arg",
@@ -221,13 +236,14 @@ class Stack:
 
     def get(self, path: str, **headers: str) -> httpx.Response:
         return httpx.get(f"http://127.0.0.1:{self.port}{path}",
-                         headers={**self.headers(), **headers}, timeout=30)
+                         headers={**self.headers(), **headers}, timeout=30, trust_env=False)
 
     def client(self) -> Any:
         import openai
 
         return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=self.api_key,
-                             default_headers=self.headers(), max_retries=5, timeout=60)
+                             default_headers=self.headers(), max_retries=5, timeout=60,
+                             http_client=httpx.Client(trust_env=False))
 
     def wait_healthy(self, timeout: float = 300) -> float:
         """Seconds until the web container's health check passed."""
@@ -251,8 +267,8 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(image: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    folder = tmp_path_factory.mktemp("stack")
+def stack(image: dict[str, str], workdir: Path) -> Iterator[Stack]:
+    folder = workdir
     port = free_port()
     env = {
         "POSTGRES_PASSWORD": secrets.token_hex(16),
@@ -274,7 +290,9 @@ def stack(image: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> It
     env_file = folder / ".env"
     env_file.write_text(env_file_text(env))
     env_file.chmod(0o600)
-    stack = Stack(env_file=env_file, env=env, port=port, logs=folder / "compose.log")
+    artifacts = ROOT / "tests" / "artifacts"
+    artifacts.mkdir(exist_ok=True)
+    stack = Stack(env_file=env_file, env=env, port=port, logs=artifacts / "deploy-compose.log")
     with ENGINE_LOCK.open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
@@ -301,8 +319,10 @@ def test_web_is_healthy_migrate_ran_once_login_and_metrics_answer(stack: Stack) 
     login = stack.get("/accounts/login/")
     assert login.status_code == 200 and 'name="password"' in login.text
     # Without the proxy's X-Forwarded-Proto the service sends the client to https.
-    plain = httpx.get(f"http://127.0.0.1:{stack.port}/accounts/login/", headers={"Host": HOST})
-    assert plain.status_code == 301 and plain.headers["location"].startswith("https://")
+    plain = httpx.get(f"http://127.0.0.1:{stack.port}/accounts/login/", headers={"Host": HOST},
+                      trust_env=False)
+    assert plain.status_code == 301, (plain.headers, plain.text[:500])
+    assert plain.headers["location"] == f"https://{HOST}/accounts/login/"
     metrics = stack.get("/metrics", Authorization=f"Bearer {stack.env['BATCHWEB_METRICS_TOKEN']}")
     assert metrics.status_code == 200 and "batchweb_redis_up 1" in metrics.text
     assert stack.get("/metrics").status_code in (302, 403)
@@ -525,7 +545,7 @@ def sign_in(stack: Stack, client: str, password: str) -> int:
         f"http://127.0.0.1:{stack.port}/accounts/login/",
         data={"username": "admin", "password": password, "csrfmiddlewaretoken": token},
         headers={**stack.headers(client), "Cookie": f"csrftoken={cookie}",
-                 "Referer": f"https://{HOST}/accounts/login/"}, timeout=30)
+                 "Referer": f"https://{HOST}/accounts/login/"}, timeout=30, trust_env=False)
     return response.status_code
 
 
