@@ -353,11 +353,13 @@ BATCHWEB: dict[str, Any] = {
     "DEDUP_MAX_BODIES": env_int("BATCHWEB_DEDUP_MAX_BODIES", 200_000),
     # Prefix planning (jobs.services.prefix_plan): shards run requests grouped by prompt
     # prefix when that serves at least PREFIX_MIN_GAIN of a file's prompt tokens from the
-    # engine's prefix cache beyond what file order would. PREFIX_CACHE_TOKENS is the prefix
-    # cache of one worker's engine in tokens (each batchworker logs its own at start; ~47k
-    # for the CPU default of 2 GiB with SmolLM2-135M, millions on a large GPU).
+    # engine's prefix cache beyond what file order would. Planning sizes that cache by what
+    # the model's live workers report (the smallest: ~47k tokens for the CPU default of 2
+    # GiB with SmolLM2-135M, millions on a large GPU); PREFIX_CACHE_TOKENS, when set,
+    # overrides it, and PREFIX_CACHE_TOKENS_DEFAULT stands in while no worker reported.
     "PREFIX_GROUPING": env_bool("BATCHWEB_PREFIX_GROUPING", True),
-    "PREFIX_CACHE_TOKENS": env_int("BATCHWEB_PREFIX_CACHE_TOKENS", 50_000),
+    "PREFIX_CACHE_TOKENS": env_int("BATCHWEB_PREFIX_CACHE_TOKENS", 0),
+    "PREFIX_CACHE_TOKENS_DEFAULT": 50_000,
     "PREFIX_MIN_GAIN": env_float("BATCHWEB_PREFIX_MIN_GAIN", 0.10),
     # completion_window bounds, in hours.
     "MIN_WINDOW_HOURS": env_int("BATCHWEB_MIN_WINDOW_HOURS", 1),
@@ -440,7 +442,8 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
-    "loggers": {"django.db.backends": {"level": "WARNING"}},
+    # httpx logs every request at INFO: a remote model's worker sends one per batch line.
+    "loggers": {"django.db.backends": {"level": "WARNING"}, "httpx": {"level": "WARNING"}},
 }
 
 # Production hardening; `manage.py check --deploy` with DEBUG off is clean.

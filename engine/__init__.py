@@ -55,4 +55,8 @@ def load_engine(spec: ModelSpec) -> Engine:
         from engine.echo import EchoEngine
 
         return EchoEngine(spec)
+    if spec.backend == "remote":
+        from engine.remote import RemoteEngine
+
+        return RemoteEngine(spec)
     raise EngineError(f"unknown backend {spec.backend!r} for model {spec.name!r}")

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.prefix_limit import PromptBlocks
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 EMBEDDINGS = "/v1/embeddings"
@@ -175,6 +177,10 @@ class EngineRequest:
     # every answer reports in its usage, tells nothing of another user's prompts. At most
     # 128 characters, none of '@', '/', '\\' or NUL (vLLM's rule); empty: no salt.
     cache_salt: str = ""
+    # Requests with the same nonzero `prefix` (and salt) share a long prompt prefix (a
+    # group of a grouped shard, jobs.prefix): the engine has the first one compute it
+    # before the others start, so they all find it in its prefix cache.
+    prefix: int = 0
 
 
 @dataclass(frozen=True)
@@ -190,6 +196,9 @@ class EngineResult:
     # True when the request was aborted through `Engine.abort` before it finished; `body`
     # is then empty and the caller decides what to write for it.
     aborted: bool = False
+    # The full blocks of its prompt the prefix cache could serve another request (None
+    # where the engine has no prefix cache): what the limit of caching is counted from.
+    prompt_blocks: PromptBlocks | None = None
 
 
 @dataclass(frozen=True)
@@ -198,8 +207,9 @@ class ModelSpec:
 
     # The name users put in the `model` field of a request.
     name: str
-    # "vllm" (GPU and CPU alike: the installed vLLM build decides the device) or "echo"
-    # (test-only, no model).
+    # "vllm" (GPU and CPU alike: the installed vLLM build decides the device), "remote"
+    # (an OpenAI-compatible server that serves it: engine/remote.py) or "echo" (test-only,
+    # no model).
     backend: str
     # A local Hugging Face style folder; empty for the echo backend.
     path: str = ""
@@ -239,6 +249,12 @@ class Engine(ABC):
     @abstractmethod
     def abort(self, request_ids: Iterable[str]) -> None:
         """Stop these requests if they are in flight; each still yields one result, aborted."""
+
+    def provenance(self) -> dict[str, Any]:
+        """What this engine is (engine.provenance.Provenance as JSON: the model's files and
+        their hash, the engine and its version, dtype, parallelism, the sampling defaults it
+        applies), recorded on every shard it runs; {} when the engine cannot say."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 (optional hook, not abstract)
         """Release the model and any engine process."""

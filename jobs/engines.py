@@ -31,6 +31,9 @@ def _options(entry: dict) -> dict:
         options["dtype"] = _cpu_dtype()
     if entry.get("backend") == "vllm" and "allowed_media_domains" not in options:
         options["allowed_media_domains"] = engine_media_domains()
+    if entry.get("backend") == "remote":
+        # The shared limit of its server lives in the deployment's Redis.
+        options.setdefault("redis_url", settings.REDIS_URL)
     return options
 
 

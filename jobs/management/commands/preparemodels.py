@@ -21,7 +21,9 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         for spec in model_specs():
-            if spec.backend == "echo" or (options["names"] and spec.name not in options["names"]):
+            # Nothing to prepare for the echo engine, nor for a model a server serves.
+            if spec.backend in ("echo", "remote") or (
+                    options["names"] and spec.name not in options["names"]):
                 continue
             started = time.monotonic()
             path = prepare_model(spec, settings.MODELS_DIR)

@@ -1,0 +1,146 @@
+"""How many requests may be in flight on one remote server, shared by every worker.
+
+A remote server (engine/remote.py) is shared: several batchworkers, on several hosts, may
+point at the same base URL. Their requests in flight are bounded together by a semaphore
+held in Redis, and the bound itself moves (AIMD) with what the server answers.
+
+- The semaphore is a sorted set of leases, each scored by when it expires (Redis' own
+  clock). A holder renews its leases while their requests run; a killed worker stops
+  renewing, so its slots come back after LEASE_SECONDS without anyone cleaning up.
+- The limit is a float in the server's state hash: +1/limit per request whose latency
+  stays near the floor (one slot per "round" of the limit, as TCP's congestion avoidance),
+  x BETA on a 429, a 503, a timeout, a reset, or vLLM's own queue holding requests not
+  ours; never above the ceiling nor below 1, and cut at most once per COOLDOWN_SECONDS (a
+  burst of 429s is one signal, not ten halvings).
+- The same hash counts backoffs and errors and remembers when the server was last busy or
+  unreachable, for queue health, /metrics and the batch page (`server_state`).
+
+Keys: batchweb:remote:<server id>:leases and :state; the server id is a digest of the base
+URL, so every worker that names the same URL shares them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+KEY_PREFIX = "batchweb:remote:"
+LEASE_SECONDS = 30
+BETA = 0.5
+COOLDOWN_SECONDS = 2.0
+# How long after a throttle or a connection failure the server still shows as busy or
+# unreachable.
+RECENT_SECONDS = 30
+
+# KEYS: leases, state. ARGV: lease id, lease ms, initial limit, ceiling.
+# 1 and the lease taken when in flight < the limit, else 0.
+ACQUIRE = """
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local limit = tonumber(redis.call('HGET', KEYS[2], 'limit'))
+if limit == nil then
+  limit = tonumber(ARGV[3])
+  redis.call('HSET', KEYS[2], 'limit', ARGV[3])
+end
+limit = math.min(limit, tonumber(ARGV[4]))
+if redis.call('ZCARD', KEYS[1]) < math.max(1, math.floor(limit)) then
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+  redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[2]))
+  return 1
+end
+return 0
+"""
+
+# KEYS: leases. ARGV: lease ms, lease ids... Every lease pushed to now + lease ms (put
+# back if Redis lost it: its request is still running and must be counted).
+RENEW = """
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+for i = 2, #ARGV do
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[1]), ARGV[i])
+end
+redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[1]))
+return #ARGV - 1
+"""
+
+# KEYS: state. ARGV: "grow" | "cut", ceiling, cooldown ms, beta. The new limit.
+ADJUST = """
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local ceiling = tonumber(ARGV[2])
+local limit = math.min(tonumber(redis.call('HGET', KEYS[1], 'limit') or ceiling), ceiling)
+if ARGV[1] == 'grow' then
+  limit = math.min(ceiling, limit + 1 / math.max(1, limit))
+else
+  local last = tonumber(redis.call('HGET', KEYS[1], 'cut_at') or 0)
+  if now - last < tonumber(ARGV[3]) then
+    return tostring(limit)
+  end
+  limit = math.max(1, limit * tonumber(ARGV[4]))
+  redis.call('HSET', KEYS[1], 'cut_at', now)
+  redis.call('HINCRBY', KEYS[1], 'cuts', 1)
+end
+redis.call('HSET', KEYS[1], 'limit', tostring(limit))
+return tostring(limit)
+"""
+
+
+def server_id(base_url: str) -> str:
+    """The key every worker naming this base URL shares (a trailing slash is the same URL)."""
+    return hashlib.sha256(base_url.rstrip("/").encode()).hexdigest()[:16]
+
+
+def keys(base_url: str) -> tuple[str, str]:
+    """(leases, state) keys of the server at `base_url`."""
+    prefix = f"{KEY_PREFIX}{server_id(base_url)}"
+    return f"{prefix}:leases", f"{prefix}:state"
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """What queue health, /metrics and the batch page show of one remote server."""
+
+    base_url: str
+    in_flight: int
+    limit: float
+    backoffs: int
+    errors: int
+    cuts: int
+    # "ok", "busy" (it throttled us or held every slot lately) or "unreachable" (the
+    # last attempt to reach it failed, within RECENT_SECONDS).
+    condition: str
+    last_error: str
+
+
+def server_state(client: Any, base_url: str, *, ceiling: float) -> ServerState:
+    """The shared state of the server at `base_url`, read with a synchronous redis-py
+    client (the web's); leases past their expiry are not counted."""
+    leases, state = keys(base_url)
+    now_ms = time.time() * 1000
+    pipe = client.pipeline()
+    pipe.zcount(leases, now_ms, "+inf")
+    pipe.hgetall(state)
+    in_flight, raw = pipe.execute()
+    fields = {_text(k): _text(v) for k, v in raw.items()}
+    now = time.time()
+    unreachable = float(fields.get("unreachable_at") or 0)
+    reached = float(fields.get("reached_at") or 0)
+    busy = float(fields.get("busy_at") or 0)
+    if unreachable > reached and now - unreachable < RECENT_SECONDS:
+        condition = "unreachable"
+    elif now - busy < RECENT_SECONDS:
+        condition = "busy"
+    else:
+        condition = "ok"
+    return ServerState(base_url=base_url, in_flight=int(in_flight),
+                       limit=min(float(fields.get("limit") or ceiling), ceiling),
+                       backoffs=int(fields.get("backoffs") or 0),
+                       errors=int(fields.get("errors") or 0), cuts=int(fields.get("cuts") or 0),
+                       condition=condition, last_error=fields.get("last_error", ""))
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
