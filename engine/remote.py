@@ -73,7 +73,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 OPTIONS = {
-    "base_url": None, "model": "", "api_key_env": "", "max_concurrency": 64,
+    "base_url": None, "model": "", "api_key_env": "",
+    "max_concurrency": limits.DEFAULT_CEILING,
     "initial_concurrency": 4, "connect_timeout": 10.0, "request_timeout": 600.0,
     "max_retries": 8, "backoff_base": 0.5, "backoff_max": 30.0, "priority": 10,
     "cache_salt": True, "latency_tolerance": 2.0, "metrics_url": None, "max_in_flight": None,

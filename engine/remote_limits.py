@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 KEY_PREFIX = "batchweb:remote:"
+# A remote model's `max_concurrency` when its options do not say.
+DEFAULT_CEILING = 64
 LEASE_SECONDS = 30
 BETA = 0.5
 COOLDOWN_SECONDS = 2.0

@@ -38,6 +38,15 @@ setting), or a signed-in staff user.
     batchweb_host_heartbeat_age_seconds{host}       since its newest worker heartbeat
     batchweb_webhook_events{status}                 webhook events by delivery status
     batchweb_redis_up                               1 if Redis answered
+    batchweb_remote_in_flight{server}               requests in flight on a remote server
+                                                    (all workers), batchweb_remote_limit
+                                                    {server} its adaptive limit,
+                                                    batchweb_remote_ceiling{server} its
+                                                    ceiling, batchweb_remote_condition
+                                                    {server,condition} ok | busy |
+                                                    unreachable
+    batchweb_remote_backoffs_total{server}          retries waited for
+    batchweb_remote_errors_total{server}            requests failed with its error
 """
 
 from __future__ import annotations
@@ -56,22 +65,23 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from jobs import queues
-from jobs.models import Batch, Shard, UsageRecord, WebhookEvent
+from jobs.models import Batch, Shard, UsageDay, WebhookEvent
 from jobs.queries.health import Health, queue_health, shard_counts_by_model
 
 THROUGHPUT_WINDOW = timedelta(minutes=5)
 
 
 def _usage_metrics() -> Iterator[Metric]:
-    """The usage ledger's sums: one GROUP BY over it (it outlives deleted batches, so these
-    counters never drop)."""
+    """The usage ledger's sums, from its daily sums (UsageDay, written with each ledger row:
+    the same totals, a few hundred rows a day). The ledger outlives deleted batches, so
+    these counters never drop."""
     tokens = CounterMetricFamily("batchweb_usage_tokens", "Tokens charged in the usage ledger.",
                                  labels=["model", "kind"])
     cost = CounterMetricFamily("batchweb_usage_cost", "What the usage ledger charged.",
                                labels=["model", "currency"])
     engine = CounterMetricFamily("batchweb_usage_engine_seconds",
                                  "The engine's time the charged work took.", labels=["model"])
-    rows = (UsageRecord.objects.order_by().values("model", "currency")
+    rows = (UsageDay.objects.order_by().values("model", "currency")
             .annotate(input=Sum("input_tokens"), cached=Sum("cached_tokens"),
                       output=Sum("output_tokens"), nanos=Sum("cost_nanos"),
                       seconds=Sum("engine_seconds")).order_by("model", "currency"))
@@ -79,8 +89,9 @@ def _usage_metrics() -> Iterator[Metric]:
     by_model: dict[str, list[float]] = {}
     for row in rows:
         sums = by_model.setdefault(row["model"], [0, 0, 0, 0.0])
-        for index, name in enumerate(("input", "cached", "output")):
-            sums[index] += row[name] or 0
+        sums[0] += row["input"] or 0
+        sums[1] += row["cached"] or 0
+        sums[2] += row["output"] or 0
         sums[3] += float(row["seconds"] or 0)
         cost.add_metric([row["model"], row["currency"]], (row["nanos"] or 0) / 10**9)
     for model, (tokens_in, cached, tokens_out, seconds) in by_model.items():
@@ -142,6 +153,7 @@ class ServiceCollector:
             total_workers.add_metric([], sum(len(h.live) for h in health.hosts))
         yield total_workers
         yield from host_metrics(health)
+        yield from remote_metrics(health)
 
         in_flight = GaugeMetricFamily("batchweb_shards_in_flight",
                                       "Shards queued or running.", labels=["model", "state"])
@@ -217,6 +229,40 @@ def host_metrics(health: Health) -> Iterator[Metric]:
     yield workers
     yield held
     yield age
+
+
+def remote_metrics(health: Health) -> Iterator[Metric]:
+    """Per remote server (engine/remote_limits.py): what every worker pointing at it holds
+    there, the adaptive limit, and what the server made us wait for or fail."""
+    labels = ["server"]
+    in_flight = GaugeMetricFamily("batchweb_remote_in_flight",
+                                  "Requests in flight on a remote server, all workers.",
+                                  labels=labels)
+    limit = GaugeMetricFamily("batchweb_remote_limit",
+                              "The adaptive concurrency limit of a remote server.",
+                              labels=labels)
+    ceiling = GaugeMetricFamily("batchweb_remote_ceiling",
+                                "The configured most requests in flight on a remote server.",
+                                labels=labels)
+    condition = GaugeMetricFamily("batchweb_remote_condition",
+                                  "1 for the server's condition (ok, busy, unreachable).",
+                                  labels=["server", "condition"])
+    backoffs = CounterMetricFamily("batchweb_remote_backoffs",
+                                   "Retries waited for (429, 503, timeouts, resets, no "
+                                   "connection).", labels=labels)
+    errors = CounterMetricFamily("batchweb_remote_errors",
+                                 "Requests that ended failed with a remote server's error.",
+                                 labels=labels)
+    for server in health.servers:
+        state = server.state
+        in_flight.add_metric([state.base_url], state.in_flight)
+        limit.add_metric([state.base_url], state.limit)
+        ceiling.add_metric([state.base_url], server.ceiling)
+        for name in ("ok", "busy", "unreachable"):
+            condition.add_metric([state.base_url, name], 1 if state.condition == name else 0)
+        backoffs.add_metric([state.base_url], state.backoffs)
+        errors.add_metric([state.base_url], state.errors)
+    yield from (in_flight, limit, ceiling, condition, backoffs, errors)
 
 
 def render_metrics() -> bytes:

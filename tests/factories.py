@@ -709,7 +709,8 @@ def response_text(response) -> str:
         response.content.decode()
 
 
-def register_worker(name: str, host: str, *, heartbeat_age: float = 0.0) -> Any:
+def register_worker(name: str, host: str, *, heartbeat_age: float = 0.0,
+                    model: str = "echo-test") -> Any:
     """An RQ worker registered in Redis as batchworker registers one (its model's queues,
     its host), its last heartbeat `heartbeat_age` seconds ago."""
     from rq.utils import utcformat
@@ -717,7 +718,7 @@ def register_worker(name: str, host: str, *, heartbeat_age: float = 0.0) -> Any:
     from jobs import queues
     from jobs.worker.rq_worker import BatchWorker
 
-    worker = BatchWorker([queues.queue(q) for q in queues.model_queue_names("echo-test")],
+    worker = BatchWorker([queues.queue(q) for q in queues.model_queue_names(model)],
                          name=name, connection=queues.connection())
     worker.hostname = host
     worker.register_birth()

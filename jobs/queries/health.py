@@ -19,8 +19,9 @@ from django.db.models import Count, F
 from django.utils import timezone
 from rq import Worker
 
+from engine.remote_limits import DEFAULT_CEILING, ServerState, server_state
 from jobs import queues
-from jobs.engines import model_names
+from jobs.engines import model_names, model_spec, model_specs
 from jobs.models import Shard
 from jobs.worker.presence import standby_models
 
@@ -122,6 +123,15 @@ class ModelHealth:
 
 
 @dataclass
+class RemoteServer:
+    """A server remote models run on, as every worker naming it shares it."""
+
+    models: list[str]
+    ceiling: int
+    state: ServerState
+
+
+@dataclass
 class Health:
     models: list[ModelHealth]
     control_depth: int
@@ -129,6 +139,7 @@ class Health:
     redis_ok: bool = True
     redis_error: str = ""
     hosts: list[HostHealth] = field(default_factory=list)
+    servers: list[RemoteServer] = field(default_factory=list)
 
     @property
     def lost_hosts(self) -> list[HostHealth]:
@@ -155,10 +166,45 @@ def progress_blocker(model: str) -> str:
                     and not _heartbeat(w, stamp)[2] for w in _workers(queues.connection()))
         reason = "" if alive else (f"no worker for {model} is running; it resumes as soon "
                                    "as one starts")
+        if not reason:
+            reason = _server_blocker(model, queues.connection())
     except Exception:  # Redis down or unreachable
         reason = "the queue (Redis) cannot be reached; workers wait for it to come back"
     _blockers[model] = (now, reason)
     return reason
+
+
+def _server_blocker(model: str, connection: Any) -> str:
+    """For a remote model: its server cannot be reached, or it is throttling us."""
+    spec = model_spec(model)
+    if spec is None or spec.backend != "remote":
+        return ""
+    url = spec.options["base_url"]
+    state = server_state(connection, url, ceiling=spec.options.get("max_concurrency",
+                                                                    DEFAULT_CEILING))
+    if state.condition == "unreachable":
+        return (f"its server {url} cannot be reached ({state.last_error}); its requests "
+                "wait and run as soon as it answers")
+    if state.condition == "busy":
+        return (f"its server {url} is busy (it refused or queued our requests lately); "
+                "its requests wait and are retried as it frees up")
+    return ""
+
+
+def remote_servers(connection: Any) -> list[RemoteServer]:
+    """Every server the remote models run on, once per base URL."""
+    found: dict[str, RemoteServer] = {}
+    for spec in model_specs():
+        if spec.backend != "remote":
+            continue
+        url = str(spec.options["base_url"]).rstrip("/")
+        ceiling = int(spec.options.get("max_concurrency", DEFAULT_CEILING))
+        if url in found:
+            found[url].models.append(spec.name)
+            continue
+        found[url] = RemoteServer(models=[spec.name], ceiling=ceiling,
+                                  state=server_state(connection, url, ceiling=ceiling))
+    return list(found.values())
 
 
 def _workers(connection: Any) -> list[Any]:
@@ -207,8 +253,10 @@ def queue_health(*, now: datetime | None = None) -> Health:
     models = {name: ModelHealth(model=name, depth={}) for name in model_names()}
     redis_ok, redis_error, control_depth, control_workers = True, "", 0, 0
     infos: list[WorkerInfo] = []
+    servers: list[RemoteServer] = []
     try:
         connection = queues.connection()
+        servers = remote_servers(connection)
         workers = _workers(connection)
         control_depth = queues.queue(queues.CONTROL_QUEUE).count
         owners = {q: name for name in models for q in queues.model_queue_names(name)}
@@ -256,7 +304,7 @@ def queue_health(*, now: datetime | None = None) -> Health:
         hosts.setdefault(info.hostname, HostHealth(hostname=info.hostname)).workers.append(info)
     return Health(models=list(models.values()), control_depth=control_depth,
                   control_workers=control_workers, redis_ok=redis_ok, redis_error=redis_error,
-                  hosts=sorted(hosts.values(), key=lambda h: h.hostname))
+                  hosts=sorted(hosts.values(), key=lambda h: h.hostname), servers=servers)
 
 
 def shard_counts_by_model() -> dict[tuple[str, str], int]:
