@@ -391,6 +391,16 @@ class LoraAdapterForm(forms.ModelForm):
     class Meta:
         model = LoraAdapter
         fields = ["name", "base_model", "source"]
+        # The rules engine/prepare.py holds them to (the model's help texts predate them).
+        help_texts = {
+            "name": "What requests put in their model field: letters, digits, '.', '_' and "
+                    "'-', starting with a letter or digit; not the name of a served model.",
+            # No angle brackets: the admin shows help texts as HTML.
+            "source": "An absolute path to a PEFT adapter folder (holding adapter_config.json) "
+                      "on every worker host, or pypi:NAME==VERSION, optionally followed by "
+                      "--hash=sha256:HEX, for a wheel carrying such a folder (each worker "
+                      "downloads it on first use).",
+        }
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

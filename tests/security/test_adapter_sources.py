@@ -120,6 +120,7 @@ def test_only_superusers_add_or_change_adapters(client, admin_client, django_use
     adapter = LoraAdapter.objects.create(name="tuned", base_model="echo-test", source=source)
     change = reverse("admin:jobs_loraadapter_change", args=[adapter.pk])
     assert client.post(change, {}).status_code == 403
-    # A superuser adds and changes them.
-    assert admin_client.get(add).status_code == 200
+    # A superuser adds and changes them, told the rules.
+    page = admin_client.get(add)
+    assert page.status_code == 200 and b"pypi:NAME==VERSION" in page.content
     assert admin_client.get(change).status_code == 200
