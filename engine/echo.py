@@ -27,6 +27,12 @@ on a million requests without loading a model.
   cannot read is one plain 400.
 - options["seconds_per_request"] (default 0) sleeps that long per request (slow shards);
   options["max_in_flight"] (default 64) bounds concurrency like the real engine.
+- options["version"] (default "1"): a stand-in for the model's weights, hashed as its
+  provenance's model hash. Another version answers in lower case, as new weights change
+  some answers (those with capitals) and not others: what drift tests compare.
+- options["sampling_defaults"] (default none): the defaults the engine applies to what a
+  request leaves unset, as vLLM's generation config does; here only "max_tokens" (chat,
+  completions, responses) changes an answer. Recorded in the provenance.
 - options["request_log"] (default none): a file to which the id of every request the engine
   computes (not the aborted ones) is appended, one per line, flushed at once, so tests count
   from the engine's own side what a worker computed twice, even across a SIGKILL.
@@ -125,6 +131,8 @@ class EchoEngine(Engine):
         self.max_model_len = int(opts.get("max_model_len", 2048))
         self.seconds_per_request = float(opts.get("seconds_per_request", 0))
         self.max_in_flight = int(opts.get("max_in_flight", 64))
+        self.version = str(opts.get("version", "1"))
+        self.sampling_defaults = dict(opts.get("sampling_defaults") or {})
         log_path = opts.get("request_log") or ""
         self._request_log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
         self._lock = threading.Lock()
@@ -182,7 +190,10 @@ class EchoEngine(Engine):
             refusal = "The echo engine cannot answer this request body."
             return (400, anthropic_error(400, refusal)) if url == MESSAGES else _error(refusal)
         max_tokens = (body.get("max_completion_tokens") or body.get("max_tokens")
-                      or body.get("max_output_tokens"))
+                      or body.get("max_output_tokens")
+                      or self.sampling_defaults.get("max_tokens"))
+        if self.version != "1":
+            words = [word.lower() for word in words]
         n = body.get("n") or 1
         if prompt_tokens + (max_tokens or 0) > self.max_model_len:
             return _context_error(prompt_tokens + (max_tokens or 0), self.max_model_len)
@@ -219,6 +230,8 @@ class EchoEngine(Engine):
         last_user = next((" ".join(text_parts(m.get("content")))
                           for m in reversed(messages) if m.get("role") == "user"), "")
         words = [lead, *last_user.split()]
+        if self.version != "1":
+            words = [word.lower() for word in words]
         max_tokens = body["max_tokens"]
         if prompt_tokens + max_tokens > self.max_model_len:
             status, error = _context_error(prompt_tokens + max_tokens, self.max_model_len)
@@ -399,6 +412,17 @@ class EchoEngine(Engine):
         if not (Path(path) / "adapter_config.json").is_file():
             return 404, f"Loading lora {name} failed: No adapter found for {path}"
         return None
+
+    def provenance(self) -> dict[str, Any]:
+        from engine.provenance import Provenance
+
+        return Provenance(
+            model=self.spec.name, model_source=self.spec.source or "echo",
+            model_sha256=hashlib.sha256(f"echo:{self.version}".encode()).hexdigest(),
+            engine="echo", engine_version=self.version,
+            dtype=str(self.spec.options.get("dtype") or "none"),
+            parallelism={"tensor_parallel_size": 1, "pipeline_parallel_size": 1},
+            sampling_defaults=self.sampling_defaults).as_json()
 
     def abort(self, request_ids: Iterable[str]) -> None:
         with self._lock:

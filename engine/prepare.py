@@ -39,6 +39,7 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
 from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, RERANK, RESPONSES, SCORE, ModelSpec
+from engine.provenance import content_hash
 
 MARKER = ".batchweb-source"
 
@@ -104,6 +105,8 @@ def prepare_model(spec: ModelSpec, cache_dir: Path) -> Path:
         else:
             raise ValueError(f"unknown model source scheme {scheme!r} in {spec.source!r}")
         (tmp / MARKER).write_text(spec.source)
+        # Hashed once here (cached inside the folder), not at every worker's start.
+        content_hash(tmp)
         _replace_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
+import copy
 import json
 import os
 import queue
@@ -50,6 +52,7 @@ from engine.base import (
     ModelSpec,
     anthropic_error,
 )
+from engine.prefix_limit import PromptBlocks, block_keys
 
 T = TypeVar("T")
 
@@ -143,6 +146,10 @@ def serve_args(spec: ModelSpec, options: dict[str, Any]) -> argparse.Namespace:
     # usage.prompt_tokens_details.cached_tokens, as OpenAI reports it: the prompt tokens
     # served from the prefix cache (summed into the batch's usage and run report).
     args.enable_prompt_tokens_details = True
+    # A prefix group's later requests run ahead of the queue once their first has computed
+    # the prefix (VllmEngine._generate); every other request has priority 0, which runs
+    # them first come, first served, as vLLM's default policy does.
+    args.scheduling_policy = "priority"
     for key, value in options.items():
         if not hasattr(args, key):
             raise ValueError(f"unknown vLLM option {key!r} for model {spec.name!r}")
@@ -150,6 +157,29 @@ def serve_args(spec: ModelSpec, options: dict[str, Any]) -> argparse.Namespace:
     if not args.allowed_media_domains:
         args.allowed_media_domains = list(NO_MEDIA_HOSTS)
     return args
+
+
+# vLLM's priority of a prefix group's later requests, once their first has computed the
+# shared prefix: ahead of the requests queued meanwhile (lower runs first), so they are
+# scheduled while its blocks are still in the cache.
+FOLLOWER_PRIORITY = -1
+# Prefix groups remembered (their gates); far more than can be in flight at once.
+_GATES_KEPT = 4096
+
+
+@dataclass
+class _Run:
+    """One request's part in its prefix group, and what its prompt was (see _generate)."""
+
+    salt: str = ""
+    # Its group's first request: set once that one's prompt is computed (or it ended).
+    leads: asyncio.Event | None = None
+    waits_for: asyncio.Event | None = None
+    blocks: PromptBlocks | None = None
+
+
+# The run of the request the current task serves (each `_serve` is a task of its own).
+_RUN: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("run", default=None)
 
 
 @dataclass(frozen=True)
@@ -170,7 +200,7 @@ class VllmEngine(Engine):
         self.spec = spec
         options = dict(spec.options)
         max_in_flight = options.pop("max_in_flight", None)
-        self._tasks: dict[str, asyncio.Task[tuple[int, dict[str, Any]]]] = {}
+        self._tasks: dict[str, asyncio.Task[tuple[int, dict[str, Any], PromptBlocks | None]]] = {}
         self._aborted: set[str] = set()
         self._closed = False
         self._loop = asyncio.new_event_loop()
@@ -190,10 +220,39 @@ class VllmEngine(Engine):
         self._batch_size = max_num_seqs
         cache = self._llm.vllm_config.cache_config
         self.prefix_cache_tokens = (cache.num_gpu_blocks or 0) * cache.block_size
+        self._provenance = self._describe()
+        self.prefix_block_size = cache.block_size if cache.enable_prefix_caching else 0
+        self._priorities = self._llm.vllm_config.scheduler_config.policy == "priority"
+        self._gates: dict[tuple[str, int], asyncio.Event] = {}
+        self._llm.generate = self._generate(self._llm.generate)
 
     @property
     def batch_size(self) -> int:
         return self._batch_size
+
+    def provenance(self) -> dict[str, Any]:
+        return self._provenance
+
+    def _describe(self) -> dict[str, Any]:
+        """The provenance of this engine, read from the configuration vLLM resolved (the
+        dtype it picked, the sampling defaults of the model's generation config it applies
+        to what a request leaves unset); the folder's content hash is computed once per
+        folder and cached beside its files (engine.provenance.content_hash)."""
+        import vllm
+
+        from engine.provenance import Provenance, content_hash
+
+        config = self._llm.vllm_config
+        parallel = config.parallel_config
+        return Provenance(
+            model=self.spec.name, model_source=self.spec.source or self.spec.path,
+            model_sha256=content_hash(self.spec.path), engine="vllm",
+            engine_version=vllm.__version__,
+            dtype=str(config.model_config.dtype).removeprefix("torch."),
+            parallelism={"tensor_parallel_size": parallel.tensor_parallel_size,
+                         "pipeline_parallel_size": parallel.pipeline_parallel_size,
+                         "data_parallel_size": parallel.data_parallel_size},
+            sampling_defaults=config.model_config.get_diff_sampling_param()).as_json()
 
     # -- start / stop -----------------------------------------------------------------
 
@@ -307,10 +366,87 @@ class VllmEngine(Engine):
         self._responses = self._messages = self._scores = None
         self._llm = None
 
+    # -- prefix groups -------------------------------------------------------------------
+
+    def _generate(self, generate: Any) -> Any:
+        """AsyncLLM.generate as the serving layer calls it, for the request of the current
+        `_serve` task (its `_Run`): notes its prompt's blocks and gates its prefix group.
+
+        vLLM computes a shared prefix once only if its blocks are in the cache when the
+        group's other requests are scheduled; requests of one group that reach the engine
+        together can each compute it. So the group's first request runs alone until its
+        prompt is computed (its first output: it runs CUMULATIVE, of which only the final
+        output is passed on, which is what FINAL_ONLY passes); then the others, already
+        rendered and tokenized, go in at FOLLOWER_PRIORITY, ahead of what was queued
+        meanwhile, and find the prefix in the cache while the first still holds it. The
+        engine is never idle for it: the other groups' requests run meanwhile."""
+        from vllm.sampling_params import RequestOutputKind
+
+        block_size = self.prefix_block_size
+
+        async def gated(prompt: Any, sampling_params: Any, request_id: str,
+                        **kwargs: Any) -> Any:
+            run = _RUN.get()
+            if run is None:  # not one of ours (none other calls it today)
+                async for output in generate(prompt, sampling_params, request_id, **kwargs):
+                    yield output
+                return
+            if run.waits_for is not None and not run.waits_for.is_set():
+                await run.waits_for.wait()
+                if self._priorities:
+                    kwargs["priority"] = FOLLOWER_PRIORITY
+            leads = (run.leads is not None and not run.leads.is_set()
+                     and getattr(sampling_params, "n", 1) == 1
+                     and sampling_params.output_kind == RequestOutputKind.FINAL_ONLY)
+            if leads:
+                sampling_params = copy.copy(sampling_params)
+                sampling_params.output_kind = RequestOutputKind.CUMULATIVE
+            try:
+                async for output in generate(prompt, sampling_params, request_id, **kwargs):
+                    if run.blocks is None and block_size and output.prompt_token_ids:
+                        run.blocks = block_keys(output.prompt_token_ids, block_size,
+                                                run.salt)
+                    if leads:
+                        run.leads.set()  # type: ignore[union-attr]
+                        if not output.finished:
+                            continue
+                    yield output
+            finally:
+                if run.leads is not None:
+                    run.leads.set()
+
+        return gated
+
+    def _gate(self, req: EngineRequest) -> _Run:
+        """The request's run: the first of its prefix group leads it, the others wait."""
+        run = _Run(salt=req.cache_salt)
+        if not req.prefix:
+            return run
+        key = (req.cache_salt, req.prefix)
+        gate = self._gates.get(key)
+        if gate is None:
+            run.leads = self._gates[key] = asyncio.Event()
+            while len(self._gates) > _GATES_KEPT:
+                del self._gates[next(iter(self._gates))]
+        elif not gate.is_set():
+            run.waits_for = gate
+        return run
+
     # -- one request --------------------------------------------------------------------
 
-    async def _serve(self, req: EngineRequest) -> tuple[int, dict[str, Any]]:
-        """(status, body) for one request; a bad request is a 4xx body, never a raise."""
+    async def _serve(self, req: EngineRequest) -> tuple[int, dict[str, Any], PromptBlocks | None]:
+        """(status, body, prompt blocks) for one request; a bad request is a 4xx body,
+        never a raise."""
+        run = self._gate(req)
+        _RUN.set(run)
+        try:
+            status, body = await self._respond(req)
+        finally:
+            if run.leads is not None:  # it ended before its prompt ran (a 400...)
+                run.leads.set()
+        return status, body, run.blocks
+
+    async def _respond(self, req: EngineRequest) -> tuple[int, dict[str, Any]]:
         create_error_response = self._create_error_response
         # The salt goes in as the request's own cache_salt field, which every serving layer
         # here reads (validation refuses it from a batch line: only the worker sets it).
@@ -486,9 +622,9 @@ class VllmEngine(Engine):
             return
         error = task.exception()
         if error is None:
-            status, body = task.result()
+            status, body, blocks = task.result()
             if status < 500 or not self._engine_errored():
-                results.put(EngineResult(request_id, status, body))
+                results.put(EngineResult(request_id, status, body, prompt_blocks=blocks))
                 return
             error = RuntimeError(body.get("error", {}).get("message", "engine error"))
         if self._engine_errored():

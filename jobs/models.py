@@ -16,7 +16,8 @@ from django.utils import timezone
 
 from jobs.re2check import regex_problem
 
-PROGRESS_FIELDS = ("completed", "failed", "input_tokens", "output_tokens", "cached_tokens")
+PROGRESS_FIELDS = ("completed", "failed", "input_tokens", "output_tokens", "cached_tokens",
+                   "cacheable_tokens")
 
 
 def new_id(prefix: str) -> str:
@@ -278,6 +279,9 @@ class Batch(models.Model):
     # Prompt tokens the engine served from its prefix cache (OpenAI's
     # `usage.prompt_tokens_details.cached_tokens`), summed like the counters above.
     cached_tokens = models.BigIntegerField(default=0)
+    # The most of them a prefix cache could have served: the limit (engine.prefix_limit),
+    # each distinct prompt block of a shard computed once. Counted by the workers.
+    cacheable_tokens = models.BigIntegerField(default=0)
     # How validation planned the shards (jobs.services.prefix_plan.PrefixPlan as JSON): the
     # prefix groups it found, the cache hits it expected in file order and grouped, and
     # whether it grouped. Empty for batches planned before prefix planning existed.
@@ -286,6 +290,16 @@ class Batch(models.Model):
     # the order they run (see jobs.services.line_index). Empty when the shards are byte
     # ranges of the input in file order.
     line_index = models.CharField(max_length=255, blank=True)
+    # The evaluation set its owner attached (jobs.services.evals): run beside the batch on
+    # its model and sampling, kept out of its files and counts, scored when it ends.
+    eval_set = models.ForeignKey("EvalSet", null=True, blank=True, on_delete=models.SET_NULL,
+                                 related_name="+")
+    # What ran it (jobs.services.provenance): one entry per distinct engine record of the
+    # workers that claimed its shards, each with those workers' names.
+    provenance = models.JSONField(default=list, blank=True)
+    # Its eval runs' scores and drift (EvalRun.summary), and whether one drifted.
+    evaluations = models.JSONField(default=list, blank=True)
+    eval_drift = models.BooleanField(default=False)
 
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     in_progress_at = models.DateTimeField(null=True, blank=True)
@@ -350,7 +364,16 @@ class Batch(models.Model):
             "metadata": self.metadata or None,
             # Extension: any problem of any line fails the batch before anything runs.
             "strict": self.strict,
+            **self.extension_fields(),
         }
+
+    def extension_fields(self) -> dict[str, Any]:
+        """The batch object's extensions on both API faces: what ran it (each distinct
+        engine record of its workers; `consistent` false when they disagree), and its eval
+        runs' scores and drift (docs/eval-sets.md)."""
+        return {"provenance": {"consistent": len(self.provenance) <= 1,
+                               "workers": self.provenance} if self.provenance else None,
+                "evaluations": self.evaluations or None, "eval_drift": self.eval_drift}
 
 
 class ShardQuerySet(models.QuerySet["Shard"]):
@@ -424,6 +447,7 @@ class Shard(models.Model):
     input_tokens = models.BigIntegerField(default=0)
     output_tokens = models.BigIntegerField(default=0)
     cached_tokens = models.BigIntegerField(default=0)
+    cacheable_tokens = models.BigIntegerField(default=0)  # see Batch.cacheable_tokens
     # Storage names of this shard's results, set only when an attempt finishes whole.
     output_part = models.CharField(max_length=255, blank=True)
     error_part = models.CharField(max_length=255, blank=True)
@@ -443,6 +467,9 @@ class Shard(models.Model):
     computed_unsaved = models.PositiveIntegerField(default=0)
     # Requests computed more than once: those lost with attempts that ended unfinished.
     recomputed = models.PositiveIntegerField(default=0)
+    # What ran its current attempt (engine.provenance.Provenance as JSON, and the LoRA
+    # adapters its requests loaded), written under that attempt only.
+    provenance = models.JSONField(default=dict, blank=True)
 
     class Meta:
         ordering = ["batch", "index"]
@@ -840,3 +867,168 @@ class UsageRecord(models.Model):
         from decimal import Decimal
 
         return Decimal(self.cost_nanos) / 10**9
+
+
+class UsageDay(models.Model):
+    """The ledger summed per UTC day, owner, API key, model, endpoint and currency, added to
+    in the same transaction as each UsageRecord (jobs.services.ledger): what reads over
+    whole days (the Usage page, the Usage and Costs API's daily buckets, /metrics) sum
+    instead of the rows, a few hundred a day however many shards finish."""
+
+    day = models.DateField()
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE,
+                              related_name="+")
+    # The key's id, 0 for the dashboard: a plain column, so that (day, owner, key, model,
+    # endpoint, currency) is one unique key the insert can add to (NULLs would be distinct).
+    api_key_id = models.BigIntegerField(default=0)
+    model = models.CharField(max_length=200)
+    endpoint = models.CharField(max_length=40)
+    currency = models.CharField(max_length=3)
+    requests_succeeded = models.BigIntegerField(default=0)
+    requests_failed = models.BigIntegerField(default=0)
+    input_tokens = models.BigIntegerField(default=0)
+    cached_tokens = models.BigIntegerField(default=0)
+    output_tokens = models.BigIntegerField(default=0)
+    cost_nanos = models.BigIntegerField(default=0)
+    engine_seconds = models.FloatField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["day", "owner", "api_key_id", "model", "endpoint", "currency"],
+                name="one_usage_day_per_key"),
+        ]
+        indexes = [models.Index(fields=["owner", "day"])]
+
+
+# --- Evaluation sets: fixed requests with expected answers, run beside batches ---
+
+
+class EvalSet(models.Model):
+    """A JSONL of requests with expected answers and one scoring rule (jobs.services.evals;
+    docs/eval-sets.md). Its owner attaches it to a batch; an operator's (no owner) is
+    offered to everyone, and runs whenever a worker first serves a new model hash or engine
+    version of a model in `watch_models`."""
+
+    class Rule(models.TextChoices):
+        EXACT = "exact", "Exact text"
+        NORMALIZED = "normalized", "Normalised text (case, spaces, punctuation)"
+        REGEX = "regex", "Regular expression (RE2; the expected answer is the pattern)"
+        JSON_FIELDS = "json_fields", "JSON fields equal (the expected answer is an object)"
+        NUMERIC = "numeric", "Number within a tolerance"
+        EMBEDDING = "embedding", "Embedding similarity above a threshold"
+
+    name = models.CharField(max_length=100)
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                              on_delete=models.CASCADE, related_name="+",
+                              help_text="Empty: the operator's, offered to every user.")
+    url = models.CharField(max_length=40)
+    storage_name = models.CharField(max_length=255)
+    bytes = models.BigIntegerField(default=0)
+    item_count = models.PositiveIntegerField(default=0)
+    sha256 = models.CharField(max_length=64)
+    rule = models.CharField(max_length=20, choices=Rule.choices, default=Rule.EXACT)
+    tolerance = models.FloatField(default=0, help_text="Numeric: the largest difference "
+                                                       "that still passes.")
+    embedding_model = models.CharField(max_length=200, blank=True, help_text=(
+        "Embedding similarity: a served embeddings model."))
+    similarity = models.FloatField(default=0.9, help_text=(
+        "Embedding similarity: the cosine similarity an answer needs to pass."))
+    drift_threshold = models.FloatField(default=0.05, help_text=(
+        "A score this far (a fraction of items) below the baseline flags the batch."))
+    watch_models = models.JSONField(default=list, blank=True, help_text=(
+        "Models it runs on whenever a worker first serves a new model hash or engine "
+        "version (a JSON list of names)."))
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["name"]
+        verbose_name = "eval set"
+        constraints = [
+            models.UniqueConstraint(Coalesce("owner", models.Value(0)), "name",
+                                    name="one_eval_set_name_per_owner"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def new_eval_run_id() -> str:
+    return new_id("evalrun_")
+
+
+class EvalRun(models.Model):
+    """One run of an eval set beside a batch: its requests run as a batch of their own
+    (`run_batch`, owned by the evals' service user, so they never touch the batch's files,
+    counts or owner's lists), scored once both have ended and compared with the baseline,
+    the last accepted run of the set on the same model."""
+
+    class Status(models.TextChoices):
+        RUNNING = "running"
+        SCORING = "scoring"
+        SCORED = "scored"
+        STOPPED = "stopped"
+        ERROR = "error"
+
+    class Trigger(models.TextChoices):
+        BATCH = "batch", "attached to the batch"
+        MODEL = "model", "a worker served a new model hash or engine version"
+
+    id = models.CharField(primary_key=True, max_length=40, default=new_eval_run_id,
+                          editable=False)
+    eval_set = models.ForeignKey(EvalSet, on_delete=models.CASCADE, related_name="runs")
+    batch = models.ForeignKey(Batch, on_delete=models.CASCADE, related_name="eval_runs")
+    run_batch = models.OneToOneField(Batch, null=True, blank=True, on_delete=models.SET_NULL,
+                                     related_name="eval_run_of")
+    trigger = models.CharField(max_length=10, choices=Trigger.choices)
+    # For a model trigger: the provenance's serving key it ran for (once per set and key).
+    serving_key = models.CharField(max_length=400, blank=True)
+    # The served model (baselines are per set and model) and what the requests named (an
+    # adapter's name, or the model), with the batch's sampling applied to them.
+    base_model = models.CharField(max_length=200)
+    model = models.CharField(max_length=200)
+    sampling = models.JSONField(default=dict, blank=True)
+    status = models.CharField(max_length=10, choices=Status.choices, default=Status.RUNNING)
+    error = models.TextField(blank=True)
+    items = models.PositiveIntegerField(default=0)
+    passed = models.PositiveIntegerField(default=0)
+    score = models.FloatField(null=True, blank=True)
+    # Per item, in the set's order: {"custom_id", "answer", "passed"} (storage name).
+    results_name = models.CharField(max_length=255, blank=True)
+    baseline = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL,
+                                 related_name="+")
+    baseline_score = models.FloatField(null=True, blank=True)
+    # The items whose answers differ from the baseline's (the first CHANGED_SHOWN of them,
+    # side by side), and how many there are.
+    changed = models.JSONField(default=list, blank=True)
+    changed_count = models.PositiveIntegerField(default=0)
+    drifted = models.BooleanField(default=False)
+    accepted_at = models.DateTimeField(null=True, blank=True)
+    accepted_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                                    on_delete=models.SET_NULL, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+    scored_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        verbose_name = "eval run"
+        constraints = [
+            models.UniqueConstraint(fields=["eval_set", "batch", "trigger"],
+                                    name="one_eval_run_per_batch_and_trigger"),
+            models.UniqueConstraint(fields=["eval_set", "serving_key"],
+                                    condition=~models.Q(serving_key=""),
+                                    name="one_eval_run_per_serving_key"),
+        ]
+        indexes = [models.Index(fields=["eval_set", "base_model", "accepted_at"])]
+
+    def __str__(self) -> str:
+        return self.id
+
+    def summary(self) -> dict[str, Any]:
+        """What the batch object and pages show of the run."""
+        return {"id": self.id, "eval_set": self.eval_set.name, "trigger": self.trigger,
+                "status": self.status, "items": self.items, "passed": self.passed,
+                "score": self.score, "baseline_run": self.baseline_id,
+                "baseline_score": self.baseline_score, "changed": self.changed_count,
+                "drifted": self.drifted, "threshold": self.eval_set.drift_threshold,
+                "accepted": self.accepted_at is not None}

@@ -27,7 +27,8 @@ def create(request: HttpRequest, user: Any) -> HttpResponse:
         owner=user, input_file_id=body.get("input_file_id"), endpoint=body.get("endpoint"),
         completion_window=body.get("completion_window"), metadata=body.get("metadata"),
         priority=body.get("priority"), output_expires_after=body.get("output_expires_after"),
-        api_key=getattr(request, "api_key", None), strict=body.get("strict", False))
+        api_key=getattr(request, "api_key", None), strict=body.get("strict", False),
+        eval_set=body.get("eval_set"))
     return JsonResponse(batches.get_batch_for_user(owner=user, batch_id=batch.pk).to_openai())
 
 

@@ -27,6 +27,7 @@ from jobs.queries.compiled import Compiled
 from jobs.services import preflight
 from jobs.services.budgets import check_budget
 from jobs.services.errors import ServiceError, not_found, storable_id
+from jobs.services.evals import find_set_for_user
 from jobs.services.files import get_file_for_user, parse_expires_after
 from jobs.services.quotas import check_quota
 
@@ -76,12 +77,13 @@ def check_priority(value: Any) -> str:
 def create_batch(*, owner: Any, input_file_id: Any, endpoint: Any, completion_window: Any,
                  metadata: Any = None, priority: Any = None,
                  output_expires_after: Any = None, api: str = Batch.Api.OPENAI,
-                 api_key: Any = None, strict: Any = False) -> Batch:
+                 api_key: Any = None, strict: Any = False, eval_set: Any = None) -> Batch:
     """Create a batch in `validating` and, after commit, enqueue its validation. `api` is
     the API it was created through: only its id and the shape it is shown in differ.
     `api_key`: the key it was created with (its usage is charged under it). `strict`: any
     problem of any line fails the batch before anything runs (else a request problem fails
-    that request only)."""
+    that request only). `eval_set`: the name of an eval set the owner may attach
+    (jobs.services.evals), run beside the batch and scored when it ends."""
     if endpoint not in ENDPOINTS:
         raise ServiceError(f"endpoint must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
     window = parse_completion_window(completion_window)
@@ -90,6 +92,7 @@ def create_batch(*, owner: Any, input_file_id: Any, endpoint: Any, completion_wi
     if not isinstance(strict, bool):
         raise ServiceError("strict must be true or false.", param="strict")
     output_lifetime = parse_expires_after(output_expires_after)
+    attached = find_set_for_user(owner=owner, value=eval_set)
     if not isinstance(input_file_id, str) or not input_file_id:
         raise ServiceError("input_file_id is required.", param="input_file_id")
     input_file = get_file_for_user(owner=owner, file_id=input_file_id)
@@ -103,7 +106,7 @@ def create_batch(*, owner: Any, input_file_id: Any, endpoint: Any, completion_wi
         id=new_message_batch_id() if api == Batch.Api.ANTHROPIC else new_batch_id(), api=api,
         owner=owner, api_key=api_key, endpoint=endpoint, input_file=input_file,
         completion_window=completion_window, metadata=metadata, priority=priority,
-        strict=strict,
+        strict=strict, eval_set=attached,
         output_expires_after=int(output_lifetime.total_seconds()) if output_lifetime else None,
         expires_at=now + window,
     )

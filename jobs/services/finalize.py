@@ -114,8 +114,9 @@ def _output_expiry(batch: Batch) -> datetime | None:
 
 def notify_ended(batch_id: str) -> None:
     """A batch ended: record its webhook event and enqueue the delivery (an RQ job on the
-    control queue, ids only); the HTTP call never runs here. A failure to notify must not
-    fail the finalizer: the event, once recorded, is retried by the reconciler."""
+    control queue, ids only; the HTTP call never runs here), and settle the eval runs
+    waiting for it. A failure to notify must not fail the finalizer: the event, once
+    recorded, is retried by the reconciler."""
     log.info("batch %s ended", batch_id)
     try:
         from jobs.services.webhooks import batch_ended
@@ -123,3 +124,7 @@ def notify_ended(batch_id: str) -> None:
         batch_ended(batch_id=batch_id)
     except Exception:
         log.exception("could not record the webhook event of batch %s", batch_id)
+    # Eval runs waiting for this batch (or this batch being one's requests) are scored.
+    from jobs.services import evals
+
+    evals.batch_ended(batch_id=batch_id)

@@ -3,7 +3,9 @@
 The event, as OpenAI's batch webhooks:
     {"id": "evt_...", "object": "event", "type": "batch.completed", "created_at": 1700000000,
      "data": {"id": "batch_..."}}
-with type batch.completed, batch.failed, batch.expired or batch.cancelled.
+with type batch.completed, batch.failed, batch.expired or batch.cancelled; and, an
+extension, batchweb.eval.drift when an eval run of the batch scored below its baseline by
+more than its set's threshold (docs/eval-sets.md).
 
 Signed the Standard Webhooks way (as OpenAI's own webhooks, so `openai`'s
 `client.webhooks.unwrap(body, headers, secret=...)` verifies it):
@@ -107,13 +109,24 @@ def batch_ended(*, batch_id: str) -> str | None:
     row = Batch.objects.filter(pk=batch_id).values("owner_id", "status").first()
     if row is None or row["status"] not in EVENT_TYPES:
         return None
-    if not UserSettings.objects.filter(user_id=row["owner_id"]).exclude(webhook_url="").exists():
+    return batch_event(batch_id=batch_id, type=EVENT_TYPES[Batch.Status(row["status"])])
+
+
+def batch_event(*, batch_id: str, type: str) -> str | None:
+    """Record one event of a batch (at most one of each type) and enqueue its delivery;
+    None when its owner has no webhook or it was recorded already. Besides OpenAI's end
+    events: `batchweb.eval.drift`, an eval run of the batch scored below its baseline
+    (jobs.services.evals)."""
+    owner_id = Batch.objects.filter(pk=batch_id).values_list("owner_id", flat=True).first()
+    if owner_id is None:
+        return None
+    if not UserSettings.objects.filter(user_id=owner_id).exclude(webhook_url="").exists():
         return None
     try:
         with transaction.atomic():
             event = WebhookEvent.objects.create(
-                owner_id=row["owner_id"], batch_id=batch_id,
-                type=EVENT_TYPES[Batch.Status(row["status"])], next_attempt_at=timezone.now())
+                owner_id=owner_id, batch_id=batch_id, type=type,
+                next_attempt_at=timezone.now())
     except IntegrityError:  # already recorded (a repeated finalizer call)
         return None
     event_id = event.pk

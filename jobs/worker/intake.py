@@ -11,6 +11,7 @@ from django.db import close_old_connections
 
 from engine.base import EngineRequest
 from jobs.models import Shard
+from jobs.prefix import prefix_key
 from jobs.services import shards as shard_service
 from jobs.services.shard_input import shard_requests
 from jobs.services.shards import Checkpoint
@@ -43,6 +44,7 @@ class Intake:
         work = with_db_retry(lambda: open_work(shard))
         pipeline.register(work)
         try:
+            pipeline.served.claimed(shard)  # provenance, and the eval runs it starts
             work = self._adopt(shard, work)
             self._submit_lines(shard, work)
         except BaseException as exc:
@@ -96,8 +98,9 @@ class Intake:
 
     def _submit_lines(self, shard: Shard, work: ShardWork) -> None:
         # A grouped shard's lines come in run order, a prefix group's requests next to each
-        # other: vLLM computes the group's prefix once and the rest find it in its prefix
-        # cache, even those scheduled in the same step.
+        # other, each with its group's key: the engine has the group's first request
+        # compute the prefix before the rest, which then find it in its prefix cache.
+        grouped = shard.lines_from is not None
         missing: set[str] = set()  # adapters found unregistered during this shard
         with shard_requests(shard, work.skip | work.adopted) as requests:
             for number, request in requests:
@@ -123,10 +126,13 @@ class Intake:
                                 f"The adapter '{line.model}' of '{shard.batch.model}' is no "
                                 "longer registered.")
                         continue
+                    self.pipeline.served.adapter_used(shard, line.model, adapter_path)
+                key = prefix_key(line) if grouped else None
                 engine_request = EngineRequest(request_id=work.request_id(number),
                                                url=line.url, body=line.body,
                                                adapter_path=adapter_path,
-                                               cache_salt=work.cache_salt)
+                                               cache_salt=work.cache_salt,
+                                               prefix=(key.digest or 1) if key else 0)
                 with work.lock:
                     work.pending[engine_request.request_id] = line
                 self._put(engine_request)

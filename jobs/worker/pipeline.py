@@ -23,6 +23,7 @@ from jobs.worker.idle import IdleMeter
 from jobs.worker.intake import Intake
 from jobs.worker.parts import ShardWork
 from jobs.worker.periodic import Periodic
+from jobs.worker.served import Served
 from jobs.worker.topup import TopUp
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class Pipeline:
         conf = settings.BATCHWEB
         self.intake = Intake(self)
         self.adapters = AdapterFolders()
+        self.served = Served(engine, worker_name=worker_name)
         self.dispatcher = Dispatcher(self)
         self.heartbeat = Heartbeat(self, every=conf["HEARTBEAT_SECONDS"])
         self.top_up = TopUp()

@@ -1,0 +1,218 @@
+"""Eval sets and drift, in-process: a set attached to a batch runs beside it on the same
+pipeline, never in its files or counts, and is scored against the baseline when both end.
+The same engine twice gives no drift; another model version (the echo engine's `version`),
+other sampling defaults, or another adapter each drift on exactly the items they change.
+Provenance is recorded on every shard and on the batch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jobs.models import Batch, EvalRun, EvalSet, Shard, UsageRecord, WebhookEvent
+from jobs.services import evals
+from jobs.services.batches import create_batch
+from jobs.services.errors import ServiceError
+from jobs.services.files import create_input_file
+from jobs.services.finalize import finalize_batch
+from jobs.services.validation import run_validation
+from jobs.services.webhooks import set_webhook_url
+from tests.factories import chat_line, finalized, jsonl, run_all_shards
+from tests.lora import write_adapter_config
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+# Echo answers "echo: <the user's words>". Items with capitals change under another model
+# version (it answers in lower case); items of more than two words change under a
+# max_tokens default of 3.
+ITEMS = {
+    "short": "yes",
+    "two": "two words",
+    "caps": "Paris",
+    "long-caps": "The Capital of France",
+    "long": "one two three four",
+}
+
+
+def make_adapter(folder: Path) -> Path:
+    """An adapter folder the echo engine loads (its weights are only hashed)."""
+    folder.mkdir(parents=True)
+    write_adapter_config(folder)
+    (folder / "adapter_model.safetensors").write_bytes(folder.name.encode())
+    return folder
+
+
+def eval_items(rule: str = "exact") -> list[dict[str, Any]]:
+    return [{"custom_id": cid, "body": {"messages": [{"role": "user", "content": text}]},
+             "expected": f"echo: {text}"} for cid, text in ITEMS.items()]
+
+
+@pytest.fixture
+def eval_set(tmp_path: Path, storage: Path) -> EvalSet:
+    path = tmp_path / "set.jsonl"
+    path.write_bytes(jsonl(eval_items()))
+    return evals.create_eval_set(name="capitals", path=path, rule="exact",
+                                 drift_threshold=0.1)
+
+
+@pytest.fixture
+def run_with_eval(user: Any, tmp_path: Path, settings: Any, storage: Path):
+    """Run a batch with the set attached on `pipeline`, then the run's requests, and end
+    both: (the batch, its output lines, error lines, the run)."""
+    def run(pipeline: Any, eval_set: EvalSet, *, lines: list[dict] | None = None,
+            ) -> tuple[Batch, list[dict], list[dict], EvalRun]:
+        settings.BATCHWEB = {**settings.BATCHWEB, "SHARD_SIZE": 4}
+        lines = lines or [chat_line(f"u{i}", f"user question {i}") for i in range(6)]
+        path = tmp_path / "in.jsonl"
+        path.write_bytes(jsonl(lines))
+        file = create_input_file(owner=user, path=path, filename="in.jsonl", purpose="batch")
+        created = create_batch(owner=user, input_file_id=file.pk, eval_set=eval_set.name,
+                               endpoint="/v1/chat/completions", completion_window="24h")
+        run_validation(batch_id=created.pk)
+        batch = Batch.objects.get(pk=created.pk)
+        run_all_shards(pipeline, batch)
+        eval_run = EvalRun.objects.get(batch=batch)
+        run_validation(batch_id=eval_run.run_batch_id)
+        run_all_shards(pipeline, eval_run.run_batch)
+        finalize_batch(batch_id=eval_run.run_batch_id)  # waits for the batch to end
+        assert EvalRun.objects.get(pk=eval_run.pk).status == "running"
+        done, out, err = finalized(batch)
+        return done, out, err, EvalRun.objects.get(pk=eval_run.pk)
+    return run
+
+
+def test_the_same_engine_twice_shows_no_drift(make_pipeline, run_with_eval, eval_set, user):
+    pipeline = make_pipeline()
+    batch, out, err, first = run_with_eval(pipeline, eval_set)
+    # Eval requests never appear in the user's files or counts.
+    assert sorted(r["custom_id"] for r in out) == [f"u{i}" for i in range(6)] and err == []
+    assert (batch.total, batch.completed, batch.failed) == (6, 6, 0)
+    assert first.status == "scored" and (first.passed, first.items) == (5, 5)
+    assert first.accepted_at is not None  # the first run on a model is its baseline
+    assert batch.evaluations[0]["score"] == 1.0 and not batch.eval_drift
+    api = batch.to_openai()
+    assert api["evaluations"][0]["eval_set"] == "capitals"
+    assert api["provenance"]["consistent"] is True
+    assert api["provenance"]["workers"][0]["engine"]["engine"] == "echo"
+
+    batch2, _, _, second = run_with_eval(pipeline, eval_set)
+    assert second.baseline_id == first.pk
+    assert (second.score, second.baseline_score, second.changed_count) == (1.0, 1.0, 0)
+    assert not second.drifted and not batch2.eval_drift
+    # The run's requests ran as a batch of the evals' service user: none of the user's.
+    assert not Batch.objects.filter(owner=user).exclude(pk__in=[batch.pk, batch2.pk]).exists()
+    assert not UsageRecord.objects.filter(owner=user, batch_id=second.run_batch_id).exists()
+
+
+def _changed(run: EvalRun) -> set[str]:
+    return {item["custom_id"] for item in run.changed}
+
+
+def test_another_model_version_drifts_on_the_items_it_changes(make_pipeline, run_with_eval,
+                                                              eval_set, user, receiver,
+                                                              loopback_allowed):
+    set_webhook_url(user=user, url=receiver.url)
+    _, _, _, baseline = run_with_eval(make_pipeline(), eval_set)
+    batch, _, _, run = run_with_eval(make_pipeline(version="2"), eval_set)
+    assert _changed(run) == {"caps", "long-caps"} and run.changed_count == 2
+    assert (run.baseline_score, run.score) == (1.0, 0.6) and run.drifted
+    side = next(item for item in run.changed if item["custom_id"] == "caps")
+    assert (side["before"], side["after"]) == ("echo: Paris", "echo: paris")
+    assert batch.eval_drift and batch.evaluations[0]["drifted"]
+    # Provenance says which model files ran it.
+    hashes = {entry["engine"]["model_sha256"] for entry in batch.provenance}
+    assert hashes == {run.run_batch.provenance[0]["engine"]["model_sha256"]}
+    assert hashes != {e["engine"]["model_sha256"] for e in baseline.batch.provenance}
+    event = WebhookEvent.objects.get(batch_id=batch.pk, type="batchweb.eval.drift")
+    assert event.owner_id == user.pk
+
+
+def test_other_sampling_defaults_drift_on_the_items_they_cut(make_pipeline, run_with_eval,
+                                                              eval_set):
+    run_with_eval(make_pipeline(), eval_set)
+    batch, _, _, run = run_with_eval(make_pipeline(sampling_defaults={"max_tokens": 3}),
+                                     eval_set)
+    assert _changed(run) == {"long-caps", "long"} and run.drifted
+    assert batch.provenance[0]["engine"]["sampling_defaults"] == {"max_tokens": 3}
+
+
+def test_another_adapter_drifts_on_every_item(make_pipeline, run_with_eval, eval_set,
+                                              tmp_path):
+    from jobs.models import LoraAdapter
+
+    for name in ("tone-a", "tone-b"):
+        folder = make_adapter(tmp_path / name)
+        LoraAdapter.objects.create(name=name, base_model="echo-test", source=str(folder))
+    pipeline = make_pipeline(enable_lora=True)
+    lines_a = [chat_line(f"u{i}", f"question {i}", model="tone-a") for i in range(3)]
+    lines_b = [chat_line(f"u{i}", f"question {i}", model="tone-b") for i in range(3)]
+    _, _, _, first = run_with_eval(pipeline, eval_set, lines=lines_a)
+    assert first.model == "tone-a" and first.score == 0.0  # "echo+tone-a: ..."
+    EvalRun.objects.filter(pk=first.pk).update(accepted_at=first.scored_at)
+    batch, _, _, run = run_with_eval(pipeline, eval_set, lines=lines_b)
+    assert run.model == "tone-b" and run.changed_count == len(ITEMS)
+    assert run.changed[0]["after"].startswith("echo+tone-b:")
+    adapters = batch.provenance[0]["adapters"]
+    assert [a["name"] for a in adapters] == ["tone-b"] and len(adapters[0]["sha256"]) == 64
+
+
+def test_eval_requests_run_exactly_once_whatever_the_retries(make_pipeline, run_with_eval,
+                                                             eval_set, settings, tmp_path):
+    """An eval run's requests are a batch's shards: a taken-over attempt writes nothing,
+    and the run's results hold each item once."""
+    from jobs.services import shards as shard_service
+
+    pipeline = make_pipeline()
+    batch, _, _, run = run_with_eval(pipeline, eval_set)
+    rows = list(evals.run_results(run))
+    assert sorted(r["custom_id"] for r in rows) == sorted(ITEMS)
+    shards = list(Shard.objects.filter(batch=run.run_batch))
+    assert len(shards) == 2  # five items, four to a shard
+    for shard in shards:
+        assert shard.attempt == 1 and shard.provenance["engine"] == "echo"
+        # A finish under a stale attempt is refused (the fence every shard has).
+        assert not shard_service.finish_shard(shard_id=shard.pk, attempt=0, output_part="x",
+                                              error_part="",
+                                              progress=shard_service.Progress())
+    # Charged once per shard, to the evals' service user.
+    charges = UsageRecord.objects.filter(batch_id=run.run_batch_id)
+    assert charges.count() == 2 and {c.owner.username for c in charges} == {"batchweb-evals"}
+    assert sum(c.requests_succeeded for c in charges) == len(ITEMS)
+
+
+def test_a_set_is_checked_line_by_line(tmp_path, storage):
+    path = tmp_path / "bad.jsonl"
+    items = eval_items()
+    items[2] = {**items[2], "expected": 42}
+    path.write_bytes(jsonl(items))
+    with pytest.raises(ServiceError, match="Line 3: expected must be a string"):
+        evals.create_eval_set(name="bad", path=path, rule="exact")
+    path.write_bytes(jsonl([{**items[0], "body": {"messages": "x"}}]))
+    with pytest.raises(ServiceError, match="Line 1"):
+        evals.create_eval_set(name="bad", path=path, rule="exact")
+    path.write_bytes(b'{"custom_id": "a"\n')
+    with pytest.raises(ServiceError, match="not JSONL"):
+        evals.create_eval_set(name="bad", path=path, rule="exact")
+    assert not EvalSet.objects.exists()
+
+
+@pytest.mark.parametrize(("rule", "answer", "expected", "passed"), [
+    ("exact", "echo: Paris", "echo: Paris", True),
+    ("exact", "echo: paris", "echo: Paris", False),
+    ("normalized", "  Echo:   PARIS. ", "echo: paris", True),
+    ("regex", "The answer is 42.", r"\b42\b", True),
+    ("regex", "The answer is 421.", r"\b42\b", False),
+    ("json_fields", json.dumps({"a": 1, "b": "x", "c": 3}), {"a": 1, "b": "x"}, True),
+    ("json_fields", json.dumps({"a": 2}), {"a": 1}, False),
+    ("json_fields", "not json", {"a": 1}, False),
+    ("numeric", "about 3.14159 or so", 3.14, True),
+    ("numeric", "1,204 items", 1204, True),
+    ("numeric", "3.2", 3.14, False),
+])
+def test_scoring_rules(rule, answer, expected, passed):
+    from jobs import evalrules
+
+    assert evalrules.passes(rule, answer, expected, tolerance=0.01) is passed
