@@ -88,7 +88,9 @@ class Query:
             except (ValueError, OverflowError, OSError):
                 raise ServiceError("page must be a next_page of this API.",
                                    param="page") from None
-        # Buckets are aligned to the width (UTC), the first the one holding start_time.
+        # Buckets are aligned to the width (UTC), the first the one holding start_time;
+        # what it counts starts at start_time.
+        self.since = start
         self.start = _align(start, self.bucket_width)
         self.end = end
         staff = bool(getattr(user, "is_staff", False))
@@ -114,7 +116,7 @@ class Query:
         rows: list[dict[str, Any]] = []
         if buckets and not self.nothing:
             filters = self.filters
-            filters.start, filters.end, filters.endpoints = buckets[0], page_end, endpoints
+            filters.start, filters.end, filters.endpoints = self.since, page_end, endpoints
             rows = usage.bucketed(filters, bucket_width=self.bucket_width, group_by=columns)
         by_bucket: dict[datetime, list[dict[str, Any]]] = {b: [] for b in buckets}
         for row in rows:

@@ -9,7 +9,8 @@ retried or resumed attempt, a shard handed back in a drain and finished elsewher
 finishes the shard at most once, and a crash between the two writes is impossible. Charging
 per batch would wait for the finalizer (a run of several days shows nothing meanwhile) and
 would need its own idempotence; charging per request would write a row per request.
-The unique (shard_id, model) constraint states the rule in the schema as well.
+The unique (shard_id, model) constraint states the rule in the schema as well. The same
+transaction adds the rows to their day's sums (UsageDay), which long reads sum instead.
 
 Shards that never finish (dropped on cancel or expiry, abandoned after their retries)
 charge nothing: their requests are all error lines.
@@ -18,11 +19,13 @@ charge nothing: their requests are all error lines.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import UTC
 from typing import Any
 
+from django.db import connection
 from django.utils import timezone
 
-from jobs.models import Shard, UsageRecord
+from jobs.models import Shard, UsageDay, UsageRecord
 from jobs.services.pricing import rates_for
 
 # Per model: requests succeeded, input tokens, cached input tokens, output tokens.
@@ -97,3 +100,28 @@ def record_shard_usage(*, shard_id: str, progress: Any, usage: ShardUsage | None
             if len(rows) > 1 else usage.engine_seconds,
             recorded_at=now))
     UsageRecord.objects.bulk_create(records)
+    add_to_days(records)
+
+
+_DAY_KEY = ("day", "owner_id", "api_key_id", "model", "endpoint", "currency")
+_DAY_SUMS = ("requests_succeeded", "requests_failed", "input_tokens", "cached_tokens",
+             "output_tokens", "cost_nanos", "engine_seconds")
+
+
+def add_to_days(records: list[UsageRecord]) -> None:
+    """Add ledger rows to their UsageDay rows (created when missing): one INSERT ... ON
+    CONFLICT DO UPDATE, which PostgreSQL and SQLite both run atomically for each row."""
+    table = connection.ops.quote_name(UsageDay._meta.db_table)
+    columns = (*_DAY_KEY, *_DAY_SUMS)
+    values: list[Any] = []
+    for r in records:
+        values.extend((r.recorded_at.astimezone(UTC).date(), r.owner_id, r.api_key_id or 0,
+                       r.model, r.endpoint, r.currency,
+                       *(getattr(r, name) for name in _DAY_SUMS)))
+    row = "(" + ", ".join(["%s"] * len(columns)) + ")"
+    adds = ", ".join(f"{name} = {table}.{name} + EXCLUDED.{name}" for name in _DAY_SUMS)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {table} ({', '.join(columns)}) VALUES "
+            f"{', '.join([row] * len(records))} "
+            f"ON CONFLICT ({', '.join(_DAY_KEY)}) DO UPDATE SET {adds}", values)

@@ -10,6 +10,7 @@ import pytest
 
 from jobs.models import ApiKey, Price, UsageRecord
 from jobs.services.keys import create_api_key
+from jobs.services.ledger import add_to_days
 
 pytestmark = pytest.mark.django_db
 
@@ -26,12 +27,13 @@ def ledger(user, other_user):
 
     def record(owner, model, *, at, key=None, endpoint="/v1/chat/completions", n=1,
                tokens=(100, 10, 50), cost=1_000_000):
-        UsageRecord.objects.create(
+        # Written as the ledger writes a shard's charge: the row and its day's sums.
+        add_to_days([UsageRecord.objects.create(
             owner=owner, api_key=key, batch_id=f"batch_{model}{at.day}{owner.pk}",
             shard_id=f"shard_{model}{int(at.timestamp())}{owner.pk}", model=model,
             base_model=model, endpoint=endpoint, requests_succeeded=n,
             input_tokens=tokens[0], cached_tokens=tokens[1], output_tokens=tokens[2],
-            cost_nanos=cost, recorded_at=at)
+            cost_nanos=cost, recorded_at=at)])
 
     record(user, "echo-test", at=day0 + timedelta(hours=1), key=key, n=3)
     record(user, "echo-test", at=day0 + timedelta(hours=5), n=2)
@@ -123,6 +125,20 @@ def test_a_staff_key_sees_everyone_and_filters_by_user(client, ledger, user, oth
                   end_time=ledger["start"] + DAY, user_ids=str(other_user.pk))
     assert page["data"][0]["results"][0]["amount"]["value"] == 0.009
     assert ApiKey.objects.count() == 2
+
+
+def test_a_period_that_is_not_whole_days_reads_the_rows_at_its_edges(client, api_key,
+                                                                     ledger):
+    # From 02:00 on the first day to 03:00 on the second: the 01:00 row is out, the 05:00
+    # row in; the second day's 02:00 row in (its whole day is not in the period).
+    _, page = get(client, api_key, "usage/completions", start_time=ledger["start"] + 7200,
+                  end_time=ledger["start"] + DAY + 3 * 3600)
+    assert [[r["num_model_requests"] for r in b["results"]] for b in page["data"]] == [
+        [2], [1]]
+    _, page = get(client, api_key, "costs", start_time=ledger["start"],
+                  end_time=ledger["start"] + DAY + 3600)
+    assert [[r["amount"]["value"] for r in b["results"]] for b in page["data"]] == [
+        [0.002], []]
 
 
 def test_bad_parameters_get_openai_errors(client, api_key, ledger):
