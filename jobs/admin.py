@@ -143,8 +143,8 @@ class ShardInline(admin.TabularInline):
 @admin.register(Batch)
 class BatchAdmin(admin.ModelAdmin):
     list_display = ["id", "owner", "model", "endpoint", "api", "status", "priority", "total",
-                    "completed", "failed", "created_at"]
-    list_filter = ["status", "priority", "endpoint", "api", "model"]
+                    "completed", "failed", "eval_drift", "created_at"]
+    list_filter = ["status", "priority", "endpoint", "api", "model", "eval_drift"]
     search_fields = ["id", "owner__username", "input_file__id"]
     readonly_fields = [f.name for f in Batch._meta.fields if f.name != "priority"]
     inlines = [ShardInline]
@@ -431,3 +431,7 @@ class LoraAdapterAdmin(admin.ModelAdmin):
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return request.user.is_superuser and super().has_change_permission(request, obj)
+
+
+# Eval sets and their runs (jobs/admin_evals.py registers them).
+import jobs.admin_evals  # noqa: E402, F401

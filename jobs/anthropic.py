@@ -99,6 +99,8 @@ def message_batch(batch: Batch, *, base_url: str, guard: Guard | None = None
         "cancel_initiated_at": rfc3339(batch.cancelling_at),
         "results_url": (f"{base_url.rstrip('/')}/v1/messages/batches/{batch.id}/results"
                         if batch.is_ended else None),
+        # Extensions, as on the OpenAI face: what ran it, its eval runs and drift.
+        **batch.extension_fields(),
     }
 
 

@@ -10,6 +10,7 @@ from django import forms
 from engine.base import ENDPOINTS
 from jobs.engines import served_endpoints, usable_adapters
 from jobs.models import Batch, File, SpotCheck
+from jobs.services.evals import sets_for
 
 PRIORITY_CHOICES = [(p.value, p.label) for p in Batch.Priority]
 
@@ -50,6 +51,10 @@ class NewBatchForm(forms.Form):
         required=False, label="Strict",
         help_text="Fail the whole batch on any problem of any line, before anything runs "
                   "(otherwise a request the endpoint refuses fails alone).")
+    eval_set = forms.ChoiceField(
+        required=False, label="Eval set",
+        help_text="Run a fixed evaluation set beside the batch, on its model and sampling, "
+                  "and compare its score with the set's baseline.")
 
     def __init__(self, *args: Any, owner: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -69,6 +74,11 @@ class NewBatchForm(forms.Form):
             (name, f"{name} ({', '.join(eps)})") for name, eps in served_endpoints().items()] + [
             (name, f"{name} (LoRA adapter of {base})")
             for name, base in sorted(usable_adapters().items())]
+        eval_set = self.fields["eval_set"]
+        assert isinstance(eval_set, forms.ChoiceField)
+        eval_set.choices = [("", "none")] + [
+            (s.name, f"{s.name} ({s.item_count} items, {s.get_rule_display().lower()})")
+            for s in sets_for(owner)]
 
     def clean_metadata(self) -> dict[str, str]:
         return parse_metadata(self.cleaned_data.get("metadata") or "")

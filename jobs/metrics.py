@@ -37,6 +37,11 @@ setting), or a signed-in staff user.
     batchweb_host_shards_held{host}                 running shards held by its workers
     batchweb_host_heartbeat_age_seconds{host}       since its newest worker heartbeat
     batchweb_webhook_events{status}                 webhook events by delivery status
+    batchweb_batches_eval_drift                     batches an eval run flagged: it scored
+                                                    below its set's baseline by more than
+                                                    the set's threshold
+    batchweb_eval_runs{eval_set,model,status}       eval runs by set, model and status;
+    batchweb_eval_score{eval_set,model}             the newest scored run's score (0 to 1)
     batchweb_redis_up                               1 if Redis answered
     batchweb_remote_in_flight{server}               requests in flight on a remote server
                                                     (all workers), batchweb_remote_limit
@@ -196,6 +201,7 @@ class ServiceCollector:
         for status in WebhookEvent.Status.values:
             events.add_metric([status], event_counts.get(status, 0))
         yield events
+        yield from eval_metrics()
 
 
 def host_metrics(health: Health) -> Iterator[Metric]:
@@ -289,3 +295,31 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
         response["WWW-Authenticate"] = 'Bearer realm="metrics"'
         return response
     return HttpResponse(render_metrics(), content_type=CONTENT_TYPE_LATEST)
+
+
+def eval_metrics() -> Iterator[Metric]:
+    """Drift: the batches flagged, and each set's runs and newest score on each model."""
+    from jobs.models import Batch, EvalRun
+
+    drift = GaugeMetricFamily("batchweb_batches_eval_drift",
+                              "Batches an eval run scored below its baseline.")
+    drift.add_metric([], Batch.objects.filter(eval_drift=True).count())
+    yield drift
+    runs = GaugeMetricFamily("batchweb_eval_runs", "Eval runs by set, model and status.",
+                             labels=["eval_set", "model", "status"])
+    for name, model, status, n in (EvalRun.objects.order_by()
+                                   .values_list("eval_set__name", "base_model", "status")
+                                   .annotate(n=Count("id"))):
+        runs.add_metric([name, model, status], n)
+    yield runs
+    score = GaugeMetricFamily("batchweb_eval_score",
+                              "The newest scored eval run's score, by set and model.",
+                              labels=["eval_set", "model"])
+    seen: set[tuple[str, str]] = set()
+    for name, model, value in (EvalRun.objects.filter(status=EvalRun.Status.SCORED)
+                               .order_by("-scored_at")
+                               .values_list("eval_set__name", "base_model", "score")[:1000]):
+        if (name, model) not in seen:
+            seen.add((name, model))
+            score.add_metric([name, model], value or 0.0)
+    yield score

@@ -36,6 +36,7 @@ from jobs.forms import NewBatchForm, ResultFilterForm, SpotCheckForm
 from jobs.models import Batch, File
 from jobs.quality import FLAG_LABELS, FLAGS
 from jobs.queries import dashboard, flags, health, results, usage
+from jobs.queries.evals import batch_record
 from jobs.services import heavy, preflight, spotcheck
 from jobs.services.batches import (
     LIST_PAGE_SIZE,
@@ -235,7 +236,7 @@ def _submit(request: SignedInRequest, data: dict[str, Any]) -> tuple[Batch | Non
                          endpoint=endpoint or result.report.endpoint,
                          completion_window=data["completion_window"],
                          metadata=data["metadata"], priority=data["priority"],
-                         strict=bool(data.get("strict")))
+                         strict=bool(data.get("strict")), eval_set=data.get("eval_set"))
     return batch, result
 
 
@@ -266,7 +267,8 @@ def batch_new(request: SignedInRequest) -> HttpResponse:
                 # and model the file asks for as suggestions.
                 form = NewBatchForm(owner=request.user, initial={
                     **{k: request.POST.get(k) for k in
-                       ("completion_window", "priority", "metadata", "strict")},
+                       ("completion_window", "priority", "metadata", "strict",
+                        "eval_set")},
                     "file_id": checked.pk,
                     "endpoint": data.get("endpoint") or result.report.endpoint,
                     "model": data.get("model") or result.report.model})
@@ -330,7 +332,8 @@ def batch_detail(request: SignedInRequest, batch_id: str) -> HttpResponse:
     head = _live_head(batch)
     return render(request, "jobs/batch_detail.html", {
         **_overview_context(batch, head),
-        "poll": _poll(batch, "batch_live", head["version"])})
+        "poll": _poll(batch, "batch_live", head["version"]),
+        "record": batch_record(batch, user=request.user)})
 
 
 @login_required

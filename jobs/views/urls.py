@@ -1,7 +1,7 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from jobs.views import batches, files, keys, usage
+from jobs.views import batches, evals, files, keys, usage
 
 urlpatterns = [
     path("accounts/login/", auth_views.LoginView.as_view(redirect_authenticated_user=True),
@@ -21,6 +21,8 @@ urlpatterns = [
     path("batches/<str:batch_id>/flags", batches.batch_flags, name="batch_flags"),
     path("batches/<str:batch_id>/spot-check", batches.batch_spot_check,
          name="batch_spot_check"),
+    path("batches/<str:batch_id>/evals/<str:run_id>/accept", evals.eval_run_accept,
+         name="eval_run_accept"),
     path("files/", files.file_list, name="file_list"),
     path("files/<str:file_id>/download", files.file_download, name="file_download"),
     path("files/<str:file_id>/delete", files.file_delete, name="file_delete"),

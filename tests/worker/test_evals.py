@@ -216,3 +216,90 @@ def test_scoring_rules(rule, answer, expected, passed):
     from jobs import evalrules
 
     assert evalrules.passes(rule, answer, expected, tolerance=0.01) is passed
+
+
+def test_drift_shows_on_the_page_the_list_the_api_and_metrics(make_pipeline, run_with_eval,
+                                                              eval_set, site, api_key,
+                                                              settings):
+    from jobs.anthropic import message_batch
+
+    run_with_eval(make_pipeline(), eval_set)
+    batch, _, _, run = run_with_eval(make_pipeline(version="2"), eval_set)
+    page = site.get(f"/batches/{batch.pk}/").content.decode()
+    assert 'id="provenance"' in page and "echo 2" in page
+    assert f'id="eval-{run.pk}"' in page and "a drop beyond the set" in page
+    # The changed items side by side: the baseline's answer, then this run's.
+    assert page.index("echo: Paris") < page.index("echo: paris")
+    assert "echo: one two three four" not in page  # unchanged items are not listed
+    listing = site.get("/").content.decode()
+    assert listing.count('class="badge st-failed drift"') == 1
+    body = site.get(f"/v1/batches/{batch.pk}",
+                    HTTP_AUTHORIZATION=f"Bearer {api_key}").json()
+    assert body["eval_drift"] is True and body["evaluations"][0]["changed"] == 2
+    assert body["provenance"]["workers"][0]["engine"]["engine_version"] == "2"
+    listed = site.get("/v1/batches", HTTP_AUTHORIZATION=f"Bearer {api_key}").json()
+    assert {b["id"] for b in listed["data"]} == {batch.pk, run.baseline.batch_id}
+    shape = message_batch(batch, base_url="http://testserver")
+    assert shape["eval_drift"] is True and shape["provenance"]["consistent"] is True
+    settings.BATCHWEB = {**settings.BATCHWEB, "METRICS_TOKEN": "scrape"}
+    metrics = site.get("/metrics", HTTP_AUTHORIZATION="Bearer scrape").content.decode()
+    assert "batchweb_batches_eval_drift 1.0" in metrics
+    assert 'batchweb_eval_score{eval_set="capitals",model="echo-test"} 0.6' in metrics
+
+
+def test_a_run_is_accepted_as_the_baseline_by_the_sets_owner(make_pipeline, run_with_eval,
+                                                             tmp_path, storage, user, site):
+    path = tmp_path / "mine.jsonl"
+    path.write_bytes(jsonl(eval_items()))
+    mine = evals.create_eval_set(name="mine", path=path, rule="exact", owner=user)
+    run_with_eval(make_pipeline(), mine)
+    batch, _, _, run = run_with_eval(make_pipeline(version="2"), mine)
+    assert run.drifted and run.accepted_at is None
+    answer = site.post(f"/batches/{batch.pk}/evals/{run.pk}/accept")
+    assert answer.status_code == 302
+    _, _, _, later = run_with_eval(make_pipeline(version="2"), mine)
+    # Compared with the accepted run now: the new version is the baseline, no drift.
+    assert later.baseline_id == run.pk and not later.drifted and later.changed_count == 0
+
+
+def test_an_operators_set_runs_when_a_worker_first_serves_a_new_model_version(
+        make_pipeline, tmp_path, storage, user, settings):
+    from jobs.services.validation import run_validation as validate
+
+    path = tmp_path / "watch.jsonl"
+    path.write_bytes(jsonl(eval_items()))
+    watching = evals.create_eval_set(name="watch", path=path, rule="exact",
+                                     watch_models=["echo-test"])
+    settings.BATCHWEB = {**settings.BATCHWEB, "SHARD_SIZE": 4}
+
+    def batch_on(pipeline: Any) -> Batch:
+        source = tmp_path / "in.jsonl"
+        source.write_bytes(jsonl([chat_line(f"u{i}", f"q {i}") for i in range(3)]))
+        file = create_input_file(owner=user, path=source, filename="in.jsonl",
+                                 purpose="batch")
+        created = create_batch(owner=user, input_file_id=file.pk,
+                               endpoint="/v1/chat/completions", completion_window="24h")
+        validate(batch_id=created.pk)
+        batch = Batch.objects.get(pk=created.pk)
+        run_all_shards(pipeline, batch)
+        return batch
+
+    first = make_pipeline()
+    one = batch_on(first)
+    assert EvalRun.objects.get(batch=one).trigger == "model"
+    two = batch_on(first)
+    restarted = batch_on(make_pipeline())  # another worker, the same model files
+    assert not EvalRun.objects.filter(batch__in=[two, restarted]).exists()
+    upgraded = batch_on(make_pipeline(version="2"))
+    run = EvalRun.objects.get(batch=upgraded)
+    assert run.eval_set == watching and run.serving_key.endswith("|echo|2")
+    assert EvalRun.objects.count() == 2
+
+
+def test_a_set_the_user_may_not_see_is_refused(tmp_path, storage, user, other_user):
+    path = tmp_path / "theirs.jsonl"
+    path.write_bytes(jsonl(eval_items()))
+    evals.create_eval_set(name="theirs", path=path, rule="exact", owner=other_user)
+    with pytest.raises(ServiceError, match="No such eval set") as caught:
+        evals.find_set_for_user(owner=user, value="theirs")
+    assert caught.value.status == 404

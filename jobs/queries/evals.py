@@ -1,0 +1,47 @@
+"""What the batch page shows of what ran a batch and of its eval runs: each distinct engine
+record of its workers (provenance), and each run's score beside its baseline's, with the
+items whose answers changed side by side."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from jobs.models import Batch, EvalRun
+from jobs.services.evals import can_accept
+
+
+@dataclass
+class RunView:
+    run: EvalRun
+    baseline: EvalRun | None
+    changed: list[dict[str, Any]] = field(default_factory=list)
+    may_accept: bool = False
+
+    @property
+    def drop(self) -> float | None:
+        if self.run.score is None or self.run.baseline_score is None:
+            return None
+        return self.run.baseline_score - self.run.score
+
+
+@dataclass
+class BatchRecord:
+    provenance: list[dict[str, Any]]
+    runs: list[RunView]
+
+    @property
+    def consistent(self) -> bool:
+        return len(self.provenance) <= 1
+
+
+def batch_record(batch: Batch, *, user: Any) -> BatchRecord:
+    runs = []
+    for run in (EvalRun.objects.filter(batch=batch)
+                .select_related("eval_set", "baseline", "baseline__batch", "run_batch")
+                .order_by("created_at")):
+        runs.append(RunView(run=run, baseline=run.baseline, changed=run.changed,
+                            may_accept=(run.status == EvalRun.Status.SCORED
+                                        and run.accepted_at is None
+                                        and can_accept(run=run, user=user))))
+    return BatchRecord(provenance=batch.provenance or [], runs=runs)
