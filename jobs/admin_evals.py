@@ -58,7 +58,7 @@ class EvalSetAdmin(admin.ModelAdmin):
     search_fields = ["name", "owner__username"]
     readonly_fields = ["url", "item_count", "bytes", "sha256", "storage_name", "created_at"]
 
-    def get_fields(self, request: HttpRequest, obj: Any = None) -> list[str]:
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
         editable = ["name", "owner", "rule", "tolerance", "embedding_model", "similarity",
                     "drift_threshold", "watch_models"]
         return [*editable, "upload"] if obj is None else [*editable, *self.readonly_fields]

@@ -84,7 +84,7 @@ def eval_user() -> Any:
 # --- sets ---
 
 
-def _lines(stream: IO[bytes]) -> Iterator[tuple[int, dict[str, Any]]]:
+def _lines(stream: IO[bytes]) -> Iterator[tuple[int, Any]]:
     """(line number, object) of each non-blank line of a set's JSONL, streamed."""
     for line in iter_lines(stream, max_line_bytes=settings.BATCHWEB["MAX_LINE_BYTES"]):
         if line.content is None:  # longer than a line may be
@@ -212,7 +212,7 @@ def start_runs(*, batch: Batch, serving_key: str, watch: bool) -> list[str] | No
     if batch.owner_id == eval_user().pk or batch.is_ended or batch.stop_code:
         return None
     wanted: list[tuple[EvalSet, str]] = []
-    if batch.eval_set_id and not EvalRun.objects.filter(
+    if batch.eval_set is not None and not EvalRun.objects.filter(
             batch=batch, eval_set_id=batch.eval_set_id,
             trigger=EvalRun.Trigger.BATCH).exists():
         wanted.append((batch.eval_set, EvalRun.Trigger.BATCH))
@@ -345,6 +345,7 @@ def _answers(run_batch: Batch, url: str) -> dict[str, str | None]:
 
 def _score(run: EvalRun) -> None:
     eval_set = run.eval_set
+    assert run.run_batch is not None  # settled only once it ended
     answers = _answers(run.run_batch, eval_set.url)
     items: list[tuple[str, Any, str | None]] = []
     with open_range(eval_set.storage_name, 0) as stream:
