@@ -7,11 +7,13 @@ held in Redis, and the bound itself moves (AIMD) with what the server answers.
 - The semaphore is a sorted set of leases, each scored by when it expires (Redis' own
   clock). A holder renews its leases while their requests run; a killed worker stops
   renewing, so its slots come back after LEASE_SECONDS without anyone cleaning up.
-- The limit is a float in the server's state hash: +1/limit per request whose latency
-  stays near the floor (one slot per "round" of the limit, as TCP's congestion avoidance),
-  x BETA on a 429, a 503, a timeout, a reset, or vLLM's own queue holding requests not
-  ours; never above the ceiling nor below 1, and cut at most once per COOLDOWN_SECONDS (a
-  burst of 429s is one signal, not ten halvings).
+- The limit is a float in the server's state hash, grown per request whose latency stays
+  near the floor: +1 each until the first cut (TCP's slow start: a batch reaches a big
+  server's capacity in a few rounds, not thousands of requests), then +1/limit each (one
+  slot per round of the limit, as TCP's congestion avoidance) from the threshold the last
+  cut left. x BETA on a 429, a 503, a timeout, a reset, or vLLM's own queue holding
+  requests not ours; never above the ceiling nor below 1, and cut at most once per
+  COOLDOWN_SECONDS (a burst of 429s is one signal, not ten halvings).
 - The same hash counts backoffs and errors and remembers when the server was last busy or
   unreachable, for queue health, /metrics and the batch page (`server_state`).
 
@@ -75,14 +77,19 @@ local now = t[1] * 1000 + math.floor(t[2] / 1000)
 local ceiling = tonumber(ARGV[2])
 local limit = math.min(tonumber(redis.call('HGET', KEYS[1], 'limit') or ceiling), ceiling)
 if ARGV[1] == 'grow' then
-  limit = math.min(ceiling, limit + 1 / math.max(1, limit))
+  local threshold = tonumber(redis.call('HGET', KEYS[1], 'threshold') or ceiling)
+  if limit < threshold then
+    limit = math.min(ceiling, threshold, limit + 1)
+  else
+    limit = math.min(ceiling, limit + 1 / math.max(1, limit))
+  end
 else
   local last = tonumber(redis.call('HGET', KEYS[1], 'cut_at') or 0)
   if now - last < tonumber(ARGV[3]) then
     return tostring(limit)
   end
   limit = math.max(1, limit * tonumber(ARGV[4]))
-  redis.call('HSET', KEYS[1], 'cut_at', now)
+  redis.call('HSET', KEYS[1], 'cut_at', now, 'threshold', tostring(limit))
   redis.call('HINCRBY', KEYS[1], 'cuts', 1)
 end
 redis.call('HSET', KEYS[1], 'limit', tostring(limit))

@@ -198,3 +198,22 @@ def loopback_allowed(settings):
                          "WEBHOOK_ALLOWED_HOSTS": [], "WEBHOOK_RETRY_BASE_SECONDS": 10,
                          "WEBHOOK_MAX_ATTEMPTS": 4, "WEBHOOK_TIMEOUT_SECONDS": 2}
     return settings
+
+
+@pytest.fixture(scope="session")
+def smol_server(tmp_path_factory: Any) -> Iterator[Any]:
+    """`vllm serve` of the default chat model on loopback (float32: greedy output does not
+    depend on batching), priority scheduling and cached-token usage on, as docs/
+    remote-engine.md says to start it; one per test session. Tests using it are marked
+    `engine` (run under /tmp/engine.lock)."""
+    from tests.vllmserve import VllmServe
+
+    server = VllmServe("SmolLM2-135M-Instruct", "smol", "--dtype", "float32",
+                       "--max-model-len", "512", "--max-num-seqs", "8",
+                       "--scheduling-policy", "priority", "--enable-prompt-tokens-details",
+                       log=tmp_path_factory.mktemp("vllm") / "serve.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

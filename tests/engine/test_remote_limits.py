@@ -169,7 +169,7 @@ def test_the_limit_grows_while_latency_holds(proxies, engines):
     proxy = make_proxy(proxies, delay=0.01)
     engine = make_engine(engines, proxy.url, max_concurrency=16, initial_concurrency=1)
     assert all(r.status_code == 200 for r in engine.run(chat(f"r{i}") for i in range(40)))
-    assert 2 <= state(proxy.url, 16).limit <= 16
+    assert 8 <= state(proxy.url, 16).limit <= 16  # slow start: +1 a request, no cut yet
 
 
 def test_vllm_metrics_with_others_waiting_cut_the_limit(proxies, engines):
