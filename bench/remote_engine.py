@@ -1,0 +1,335 @@
+"""The remote engine (engine/remote.py) against `vllm serve` on this machine.
+
+--part throughput: the same mixed chat requests (harness.make_requests, temperature 0,
+ignore_eos so every path generates exactly max_tokens) through
+  (1) the remote engine against `vllm serve`,
+  (2) batchweb's in-process engine (VllmEngine, what `batchworker` runs),
+  (3) vLLM's `run_batch` (its batch phase, after its engine start),
+with the same engine settings on every path: the in-process engine's batch sizes (vLLM's
+LLM_CLASS defaults), max_model_len 2048, eager, the same dtype, 2 GiB of KV cache,
+VLLM_CPU_NUM_OF_RESERVED_CPU=0. Output tokens/s over each run (engine start excluded);
+rounds alternate the order of the paths; the ratio (1)/(2) is taken per round, and the
+median reported.
+
+--part interactive: llm-d's way of measuring an online server's protection. A steady
+interactive client (short streamed chats at a fixed rate, priority 0) alone, then a batch
+draining through the remote engine alone, then both together, against `vllm serve` with
+and without `--scheduling-policy priority`. Reported: the client's p50/p99 time to first
+token and latency in each phase, and the batch's output tokens/s with the client against
+without it. Rounds alternate the two server settings.
+
+Every engine here holds /tmp/engine.lock: run as `flock /tmp/engine.lock .venv/bin/python
+bench/remote_engine.py ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench import harness
+from bench.engine_efficiency import llm_class_batch_sizes, run_vllm_batch
+from engine.base import CHAT, EngineRequest, ModelSpec
+from tests.vllmserve import MODELS, VllmServe
+
+MAX_MODEL_LEN = 2048
+KV_GIB = 2
+
+
+def cpu_name() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    found = [line.split(":", 1)[1].strip() for line in out.splitlines()
+             if line.startswith("Model name")]
+    return found[0] if found else "unknown CPU"
+
+
+def engine_requests(requests: list[dict], model: str) -> list[EngineRequest]:
+    return [EngineRequest(r["custom_id"], CHAT, {**r["body"], "model": model,
+                                                 "ignore_eos": True}) for r in requests]
+
+
+def drive(engine: Any, requests: list[EngineRequest]) -> dict[str, Any]:
+    started = time.monotonic()
+    tokens = failed = 0
+    for result in engine.run(requests):
+        if result.status_code == 200:
+            tokens += result.body["usage"]["completion_tokens"]
+        else:
+            failed += 1
+    seconds = time.monotonic() - started
+    return {"tokens": tokens, "failed": failed, "seconds": seconds, "tok_s": tokens / seconds}
+
+
+def serve(dtype: str, policy: str, seqs: int, batched: int, log: Path) -> VllmServe:
+    server = VllmServe(harness.MODEL, "smol", "--dtype", dtype, "--max-model-len",
+                       str(MAX_MODEL_LEN), "--max-num-seqs", str(seqs),
+                       "--max-num-batched-tokens", str(batched), "--scheduling-policy",
+                       policy, "--enable-prompt-tokens-details", log=log, kv_cache_gib=KV_GIB)
+    server.wait_ready()
+    return server
+
+
+def remote_engine(url: str, ceiling: int, **options: Any) -> Any:
+    from engine.remote import RemoteEngine
+
+    return RemoteEngine(ModelSpec(name="smol", backend="remote", options={
+        "base_url": url, "redis_url": os.environ["REDIS_URL"], "max_concurrency": ceiling,
+        **options}))
+
+
+def reset_limit(url: str) -> None:
+    import redis
+
+    from engine.remote_limits import keys
+
+    redis.Redis.from_url(os.environ["REDIS_URL"]).delete(*keys(url))
+
+
+# --- throughput -------------------------------------------------------------------------
+
+
+def run_remote(requests: list[dict], dtype: str, seqs: int, batched: int,
+               scratch: Path) -> dict[str, Any]:
+    server = serve(dtype, "fcfs", seqs, batched, scratch / "serve.log")
+    try:
+        reset_limit(server.url)
+        # A server of its own: the limit starts at the ceiling (a shared server's would
+        # start at 4 and find its way up).
+        engine = remote_engine(server.url, seqs, initial_concurrency=seqs)
+        try:
+            return drive(engine, engine_requests(requests, "smol"))
+        finally:
+            engine.close()
+    finally:
+        server.stop()
+
+
+def run_in_process(requests: list[dict], dtype: str, seqs: int, batched: int
+                   ) -> dict[str, Any]:
+    from engine import load_engine
+
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(KV_GIB)
+    engine = load_engine(ModelSpec(name="smol", backend="vllm", path=str(MODELS / harness.MODEL),
+                                   options={"dtype": dtype, "enforce_eager": True,
+                                            "max_model_len": MAX_MODEL_LEN,
+                                            "max_num_seqs": seqs,
+                                            "max_num_batched_tokens": batched}))
+    try:
+        return drive(engine, engine_requests(requests, "smol"))
+    finally:
+        engine.close()
+
+
+def run_run_batch(requests: list[dict], dtype: str, scratch: Path) -> dict[str, Any]:
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(KV_GIB)
+    lines = [{**r, "body": {**r["body"], "ignore_eos": True}} for r in requests]
+    row = run_vllm_batch(lines, str(MODELS / harness.MODEL), dtype, scratch)
+    return {"tokens": row["tokens"], "failed": row.get("failed", 0),
+            "seconds": row["batch_phase_seconds"], "tok_s": row["batch_phase_tok_s"]}
+
+
+def throughput(args: argparse.Namespace) -> dict[str, Any]:
+    seqs, batched = llm_class_batch_sizes(1)
+    requests = harness.make_requests(args.n, args.min_tokens, args.max_tokens)
+    rounds = []
+    paths = ["remote", "in_process", "run_batch"]
+    for index in range(args.rounds):
+        order = paths[index % 3:] + paths[:index % 3]
+        row: dict[str, Any] = {"order": order}
+        for path in order:
+            with tempfile.TemporaryDirectory(prefix="bench-remote-") as folder:
+                scratch = Path(folder)
+                if path == "remote":
+                    row[path] = run_remote(requests, args.dtype, seqs, batched, scratch)
+                elif path == "in_process":
+                    row[path] = run_in_process(requests, args.dtype, seqs, batched)
+                else:
+                    row[path] = run_run_batch(requests, args.dtype, scratch)
+            print(f"round {index + 1} {path}: {row[path]}", flush=True)
+        row["remote/in_process"] = row["remote"]["tok_s"] / row["in_process"]["tok_s"]
+        row["run_batch/in_process"] = row["run_batch"]["tok_s"] / row["in_process"]["tok_s"]
+        rounds.append(row)
+    return {"requests": args.n, "max_num_seqs": seqs, "max_num_batched_tokens": batched,
+            "rounds": rounds,
+            "median_remote_over_in_process": statistics.median(
+                r["remote/in_process"] for r in rounds),
+            "median_run_batch_over_in_process": statistics.median(
+                r["run_batch/in_process"] for r in rounds),
+            "median_tok_s": {p: statistics.median(r[p]["tok_s"] for r in rounds)
+                             for p in paths}}
+
+
+# --- interactive protection -------------------------------------------------------------
+
+
+async def interactive_client(url: str, seconds: float, every: float) -> list[tuple[float, float]]:
+    """(TTFT, latency) of short streamed chats sent every `every` seconds for `seconds`."""
+    samples: list[tuple[float, float]] = []
+
+    async def one(client: httpx.AsyncClient, i: int) -> None:
+        body = {"model": "smol", "max_tokens": 16, "temperature": 0, "stream": True,
+                "messages": [{"role": "user", "content": f"Say hello to user {i}."}]}
+        started = time.monotonic()
+        first = None
+        async with client.stream("POST", url + "/chat/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if first is None and line.startswith("data: {") and '"content"' in line:
+                    first = time.monotonic() - started
+        samples.append((first if first is not None else float("nan"),
+                        time.monotonic() - started))
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        tasks = []
+        deadline = time.monotonic() + seconds
+        i = 0
+        while time.monotonic() < deadline:
+            tasks.append(asyncio.create_task(one(client, i)))
+            i += 1
+            await asyncio.sleep(every)
+        await asyncio.gather(*tasks)
+    return samples
+
+
+def percentiles(samples: list[tuple[float, float]]) -> dict[str, float]:
+    ttft = sorted(s[0] for s in samples)
+    latency = sorted(s[1] for s in samples)
+
+    def at(values: list[float], q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+    return {"n": len(samples), "ttft_p50": at(ttft, 0.5), "ttft_p99": at(ttft, 0.99),
+            "latency_p50": at(latency, 0.5), "latency_p99": at(latency, 0.99)}
+
+
+class BatchDrain:
+    """The batch through the remote engine in a thread, for `seconds`; output tokens of
+    the requests finished within that window, per second."""
+
+    def __init__(self, url: str, requests: list[EngineRequest], ceiling: int) -> None:
+        self.engine = remote_engine(url, ceiling)
+        # One pass over the batch across windows: no window gets prompts already cached.
+        self.requests = iter(requests)
+        self.tokens = 0
+        self.finished = 0
+
+    def run(self, seconds: float) -> float:
+        pending: set[str] = set()
+        deadline = time.monotonic() + seconds
+
+        def source() -> Any:
+            for req in self.requests:
+                if time.monotonic() >= deadline:
+                    return
+                pending.add(req.request_id)
+                yield req
+
+        stopper = threading.Timer(seconds, lambda: self.engine.abort(list(pending)))
+        stopper.start()
+        for result in self.engine.run(source()):
+            pending.discard(result.request_id)
+            if result.status_code == 200 and time.monotonic() <= deadline:
+                self.tokens += result.body["usage"]["completion_tokens"]
+                self.finished += 1
+        stopper.cancel()
+        return self.tokens / seconds
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def interactive_round(policy: str, args: argparse.Namespace, batch: list[EngineRequest],
+                      scratch: Path) -> dict[str, Any]:
+    seqs, batched = llm_class_batch_sizes(1)
+    server = serve(args.dtype, policy, seqs, batched, scratch / f"serve-{policy}.log")
+    row: dict[str, Any] = {"policy": policy}
+    try:
+        reset_limit(server.url)
+        asyncio.run(interactive_client(server.url, 5, args.every))  # warm up
+        row["alone"] = percentiles(asyncio.run(
+            interactive_client(server.url, args.seconds, args.every)))
+        drain = BatchDrain(server.url, batch, args.ceiling)
+        try:
+            row["batch_idle_tok_s"] = drain.run(args.seconds)
+            drain.tokens = 0
+            done: list[float] = []
+            thread = threading.Thread(target=lambda: done.append(drain.run(args.seconds)))
+            thread.start()
+            row["with_batch"] = percentiles(asyncio.run(
+                interactive_client(server.url, args.seconds, args.every)))
+            thread.join()
+            row["batch_busy_tok_s"] = done[0]
+        finally:
+            drain.close()
+    finally:
+        server.stop()
+    row["ttft_p99_ratio"] = row["with_batch"]["ttft_p99"] / row["alone"]["ttft_p99"]
+    row["batch_share"] = row["batch_busy_tok_s"] / row["batch_idle_tok_s"]
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def interactive(args: argparse.Namespace) -> dict[str, Any]:
+    batch = engine_requests(harness.make_requests(args.batch, 32, 64), "smol")
+    rows = []
+    for index in range(args.rounds):
+        policies = ["priority", "fcfs"] if index % 2 == 0 else ["fcfs", "priority"]
+        for policy in policies:
+            with tempfile.TemporaryDirectory(prefix="bench-remote-") as folder:
+                rows.append(interactive_round(policy, args, batch, Path(folder)))
+    summary = {}
+    for policy in ("priority", "fcfs"):
+        mine = [r for r in rows if r["policy"] == policy]
+        summary[policy] = {
+            key: statistics.median(r[key] for r in mine)
+            for key in ("ttft_p99_ratio", "batch_share", "batch_idle_tok_s",
+                        "batch_busy_tok_s")}
+        for phase in ("alone", "with_batch"):
+            for key in ("ttft_p50", "ttft_p99", "latency_p50", "latency_p99"):
+                summary[policy][f"{phase}_{key}"] = statistics.median(r[phase][key]
+                                                                      for r in mine)
+    return {"rounds": rows, "summary": summary, "batch_requests": args.batch,
+            "seconds": args.seconds, "every": args.every, "ceiling": args.ceiling}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", choices=("throughput", "interactive"), required=True)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("-n", type=int, default=256, help="throughput: requests")
+    parser.add_argument("--min-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=2000, help="interactive: batch size")
+    parser.add_argument("--seconds", type=float, default=30, help="interactive: per phase")
+    parser.add_argument("--every", type=float, default=0.5,
+                        help="interactive: seconds between the client's requests")
+    parser.add_argument("--ceiling", type=int, default=64,
+                        help="interactive: the batch's max_concurrency")
+    parser.add_argument("--json", default="")
+    args = parser.parse_args()
+    from bench.harness import private_redis
+
+    with tempfile.TemporaryDirectory(prefix="bench-redis-") as folder, \
+            private_redis(Path(folder)):
+        result = throughput(args) if args.part == "throughput" else interactive(args)
+    result["cpu"] = cpu_name()
+    print(json.dumps(result, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    harness.run(main)
+    sys.exit(0)
