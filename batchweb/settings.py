@@ -443,7 +443,9 @@ LOGGING = {
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
     # httpx logs every request at INFO: a remote model's worker sends one per batch line.
-    "loggers": {"django.db.backends": {"level": "WARNING"}, "httpx": {"level": "WARNING"}},
+    # django-axes says it started on every process start, management commands included.
+    "loggers": {"django.db.backends": {"level": "WARNING"}, "httpx": {"level": "WARNING"},
+                "axes": {"level": "WARNING"}},
 }
 
 # Production hardening; `manage.py check --deploy` with DEBUG off is clean.

@@ -40,9 +40,13 @@ Workloads (--workload; sizes in bench/workloads.py):
       -n applies to mixed and long, --min-tokens / --max-tokens (when given) to all three.
 
 --kv-cache-gib sets VLLM_CPU_KVCACHE_SPACE for all three paths (default: the environment's,
-else the service's default of 2; 1 for shared-prefix). Unless BATCHWEB_PREFIX_CACHE_TOKENS
-is set, batchweb's planner is told the KV cache size in tokens that (a)'s engine reported,
-as an operator would configure it for that cache.
+else the service's default of 2; 1 for shared-prefix). batchweb's planner sizes the cache
+by what its worker reports (BATCHWEB_PREFIX_CACHE_TOKENS, when set, overrides it).
+
+The limit: each report gives, beside every path's prompt and cached tokens, the fewest
+prompt tokens the file lets an engine with a prefix cache compute (engine.prefix_limit:
+the model's tokenizer and chat template, the engine's block size; every distinct full
+block once, plus every request's own tail), and how far over it each path computed.
 
 Another model or a GPU (see bench/gpu.md): --model-name, --model-path, --dtype, --no-eager
 (CUDA graphs / torch.compile), --tensor-parallel-size; the same engine settings for all three
@@ -123,6 +127,34 @@ def read_output_lines(lines: list[str]) -> dict[str, Any]:
             "cached_field_missing": missing, "failed": failed, "texts": texts}
 
 
+def prefix_limit(requests: list[dict], model_path: str, block_size: int) -> dict[str, Any]:
+    """The limit of prefix caching for the file (engine.prefix_limit): its prompt tokens
+    (the model's tokenizer and chat template, as the engine renders them) and the fewest
+    of them an engine with a prefix cache of `block_size`-token blocks must compute, each
+    distinct full block once and every request's own tail."""
+    from transformers import AutoTokenizer
+
+    from engine.prefix_limit import PrefixLimit, block_keys
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    limit = PrefixLimit()
+    for request in requests:
+        ids = tokenizer.apply_chat_template(request["body"]["messages"], tokenize=True,
+                                            add_generation_prompt=True)
+        if not isinstance(ids, list):  # newer transformers return a BatchEncoding
+            ids = ids["input_ids"]
+        limit.add(len(ids), block_keys(ids, block_size))
+    return {"block_size": block_size, "prompt_tokens": limit.prompt_tokens,
+            "cacheable_tokens": limit.cacheable, "computed_tokens": limit.computed}
+
+
+def default_block_size() -> int:
+    """vLLM's KV cache block size where (a) did not run to say: 128 on CPU, 16 on GPU."""
+    import torch
+
+    return 16 if torch.cuda.is_available() else 128
+
+
 def run_raw(requests: list[dict], model_path: str, dtype: str, eager: bool = True,
             tp: int = 1) -> dict:
     from vllm import LLM, SamplingParams
@@ -148,6 +180,7 @@ def run_raw(requests: list[dict], model_path: str, dtype: str, eager: bool = Tru
            "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
            "kv_cache_tokens": (config.cache_config.num_gpu_blocks or 0)
            * config.cache_config.block_size,
+           "block_size": config.cache_config.block_size,
            "texts": {r["custom_id"]: o.outputs[0].text for r, o in zip(requests, outputs,
                                                                     strict=True)}}
     # Shut the engine core down now: run_batch starts the next engine right after.
@@ -320,10 +353,8 @@ def run_workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     if "a" not in skip:
         results[PATHS["a"]] = run_raw(requests, model_path, args.dtype, args.eager, tp)
         print(_brief(results), flush=True)
-        # The planner sizes its file-order estimate by the engine's cache: the one (a) had.
-        if "BATCHWEB_PREFIX_CACHE_TOKENS" not in os.environ:
-            os.environ["BATCHWEB_PREFIX_CACHE_TOKENS"] = str(
-                results[PATHS["a"]]["kv_cache_tokens"])
+    block_size = results.get(PATHS["a"], {}).get("block_size") or default_block_size()
+    limit = prefix_limit(requests, model_path, block_size)
     # A shared machine drifts in speed over minutes, so the path run last can be slowed
     # (or sped) by its neighbours alone: --batchweb-first swaps (b) and (c) to tell, and
     # --rounds runs them again with the order swapped each round. The table shows the
@@ -347,7 +378,7 @@ def run_workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
             print(_brief(ran), flush=True)
         if number == 0:
             results.update(ran)
-        rounds.append(_round(ran, "c,b" if batchweb_first else "b,c", len(requests)))
+        rounds.append(_round(ran, "c,b" if batchweb_first else "b,c", len(requests), limit))
     if args.keep_scratch:
         print(f"scratch kept (run_batch.log, worker.log): {scratch}", flush=True)
     else:
@@ -357,9 +388,10 @@ def run_workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
         "eager": args.eager, "tensor_parallel_size": tp, "shard_size": args.shard_size,
         "order": "a,c,b" if args.batchweb_first else "a,b,c",
         "kv_cache_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
-        # None: the service's default (settings.PREFIX_CACHE_TOKENS).
+        # None: what the worker reports (settings.PREFIX_CACHE_TOKENS overrides it).
         "prefix_cache_tokens_setting": os.environ.get("BATCHWEB_PREFIX_CACHE_TOKENS"),
-        "paths": {name: _figures(row) for name, row in results.items()},
+        "limit": limit,
+        "paths": {name: _figures(row, limit) for name, row in results.items()},
         "outputs": compare_outputs(results, len(requests))}
     if args.rounds > 1:
         phases = [r["c/b_phase"] for r in rounds if "c/b_phase" in r]
@@ -372,10 +404,17 @@ def run_workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     return figures
 
 
-def _round(ran: dict[str, dict], order: str, count: int) -> dict[str, Any]:
+def _round(ran: dict[str, dict], order: str, count: int, limit: dict[str, Any]
+           ) -> dict[str, Any]:
     """One round of (b) and (c): their seconds, batchweb's rate against run_batch's whole
-    run and its batch phase, and how many outputs they share."""
+    run and its batch phase, how many outputs they share, and the prompt tokens each
+    computed over the limit's."""
     out: dict[str, Any] = {"order": order}
+    for path in ("b", "c"):
+        row = ran.get(PATHS[path])
+        if row and limit["computed_tokens"]:
+            out[f"{path}_over_limit"] = ((row["prompt_tokens"] - row["cached_tokens"])
+                                         / limit["computed_tokens"] - 1)
     b, c = ran.get(PATHS["b"]), ran.get(PATHS["c"])
     if b and c:
         c_rate = c["tokens"] / c["seconds"]
@@ -388,13 +427,18 @@ def _round(ran: dict[str, dict], order: str, count: int) -> dict[str, Any]:
     return out
 
 
-def _figures(row: dict) -> dict:
-    """A path's row for the report: its figures without the texts, with its rates."""
+def _figures(row: dict, limit: dict[str, Any]) -> dict:
+    """A path's row for the report: its figures without the texts, with its rates and the
+    prompt tokens it computed against the limit's."""
     out = {k: v for k, v in row.items() if k != "texts"}
+    computed = row["prompt_tokens"] - row["cached_tokens"]
     out.update(tok_s=row["tokens"] / row["seconds"],
                prompt_tok_s=row["prompt_tokens"] / row["seconds"],
                cache_hit_rate=row["cached_tokens"] / row["prompt_tokens"]
-               if row["prompt_tokens"] else 0.0)
+               if row["prompt_tokens"] else 0.0,
+               computed_tokens=computed,
+               over_limit=computed / limit["computed_tokens"] - 1
+               if limit["computed_tokens"] else 0.0)
     return out
 
 
@@ -409,14 +453,21 @@ def print_table(f: dict[str, Any]) -> None:
           f"{'eager' if f['eager'] else 'compiled'}, tensor parallel "
           f"{f['tensor_parallel_size']}, shards of {f['shard_size']}, KV cache "
           f"{f['kv_cache_gib']} GiB of KV cache (batchweb's planner: "
-          f"{f['prefix_cache_tokens_setting'] or 'its default'} cache tokens)")
-    print(f"{'path':<18} {'out tok':>8} {'prompt tok':>10} {'cached':>7} {'seconds':>8} "
-          f"{'out tok/s':>9} {'prompt tok/s':>12} {'start s':>8} {'cpu s':>7}")
+          f"{f['prefix_cache_tokens_setting'] or 'its worker reports it'})")
+    limit = f["limit"]
+    print(f"{'path':<18} {'out tok':>8} {'prompt tok':>10} {'cached':>7} {'computed':>9} "
+          f"{'vs limit':>8} {'seconds':>8} {'out tok/s':>9} {'prompt tok/s':>12} "
+          f"{'start s':>8} {'cpu s':>7}")
+    print(f"{'limit':<18} {'':>8} {limit['prompt_tokens']:>10} "
+          f"{limit['cacheable_tokens'] / max(1, limit['prompt_tokens']):>7.1%} "
+          f"{limit['computed_tokens']:>9} {'':>8}   (blocks of {limit['block_size']} tokens: "
+          "each distinct one computed once, plus every request's own tail)")
     for name, row in f["paths"].items():
         start = f"{row['start']:.0f}" if "start" in row else "incl."
         cpu = f"{row['cpu']:.0f}" if "cpu" in row else "-"
         print(f"{name:<18} {row['tokens']:>8} {row['prompt_tokens']:>10} "
-              f"{row['cache_hit_rate']:>7.1%} {row['seconds']:>8.1f} {row['tok_s']:>9.1f} "
+              f"{row['cache_hit_rate']:>7.1%} {row['computed_tokens']:>9} "
+              f"{row['over_limit']:>+8.1%} {row['seconds']:>8.1f} {row['tok_s']:>9.1f} "
               f"{row['prompt_tok_s']:>12.1f} {start:>8} {cpu:>7}")
     for name, row in f["paths"].items():
         if row.get("cached_field_missing"):
@@ -441,9 +492,11 @@ def print_table(f: dict[str, Any]) -> None:
         if "c/b" in r:
             phase = (f", against its batch phase ({r['b_phase_seconds']:.1f} s) "
                      f"{r['c/b_phase']:.3f}" if "c/b_phase" in r else "")
+            over = "".join(f"; {p} computed {r[f'{p}_over_limit']:+.1%} over the limit"
+                           for p in ("b", "c") if f"{p}_over_limit" in r)
             print(f"round {number + 1} ({r['order']}): b {r['b_seconds']:.1f} s, c "
                   f"{r['c_seconds']:.1f} s; c/b {r['c/b']:.3f}{phase}; identical b=c "
-                  f"{r['identical']}")
+                  f"{r['identical']}{over}")
     if "c/b_phase_median" in f:
         print(f"c/b against the batch phase, median of {len(f['rounds'])} rounds: "
               f"{f['c/b_phase_median']:.3f}")
@@ -455,6 +508,7 @@ def print_table(f: dict[str, Any]) -> None:
         print(f"batchweb's plan: {'grouped' if plan.get('grouped') else 'file order'}, "
               f"{plan.get('groups', 0)} prefix groups, hits expected in file order "
               f"{plan.get('hits_file_order', 0):.0%}, grouped {plan.get('hits_grouped', 0):.0%}"
+              f" (for a cache of {plan.get('cache_tokens', '?')} tokens)"
               f"{': ' + plan['reason'] if plan.get('reason') else ''}")
 
 

@@ -117,6 +117,12 @@ class Report:
     # prompt tokens), and how validation planned the shards (PrefixPlan as stored).
     cache_hit_rate: float | None = None
     cached_tokens: int = 0
+    # The limit: the most of the input tokens a prefix cache could serve (each distinct
+    # prompt block of a shard computed once; engine.prefix_limit), as a share too, and the
+    # share of it the run reached.
+    cacheable_tokens: int = 0
+    cacheable_rate: float | None = None
+    of_cacheable: float | None = None
     plan: dict = field(default_factory=dict)
 
 
@@ -251,6 +257,11 @@ def batch_stats(batch: Batch, *, now: datetime | None = None) -> BatchStats:
         cache_hit_rate=(progress["cached_tokens"] / progress["input_tokens"]
                         if progress["input_tokens"] else None),
         cached_tokens=progress["cached_tokens"], plan=batch.plan or {},
+        cacheable_tokens=progress["cacheable_tokens"],
+        cacheable_rate=(progress["cacheable_tokens"] / progress["input_tokens"]
+                        if progress["input_tokens"] else None),
+        of_cacheable=(min(1.0, progress["cached_tokens"] / progress["cacheable_tokens"])
+                      if progress["cacheable_tokens"] else None),
     )
     return BatchStats(
         total=batch.total, completed=progress["completed"], failed=progress["failed"],

@@ -8,7 +8,8 @@ Validation hands every line that runs (`add`) with its prefix key (jobs.prefix).
   engine's prefix cache;
 - in file order, a request finds it only if the previous request with its key ran
   recently enough for the prefix to still be cached: within the last W requests, where W
-  is the cache (PREFIX_CACHE_TOKENS) over the mean prompt size;
+  is the cache (what the model's workers report, or PREFIX_CACHE_TOKENS: see
+  jobs.services.validation.planning_cache_tokens) over the mean prompt size;
 - the prompt tokens grouping would serve from the cache beyond what file order already
   does, as a share of all prompt tokens, must reach PREFIX_MIN_GAIN, or the file keeps its
   order (and today's byte-range shards: nothing changes for a file without groups).
@@ -45,6 +46,7 @@ class PrefixPlan:
     prefix_tokens: int = 0  # estimated prompt tokens grouping serves from the cache
     hits_file_order: float = 0.0  # share of keyed requests expected to hit, in file order
     hits_grouped: float = 0.0  # the same, grouped
+    cache_tokens: int = 0  # the engine's prefix cache planned for, in tokens
     reason: str = ""
 
     def to_json(self) -> dict[str, object]:
@@ -91,7 +93,7 @@ class PrefixPlanner:
 
     def finish(self) -> tuple[PrefixPlan, np.ndarray | None, list[GroupedShard]]:
         """The plan; when grouped, the line index records in run order and the shards."""
-        plan = PrefixPlan()
+        plan = PrefixPlan(cache_tokens=self.cache_tokens)
         keys = np.frombuffer(self.keys, dtype=np.uint64)
         keyed = keys != 0
         plan.keyed = int(keyed.sum())

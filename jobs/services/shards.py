@@ -39,6 +39,7 @@ class Progress:
     input_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0  # of input_tokens, those served from the engine's prefix cache
+    cacheable_tokens: int = 0  # of input_tokens, the most a prefix cache could serve
 
     def as_fields(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in PROGRESS_FIELDS}
@@ -213,7 +214,7 @@ def fail_shard(*, shard_id: str, attempt: int, reason: str) -> None:
                 status=Shard.Status.ABANDONED, failures=failures, last_error=reason,
                 end_code=Code.SHARD_FAILED, finished_at=timezone.now(), completed=0,
                 failed=F("request_count"), input_tokens=0, output_tokens=0,
-                cached_tokens=0)
+                cached_tokens=0, cacheable_tokens=0)
             if abandoned:
                 refresh_progress(batch_id=shard.batch_id)
         if abandoned:

@@ -66,7 +66,7 @@ def drop_queued_shards(batch_id: str, code: str) -> None:
     Shard.objects.filter(batch_id=batch_id, status=Shard.Status.QUEUED).update(
         status=Shard.Status.ABANDONED, end_code=code, finished_at=timezone.now(),
         completed=0, failed=F("request_count"), input_tokens=0, output_tokens=0,
-        cached_tokens=0)
+        cached_tokens=0, cacheable_tokens=0)
     refresh_progress(batch_id=batch_id)
 
 

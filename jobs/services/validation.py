@@ -31,6 +31,7 @@ from typing import IO, Any
 from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
+from redis import RedisError
 
 from jobs import queues
 from jobs.digestset import DigestSet
@@ -54,6 +55,7 @@ from jobs.wire import (
     prompt_text,
     quoted,
 )
+from jobs.worker.presence import kv_cache_tokens
 
 
 @dataclass
@@ -207,7 +209,7 @@ def check_input(stream: IO[bytes], *, endpoint: str | None, strict: bool = False
     planner = ShardPlanner(shard_size=conf["SHARD_SIZE"], max_bodies=conf["DEDUP_MAX_BODIES"],
                            on_copy=on_copy)
     prefixes = PrefixPlanner(shard_size=conf["SHARD_SIZE"],
-                             cache_tokens=conf["PREFIX_CACHE_TOKENS"],
+                             cache_tokens=conf["PREFIX_CACHE_TOKENS_DEFAULT"],  # see below
                              min_gain=conf["PREFIX_MIN_GAIN"], enabled=conf["PREFIX_GROUPING"])
 
     def problem(line_number: int, error: LineError) -> None:
@@ -274,8 +276,27 @@ def check_input(stream: IO[bytes], *, endpoint: str | None, strict: bool = False
     if report.error_count:
         report.shards = []
     else:
+        if prefixes.enabled:
+            prefixes.cache_tokens = planning_cache_tokens(report.model)
         report.plan, report.line_records, report.grouped_shards = prefixes.finish()
     return report
+
+
+def planning_cache_tokens(model: str | None) -> int:
+    """The prefix cache, in tokens, that prefix planning assumes for `model`'s engines:
+    BATCHWEB_PREFIX_CACHE_TOKENS when set; else the smallest KV cache its live workers
+    report (jobs.worker.presence); else, while none has, PREFIX_CACHE_TOKENS_DEFAULT."""
+    conf = settings.BATCHWEB
+    if conf["PREFIX_CACHE_TOKENS"]:
+        return int(conf["PREFIX_CACHE_TOKENS"])
+    reported = None
+    if model:
+        try:
+            reported = kv_cache_tokens(queues.connection(), model,
+                                       max_age=conf["HEARTBEAT_TIMEOUT_SECONDS"])
+        except RedisError:  # the queue away: plan with the default
+            reported = None
+    return reported or int(conf["PREFIX_CACHE_TOKENS_DEFAULT"])
 
 
 def check_batch_input(stream: IO[bytes], *, endpoint: str | None, strict: bool = False,

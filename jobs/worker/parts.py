@@ -21,6 +21,7 @@ from django.core.files.storage import default_storage
 from django.utils.crypto import salted_hmac
 
 from engine.base import EngineResult
+from engine.prefix_limit import PrefixLimit
 from jobs.models import ContentRule, ScreenedLine, Shard
 from jobs.policy import VIOLATION, Violation
 from jobs.quality import flags_for
@@ -115,6 +116,9 @@ class ShardWork:
     # The adapters' counters, and the engine seconds of earlier attempts (adopted with
     # their checkpoint; this attempt's are the worker's IdleMeter's until it finishes).
     usage: ShardUsage = field(default_factory=ShardUsage)
+    # The prompt blocks this attempt's requests computed, for the limit of prefix caching
+    # (Progress.cacheable_tokens): a shard by itself, since another may run elsewhere.
+    prefix_limit: PrefixLimit = field(default_factory=PrefixLimit)
     all_submitted: bool = False
     finishing: bool = False
     dead: bool = False
@@ -180,6 +184,8 @@ class ShardWork:
             self.progress.input_tokens += tokens_in
             self.progress.output_tokens += tokens_out
             self.progress.cached_tokens += cached
+            self.progress.cacheable_tokens += self.prefix_limit.add(tokens_in,
+                                                                    result.prompt_blocks)
             if request.model != self.model:
                 self.usage.add(request.model, requests=1 + len(self.copies.get(line, ())),
                                input_tokens=tokens_in, cached_tokens=cached,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import redis
 from rq.utils import now, utcformat
@@ -42,14 +43,22 @@ return 0
 """
 
 
+# Per model, a Redis hash of its workers' engine KV caches: worker name -> "tokens stamp".
+KV_CACHE_KEY = "batchweb:kv-cache:{model}"
+
+
 class Presence(Loop):
     name = "presence"
 
     def __init__(self, closing: threading.Event, *, every: float,
-                 standby: tuple[str, ...] = ()) -> None:
+                 standby: tuple[str, ...] = (), model: str = "",
+                 kv_cache_tokens: int = 0) -> None:
         self.closing = closing
         self.every = every
         self.standby = standby  # models this worker switches to when they wait
+        # The loaded model's KV cache in tokens (0: none), reported for prefix planning.
+        self.model = model
+        self.kv_cache_tokens = kv_cache_tokens
         # The RQ worker taking jobs now (batchworker starts a new one after a Redis outage).
         self.worker: BaseWorker | None = None
         super().__init__()
@@ -61,9 +70,16 @@ class Presence(Loop):
                 continue
             try:
                 self.beat(worker, self.standby)
+                self.report(worker)
             except redis.RedisError:
                 # Redis away: batchworker's loop reconnects and registers a new worker.
                 log.debug("presence: Redis unavailable", exc_info=True)
+
+    def report(self, worker: BaseWorker) -> None:
+        """Report the loaded engine's KV cache (at start too: a batch validated then plans
+        with it)."""
+        if self.kv_cache_tokens:
+            report_kv_cache(worker, self.model, self.kv_cache_tokens, self.every)
 
     @staticmethod
     def beat(worker: BaseWorker, standby: tuple[str, ...] = ()) -> bool:
@@ -78,3 +94,27 @@ def standby_models(worker: BaseWorker) -> list[str]:
     """The models `worker` switches to when they wait (none for a one-model worker)."""
     value = worker.connection.hget(worker.key, STANDBY_FIELD)
     return [name for name in (value or b"").decode().split(",") if name]
+
+
+def report_kv_cache(worker: BaseWorker, model: str, tokens: int, every: float) -> None:
+    """Say that `worker`'s engine of `model` keeps `tokens` tokens of KV cache (and so of
+    prompt prefix); the entry counts for a few beats (`kv_cache_tokens`)."""
+    key = KV_CACHE_KEY.format(model=model)
+    pipe = worker.connection.pipeline()
+    pipe.hset(key, worker.name, f"{tokens} {time.time():.0f}")
+    pipe.expire(key, int(max(60, 10 * every)))
+    pipe.execute()
+
+
+def kv_cache_tokens(connection: redis.Redis, model: str, *, max_age: float) -> int | None:
+    """The KV cache the live workers of `model` report, in tokens: the smallest, since a
+    shard may run on any of them; None when none reported within `max_age` seconds."""
+    key = KV_CACHE_KEY.format(model=model)
+    fresh = []
+    for name, value in connection.hgetall(key).items():
+        tokens, stamp = value.decode().split()
+        if time.time() - float(stamp) <= max_age:
+            fresh.append(int(tokens))
+        else:
+            connection.hdel(key, name)  # a worker gone: forget it
+    return min(fresh) if fresh else None

@@ -24,6 +24,7 @@ from engine import (
     EngineResult,
     load_engine,
 )
+from engine.prefix_limit import PrefixLimit
 from engine.prepare import DEFAULT_MODELS, prepare_model
 from engine.vllm_engine import VllmEngine
 from jobs.quality import flags_for, response_output_text
@@ -376,6 +377,37 @@ def test_requests_fed_by_prefix_group_compute_the_prefix_once(engine: VllmEngine
     assert all(cached(r) > 0 for r in again.values())
     assert {rid: content(r) for rid, r in again.items()} == {
         rid: content(r) for rid, r in first.items()}
+
+
+def test_a_prefix_group_computes_its_shared_prefix_once(engine: VllmEngine) -> None:
+    """Requests handed in with their prefix group's key (as a grouped shard's are): the
+    group's first computes the shared prefix before the others are scheduled, and each of
+    those finds all of it in the cache: the prompt tokens served from the cache are
+    exactly the limit counted from the prompt blocks the engine reports (every distinct
+    full block computed once), request by request."""
+    requests = []
+    for group in range(3):
+        system = " ".join(f"limit-{group} rule {i}: answer briefly and politely."
+                          for i in range(30))
+        for item in range(3):
+            requests.append(EngineRequest(
+                f"limit-{group}-{item}", CHAT,
+                {"model": NAME, "max_tokens": 4, "temperature": 0, "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"Item {item}: is the sky blue?"}]},
+                cache_salt="limit-test", prefix=1000 + group))
+    results = run_all(engine, requests)
+    limit = PrefixLimit()
+    for request in requests:  # in the order they were handed in
+        result = results[request.request_id]
+        usage = result.body["usage"]
+        assert result.prompt_blocks is not None
+        assert result.prompt_blocks.block_size == engine.prefix_block_size
+        assert len(result.prompt_blocks.keys) == (usage["prompt_tokens"] - 1) // (
+            engine.prefix_block_size)
+        cacheable = limit.add(usage["prompt_tokens"], result.prompt_blocks)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == cacheable, request.request_id
+    assert limit.cacheable >= 6 * 3 * engine.prefix_block_size  # the prefixes: 3+ blocks
 
 
 def test_the_prefix_cache_is_shared_only_under_one_salt(engine: VllmEngine) -> None:

@@ -5,11 +5,14 @@ stops."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
 import pytest
 
+from engine.base import EngineRequest, EngineResult
+from engine.prefix_limit import PromptBlocks
 from jobs.models import Batch, Shard
 from jobs.services.stopping import cancel_batch
 from jobs.tasks import validate_batch
@@ -21,7 +24,9 @@ from tests.factories import (
     jsonl,
     responses_line,
     run_all_shards,
+    shared_prefix_lines,
     start_shard,
+    template_of,
     upload,
     wait_for,
 )
@@ -257,3 +262,68 @@ def test_the_stop_log_line_reports_a_non_negative_window(make_pipeline, caplog):
     line = next(r.getMessage() for r in caplog.records if "engine idle" in r.getMessage())
     assert "-" not in line, line
     assert "0.00% of 0.0s" in line
+
+
+def test_a_grouped_shard_hands_each_prefix_group_in_under_one_key(make_batch, make_pipeline,
+                                                                  client):
+    """A grouped shard's requests reach the engine in run order, each prefix group's next
+    to each other under one key of its own (the vLLM engine has the first compute the
+    shared prefix before the rest start); and the limit of prefix caching, counted from the
+    prompt blocks the engine reports, adds up per shard on the batch and its page."""
+    lines = shared_prefix_lines(24, groups=4)
+    batch = make_batch(lines, shard_size=9)
+    assert batch.plan["grouped"]
+    pipeline = make_pipeline()
+    seen: list[EngineRequest] = []
+    compute = pipeline.engine._compute
+
+    def with_prompt_blocks(request: EngineRequest) -> EngineResult:
+        # As a prefix cache of 16-token blocks would: the group's system prompt is one
+        # shared block, the item one of its own.
+        seen.append(request)
+        return dataclasses.replace(compute(request), prompt_blocks=PromptBlocks(
+            16, (request.prefix, hash(request.request_id))))
+
+    pipeline.engine._compute = with_prompt_blocks  # type: ignore[method-assign]
+    run_all_shards(pipeline, batch)
+    done, out, _ = finalized(batch)
+    assert done.completed == 24
+    template = {f"g{i}": template_of(i, 4) for i in range(24)}
+    line_of = {n + 1: line["custom_id"] for n, line in enumerate(lines)}
+    runs: dict[str, list[tuple[int, str]]] = {}  # shard -> (key, custom_id) in run order
+    for request in seen:
+        shard, _, line = request.request_id.rsplit(":", 2)
+        runs.setdefault(shard, []).append((request.prefix, line_of[int(line)]))
+    keys: dict[int, int] = {}
+    cacheable = 0
+    for run in runs.values():
+        assert all(key for key, _ in run)
+        for key, custom_id in run:
+            assert keys.setdefault(key, template[custom_id]) == template[custom_id]
+        # A group's requests are neighbours: each key is one stretch of the run.
+        stretches = [key for n, (key, _) in enumerate(run) if n == 0 or run[n - 1][0] != key]
+        assert len(stretches) == len(set(stretches))
+        cacheable += 16 * (len(run) - len(stretches))
+    assert len(keys) == 4
+    assert done.cacheable_tokens == cacheable > 0
+    client.force_login(batch.owner)
+    page = client.get(f"/batches/{batch.pk}/").content.decode()
+    assert f'id="cache-limit">{cacheable}' in page
+
+
+def test_a_shard_in_file_order_hands_its_requests_in_without_a_key(make_batch, make_pipeline):
+    batch = make_batch([chat_line(f"r{i}", f"question {i}") for i in range(5)])
+    assert not batch.plan["grouped"]
+    pipeline = make_pipeline()
+    seen: list[EngineRequest] = []
+    compute = pipeline.engine._compute
+
+    def recording(request: EngineRequest) -> EngineResult:
+        seen.append(request)
+        return compute(request)
+
+    pipeline.engine._compute = recording  # type: ignore[method-assign]
+    run_all_shards(pipeline, batch)
+    assert len(seen) == 5 and not any(request.prefix for request in seen)
+    # Without prompt blocks (the echo engine has no prefix cache) nothing is cacheable.
+    assert finalized(batch)[0].cacheable_tokens == 0

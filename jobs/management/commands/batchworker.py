@@ -104,13 +104,15 @@ class Command(BaseCommand):
         pipeline = Pipeline(engine, worker_name=name)
         pipeline.start()
         presence = Presence(pipeline.closing, every=settings.BATCHWEB["HEARTBEAT_SECONDS"],
-                            standby=tuple(other.name for other in others))
+                            standby=tuple(other.name for other in others), model=spec.name,
+                            kv_cache_tokens=engine.prefix_cache_tokens)
         presence.start()
         if engine.prefix_cache_tokens:
+            override = settings.BATCHWEB["PREFIX_CACHE_TOKENS"]
             self.stdout.write(
-                f"batchworker {name}: KV cache of {engine.prefix_cache_tokens} tokens "
-                f"(prefix planning assumes {settings.BATCHWEB['PREFIX_CACHE_TOKENS']}: "
-                "BATCHWEB_PREFIX_CACHE_TOKENS)")
+                f"batchworker {name}: KV cache of {engine.prefix_cache_tokens} tokens"
+                + (f" (prefix planning assumes {override}: BATCHWEB_PREFIX_CACHE_TOKENS)"
+                   if override else " (reported for prefix planning)"))
         self.stdout.write(f"batchworker {name}: ready on {', '.join(queue_names)} "
                           f"({time.monotonic() - started:.1f} s to load)")
         cold = False
@@ -158,6 +160,7 @@ class Command(BaseCommand):
                                      connection=queues.connection())
                 worker.hostname = host  # registered with the worker (RQ's own field)
                 presence.worker = worker
+                presence.report(worker)
                 worker.work(logging_level=settings.LOG_LEVEL, max_idle_time=idle_check)
             except redis.exceptions.RedisError as exc:
                 # Building the worker and RQ's own shutdown talk to Redis too.
