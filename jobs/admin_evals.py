@@ -36,18 +36,25 @@ class EvalSetForm(forms.ModelForm):
         if upload is not None:
             with uploaded_path(upload) as path:
                 try:
-                    self.created = evals.create_eval_set(
-                        name=data.get("name") or "", path=path,
-                        rule=data.get("rule") or evalrules.EXACT, owner=data.get("owner"),
-                        tolerance=data.get("tolerance") or 0.0,
-                        embedding_model=data.get("embedding_model") or "",
-                        similarity=data.get("similarity") or 0.9,
-                        drift_threshold=data.get("drift_threshold") or 0.0,
-                        watch_models=data.get("watch_models") or [])
-                except ServiceError as exc:  # a field's, else the file's (a line's)
-                    field = exc.param if exc.param in self.fields else "upload"
-                    raise forms.ValidationError({field: exc.message}) from None
+                    evals.check_set_file(path=path, rule=data.get("rule") or evalrules.EXACT)
+                except ServiceError as exc:  # the file's (a line's)
+                    raise forms.ValidationError({"upload": exc.message}) from None
         return data
+
+    def create(self) -> EvalSet:
+        """The new set, stored by the service (its checks again, the file, the row)."""
+        data = self.cleaned_data
+        with uploaded_path(data["upload"]) as path:
+            try:
+                return evals.create_eval_set(
+                    name=data["name"], path=path, rule=data["rule"], owner=data.get("owner"),
+                    tolerance=data.get("tolerance") or 0.0,
+                    embedding_model=data.get("embedding_model") or "",
+                    similarity=data.get("similarity") or 0.9,
+                    drift_threshold=data.get("drift_threshold") or 0.0,
+                    watch_models=data.get("watch_models") or [])
+            except ServiceError as exc:
+                raise forms.ValidationError(exc.message) from None
 
 
 @admin.register(EvalSet)
@@ -68,13 +75,13 @@ class EvalSetAdmin(admin.ModelAdmin):
         return [*self.readonly_fields, "rule", "owner"] if obj else []
 
     def save_model(self, request: HttpRequest, obj: EvalSet, form: Any, change: bool) -> None:
-        created = getattr(form, "created", None)
-        if created is not None:  # the service stored the set and made its row
-            for column in EvalSet._meta.concrete_fields:
-                setattr(obj, column.attname, getattr(created, column.attname))
-            obj._state.adding = False
+        if change:
+            super().save_model(request, obj, form, change)
             return
-        super().save_model(request, obj, form, change)
+        created = form.create()  # the service stores the file and makes the row
+        for column in EvalSet._meta.concrete_fields:
+            setattr(obj, column.attname, getattr(created, column.attname))
+        obj._state.adding = False
 
 
 @admin.register(EvalRun)

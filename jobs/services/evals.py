@@ -140,6 +140,25 @@ def create_eval_set(*, name: str, path: str | Path, rule: str, owner: Any = None
     if not 0 <= drift_threshold <= 1:
         raise ServiceError("drift_threshold is a fraction of items, from 0 to 1.",
                            param="drift_threshold")
+    url, count = check_set_file(path=path, rule=rule)
+    with open(path, "rb") as stream:
+        digest = hashlib.file_digest(stream, "sha256").hexdigest()
+    storage_name = save_local(path, "evalsets")
+    try:
+        return EvalSet.objects.create(
+            name=name, owner=owner, url=url, storage_name=storage_name,
+            bytes=Path(path).stat().st_size, item_count=count, sha256=digest, rule=rule,
+            tolerance=tolerance, embedding_model=embedding_model, similarity=similarity,
+            drift_threshold=drift_threshold, watch_models=list(watch_models or []))
+    except IntegrityError:
+        default_storage.delete(storage_name)
+        raise ServiceError(f"An eval set named {name!r} exists already.", param="name") \
+            from None
+
+
+def check_set_file(*, path: str | Path, rule: str) -> tuple[str, int]:
+    """Every line of a set's JSONL checked (streamed): (its url, its item count), or a
+    ServiceError naming the first bad line."""
     url: str | None = None
     seen: set[str] = set()
     with open(path, "rb") as stream:
@@ -156,19 +175,7 @@ def create_eval_set(*, name: str, path: str | Path, rule: str, owner: Any = None
             raise ServiceError(f"The file is not JSONL: {exc}", param="file") from None
     if not seen:
         raise ServiceError("The set holds no items.", param="file")
-    with open(path, "rb") as stream:
-        digest = hashlib.file_digest(stream, "sha256").hexdigest()
-    storage_name = save_local(path, "evalsets")
-    try:
-        return EvalSet.objects.create(
-            name=name, owner=owner, url=url or CHAT, storage_name=storage_name,
-            bytes=Path(path).stat().st_size, item_count=len(seen), sha256=digest, rule=rule,
-            tolerance=tolerance, embedding_model=embedding_model, similarity=similarity,
-            drift_threshold=drift_threshold, watch_models=list(watch_models or []))
-    except IntegrityError:
-        default_storage.delete(storage_name)
-        raise ServiceError(f"An eval set named {name!r} exists already.", param="name") \
-            from None
+    return url or CHAT, len(seen)
 
 
 def sets_for(owner: Any) -> Any:
