@@ -303,3 +303,52 @@ def test_a_set_the_user_may_not_see_is_refused(tmp_path, storage, user, other_us
     with pytest.raises(ServiceError, match="No such eval set") as caught:
         evals.find_set_for_user(owner=user, value="theirs")
     assert caught.value.status == 404
+
+
+def test_an_eval_run_handed_back_half_way_resumes_computing_nothing_twice(
+        make_pipeline, user, tmp_path, storage, settings):
+    """Its requests are an ordinary batch's: a worker stopping half-way hands their shard
+    back with a checkpoint, the next worker computes only the rest, each item is scored
+    once and charged once."""
+    from tests.factories import computed_twice, engine_request_log, start_shard, wait_for
+
+    settings.BATCHWEB = {**settings.BATCHWEB, "SHARD_SIZE": 40, "CHECKPOINT_SECONDS": 0.5,
+                         "CHECKPOINT_REQUESTS": 3}
+    path = tmp_path / "many.jsonl"
+    path.write_bytes(jsonl([{"custom_id": f"i{i}", "body": {"messages": [
+        {"role": "user", "content": f"item {i}"}]}, "expected": f"echo: item {i}"}
+        for i in range(30)]))
+    many = evals.create_eval_set(name="many", path=path, rule="exact")
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(jsonl([chat_line("u0", "hello")]))
+    file = create_input_file(owner=user, path=source, filename="in.jsonl", purpose="batch")
+    created = create_batch(owner=user, input_file_id=file.pk, eval_set="many",
+                           endpoint="/v1/chat/completions", completion_window="24h")
+    run_validation(batch_id=created.pk)
+    batch = Batch.objects.get(pk=created.pk)
+    log = tmp_path / "requests.log"
+    first = make_pipeline(seconds_per_request=0.3, max_in_flight=2, inbox_size=2,
+                          request_log=str(log))
+    run_all_shards(first, batch)
+    run = EvalRun.objects.get(batch=batch, eval_set=many)
+    run_validation(batch_id=run.run_batch_id)
+    shard = Shard.objects.get(batch_id=run.run_batch_id)
+    start_shard(first, shard.pk)
+    wait_for(lambda: len(engine_request_log(log)) >= 13, timeout=30, message="half the set")
+    first.hand_back_all()
+    first.close()
+    shard.refresh_from_db()
+    assert (shard.status, shard.attempt) == ("queued", 1) and shard.checkpoint
+
+    second = make_pipeline(request_log=str(log))
+    run_all_shards(second, run.run_batch)
+    finalize_batch(batch_id=run.run_batch_id)
+    finalized(batch)
+    assert computed_twice(log) == 0
+    run.refresh_from_db()
+    rows = list(evals.run_results(run))
+    assert [r["custom_id"] for r in rows] == [f"i{i}" for i in range(30)]
+    assert run.status == "scored" and run.passed == 30
+    charged = UsageRecord.objects.filter(batch_id=run.run_batch_id)
+    assert [c.requests_succeeded for c in charged] == [30]
+    assert Batch.objects.get(pk=batch.pk).total == 1  # the user's one request only
