@@ -85,7 +85,8 @@ except ImportError:  # run as `python bench/engine_efficiency.py`: bench/ itself
     import workloads  # type: ignore[no-redef]
 
 ROOT, MODEL = harness.ROOT, harness.MODEL
-PATHS = {"a": "a raw LLM.chat", "b": "b vllm run_batch", "c": "c batchweb"}
+PATHS = {"a": "a raw LLM.chat", "b": "b vllm run_batch", "c": "c batchweb",
+         "d": "d batchweb, no gate"}
 # The KV cache of the shared-prefix workload when --kv-cache-gib is not given: smaller than
 # its templates' prefixes, the case where the order requests run in decides the hits.
 SHARED_PREFIX_KV_GIB = 1
@@ -231,22 +232,22 @@ def run_vllm_batch(requests: list[dict], model_path: str, dtype: str, scratch: P
 
 def run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Path,
                  model_name: str = MODEL, model_path: str = "", eager: bool = True,
-                 tp: int = 1, poll_seconds: float = 0.5) -> dict:
+                 tp: int = 1, poll_seconds: float = 0.5, prefix_gate: bool = True) -> dict:
     with harness.private_redis(scratch, reuse=True):
         return _run_batchweb(requests, dtype, shard_size, scratch, model_name, model_path,
-                             eager, tp, poll_seconds)
+                             eager, tp, poll_seconds, prefix_gate)
 
 
 def _run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Path,
                   model_name: str, model_path: str, eager: bool, tp: int,
-                  poll_seconds: float) -> dict:
+                  poll_seconds: float, prefix_gate: bool) -> dict:
     import openai
 
     env = {**os.environ, "BATCHWEB_VAR_DIR": str(scratch), "BATCHWEB_DTYPE": dtype,
            "BATCHWEB_SHARD_SIZE": str(shard_size), "LOG_LEVEL": "INFO",
            "BATCHWEB_MODELS_DIR": str(ROOT / "var" / "models")}
     env.pop("DATABASE_URL", None)
-    if model_name != MODEL or model_path or not eager or tp != 1:
+    if model_name != MODEL or model_path or not eager or tp != 1 or not prefix_gate:
         # Not the default model as configured: declare it with the engine settings (a) and
         # (b) use.
         models = scratch / "models.json"
@@ -255,7 +256,7 @@ def _run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Pa
             "path": model_path or str(ROOT / "var" / "models" / model_name),
             "endpoints": ["/v1/chat/completions", "/v1/completions"],
             "options": {"dtype": dtype, "enforce_eager": eager, "max_model_len": 2048,
-                        "tensor_parallel_size": tp}}]))
+                        "tensor_parallel_size": tp, "prefix_gate": prefix_gate}}]))
         env["BATCHWEB_MODELS_FILE"] = str(models)
     key = harness.prepare(env)
     log_path = scratch / "worker.log"
@@ -365,16 +366,20 @@ def run_workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
         ran: dict[str, dict] = {}
         place = scratch / f"round-{number}" if number else scratch
         place.mkdir(exist_ok=True)
-        for path in ("c", "b") if batchweb_first else ("b", "c"):
+        order = ["b", "c", *(["d"] if args.without_gate_too else [])]
+        for path in reversed(order) if batchweb_first else order:
             if path in skip:
                 continue
             if path == "b":
                 ran[PATHS["b"]] = run_vllm_batch(requests, model_path, args.dtype, place,
                                                  args.model_name, args.eager, tp)
             else:
-                ran[PATHS["c"]] = run_batchweb(requests, args.dtype, args.shard_size,
-                                               place, args.model_name, args.model_path,
-                                               args.eager, tp, args.poll_seconds)
+                where = place / "without-gate" if path == "d" else place
+                where.mkdir(exist_ok=True)
+                ran[PATHS[path]] = run_batchweb(requests, args.dtype, args.shard_size,
+                                                where, args.model_name, args.model_path,
+                                                args.eager, tp, args.poll_seconds,
+                                                prefix_gate=path == "c")
             print(_brief(ran), flush=True)
         if number == 0:
             results.update(ran)
@@ -410,8 +415,10 @@ def _round(ran: dict[str, dict], order: str, count: int, limit: dict[str, Any]
     run and its batch phase, how many outputs they share, and the prompt tokens each
     computed over the limit's."""
     out: dict[str, Any] = {"order": order}
-    for path in ("b", "c"):
+    for path in ("b", "c", "d"):
         row = ran.get(PATHS[path])
+        if row:
+            out[f"{path}_seconds"] = row["seconds"]
         if row and limit["computed_tokens"]:
             out[f"{path}_over_limit"] = ((row["prompt_tokens"] - row["cached_tokens"])
                                          / limit["computed_tokens"] - 1)
@@ -493,7 +500,7 @@ def print_table(f: dict[str, Any]) -> None:
             phase = (f", against its batch phase ({r['b_phase_seconds']:.1f} s) "
                      f"{r['c/b_phase']:.3f}" if "c/b_phase" in r else "")
             over = "".join(f"; {p} computed {r[f'{p}_over_limit']:+.1%} over the limit"
-                           for p in ("b", "c") if f"{p}_over_limit" in r)
+                           for p in ("b", "c", "d") if f"{p}_over_limit" in r)
             print(f"round {number + 1} ({r['order']}): b {r['b_seconds']:.1f} s, c "
                   f"{r['c_seconds']:.1f} s; c/b {r['c/b']:.3f}{phase}; identical b=c "
                   f"{r['identical']}{over}")
@@ -502,8 +509,10 @@ def print_table(f: dict[str, Any]) -> None:
               f"{f['c/b_phase_median']:.3f}")
     c = f["paths"].get(PATHS["c"])
     if c:
+        d = f["paths"].get(PATHS["d"])
         print(f"engine idle in the worker: {c['idle']}% of the {c['window']}s between its "
-              "first request and its last result")
+              "first request and its last result"
+              + (f" (without the gate: {d['idle']}% of {d['window']}s)" if d else ""))
         plan = c["plan"]
         print(f"batchweb's plan: {'grouped' if plan.get('grouped') else 'file order'}, "
               f"{plan.get('groups', 0)} prefix groups, hits expected in file order "
@@ -574,6 +583,9 @@ def main() -> None:
     parser.add_argument("--poll-seconds", type=float, default=0.5,
                         help="how often (c) asks for its batch's status; its time is only "
                              "as fine as this, and each poll is work for the web tier")
+    parser.add_argument("--without-gate-too", action="store_true",
+                        help="also run (d): batchweb with its engine's prefix gate off "
+                             "(the option prefix_gate: false), to measure what it gains")
     parser.add_argument("--batchweb-first", action="store_true",
                         help="run (c) batchweb before (b) run_batch")
     parser.add_argument("--rounds", type=int, default=1,

