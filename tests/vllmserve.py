@@ -37,7 +37,10 @@ class VllmServe:
         env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-        command = [str(Path(sys.executable).with_name("vllm")), "serve", str(MODELS / folder),
+        # `vllm serve`'s own entry point: the `vllm` command asks for the distribution
+        # "vllm" by name, which the CPU build (vllm-cpu) is not.
+        command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
+                   "--model", str(MODELS / folder),
                    "--served-model-name", name, "--host", "127.0.0.1",
                    "--port", str(self.port), "--enforce-eager", *args]
         self.log = log
