@@ -68,6 +68,8 @@ TEXT_ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES, MESSAGES)
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
                    "frequency_penalty", "repetition_penalty")
 SERVICE_USER = "batchweb-evals"
+# How long a run's own output and error files are kept after its requests end.
+RUN_FILES_SECONDS = 30 * 86400
 DRIFT_EVENT = "batchweb.eval.drift"
 # The model name the set's bodies are checked with (each run puts the batch's there).
 _PLACEHOLDER_MODEL = "model"
@@ -224,8 +226,9 @@ def start_runs(*, batch: Batch, serving_key: str, watch: bool) -> list[str] | No
             trigger=EvalRun.Trigger.BATCH).exists():
         wanted.append((batch.eval_set, EvalRun.Trigger.BATCH))
     if watch:
-        for eval_set in EvalSet.objects.filter(owner__isnull=True).exclude(watch_models=[]):
-            if batch.model in eval_set.watch_models and not EvalRun.objects.filter(
+        # An operator's sets are few: their lists are read here rather than queried.
+        for eval_set in EvalSet.objects.filter(owner__isnull=True):
+            if batch.model in (eval_set.watch_models or ()) and not EvalRun.objects.filter(
                     eval_set=eval_set, serving_key=serving_key).exists():
                 wanted.append((eval_set, EvalRun.Trigger.MODEL))
     started = []
@@ -282,7 +285,9 @@ def _run_batch(run: EvalRun, eval_set: EvalSet, batch: Batch) -> Batch:
     return Batch.objects.create(
         owner=owner, endpoint=eval_set.url, input_file=file, priority=batch.priority,
         completion_window=batch.completion_window, expires_at=batch.expires_at,
-        metadata={"eval_run": run.pk, "batch": batch.pk}, output_expires_after=None)
+        metadata={"eval_run": run.pk, "batch": batch.pk},
+        # Read once, when the run is scored (its rows are then kept with the run).
+        output_expires_after=RUN_FILES_SECONDS)
 
 
 def batch_ended(*, batch_id: str) -> None:
