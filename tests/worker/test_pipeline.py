@@ -272,7 +272,8 @@ def test_a_grouped_shard_hands_each_prefix_group_in_under_one_key(make_batch, ma
     prompt blocks the engine reports, adds up per shard on the batch and its page."""
     lines = shared_prefix_lines(24, groups=4)
     batch = make_batch(lines, shard_size=9)
-    assert batch.plan["grouped"]
+    # Planned for the cache the test settings give (BATCHWEB_PREFIX_CACHE_TOKENS).
+    assert batch.plan["grouped"] and batch.plan["cache_tokens"] == 400
     pipeline = make_pipeline()
     seen: list[EngineRequest] = []
     compute = pipeline.engine._compute
