@@ -16,7 +16,7 @@ from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from django.db.models import QuerySet, Sum
+from django.db.models import Max, QuerySet, Sum
 from django.db.models.functions import Trunc
 from django.utils import timezone
 
@@ -147,10 +147,9 @@ def bucketed(filters: Filters, *, bucket_width: str = "1d",
 
 def batch_cost(batch_id: str) -> dict[str, Any]:
     """What the ledger charged a batch so far: cost, currency, tokens, engine seconds."""
-    row = UsageRecord.objects.filter(batch_id=batch_id).order_by().aggregate(**_sums())
-    currency = (UsageRecord.objects.filter(batch_id=batch_id).values_list("currency", flat=True)
-                .first()) or ""
-    return {**{k: (v or 0) for k, v in row.items()}, "currency": currency}
+    row = UsageRecord.objects.filter(batch_id=batch_id).order_by().aggregate(
+        **_sums(), currency=Max("currency"))
+    return {**{k: (row[k] or 0) for k in SUMS}, "currency": row["currency"] or ""}
 
 
 def day_range(days: int, *, now: datetime | None = None) -> tuple[datetime, datetime]:

@@ -48,7 +48,7 @@ from jobs.services.batches import (
 from jobs.services.budgets import budget_for
 from jobs.services.errors import ServiceError
 from jobs.services.files import create_input_file, get_file_for_user
-from jobs.services.pricing import format_cost, rate_for
+from jobs.services.pricing import format_cost, rates_for
 from jobs.services.progress import batch_version
 from jobs.services.rerun import rerun_failed
 from jobs.services.stopping import cancel_batch
@@ -318,7 +318,9 @@ def _cost(batch: Batch) -> dict[str, Any]:
     """The estimate validation priced, then what the ledger has charged so far (it follows
     the shards as they finish, in the transaction that moves the progress version)."""
     charged = usage.batch_cost(batch.pk)
-    currency = charged["currency"] or rate_for(batch.model).currency
+    # Before the first charge, the currency of the batch's price (one query).
+    currency = charged["currency"] or rates_for({batch.model}, base_model=batch.model)[
+        batch.model].currency
     return {"charged": format_cost(charged["cost_nanos"], currency),
             "ceiling": (format_cost(batch.cost_ceiling_nanos, currency)
                         if batch.cost_ceiling_nanos is not None else None),
