@@ -1,7 +1,8 @@
 """Monthly budgets and the ledger's reads: batches.create refused on the OpenAI API, on
 Anthropic's Message Batches API (both with their official clients) and on the new-batch
 form, naming the limit, what is left and the estimate; what is left shown on the
-dashboard; the Usage page, its CSV and the admin's usage view."""
+dashboard; the Usage page, its CSV and the admin's usage view; a LoRA adapter's requests
+charged at its own price."""
 
 from __future__ import annotations
 
@@ -176,3 +177,34 @@ def test_the_admin_sums_usage_by_user_and_model_and_exports_it(admin_client, use
     default = admin_client.get("/admin/jobs/quota/")
     assert "cost_per_month" in default.content.decode() or "Cost per month" in \
         default.content.decode()
+
+
+def test_adapter_requests_are_charged_at_the_adapters_price(user, tmp_path, settings):
+    """A shard whose requests named a LoRA adapter: one ledger row for the adapter at its
+    price, one for the base model's rest at the default price; the base model's row takes
+    the failures; a late finish writes nothing more."""
+    from jobs.services.ledger import ShardUsage
+
+    Price.objects.create(model="", input_per_million=1, output_per_million=1,
+                         batch_discount_percent=0)
+    Price.objects.create(model="my-lora", input_per_million=10, output_per_million=100,
+                         currency="eur", batch_discount_percent=0)
+    batch = make_batch(user, LINES, tmp_path, shard_size=4, settings=settings)
+    shard = Shard.objects.get(batch=batch)
+    claimed = shard_service.claim_shard(shard_id=shard.pk, worker="w", top_up=False)
+    usage = ShardUsage(adapters={"my-lora": [1, 1000, 0, 100]}, engine_seconds=4.0)
+    progress = Progress(completed=3, failed=1, input_tokens=3000, output_tokens=300)
+    assert shard_service.finish_shard(shard_id=shard.pk, attempt=claimed.attempt,
+                                      output_part="", error_part="", progress=progress,
+                                      usage=usage)
+    assert not shard_service.finish_shard(shard_id=shard.pk, attempt=claimed.attempt,
+                                          output_part="", error_part="", progress=progress,
+                                          usage=usage)
+    rows = {r.model: r for r in UsageRecord.objects.filter(batch_id=batch.pk)}
+    assert set(rows) == {"my-lora", "echo-test"}
+    lora, base = rows["my-lora"], rows["echo-test"]
+    assert (lora.requests_succeeded, lora.input_tokens, lora.output_tokens) == (1, 1000, 100)
+    assert (lora.cost_nanos, lora.currency, lora.base_model) == (20_000_000, "eur", "echo-test")
+    assert (base.requests_succeeded, base.requests_failed, base.input_tokens) == (2, 1, 2000)
+    assert base.cost_nanos == 2_200_000 and base.currency == "usd"
+    assert lora.engine_seconds + base.engine_seconds == pytest.approx(4.0)
