@@ -352,3 +352,47 @@ def test_an_eval_run_handed_back_half_way_resumes_computing_nothing_twice(
     charged = UsageRecord.objects.filter(batch_id=run.run_batch_id)
     assert [c.requests_succeeded for c in charged] == [30]
     assert Batch.objects.get(pk=batch.pk).total == 1  # the user's one request only
+
+
+def test_workers_that_disagree_say_so(make_batch, make_pipeline):
+    batch = make_batch([chat_line(f"u{i}", f"q {i}") for i in range(8)], shard_size=4)
+    first, second = Shard.objects.filter(batch=batch).order_by("index")
+    make_pipeline().run_shard(first.pk)
+    make_pipeline(version="2").run_shard(second.pk)
+    batch.refresh_from_db()
+    assert [e["engine"]["engine_version"] for e in batch.provenance] == ["1", "2"]
+    assert batch.to_openai()["provenance"]["consistent"] is False
+    first.refresh_from_db()
+    assert first.provenance["engine_version"] == "1" and first.provenance["worker"]
+
+
+def test_the_set_runs_with_the_batchs_model_and_sampling(make_pipeline, run_with_eval,
+                                                         eval_set):
+    lines = [chat_line(f"u{i}", f"q {i}", temperature=0.3, seed=7, top_p=0.9)
+             for i in range(2)]
+    _, _, _, run = run_with_eval(make_pipeline(), eval_set, lines=lines)
+    assert run.sampling == {"temperature": 0.3, "top_p": 0.9, "seed": 7}
+    from jobs.services.files import open_file
+
+    with open_file(run.run_batch.input_file) as stream:
+        bodies = [json.loads(line)["body"] for line in stream]
+    assert len(bodies) == len(ITEMS)
+    assert all((b["model"], b["temperature"], b["seed"]) == ("echo-test", 0.3, 7)
+               for b in bodies)
+
+
+def test_the_new_batch_form_offers_the_users_sets(site, eval_set, tmp_path, user,
+                                                  other_user):
+    path = tmp_path / "theirs.jsonl"
+    path.write_bytes(jsonl(eval_items()))
+    evals.create_eval_set(name="not-yours", path=path, rule="exact", owner=other_user)
+    page = site.get("/batches/new").content.decode()
+    assert 'value="capitals"' in page and "not-yours" not in page
+    upload = tmp_path / "in.jsonl"
+    upload.write_bytes(jsonl([chat_line("u0", "hello")]))
+    with upload.open("rb") as handle:
+        answer = site.post("/batches/new", {"upload": handle, "completion_window": "24h",
+                                            "priority": "default", "eval_set": "capitals",
+                                            "action": "submit"})
+    assert answer.status_code == 302
+    assert Batch.objects.get(owner=user).eval_set == eval_set
