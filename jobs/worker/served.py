@@ -48,7 +48,8 @@ class Served:
         with_db_retry(functools.partial(provenance_service.record_claim, shard=shard,
                                         worker=self.worker_name, engine=record))
         with self._lock:
-            watch = not self._watched
+            # An engine that cannot say what it is (no record) has no serving key to watch.
+            watch = not self._watched and bool(record)
             self._noted = {key: names for key, names in self._noted.items()
                            if not key.startswith(f"{shard.pk}:")}
         try:
