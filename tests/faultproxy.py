@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import select
 import socket
 import struct
 import threading
@@ -114,8 +115,24 @@ class FaultProxy:
                     self._forward(raw)
                 else:
                     time.sleep(proxy.delay)
+                    if self._client_gone():
+                        with proxy.lock:
+                            proxy.gone += 1
+                        self.close_connection = True
+                        return
                     self._send(200, json.dumps(_answer(self.path, json.loads(raw))).encode(),
                                "application/json")
+
+            def _client_gone(self) -> bool:
+                """Whether the client closed the connection while its answer was made (a
+                write would still succeed: the kernel takes it before the reset comes)."""
+                readable, _, _ = select.select([self.connection], [], [], 0)
+                if not readable:
+                    return False
+                try:
+                    return self.connection.recv(1, socket.MSG_PEEK) == b""
+                except OSError:
+                    return True
 
             def _forward(self, raw: bytes) -> None:
                 assert proxy.upstream is not None
