@@ -319,6 +319,9 @@ def main() -> None:
                         help="interactive: the batch's max_concurrency")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
+    # The same for every path and every engine process (run_batch's, the server's).
+    os.environ.update(VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE=str(KV_GIB),
+                      HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     from bench.harness import private_redis
 
     with tempfile.TemporaryDirectory(prefix="bench-redis-") as folder, \
