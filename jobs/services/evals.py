@@ -306,6 +306,17 @@ def batch_ended(*, batch_id: str) -> None:
             refresh_batch(batch_id=run.batch_id)
 
 
+def settle_due() -> int:
+    """The reconciler's pass: settle the running runs whose batch has ended (the
+    finalizer's own call failed, or the run's batch ended first). Returns how many changed."""
+    changed = 0
+    for run_id in EvalRun.objects.filter(status=EvalRun.Status.RUNNING,
+                                         batch__status__in=Batch.ENDED).values_list(
+            "pk", flat=True):
+        changed += settle(run_id=run_id).status != EvalRun.Status.RUNNING
+    return changed
+
+
 def settle(*, run_id: str) -> EvalRun:
     """Score a running run once both batches have ended; stop it when either ended without
     completing (cancelling the run's batch if the batch is gone). Idempotent: only one
@@ -316,7 +327,11 @@ def settle(*, run_id: str) -> EvalRun:
     if run.status != EvalRun.Status.RUNNING:
         return run
     batch, run_batch = run.batch, run.run_batch
-    if run_batch is None:
+    if run_batch is None:  # its worker died between the run's row and its batch
+        if batch.is_ended:
+            EvalRun.objects.filter(pk=run.pk, status=EvalRun.Status.RUNNING).update(
+                status=EvalRun.Status.ERROR, error="its requests never started")
+            refresh_batch(batch_id=batch.pk)
         return run
     if batch.is_ended and batch.status != Batch.Status.COMPLETED and not run_batch.is_ended:
         with contextlib.suppress(ServiceError):  # it ended meanwhile

@@ -11,6 +11,7 @@ from django.utils import timezone
 
 from jobs import queues
 from jobs.models import Batch, Shard
+from jobs.services.evals import settle_due
 from jobs.services.finalize import FINALIZE_STALE_AFTER
 from jobs.services.health import periodic_operations
 from jobs.services.scheduling import enqueue_next_shards, request_finalize
@@ -80,6 +81,8 @@ def reconcile() -> dict[str, int]:
         if not queues.job_is_waiting(f"{batch_id}-finalize", queues.CONTROL_QUEUE):
             request_finalize(batch_id=batch_id)
             done["finalize"] += 1
+    # Eval runs whose batch ended without them being settled (jobs.services.evals).
+    done["evals"] = settle_due()
     # Cleanup and webhook retries ride on this pass: no scheduler process is needed.
     done.update(periodic_operations())
     if any(done.values()):

@@ -396,3 +396,29 @@ def test_the_new_batch_form_offers_the_users_sets(site, eval_set, tmp_path, user
                                             "action": "submit"})
     assert answer.status_code == 302
     assert Batch.objects.get(owner=user).eval_set == eval_set
+
+
+def test_the_reconciler_settles_a_run_its_finalizers_missed(make_pipeline, user, tmp_path,
+                                                            storage, settings, eval_set,
+                                                            monkeypatch):
+    from jobs.services.reconcile import reconcile
+
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(jsonl([chat_line("u0", "hello")]))
+    file = create_input_file(owner=user, path=source, filename="in.jsonl", purpose="batch")
+    created = create_batch(owner=user, input_file_id=file.pk, eval_set="capitals",
+                           endpoint="/v1/chat/completions", completion_window="24h")
+    run_validation(batch_id=created.pk)
+    pipeline = make_pipeline()
+    run_all_shards(pipeline, Batch.objects.get(pk=created.pk))
+    run = EvalRun.objects.get(batch_id=created.pk)
+    run_validation(batch_id=run.run_batch_id)
+    run_all_shards(pipeline, run.run_batch)
+    with monkeypatch.context() as patched:  # both finalizers' calls lost
+        patched.setattr(evals, "batch_ended", lambda **kwargs: None)
+        finalize_batch(batch_id=run.run_batch_id)
+        finalize_batch(batch_id=created.pk)
+    assert EvalRun.objects.get(pk=run.pk).status == "running"
+    assert reconcile()["evals"] == 1
+    assert EvalRun.objects.get(pk=run.pk).status == "scored"
+    assert Batch.objects.get(pk=created.pk).evaluations[0]["score"] == 1.0
