@@ -1,9 +1,9 @@
 """Docker on this machine for the deployment test: dockerd started (and installed, with
 deploy/local/install-docker.sh) when it is not running, and the machine left as it was
-found: dockerd stopped again if the test started it, and the firewall state dockerd
-changes put back (its iptables rules, the FORWARD policy it sets to DROP, and
-net.bridge.bridge-nf-call-iptables, which it turns on), since other tests here need
-forwarding between their own bridges."""
+found: dockerd stopped again if the test started it, and the kernel state dockerd
+changes put back (its iptables rules; net.ipv4.ip_forward, which it turns on, and then the
+FORWARD policy, which it sets to DROP when it did; net.bridge.bridge-nf-call-iptables,
+which it turns on), since other tests here need forwarding between their own bridges."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from pathlib import Path
 
 from tests.factories import ROOT
 
-BRIDGE_NF = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
+# Each holds "0" or "1"; dockerd sets both to 1.
+SYSCTLS = (Path("/proc/sys/net/ipv4/ip_forward"),
+           Path("/proc/sys/net/bridge/bridge-nf-call-iptables"))
 # The tables dockerd writes to (IPv4; it leaves ip6tables alone without --ipv6).
 TABLES = {"filter": ("INPUT", "FORWARD", "OUTPUT"),
           "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING")}
@@ -60,14 +62,16 @@ class DockerHost:
         self.log_dir = log_dir
         self.daemon: subprocess.Popen[bytes] | None = None
         self.firewall: dict[str, str] = {}
-        self.bridge_nf = ""
+        self.sysctls: dict[Path, str] = {}
 
     def up(self) -> None:
         if docker_answers():
             # Someone else's dockerd: its firewall is theirs, and so is stopping it.
             return
-        # The state before dockerd: what .down() puts back.
-        self.bridge_nf = BRIDGE_NF.read_text().strip() if BRIDGE_NF.exists() else ""
+        # The state before dockerd: what .down() puts back. (br_netfilter may be loaded
+        # only by dockerd: then its switch appears only now, and goes back to off.)
+        self.sysctls = {path: path.read_text().strip() if path.exists() else "0"
+                        for path in SYSCTLS}
         run("sh", str(ROOT / "deploy" / "local" / "install-docker.sh"), timeout=900)
         self.firewall = iptables_tables()
         log = (self.log_dir / "dockerd.log").open("wb")
@@ -94,5 +98,6 @@ class DockerHost:
         for dump in self.firewall.values():
             subprocess.run(["iptables-restore"], input=dump, text=True, check=True)
         run("ip", "link", "delete", "docker0", check=False)
-        if self.bridge_nf and BRIDGE_NF.exists():
-            BRIDGE_NF.write_text(self.bridge_nf)
+        for path, value in self.sysctls.items():
+            if path.exists():
+                path.write_text(value)
