@@ -248,8 +248,7 @@ class Stack:
         import openai
 
         return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=self.api_key,
-                             default_headers=self.headers(), max_retries=5, timeout=60,
-                             http_client=httpx.Client(trust_env=False))
+                             default_headers=self.headers(), max_retries=5, timeout=60)
 
     def wait_healthy(self, timeout: float = 300) -> float:
         """Seconds until the web container's health check passed."""
