@@ -39,6 +39,7 @@ class FaultProxy:
         self.most_in_flight = 0
         self.posts: list[str] = []
         self.bodies: list[dict[str, Any]] = []
+        self.auth: list[str] = []  # each POST's Authorization header
         self.gone = 0  # answers the client was no longer there for
         self.server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.server.daemon_threads = True
@@ -86,6 +87,7 @@ class FaultProxy:
                 with proxy.lock:
                     proxy.posts.append(self.path)
                     proxy.bodies.append(json.loads(raw or b"{}"))
+                    proxy.auth.append(self.headers.get("Authorization", ""))
                     proxy.in_flight += 1
                     proxy.most_in_flight = max(proxy.most_in_flight, proxy.in_flight)
                 try:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from engine.base import CHAT, MESSAGES, EngineRequest, ModelSpec
+from engine.base import CHAT, MESSAGES, EngineError, EngineRequest, ModelSpec
 from engine.remote import RemoteEngine, backoff_seconds, retry_after, vllm_queue
 from engine.remote_limits import ACQUIRE, keys, server_state
 from tests.factories import free_port
@@ -77,6 +77,24 @@ def test_answers_carry_the_model_name_here_and_send_priority_and_salt(proxies, e
     assert (sent["model"], sent["priority"], sent["cache_salt"]) == (
         "served-name", 7, "owner-salt")
     assert proxy.posts == ["/v1/chat/completions"]
+
+
+def test_the_api_key_comes_from_the_named_variable(proxies, engines, monkeypatch):
+    proxy = make_proxy(proxies)
+    with pytest.raises(EngineError, match="REMOTE_TEST_KEY is not set"):
+        make_engine(engines, proxy.url, api_key_env="REMOTE_TEST_KEY")
+    monkeypatch.setenv("REMOTE_TEST_KEY", "sk-remote")
+    list(make_engine(engines, proxy.url, api_key_env="REMOTE_TEST_KEY").run([chat("a")]))
+    assert proxy.auth == ["Bearer sk-remote"]
+
+
+def test_a_server_without_the_model_is_refused_at_start(proxies, engines):
+    proxy = make_proxy(proxies)
+    proxy.served = ["another-model"]
+    with pytest.raises(EngineError, match="not 'remote-test'"):
+        make_engine(engines, proxy.url)
+    with pytest.raises(EngineError, match="unknown remote option"):
+        make_engine(engines, proxy.url, max_concurency=3)
 
 
 def test_messages_go_without_priority(proxies, engines):
