@@ -65,7 +65,7 @@ def outputs(batch: Any) -> tuple[list[dict], list[dict]]:
 def test_a_batch_runs_on_the_remote_server(openai_client, workers, remote_env, proxy):
     lines = [line(f"r{i}", f"Name a fruit, number {i}.") for i in range(20)]
     lines += [line("dup-a", "Name a fruit, number 3."), line("dup-b", "Name a fruit, number 4.")]
-    lines.append(line("too-long", "Hello.", max_tokens=100_000))
+    lines.append(line("too-long", "Hello.", max_tokens=4000))  # > the 512-token context
     proxy.faults += [("status", 429, 1), ("reset",), ("status", 503, None)]
     batch = submit(openai_client, lines)
     workers.start(NAME, env=remote_env)
