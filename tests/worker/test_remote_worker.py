@@ -55,7 +55,8 @@ def remote_env(settings: Any, tmp_path: Any, proxy: FaultProxy) -> dict[str, str
 
 
 def line(custom_id: str, text: str, **body: Any) -> dict:
-    return chat_line(custom_id, text, model=NAME, max_tokens=4, temperature=0, **body)
+    return chat_line(custom_id, text, model=NAME, **{"max_tokens": 4, "temperature": 0,
+                                                     **body})
 
 
 def outputs(batch: Any) -> tuple[list[dict], list[dict]]:
