@@ -254,6 +254,11 @@ def run_the_batch(cluster: Cluster, db: Db, api: httpx.Client, *, victim: Host,
     shards = db.shards(batch_id)
     assert len(shards) == REQUESTS // SHARD_SIZE
     assert all(s["status"] == "done" for s in shards), shards
+    # The usage ledger charged each shard once, whichever host finished it.
+    charged = db.rows("SELECT shard_id, count(*), sum(requests_succeeded) FROM "
+                      "jobs_usagerecord WHERE batch_id = %s GROUP BY shard_id", batch_id)
+    assert len(charged) == len(shards) and all(n == 1 for _, n, _ in charged), charged
+    assert sum(requests for _, _, requests in charged) == REQUESTS
     by_host: dict[str, int] = {}
     for s in shards:
         by_host[host_of(s["worker"])] = by_host.get(host_of(s["worker"]), 0) + 1
