@@ -376,8 +376,8 @@ class VllmEngine(Engine):
         `_serve` task (its `_Run`): notes its prompt's blocks and gates its prefix group.
 
         vLLM computes a shared prefix once only if its blocks are in the cache when the
-        group's other requests are scheduled; requests of one group that reach the engine
-        together can each compute it. So the group's first request runs alone until its
+        group's other requests are scheduled: allocated by the first (vLLM registers them
+        as it schedules them), not yet evicted. So the group's first request runs alone until its
         prompt is computed (its first output: it runs CUMULATIVE, of which only the final
         output is passed on, which is what FINAL_ONLY passes); then the others, already
         rendered and tokenized, go in at FOLLOWER_PRIORITY, ahead of what was queued
