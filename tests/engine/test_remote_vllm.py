@@ -116,7 +116,7 @@ def test_a_bad_request_is_the_servers_error_and_not_retried(make_engine, proxy):
     engine = make_engine()
     [result] = engine.run([chat("x", "Hello.", max_tokens=100_000)])
     assert result.status_code == 400
-    assert "maximum context length" in result.body["error"]["message"]
+    assert "max_model_len=512" in result.body["error"]["message"]  # the server's words
     assert proxy.posts == ["/v1/chat/completions"]
 
 

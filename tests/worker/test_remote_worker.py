@@ -74,7 +74,7 @@ def test_a_batch_runs_on_the_remote_server(openai_client, workers, remote_env, p
     out, err = outputs(batch)
     assert_exactly_once(out, err, {entry["custom_id"] for entry in lines})
     assert [e["custom_id"] for e in err] == ["too-long"]
-    assert "maximum context length" in err[0]["response"]["body"]["error"]["message"]
+    assert "max_model_len=512" in err[0]["response"]["body"]["error"]["message"]
     assert {o["response"]["body"]["model"] for o in out} == {NAME}
     by_id = {o["custom_id"]: o["response"]["body"] for o in out}
     assert by_id["dup-a"]["choices"] == by_id["r3"]["choices"]
