@@ -261,9 +261,10 @@ class Stack:
             assert time.monotonic() - started < timeout, f"web is {state!r} after {timeout} s"
             time.sleep(1)
 
-    def up(self) -> float:
+    def up(self, *services: str) -> float:
+        """Seconds from `compose up -d` to the web container healthy."""
         started = time.monotonic()
-        self.compose("up", "-d")
+        self.compose("up", "-d", *services)
         self.wait_healthy()
         return time.monotonic() - started
 
@@ -298,16 +299,31 @@ def stack(image: dict[str, str], workdir: Path) -> Iterator[Stack]:
     artifacts = ROOT / "tests" / "artifacts"
     artifacts.mkdir(exist_ok=True)
     stack = Stack(env_file=env_file, env=env, port=port, logs=artifacts / "deploy-compose.log")
+    try:
+        # Everything but the worker, which starts (fixture `worker`) once this machine's
+        # engine lock is held.
+        stack.timings["up_to_healthy"] = stack.up("web")
+        log(f"compose up to web healthy: {stack.timings['up_to_healthy']:.0f} s")
+        yield stack
+    finally:
+        stack.save_logs()
+        log(f"compose logs: {stack.logs}")
+        stack.compose("down", "-v", "--remove-orphans", "-t", "30", check=False)
+
+
+@pytest.fixture(scope="module")
+def worker(stack: Stack) -> Iterator[Stack]:
+    """The stack with its worker (a vLLM engine) running, the engine lock held until the
+    stack is taken down."""
     with ENGINE_LOCK.open("a") as lock:
+        log("waiting for the engine lock")
         fcntl.flock(lock, fcntl.LOCK_EX)
+        log("engine lock held: starting the worker")
+        stack.compose("up", "-d", "worker")
         try:
-            stack.timings["up_to_healthy"] = stack.up()
-            log(f"compose up to web healthy: {stack.timings['up_to_healthy']:.0f} s")
             yield stack
         finally:
-            stack.save_logs()
-            log(f"compose logs: {stack.logs}")
-            stack.compose("down", "-v", "--remove-orphans", "-t", "30", check=False)
+            stack.compose("stop", "-t", "30", "worker", check=False)
 
 
 # --- the tests, in order ---
@@ -345,129 +361,6 @@ def test_createsuperuser_and_createapikey_as_the_docs_show(stack: Stack) -> None
     assert stack.api_key.startswith("sk-bw-"), out
     models = [m.id for m in stack.client().models.list()]
     assert MODEL in models
-
-
-def batch_lines(marker: str) -> bytes:
-    # Long answers (256 tokens each), so the batch is still running when the worker is
-    # restarted and when it is killed.
-    return b"".join(json.dumps({
-        "custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-        "body": {"model": MODEL, "max_tokens": 256, "temperature": 0,
-                 "messages": [{"role": "user", "content":
-                               f"{marker} Tell a long story about a lighthouse number {i}."}]},
-    }).encode() + b"\n" for i in range(REQUESTS))
-
-
-def wait_progress(client: Any, batch_id: str, above: int, timeout: float = 600) -> Any:
-    """The batch once more than `above` requests completed (or it finished)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        batch = client.batches.retrieve(batch_id)
-        done = batch.request_counts.completed if batch.request_counts else 0
-        if done > above or batch.status in ("completed", "failed", "expired", "cancelled"):
-            return batch
-        assert time.monotonic() < deadline, f"no progress past {above}: {batch}"
-        time.sleep(2)
-
-
-def test_a_batch_survives_a_worker_restart_and_a_sigkill(stack: Stack) -> None:
-    client = stack.client()
-    marker = f"mark{secrets.token_hex(8)}"
-    started = time.monotonic()
-    upload = client.files.create(file=("requests.jsonl", batch_lines(marker)), purpose="batch")
-    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
-                                  completion_window="24h")
-    stack.batch_id = batch.id
-
-    batch = wait_progress(client, batch.id, 0)
-    log(f"first results after {time.monotonic() - started:.0f} s: {batch.request_counts}")
-    assert batch.status == "in_progress", batch
-    log(f"worker restarting at {batch.request_counts.completed} completed")
-    # SIGTERM: the worker drains (up to 60 s for its shard in flight), then hands the rest
-    # back; the new one takes it up.
-    stack.compose("restart", "worker", timeout=300)
-    batch = client.batches.retrieve(batch.id)
-    at_restart = batch.request_counts.completed
-    log(f"worker restarted at {at_restart} completed")
-    assert batch.status == "in_progress", f"finished before the restart was done: {batch}"
-
-    batch = wait_progress(client, batch.id, at_restart)  # the new worker's first results
-    assert batch.status == "in_progress", f"finished before the kill: {batch}"
-    stack.compose("kill", "-s", "SIGKILL", "worker")
-    at_kill = batch.request_counts.completed
-    log(f"worker SIGKILLed at {at_kill} completed")
-    # A killed container stays down (Docker restarts it only when the daemon or the
-    # machine does): the operator starts it again.
-    time.sleep(3)
-    assert stack.inspect("worker", "{{.State.Status}}") == "exited"
-    stack.compose("start", "worker")
-
-    deadline = time.monotonic() + 1200
-    while batch.status not in ("completed", "failed", "expired", "cancelled"):
-        assert time.monotonic() < deadline, batch
-        time.sleep(3)
-        batch = client.batches.retrieve(batch.id)
-    stack.timings["first_batch"] = time.monotonic() - started
-    log(f"batch {batch.status} in {stack.timings['first_batch']:.0f} s: {batch.request_counts}")
-    assert batch.status == "completed", batch
-    assert batch.request_counts.total == REQUESTS
-    assert batch.request_counts.completed == REQUESTS and batch.request_counts.failed == 0
-
-    stack.output = client.files.content(batch.output_file_id).content
-    lines = [json.loads(line) for line in stack.output.splitlines()]
-    ids = [line["custom_id"] for line in lines]
-    assert len(ids) == len(set(ids)), f"{len(ids) - len(set(ids))} custom_ids doubled"
-    assert set(ids) == {f"req-{i}" for i in range(REQUESTS)}, "custom_ids lost"
-    assert all(line["response"]["status_code"] == 200 for line in lines)
-    assert batch.error_file_id is None or not client.files.content(batch.error_file_id).content
-
-    # The files are objects in the bucket, and no container keeps a copy on its disk.
-    stored = stack.exec_python("web", f"""
-import django, json; django.setup()
-from django.core.files.storage import default_storage
-from jobs.models import Batch
-batch = Batch.objects.get(pk={batch.id!r})
-files = [batch.input_file, batch.output_file]
-print(json.dumps({{"storage": type(default_storage).__name__,
-                  "objects": [default_storage.size(f.storage_name) for f in files],
-                  "bytes": [f.bytes for f in files]}}))""")
-    assert stored["storage"] == "S3Storage"
-    assert stored["objects"] == stored["bytes"] and all(stored["bytes"]), stored
-    for service in ("web", "worker"):
-        # Everywhere its user may write.
-        found = stack.compose("exec", "-T", service, "sh", "-c",
-                              f"grep -rl {marker} /tmp /var/tmp /var/lib/batchweb "
-                              "/home/batchweb /dev/shm /app 2>/dev/null; true").stdout
-        assert found.strip() == "", f"{service} keeps the batch on its disk: {found}"
-
-
-def test_down_then_up_keeps_the_batches_and_files(stack: Stack) -> None:
-    assert stack.batch_id and stack.output
-    stack.compose("down", "-t", "30")
-    assert stack.compose("ps", "-aq").stdout.strip() == ""
-    stack.timings["up_again"] = stack.up()
-    assert "No migrations to apply" in stack.compose("logs", "migrate").stdout
-    client = stack.client()
-    batch = client.batches.retrieve(stack.batch_id)
-    assert batch.status == "completed"
-    assert client.files.content(batch.output_file_id).content == stack.output
-
-
-def test_containers_run_unprivileged_and_only_the_web_port_is_published(stack: Stack) -> None:
-    for service in ("web", "worker"):
-        uids = stack.compose("exec", "-T", service, "sh", "-c",
-                             "cat /proc/[0-9]*/status | awk '/^Uid:/ {print $2}' | sort -u"
-                             ).stdout.split()
-        assert uids == ["10001"], f"{service}: processes run as {uids}"
-    published = {}
-    for line in run("docker", "ps", "--filter", f"label=com.docker.compose.project={PROJECT}",
-                    "--format", "{{.Label \"com.docker.compose.service\"}} {{.Ports}}"
-                    ).stdout.splitlines():
-        service, _, ports = line.partition(" ")
-        published[service] = [p.strip() for p in ports.split(",") if "->" in p]
-    assert set(published) == {"postgres", "redis", "s3", "web", "worker"}, published
-    assert published.pop("web") == [f"127.0.0.1:{stack.port}->8000/tcp"]
-    assert not any(published.values()), published
 
 
 def test_nothing_the_operator_did_not_set_has_a_default_secret(stack: Stack) -> None:
@@ -567,3 +460,130 @@ def test_login_throttling_tells_clients_apart_behind_the_proxy(stack: Stack) -> 
     assert statuses[:-1] == [200] * 4 and statuses[-1] == 429, statuses
     assert sign_in(stack, attacker, stack.env["ADMIN_PASSWORD"]) == 429
     assert sign_in(stack, owner, stack.env["ADMIN_PASSWORD"]) == 302
+
+
+def batch_lines(marker: str) -> bytes:
+    # Long answers (256 tokens each), so the batch is still running when the worker is
+    # restarted and when it is killed.
+    return b"".join(json.dumps({
+        "custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": MODEL, "max_tokens": 256, "temperature": 0,
+                 "messages": [{"role": "user", "content":
+                               f"{marker} Tell a long story about a lighthouse number {i}."}]},
+    }).encode() + b"\n" for i in range(REQUESTS))
+
+
+def wait_progress(client: Any, batch_id: str, above: int, timeout: float = 600) -> Any:
+    """The batch once more than `above` requests completed (or it finished)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        done = batch.request_counts.completed if batch.request_counts else 0
+        if done > above or batch.status in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        assert time.monotonic() < deadline, f"no progress past {above}: {batch}"
+        time.sleep(2)
+
+
+def test_a_batch_survives_a_worker_restart_and_a_sigkill(worker: Stack) -> None:
+    stack = worker
+    client = stack.client()
+    marker = f"mark{secrets.token_hex(8)}"
+    started = time.monotonic()
+    upload = client.files.create(file=("requests.jsonl", batch_lines(marker)), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    stack.batch_id = batch.id
+
+    batch = wait_progress(client, batch.id, 0)
+    log(f"first results after {time.monotonic() - started:.0f} s: {batch.request_counts}")
+    assert batch.status == "in_progress", batch
+    log(f"worker restarting at {batch.request_counts.completed} completed")
+    # SIGTERM: the worker drains (up to 60 s for its shard in flight), then hands the rest
+    # back; the new one takes it up.
+    stack.compose("restart", "worker", timeout=300)
+    batch = client.batches.retrieve(batch.id)
+    at_restart = batch.request_counts.completed
+    log(f"worker restarted at {at_restart} completed")
+    assert batch.status == "in_progress", f"finished before the restart was done: {batch}"
+
+    batch = wait_progress(client, batch.id, at_restart)  # the new worker's first results
+    assert batch.status == "in_progress", f"finished before the kill: {batch}"
+    stack.compose("kill", "-s", "SIGKILL", "worker")
+    at_kill = batch.request_counts.completed
+    log(f"worker SIGKILLed at {at_kill} completed")
+    # A killed container stays down (Docker restarts it only when the daemon or the
+    # machine does): the operator starts it again.
+    time.sleep(3)
+    assert stack.inspect("worker", "{{.State.Status}}") == "exited"
+    stack.compose("start", "worker")
+
+    deadline = time.monotonic() + 1200
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(3)
+        batch = client.batches.retrieve(batch.id)
+    stack.timings["first_batch"] = time.monotonic() - started
+    log(f"batch {batch.status} in {stack.timings['first_batch']:.0f} s: {batch.request_counts}")
+    assert batch.status == "completed", batch
+    assert batch.request_counts.total == REQUESTS
+    assert batch.request_counts.completed == REQUESTS and batch.request_counts.failed == 0
+
+    stack.output = client.files.content(batch.output_file_id).content
+    lines = [json.loads(line) for line in stack.output.splitlines()]
+    ids = [line["custom_id"] for line in lines]
+    assert len(ids) == len(set(ids)), f"{len(ids) - len(set(ids))} custom_ids doubled"
+    assert set(ids) == {f"req-{i}" for i in range(REQUESTS)}, "custom_ids lost"
+    assert all(line["response"]["status_code"] == 200 for line in lines)
+    assert batch.error_file_id is None or not client.files.content(batch.error_file_id).content
+
+    # The files are objects in the bucket, and no container keeps a copy on its disk.
+    stored = stack.exec_python("web", f"""
+import django, json; django.setup()
+from django.core.files.storage import default_storage
+from jobs.models import Batch
+batch = Batch.objects.get(pk={batch.id!r})
+files = [batch.input_file, batch.output_file]
+print(json.dumps({{"storage": type(default_storage).__name__,
+                  "objects": [default_storage.size(f.storage_name) for f in files],
+                  "bytes": [f.bytes for f in files]}}))""")
+    assert stored["storage"] == "S3Storage"
+    assert stored["objects"] == stored["bytes"] and all(stored["bytes"]), stored
+    for service in ("web", "worker"):
+        # Everywhere its user may write.
+        found = stack.compose("exec", "-T", service, "sh", "-c",
+                              f"grep -rl {marker} /tmp /var/tmp /var/lib/batchweb "
+                              "/home/batchweb /dev/shm /app 2>/dev/null; true").stdout
+        assert found.strip() == "", f"{service} keeps the batch on its disk: {found}"
+
+
+def test_down_then_up_keeps_the_batches_and_files(worker: Stack) -> None:
+    stack = worker
+    assert stack.batch_id and stack.output
+    stack.compose("down", "-t", "30")
+    assert stack.compose("ps", "-aq").stdout.strip() == ""
+    stack.timings["up_again"] = stack.up()
+    assert "No migrations to apply" in stack.compose("logs", "migrate").stdout
+    client = stack.client()
+    batch = client.batches.retrieve(stack.batch_id)
+    assert batch.status == "completed"
+    assert client.files.content(batch.output_file_id).content == stack.output
+
+
+def test_containers_run_unprivileged_and_only_the_web_port_is_published(worker: Stack
+                                                                        ) -> None:
+    stack = worker
+    for service in ("web", "worker"):
+        uids = stack.compose("exec", "-T", service, "sh", "-c",
+                             "cat /proc/[0-9]*/status | awk '/^Uid:/ {print $2}' | sort -u"
+                             ).stdout.split()
+        assert uids == ["10001"], f"{service}: processes run as {uids}"
+    published = {}
+    for line in run("docker", "ps", "--filter", f"label=com.docker.compose.project={PROJECT}",
+                    "--format", "{{.Label \"com.docker.compose.service\"}} {{.Ports}}"
+                    ).stdout.splitlines():
+        service, _, ports = line.partition(" ")
+        published[service] = [p.strip() for p in ports.split(",") if "->" in p]
+    assert set(published) == {"postgres", "redis", "s3", "web", "worker"}, published
+    assert published.pop("web") == [f"127.0.0.1:{stack.port}->8000/tcp"]
+    assert not any(published.values()), published
