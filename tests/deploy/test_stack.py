@@ -1,5 +1,5 @@
-"""The deployment as an operator runs it, on this machine (`make deploy-test`: root, about
-15 minutes cold, 6 with the images built; docs/deployment.md).
+"""The deployment as an operator runs it, on this machine (`make deploy-test`: root; a cold
+image build adds about 7 minutes; docs/deployment.md).
 
 dockerd is started if it is not running (Debian's docker.io, installed if missing); the
 bases the deployment pulls from registries are built locally from Debian's packages
