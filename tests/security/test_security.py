@@ -165,7 +165,9 @@ def test_every_dashboard_page_and_download_gives_404_for_another_users_ids(
     bob_key = ApiKey.objects.get(owner=people["bob"])
     values = {"batch_id": [done.pk, running.pk],
               "file_id": [done.input_file_id, done.output_file_id, done.error_file_id],
-              "key_id": [bob_key.pk], "kind": ["input", "output", "errors"]}
+              "key_id": [bob_key.pk], "kind": ["input", "output", "errors"],
+              # Behind another user's batch id, any run id: the batch is looked up first.
+              "run_id": ["evalrun_0"]}
     before = (db_snapshot(), storage_snapshot(people["storage"]))
     tried = 0
     for pattern in _dashboard_urls():
