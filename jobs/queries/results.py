@@ -424,10 +424,10 @@ def results_page(batch: Batch, *, statuses: tuple[str, ...], custom_id: str | No
             by_shard.setdefault(results.index, {})[kind] = results
     # The shards the reader is inside first, then the others in shard order.
     for index in sorted(by_shard, key=lambda index: (index not in cursor.read, index)):
-        position = here.read.setdefault(index, {})
+        offsets = here.read.setdefault(index, {})
         for kind, results in by_shard[index].items():
-            stop, position[kind] = read(results.read(position.get(kind, 0)),
-                                        position.get(kind, 0))
+            stop, offsets[kind] = read(results.read(offsets.get(kind, 0)),
+                                       offsets.get(kind, 0))
             if stop:
                 return ResultsPage(lines, here.encode(), True, False)
         if all(results.done for results in by_shard[index].values()) and \
