@@ -56,8 +56,14 @@ class Service:
                  "--bind", f"127.0.0.1:{self.port}"], env=self.env, cwd=ROOT, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True)
 
-    def log(self) -> str:
+    def terminal(self) -> str:
+        """What runservice printed."""
         return self.log_path.read_text(errors="replace")
+
+    def log(self) -> str:
+        """What runservice printed, then each process's own log (var/log/)."""
+        return "\n".join([self.terminal(), *(path.read_text(errors="replace") for path in
+                                              sorted((self.var_dir / "log").glob("*.log")))])
 
     def get(self, path: str, key: str, *, timeout: float) -> httpx.Response:
         return httpx.get(f"http://127.0.0.1:{self.port}{path}", timeout=timeout,
@@ -179,6 +185,9 @@ def test_the_test_command_beside_a_service_leaves_it_alone(service: Service) -> 
     batch = finished(service, key, batch_id, timeout=120)
     assert sorted(custom_ids(service, key, batch)) == sorted(f"req-{i}" for i in range(60))
     assert "Redis unavailable" not in service.log()
+    # The terminal shows the steps (a worker ready), the processes' chatter is in var/log/.
+    assert ": ready on " in service.terminal() and "Spawning worker" not in service.terminal()
+    assert "Spawning worker" in (service.var_dir / "log" / "web.log").read_text()
 
 
 def test_the_services_files_are_its_users_alone(service: Service) -> None:
