@@ -42,6 +42,7 @@ from engine.base import (
     COMPLETIONS,
     EMBEDDINGS,
     MESSAGES,
+    POOLING_ENDPOINTS,
     RERANK,
     RESPONSES,
     SCORE,
@@ -451,9 +452,11 @@ class VllmEngine(Engine):
 
     async def _respond(self, req: EngineRequest) -> tuple[int, dict[str, Any]]:
         create_error_response = self._create_error_response
-        # The salt goes in as the request's own cache_salt field, which every serving layer
-        # here reads (validation refuses it from a batch line: only the worker sets it).
-        body = {**req.body, "cache_salt": req.cache_salt} if req.cache_salt else req.body
+        # The salt goes in as the request's own cache_salt field (validation refuses it from
+        # a batch line: only the worker sets it). Pooling answers report no cached tokens:
+        # their requests go unsalted, as vLLM's pooling path was not checked with one.
+        body = ({**req.body, "cache_salt": req.cache_salt}
+                if req.cache_salt and req.url not in POOLING_ENDPOINTS else req.body)
         try:
             ignored = next((name for name in self._ignored.get(req.url, ())
                             if _changes_the_answer(name, body.get(name), body)), None)
