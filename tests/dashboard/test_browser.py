@@ -16,7 +16,16 @@ from typing import Any
 import pytest
 
 from jobs.services.shards import Progress, heartbeat
-from tests.factories import chat_line, claimed_batch, jsonl
+from tests.factories import (
+    chat_line,
+    chat_lines,
+    claimed_batch,
+    jsonl,
+    make_batch,
+    run_batch,
+    run_shard,
+    shared_prefix_lines,
+)
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts"
@@ -325,4 +334,91 @@ def test_usage_page_chart_filters_and_csv(live_server, user, workers, browser, t
 
     page.goto(f"{base}/batches/{batch.pk}/")
     assert format_cost(charged) in page.text_content("#batch-cost")
+    context.close()
+
+
+def _page_batches(user: Any, tmp_path: Path, settings: Any) -> dict[str, Any]:
+    """Batches in the states the batch page shows most: completed with some failures,
+    running with retries, and completed with a full run report (prefix plan, cache hits,
+    cost ceiling, the engine that ran it, an eval)."""
+    from jobs.models import Batch, Shard
+
+    failed = run_batch(make_batch(user, chat_lines(60), tmp_path, shard_size=20,
+                                  settings=settings),
+                       fails=lambda custom_id: custom_id.endswith("7"))
+
+    running = make_batch(user, chat_lines(60), tmp_path, shard_size=20, settings=settings)
+    first = Shard.objects.get(batch=running, index=0)
+    run_shard(first)
+    Shard.objects.filter(pk=first.pk).update(attempt=2, failures=1, recomputed=20,
+                                             json_retries=2)
+
+    report = make_batch(user, shared_prefix_lines(48, groups=4), tmp_path, shard_size=12,
+                        settings=settings)
+    Shard.objects.filter(batch=report).update(cached_tokens=30, cacheable_tokens=45)
+    report = run_batch(report)
+    engine = {"engine": "vllm", "engine_version": "0.8.5", "dtype": "bfloat16",
+              "model": "echo-test", "model_source": "/models/echo-test",
+              "model_sha256": "9f2c" * 16, "parallelism": {"tensor_parallel": 1},
+              "sampling_defaults": {"temperature": 0.7}, "batchweb_version": "1.4.0"}
+    Batch.objects.filter(pk=report.pk).update(
+        dedup_saved=3, cost_ceiling_nanos=12_345_000,
+        provenance=[{"engine": engine, "workers": ["gpu-1", "gpu-2"], "adapters": []}],
+        evaluations=[{"eval_set": "smoke", "score": 0.95, "status": "scored",
+                      "drifted": False},
+                     {"eval_set": "regressions", "score": 0.7, "status": "scored",
+                      "drifted": True}])
+    return {"failed": failed, "running": running, "report": report}
+
+
+CARD_HEIGHTS = """(label) => {
+    const card = [...document.querySelectorAll('#live .stats > div')]
+        .find(div => div.querySelector('dt').textContent.trim() === label);
+    const style = getComputedStyle(card);
+    const inner = [...card.children].reduce((sum, child) => {
+        const s = getComputedStyle(child);
+        return sum + child.getBoundingClientRect().height + parseFloat(s.marginTop)
+            + parseFloat(s.marginBottom); }, 0);
+    const frame = parseFloat(style.paddingTop) + parseFloat(style.paddingBottom)
+        + parseFloat(style.borderTopWidth) + parseFloat(style.borderBottomWidth);
+    return [card.getBoundingClientRect().height, inner + frame];
+}"""
+
+ONE_LINE = """() => [...document.querySelectorAll('#live .stats dd .note')]
+    .filter(note => note.getClientRects().length > 1
+                    || note.getBoundingClientRect().height
+                       > 1.6 * parseFloat(getComputedStyle(note).lineHeight))
+    .map(note => note.textContent.trim())"""
+
+
+def test_batch_page_cards_fit_their_numbers(live_server, user, browser, tmp_path, settings,
+                                            monkeypatch):
+    """The batch page's number cards are as tall as their number and its one-line note,
+    not stretched to the run report beside them, at a desktop's and a phone's width; the
+    notes' detail is on hover (title), and nothing scrolls sideways on the phone."""
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+    ARTIFACTS.mkdir(exist_ok=True)
+    batches = _page_batches(user, tmp_path, settings)
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    sign_in(page, live_server.url)
+    wrong: list[tuple] = []  # every page looked at (and its screenshot taken) first
+    for width in (1280, 390):
+        page.set_viewport_size({"width": width, "height": 900 if width > 400 else 844})
+        for name, batch in batches.items():
+            page.goto(f"{live_server.url}/batches/{batch.pk}/")
+            page.screenshot(path=str(ARTIFACTS / f"batch-page-{name}-{width}.png"),
+                            full_page=True)
+            for label in ("Completed", "Failed", "Remaining"):
+                height, content = page.evaluate(CARD_HEIGHTS, label)
+                if height > content + 2:
+                    wrong.append((name, width, label, height, content))
+            if notes := page.evaluate(ONE_LINE):
+                wrong.append((name, width, "notes on more than one line", notes))
+            if (scrolled := page.evaluate("document.documentElement.scrollWidth")) > width:
+                wrong.append((name, width, "scrolls sideways", scrolled))
+    assert wrong == []
+    page.goto(f"{live_server.url}/batches/{batches['running'].pk}/")
+    retry = page.locator("#retry-rate")
+    assert "1 failed of 2 shard runs" in retry.locator("[title]").first.get_attribute("title")
     context.close()
