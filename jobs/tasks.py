@@ -23,9 +23,9 @@ def finalize_batch(batch_id: str) -> None:
 def run_shard(shard_id: str) -> None:
     """Hand a shard to this worker's engine pipeline. Only `batchworker` processes (which
     load an engine) listen on shard queues."""
-    from jobs.worker.pipeline import current_pipeline
+    from jobs.worker.intake import current_intake
 
-    current_pipeline().run_shard(shard_id)
+    current_intake().run_shard(shard_id)
 
 
 def deliver_webhook(event_id: str) -> str:

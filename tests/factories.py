@@ -482,7 +482,7 @@ def start_shard(pipeline: Pipeline, shard_id: str) -> threading.Thread:
     thread: it returns only once the engine's batch has room, which a slow engine delays."""
     def job() -> None:
         try:
-            pipeline.run_shard(shard_id)
+            pipeline.intake.run_shard(shard_id)
         finally:
             connection.close()
 
@@ -494,7 +494,7 @@ def start_shard(pipeline: Pipeline, shard_id: str) -> threading.Thread:
 def run_all_shards(pipeline: Pipeline, batch: Batch, *, timeout: float = 30) -> None:
     for shard_id in Shard.objects.filter(batch=batch).order_by("index").values_list(
             "pk", flat=True):
-        pipeline.run_shard(shard_id)
+        pipeline.intake.run_shard(shard_id)
     wait_for(lambda: not Shard.objects.filter(batch=batch).exclude(status="done").exists(),
              timeout=timeout, message="every shard done")
 

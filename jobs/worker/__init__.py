@@ -5,11 +5,13 @@ a shard, streams its lines into a bounded inbox and returns as soon as the last 
 handed in, so the worker takes the next shard while the engine still finishes this one's
 slowest requests (`intake`). One dispatcher thread drains the engine's results and writes
 each to its shard's part files (`dispatch`, `parts`, a JSON output that does not parse is
-run once more: `retry`); the shard is recorded done when its last result is written. A
-heartbeat thread keeps claimed shards alive in the database and stops shards whose batch
-was cancelled or expired (`heartbeat`); the periodic duties (reconciler, scratch sweep)
-have a thread of their own (`periodic`), so a slow reconcile never delays a heartbeat.
-`pipeline.Pipeline` owns the shared state and the lifecycle.
+run once more: `retry`); the shard is recorded done when its last result is written
+(`finish`). A heartbeat thread keeps claimed shards alive in the database and stops shards
+whose batch was cancelled or expired (`heartbeat`); the periodic duties (reconciler, scratch
+sweep) have a thread of their own (`periodic`), so a slow reconcile never delays a
+heartbeat.
+The threads share one `state.WorkerState` (the engine, the inbox, the shards in flight);
+`pipeline.Pipeline` composes them and owns the lifecycle.
 
 Only ids cross threads and processes; the engine never sees a Django object.
 """

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from django.db import InterfaceError, OperationalError, connection
 
@@ -18,9 +17,7 @@ from jobs.services import shards as shard_service
 from jobs.worker.db import with_db_retry
 from jobs.worker.loop import Loop
 from jobs.worker.parts import ShardWork, delete_stored, store_segment
-
-if TYPE_CHECKING:
-    from jobs.worker.pipeline import Pipeline
+from jobs.worker.state import WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +25,9 @@ log = logging.getLogger(__name__)
 class Checkpointer(Loop):
     name = "checkpoint"
 
-    def __init__(self, pipeline: Pipeline, *, every_seconds: float,
+    def __init__(self, state: WorkerState, *, every_seconds: float,
                  every_requests: int) -> None:
-        self.pipeline = pipeline
+        self.state = state
         self.every_seconds = every_seconds
         self.every_requests = max(1, every_requests)
         # Set by the dispatcher when a shard has CHECKPOINT_REQUESTS unsaved results.
@@ -47,12 +44,12 @@ class Checkpointer(Loop):
             self.wake.set()
 
     def _loop(self) -> None:
-        pipeline = self.pipeline
-        while not pipeline.closing.is_set():
+        state = self.state
+        while not state.closing.is_set():
             self.wake.wait(min(0.5, self.every_seconds))
             self.wake.clear()
-            for work in pipeline.current_works():
-                if pipeline.closing.is_set() or not self._due(work):
+            for work in state.current_works():
+                if state.closing.is_set() or not self._due(work):
                     continue
                 try:
                     self.save(work)
@@ -82,7 +79,7 @@ class Checkpointer(Loop):
                 if not work.unsaved_results():
                     return True
                 checkpoint, sizes, computed = work.snapshot()
-                checkpoint.usage.engine_seconds += self.pipeline.idle.engine_seconds(
+                checkpoint.usage.engine_seconds += self.state.idle.engine_seconds(
                     work.attempt_key)
                 start = work.saved_offsets()
                 segments = list(work.saved.segments)

@@ -5,17 +5,14 @@ shards whose batch was cancelled or expired."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from django.db import InterfaceError, OperationalError, connection
 
 from jobs.services import shards as shard_service
 from jobs.services.shards import Progress
 from jobs.worker.loop import Loop
+from jobs.worker.state import WorkerState
 from jobs.worker.timings import timed
-
-if TYPE_CHECKING:
-    from jobs.worker.pipeline import Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -23,13 +20,13 @@ log = logging.getLogger(__name__)
 class Heartbeat(Loop):
     name = "heartbeat"
 
-    def __init__(self, pipeline: Pipeline, *, every: float) -> None:
-        self.pipeline = pipeline
+    def __init__(self, state: WorkerState, *, every: float) -> None:
+        self.state = state
         self.every = every
         super().__init__()
 
     def _loop(self) -> None:
-        while not self.pipeline.closing.wait(self.every):
+        while not self.state.closing.wait(self.every):
             try:
                 self.beat()
             except (OperationalError, InterfaceError):
@@ -40,8 +37,8 @@ class Heartbeat(Loop):
         connection.close()
 
     def beat(self) -> None:
-        pipeline = self.pipeline
-        for work in pipeline.current_works():
+        state = self.state
+        for work in state.current_works():
             with work.lock:
                 snapshot = Progress(**work.progress.as_fields())
                 unsaved = work.computed - work.saved_computed
@@ -51,10 +48,10 @@ class Heartbeat(Loop):
                     unsaved=unsaved, batch_id=work.batch_id)
             if not mine and not work.finishing:
                 log.warning("shard %s is no longer ours; dropping it", work.shard_id)
-                pipeline.drop(work)
+                state.drop(work)
             elif stop_code and not work.stop_code:
                 with work.lock:
                     work.stop_code = stop_code
                     in_flight = list(work.pending)
                 log.info("shard %s stopping: %s", work.shard_id, stop_code)
-                pipeline.engine.abort(in_flight)
+                state.engine.abort(in_flight)

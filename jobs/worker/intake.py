@@ -1,11 +1,12 @@
 """The RQ job side: claim a shard and stream its lines into the engine's inbox; return once
-all are handed in and the engine's batch has room (the dispatcher finishes the shard)."""
+all are handed in and the engine's batch has room (the dispatcher finishes the shard).
+`jobs.tasks.run_shard` hands its shard to the process's running intake (`current_intake`)."""
 
 from __future__ import annotations
 
 import logging
 import queue
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from django.db import close_old_connections
 
@@ -16,41 +17,67 @@ from jobs.services import shards as shard_service
 from jobs.services.shard_input import shard_requests
 from jobs.services.shards import Checkpoint
 from jobs.wire import Code, RequestLine
+from jobs.worker.adapters import AdapterFolders
 from jobs.worker.db import with_db_retry
+from jobs.worker.finish import finish
 from jobs.worker.parts import ShardWork, adopt_checkpoint, open_work
+from jobs.worker.served import Served
+from jobs.worker.state import WorkerState
 from jobs.worker.timings import timed
 
-if TYPE_CHECKING:
-    from jobs.worker.pipeline import Pipeline
-
 log = logging.getLogger(__name__)
+# The intake of this process's running pipeline: where the RQ job hands its shard.
+_CURRENT: Intake | None = None
+
+
+def current_intake() -> Intake:
+    if _CURRENT is None:
+        raise RuntimeError("run_shard runs only inside `manage.py batchworker`.")
+    return _CURRENT
 
 
 class Intake:
-    def __init__(self, pipeline: Pipeline) -> None:
-        self.pipeline = pipeline
+    def __init__(self, state: WorkerState, *, worker_name: str, served: Served,
+                 adapters: AdapterFolders, top_up: Callable[[str], None]) -> None:
+        self.state = state
+        self.worker_name = worker_name
+        self.served = served
+        self.adapters = adapters
+        # Called with the batch of each claimed shard: its next shards go to Redis.
+        self.top_up = top_up
+
+    def start(self) -> None:
+        """Take the RQ job's shards from now on."""
+        global _CURRENT
+        _CURRENT = self
+
+    def stop(self) -> None:
+        global _CURRENT
+        _CURRENT = None
 
     def run_shard(self, shard_id: str) -> None:
-        pipeline = self.pipeline
-        if pipeline.broken is not None:
-            raise RuntimeError(f"engine failed: {pipeline.broken}")
+        """Claim a shard and stream its requests into the engine; returns once all are
+        handed in (the dispatcher finishes the shard)."""
+        state = self.state
+        if state.broken is not None:
+            raise RuntimeError(f"engine failed: {state.broken}")
         close_old_connections()
         with timed("claim"):
             shard = with_db_retry(lambda: shard_service.claim_shard(
-                shard_id=shard_id, worker=pipeline.worker_name, top_up=False))
+                shard_id=shard_id, worker=self.worker_name, top_up=False))
         if shard is None:
             return
-        pipeline.top_up.request(shard.batch_id)
+        self.top_up(shard.batch_id)
         work = with_db_retry(lambda: open_work(shard))
-        pipeline.register(work)
+        state.register(work)
         try:
-            pipeline.served.claimed(shard)  # provenance, and the eval runs it starts
+            self.served.claimed(shard)  # provenance, and the eval runs it starts
             work = self._adopt(shard, work)
             self._submit_lines(shard, work)
         except BaseException as exc:
             # Reading the input or the database failed, or a cold shutdown: the attempt is
             # lost, the shard goes back to the queue (with backoff).
-            pipeline.drop(work)
+            state.drop(work)
             if not isinstance(exc, SystemExit | KeyboardInterrupt):
                 log.exception("shard %s failed while submitting", shard_id)
                 reason = f"{type(exc).__name__}: {exc}"
@@ -59,13 +86,9 @@ class Intake:
             raise
         with work.lock:
             work.all_submitted = True
-            # A shard being handed back is never finished here: its submission may have
-            # stopped early, and finishing it would drop the lines it never ran.
-            finish_now = (not work.pending and not work.finishing and not work.dead
-                          and not work.handing_back)
-            work.finishing = work.finishing or finish_now
+            finish_now = work.claim_finish()
         if finish_now:
-            pipeline.dispatcher.finish(work)
+            finish(state, work)
         self._wait_for_room()
 
     def _adopt(self, shard: Shard, work: ShardWork) -> ShardWork:
@@ -79,9 +102,9 @@ class Intake:
             return work
         except Exception:
             log.exception("shard %s: cannot adopt its checkpoint; running it whole", shard.pk)
-        self.pipeline.drop(work)
+        self.state.drop(work)
         fresh = with_db_retry(lambda: open_work(shard))
-        self.pipeline.register(fresh)
+        self.state.register(fresh)
         with_db_retry(lambda: shard_service.record_checkpoint(
             shard_id=shard.pk, attempt=shard.attempt, checkpoint=Checkpoint()))
         return fresh
@@ -91,9 +114,9 @@ class Intake:
         # batch has room: a worker with a full batch leaves the next shard to an idle
         # worker (measured by bench/scale_out.py), yet its own next shard arrives while the
         # batch is still nearly full, so the engine does not run dry between shards.
-        pipeline = self.pipeline
-        while (not pipeline.idle.wait_for_room(pipeline.engine.batch_size, timeout=0.5)
-               and pipeline.broken is None and not pipeline.closing.is_set()):
+        state = self.state
+        while (not state.idle.wait_for_room(state.engine.batch_size, timeout=0.5)
+               and state.broken is None and not state.closing.is_set()):
             pass
 
     def _submit_lines(self, shard: Shard, work: ShardWork) -> None:
@@ -126,7 +149,7 @@ class Intake:
                                 f"The adapter '{line.model}' of '{shard.batch.model}' is no "
                                 "longer registered.")
                         continue
-                    self.pipeline.served.adapter_used(shard, line.model, adapter_path)
+                    self.served.adapter_used(shard, line.model, adapter_path)
                 key = prefix_key(line) if grouped else None
                 engine_request = EngineRequest(request_id=work.request_id(number),
                                                url=line.url, body=line.body,
@@ -142,7 +165,7 @@ class Intake:
         (asked once per shard, not once per line)."""
         if name in missing:
             return ""
-        folder = with_db_retry(lambda: self.pipeline.adapters.folder(
+        folder = with_db_retry(lambda: self.adapters.folder(
             name, base_model=base_model))
         if folder is None:
             missing.add(name)
@@ -151,13 +174,13 @@ class Intake:
     def _put(self, request: EngineRequest) -> None:
         # Blocks while the engine is full: this is the backpressure that bounds memory.
         # Counted before it goes in, so its result can never be counted first.
-        pipeline = self.pipeline
-        pipeline.idle.request_started(request.request_id)
+        state = self.state
+        state.idle.request_started(request.request_id)
         while True:
-            if pipeline.broken is not None:
-                raise RuntimeError(f"engine failed: {pipeline.broken}")
+            if state.broken is not None:
+                raise RuntimeError(f"engine failed: {state.broken}")
             try:
-                pipeline.inbox.put(request, timeout=0.5)
+                state.inbox.put(request, timeout=0.5)
                 return
             except queue.Full:
                 continue

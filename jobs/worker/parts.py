@@ -158,6 +158,16 @@ class ShardWork:
         """Lines answered since the last checkpoint (with the lock held)."""
         return len(self.answered) - len(self.saved.lines)
 
+    def claim_finish(self) -> bool:
+        """With the lock held: whether every line is handed in and every result written,
+        so the caller finishes the attempt (True once). A shard being handed back is never
+        finished: its submission may have stopped early, and finishing it would drop the
+        lines it never ran."""
+        ready = (self.all_submitted and not self.pending and not self.finishing
+                 and not self.dead and not self.handing_back)
+        self.finishing = self.finishing or ready
+        return ready
+
     def write_result(self, request: RequestLine, line: int, result: EngineResult) -> None:
         self._write_result(request, line, result)
         self.answered.add(line)

@@ -55,12 +55,12 @@ def test_each_owners_requests_carry_the_owners_own_salt(pipeline, user, django_u
                for owner in (user, bob) for n in (1, 2)}
     salts: dict[tuple[str, int], set[str]] = {}
     for key, batch in batches.items():
-        before = set(pipeline.engine.salts)
+        before = set(pipeline.state.engine.salts)
         run_all_shards(pipeline, batch)
         assert finalized(batch)[0].status == "completed"
-        handed = set(pipeline.engine.salts) - before
+        handed = set(pipeline.state.engine.salts) - before
         assert len(handed) == 4  # three lines and one JSON retry
-        salts[key] = {pipeline.engine.salts[rid] for rid in handed}
+        salts[key] = {pipeline.state.engine.salts[rid] for rid in handed}
     alice = prefix_cache_salt(user.pk)
     assert salts[("alice", 1)] == salts[("alice", 2)] == {alice}
     assert salts[("bob", 1)] == salts[("bob", 2)] == {prefix_cache_salt(bob.pk)}

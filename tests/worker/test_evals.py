@@ -357,8 +357,8 @@ def test_an_eval_run_handed_back_half_way_resumes_computing_nothing_twice(
 def test_workers_that_disagree_say_so(make_batch, make_pipeline):
     batch = make_batch([chat_line(f"u{i}", f"q {i}") for i in range(8)], shard_size=4)
     first, second = Shard.objects.filter(batch=batch).order_by("index")
-    make_pipeline().run_shard(first.pk)
-    make_pipeline(version="2").run_shard(second.pk)
+    make_pipeline().intake.run_shard(first.pk)
+    make_pipeline(version="2").intake.run_shard(second.pk)
     batch.refresh_from_db()
     assert [e["engine"]["engine_version"] for e in batch.provenance] == ["1", "2"]
     assert batch.to_openai()["provenance"]["consistent"] is False

@@ -54,7 +54,7 @@ def test_a_batch_runs_to_completion_with_dedup_copies(make_batch, make_pipeline)
     assert done.input_tokens == sum(b["usage"]["prompt_tokens"] for b in computed)
     assert done.output_tokens == sum(b["usage"]["completion_tokens"] for b in computed)
     assert (done.completed, done.failed) == (11, 0)
-    assert not pipeline.works
+    assert not pipeline.state.works
 
 
 def test_json_output_that_does_not_parse_is_run_once_more(make_batch, make_pipeline):
@@ -64,13 +64,13 @@ def test_json_output_that_does_not_parse_is_run_once_more(make_batch, make_pipel
     batch = make_batch(lines, shard_size=10)
     pipeline = make_pipeline()
     computed: list[str] = []
-    real_handle = pipeline.engine.handle
+    real_handle = pipeline.state.engine.handle
 
     def counting(url, body, adapter_path=""):
         computed.append(body["messages"][0]["content"])
         return real_handle(url, body, adapter_path)
 
-    pipeline.engine.handle = counting  # type: ignore[method-assign]
+    pipeline.state.engine.handle = counting  # type: ignore[method-assign]
     run_all_shards(pipeline, batch)
     shard = Shard.objects.get(batch=batch)
     assert shard.json_retries == 2
@@ -89,7 +89,7 @@ def test_prompt_tokens_served_from_the_prefix_cache_are_summed(make_batch, make_
     lines = [chat_line(f"p{i}", f"question {i}") for i in range(6)]
     batch = make_batch(lines, shard_size=4)
     pipeline = make_pipeline()
-    real_handle = pipeline.engine.handle
+    real_handle = pipeline.state.engine.handle
 
     def with_cached_tokens(url, body, adapter_path=""):
         status, answer = real_handle(url, body, adapter_path)
@@ -97,7 +97,7 @@ def test_prompt_tokens_served_from_the_prefix_cache_are_summed(make_batch, make_
         usage["prompt_tokens_details"] = {"cached_tokens": usage["prompt_tokens"] - 1}
         return status, answer
 
-    pipeline.engine.handle = with_cached_tokens  # type: ignore[method-assign]
+    pipeline.state.engine.handle = with_cached_tokens  # type: ignore[method-assign]
     run_all_shards(pipeline, batch)
     done, out, _ = finalized(batch)
     prompt = sum(r["response"]["body"]["usage"]["prompt_tokens"] for r in out)
@@ -133,7 +133,7 @@ def test_a_responses_batch_through_the_openai_client(openai_client, make_pipelin
     batch = Batch.objects.get(pk=created.id)
     assert (batch.status, batch.dedup_saved) == ("in_progress", 1), batch.errors
     pipeline = make_pipeline()
-    real_handle = pipeline.engine.handle
+    real_handle = pipeline.state.engine.handle
 
     def with_cached_tokens(url, body, adapter_path=""):
         status, answer = real_handle(url, body, adapter_path)
@@ -142,7 +142,7 @@ def test_a_responses_batch_through_the_openai_client(openai_client, make_pipelin
             usage["input_tokens_details"] = {"cached_tokens": usage["input_tokens"] - 1}
         return status, answer
 
-    pipeline.engine.handle = with_cached_tokens  # type: ignore[method-assign]
+    pipeline.state.engine.handle = with_cached_tokens  # type: ignore[method-assign]
     run_all_shards(pipeline, batch)
     finalized(batch)
 
@@ -223,17 +223,17 @@ def test_a_part_that_cannot_be_stored_fails_only_that_attempt(
     monkeypatch.setattr(storage, "concatenate", disk_full_once)
     monkeypatch.setattr(parts, "backend", lambda: storage)
     pipeline = make_pipeline()
-    pipeline.run_shard(first.pk)
-    pipeline.run_shard(second.pk)
+    pipeline.intake.run_shard(first.pk)
+    pipeline.intake.run_shard(second.pk)
     wait_for(lambda: Shard.objects.filter(pk=second.pk, status="done").exists(),
              timeout=20, message="the other shard done")
     first.refresh_from_db()
     assert (first.status, first.failures, first.attempt) == ("queued", 1, 1)
     assert "No space left on device" in first.last_error
-    assert pipeline.broken is None and not pipeline.works
+    assert pipeline.state.broken is None and not pipeline.state.works
     # Its retry runs on the same engine and completes the batch.
     Shard.objects.filter(pk=first.pk).update(not_before=None)
-    pipeline.run_shard(first.pk)
+    pipeline.intake.run_shard(first.pk)
     wait_for(lambda: Shard.objects.filter(pk=first.pk, status="done").exists(),
              timeout=20, message="the retry done")
     done, out, err = finalized(batch)
@@ -256,7 +256,7 @@ def test_idle_accounting_is_never_negative():
 
 def test_the_stop_log_line_reports_a_non_negative_window(make_pipeline, caplog):
     pipeline = make_pipeline()
-    pipeline.idle.request_started()  # handed in, never finished
+    pipeline.state.idle.request_started()  # handed in, never finished
     with caplog.at_level(logging.INFO, logger="jobs.worker.pipeline"):
         pipeline.close()
     line = next(r.getMessage() for r in caplog.records if "engine idle" in r.getMessage())
@@ -276,7 +276,7 @@ def test_a_grouped_shard_hands_each_prefix_group_in_under_one_key(make_batch, ma
     assert batch.plan["grouped"] and batch.plan["cache_tokens"] == 400
     pipeline = make_pipeline()
     seen: list[EngineRequest] = []
-    compute = pipeline.engine._compute
+    compute = pipeline.state.engine._compute
 
     def with_prompt_blocks(request: EngineRequest) -> EngineResult:
         # As a prefix cache of 16-token blocks would: the group's system prompt is one
@@ -285,7 +285,7 @@ def test_a_grouped_shard_hands_each_prefix_group_in_under_one_key(make_batch, ma
         return dataclasses.replace(compute(request), prompt_blocks=PromptBlocks(
             16, (request.prefix, hash(request.request_id))))
 
-    pipeline.engine._compute = with_prompt_blocks  # type: ignore[method-assign]
+    pipeline.state.engine._compute = with_prompt_blocks  # type: ignore[method-assign]
     run_all_shards(pipeline, batch)
     done, out, _ = finalized(batch)
     assert done.completed == 24
@@ -317,13 +317,13 @@ def test_a_shard_in_file_order_hands_its_requests_in_without_a_key(make_batch, m
     assert not batch.plan["grouped"]
     pipeline = make_pipeline()
     seen: list[EngineRequest] = []
-    compute = pipeline.engine._compute
+    compute = pipeline.state.engine._compute
 
     def recording(request: EngineRequest) -> EngineResult:
         seen.append(request)
         return compute(request)
 
-    pipeline.engine._compute = recording  # type: ignore[method-assign]
+    pipeline.state.engine._compute = recording  # type: ignore[method-assign]
     run_all_shards(pipeline, batch)
     assert len(seen) == 5 and not any(request.prefix for request in seen)
     # Without prompt blocks (the echo engine has no prefix cache) nothing is cacheable.

@@ -104,7 +104,7 @@ def test_a_zombie_worker_cannot_record_a_late_checkpoint(
     shard = Shard.objects.get(batch=batch)
     zombie = make_pipeline(seconds_per_request=0.1, max_in_flight=2, inbox_size=2)
     start_shard(zombie, shard.pk)
-    work = wait_for(lambda: zombie.works.get(shard.pk), timeout=10, message="the claim")
+    work = wait_for(lambda: zombie.state.works.get(shard.pk), timeout=10, message="the claim")
     wait_for(lambda: len(work.answered) >= 3, timeout=20, message="first results")
     assert zombie.checkpointer.save(work)
     shard.refresh_from_db()
@@ -171,7 +171,7 @@ def test_a_running_shard_holds_only_what_its_last_checkpoint_did_not_store(
     wait_for(lambda: len(Checkpoint.from_json(
         Shard.objects.get(pk=shard.pk).checkpoint).segments) >= 2,
         timeout=20, message="two checkpoints")
-    work = pipeline.works[shard.pk]
+    work = pipeline.state.works[shard.pk]
     with work.lock:
         released, held, written = work.out.saved, len(work.out.held), work.out.tell()
     assert released > 0 and held == written - released < written

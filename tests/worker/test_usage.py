@@ -50,7 +50,7 @@ def downloaded_output(client, batch) -> list[dict]:
 
 
 def with_cached_tokens(pipeline) -> None:
-    real_handle = pipeline.engine.handle
+    real_handle = pipeline.state.engine.handle
 
     def handle(url, body, adapter_path=""):
         status, answer = real_handle(url, body, adapter_path)
@@ -58,7 +58,7 @@ def with_cached_tokens(pipeline) -> None:
         usage["prompt_tokens_details"] = {"cached_tokens": usage["prompt_tokens"] // 2}
         return status, answer
 
-    pipeline.engine.handle = handle  # type: ignore[method-assign]
+    pipeline.state.engine.handle = handle  # type: ignore[method-assign]
 
 
 def test_a_batchs_cost_on_its_page_is_its_output_usage_times_the_prices(

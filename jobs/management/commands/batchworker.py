@@ -103,7 +103,7 @@ class Command(BaseCommand):
         engine = load_engine(spec)
         pipeline = Pipeline(engine, worker_name=name)
         pipeline.start()
-        presence = Presence(pipeline.closing, every=settings.BATCHWEB["HEARTBEAT_SECONDS"],
+        presence = Presence(pipeline.state.closing, every=settings.BATCHWEB["HEARTBEAT_SECONDS"],
                             standby=tuple(other.name for other in others), model=spec.name,
                             kv_cache_tokens=engine.prefix_cache_tokens)
         presence.start()
@@ -129,8 +129,8 @@ class Command(BaseCommand):
             closing = time.monotonic()
             pipeline.close()  # closes the engine too
             close_engines()
-        if pipeline.broken is not None:
-            sys.exit(f"batchworker {name}: engine failed: {pipeline.broken}")
+        if pipeline.state.broken is not None:
+            sys.exit(f"batchworker {name}: engine failed: {pipeline.state.broken}")
         if due is not None:
             self.stdout.write(f"batchworker {name}: switching from {spec.name} to {due.name} "
                               f"({time.monotonic() - closing:.1f} s to close)")
@@ -150,7 +150,7 @@ class Command(BaseCommand):
         switch_after = settings.BATCHWEB["MODEL_SWITCH_SECONDS"]
         idle_check = max(1, int(min(IDLE_CHECK_SECONDS, switch_after))) if others else None
         loops = 0
-        while pipeline.broken is None:
+        while pipeline.state.broken is None:
             worker = None
             redis_failed = False
             try:
@@ -173,7 +173,7 @@ class Command(BaseCommand):
                 return None  # SIGTERM / SIGINT: stop
             if others and not redis_failed:
                 # Idle: switch only with nothing of this model claimed or in flight.
-                if not pipeline.works:
+                if not pipeline.state.works:
                     due = with_db_retry(lambda: model_due(others,
                                                           waited_seconds=switch_after))
                     if due is not None:
