@@ -287,7 +287,7 @@ class Batch(models.Model):
     # whether it grouped. Empty for batches planned before prefix planning existed.
     plan = models.JSONField(default=dict, blank=True)
     # Storage name of the line index of a grouped batch: the input lines of every shard, in
-    # the order they run (see jobs.services.line_index). Empty when the shards are byte
+    # the order they run (see jobs.storage.line_index). Empty when the shards are byte
     # ranges of the input in file order.
     line_index = models.CharField(max_length=255, blank=True)
     # The evaluation set its owner attached (jobs.services.evals): run beside the batch on

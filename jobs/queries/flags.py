@@ -27,7 +27,7 @@ from jobs.queries.results import (
     parse_result_line,
     scan,
 )
-from jobs.services.files import open_range
+from jobs.storage.objects import open_range
 
 # Read by the live block of a running batch on every poll of a change: compiled once.
 _DONE_COUNTS = Compiled(lambda batch_id: Shard.objects.filter(

@@ -25,9 +25,11 @@ from django.core.files.storage import default_storage
 
 from jobs.models import Batch, File, Shard
 from jobs.services.errors import ServiceError
-from jobs.services.files import CHUNK, iter_lines, open_file, open_range
 from jobs.services.heavy import Guard, cached, version
 from jobs.services.shards import Checkpoint
+from jobs.storage.backends import CHUNK
+from jobs.storage.lines import iter_lines
+from jobs.storage.objects import open_file, open_range
 from jobs.wire import read_result_line
 
 Kind = Literal["output", "error"]

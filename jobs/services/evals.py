@@ -43,14 +43,10 @@ from jobs import evalrules, queues
 from jobs.models import Batch, EvalRun, EvalSet, File
 from jobs.quality import output_texts
 from jobs.services.errors import ServiceError, not_found
-from jobs.services.files import (
-    iter_lines,
-    local_temp,
-    open_file,
-    open_range,
-    save_local,
-    store_file,
-)
+from jobs.services.files import store_file
+from jobs.storage.lines import iter_lines
+from jobs.storage.objects import open_file, open_range, save_local
+from jobs.storage.temp import local_temp
 from jobs.wire import check_body
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,12 @@ from jobs.engines import served_endpoints, usable_adapters
 from jobs.models import ContentRule, File
 from jobs.queries import dashboard
 from jobs.services.budgets import Estimate, estimate
-from jobs.services.files import create_input_file, iter_lines, local_temp, open_file
+from jobs.services.files import create_input_file
 from jobs.services.heavy import Guard, cached, version
 from jobs.services.validation import InputReport, check_batch_input
+from jobs.storage.lines import iter_lines
+from jobs.storage.objects import open_file
+from jobs.storage.temp import local_temp
 
 
 @dataclass

@@ -25,10 +25,10 @@ from jobs.services.files import (
     clean_filename,
     create_input_file_from_parts,
     delete_file,
-    save_local,
 )
 from jobs.services.quotas import check_open_uploads, check_quota
-from jobs.storage import backend
+from jobs.storage.backends import backend
+from jobs.storage.objects import save_local
 
 JSONL_MIME_TYPES = {"application/jsonl", "application/x-ndjson", "application/json",
                     "text/jsonl", "text/plain", "application/octet-stream"}

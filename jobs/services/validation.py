@@ -40,12 +40,14 @@ from jobs.models import Batch, RequestCopy, ScreenedLine, Shard
 from jobs.policy import VIOLATION, Screener, ScreeningChunker, Violation
 from jobs.prefix import prefix_key
 from jobs.services.budgets import estimate
-from jobs.services.files import Line, iter_lines, local_temp, open_file
 from jobs.services.finalize import notify_ended
-from jobs.services.line_index import write_line_index
 from jobs.services.planning import CopySink, ShardPlan, ShardPlanner
 from jobs.services.prefix_plan import GroupedShard, PrefixPlan, PrefixPlanner
 from jobs.services.scheduling import enqueue_next_shards
+from jobs.storage.line_index import write_line_index
+from jobs.storage.lines import Line, iter_lines
+from jobs.storage.objects import open_file
+from jobs.storage.temp import local_temp
 from jobs.wire import (
     Code,
     LineError,

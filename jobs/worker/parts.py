@@ -28,7 +28,7 @@ from jobs.quality import flags_for
 from jobs.services.ledger import ShardUsage
 from jobs.services.shard_input import shard_lines
 from jobs.services.shards import PART_KINDS, Checkpoint, Progress
-from jobs.storage import Source, backend
+from jobs.storage.backends import Source, backend
 from jobs.wire import (
     LineError,
     RequestLine,

@@ -24,10 +24,10 @@ from django.utils import timezone
 from jobs.models import ApiKey, Batch, File, Shard, SpotCheck
 from jobs.queries import dashboard, flags, results
 from jobs.services import spotcheck
-from jobs.services.files import new_storage_name
 from jobs.services.keys import create_api_key
 from jobs.services.progress import refresh_progress
 from jobs.services.shard_input import shard_custom_ids
+from jobs.storage.objects import new_storage_name
 from jobs.templatetags.dashboard import clip
 from tests.factories import (
     HTMX,

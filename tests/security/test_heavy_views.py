@@ -22,8 +22,8 @@ from django.urls import reverse
 from jobs.models import Batch, ContentRule, Shard
 from jobs.queries import results
 from jobs.services import heavy, preflight, spotcheck
-from jobs.services.files import new_storage_name
 from jobs.services.shard_input import shard_custom_ids
+from jobs.storage.objects import new_storage_name
 from tests.factories import Api, chat_line, make_batch, make_file, run_batch, run_shard
 
 pytestmark = pytest.mark.django_db
