@@ -17,6 +17,7 @@ from django.utils import timezone
 from django.utils.cache import add_never_cache_headers
 
 from jobs.engines import model_specs, serves_adapters
+from jobs.errors import ServiceError
 from jobs.models import (
     ApiKey,
     Batch,
@@ -33,7 +34,6 @@ from jobs.models import (
     WebhookEvent,
 )
 from jobs.queries.health import queue_health
-from jobs.services import ServiceError
 from jobs.services.cleanup import delete_expired_files
 from jobs.services.health import requeue_shards
 from jobs.services.keys import create_api_key, revoke_api_key

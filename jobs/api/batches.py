@@ -15,10 +15,10 @@ from django.utils.cache import get_conditional_response, patch_cache_control, se
 from jobs import polls
 from jobs.api.base import api_view, json_body, paginate, parse_limit
 from jobs.engines import model_names, usable_adapters
+from jobs.errors import ServiceError
 from jobs.models import Batch
 from jobs.queries import results as result_pages
 from jobs.services import batches, stopping
-from jobs.services.errors import ServiceError
 
 
 def create(request: HttpRequest, user: Any) -> HttpResponse:

@@ -20,8 +20,8 @@ from datetime import datetime, timedelta
 from django.db.models import Max, Min, Sum
 from django.utils import timezone
 
+from jobs.compiled import Compiled
 from jobs.models import Batch, Shard
-from jobs.queries.compiled import Compiled
 
 # "Now" is the last two minutes: long enough to smooth shard boundaries, short enough to
 # follow a worker joining or leaving.

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from django.core.files.storage import default_storage
 
+from jobs.compiled import Compiled
 from jobs.models import Batch, File, Shard
 from jobs.quality import FLAG_LABELS, FLAGS
-from jobs.queries.compiled import Compiled
 from jobs.queries.results import (
     PAGE_SIZE,
     PREVIEW_LINE_BYTES,

@@ -23,9 +23,9 @@ from typing import IO, Any, Literal
 from django.conf import settings
 from django.core.files.storage import default_storage
 
+from jobs.errors import ServiceError
+from jobs.heavy import Guard, cached, version
 from jobs.models import Batch, File, Shard
-from jobs.services.errors import ServiceError
-from jobs.services.heavy import Guard, cached, version
 from jobs.services.shards import Checkpoint
 from jobs.storage.backends import CHUNK
 from jobs.storage.lines import iter_lines

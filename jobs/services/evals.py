@@ -40,9 +40,9 @@ from django.utils import timezone
 
 from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RESPONSES
 from jobs import evalrules, queues
+from jobs.errors import ServiceError, not_found
 from jobs.models import Batch, EvalRun, EvalSet, File
 from jobs.quality import output_texts
-from jobs.services.errors import ServiceError, not_found
 from jobs.services.files import store_file
 from jobs.storage.lines import iter_lines
 from jobs.storage.objects import open_file, open_range, save_local

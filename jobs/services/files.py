@@ -23,8 +23,8 @@ from django.core.files.storage import default_storage
 from django.db import transaction
 from django.utils import timezone
 
+from jobs.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.models import Batch, File
-from jobs.services.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.services.quotas import check_quota
 from jobs.storage.backends import CHUNK, Source, backend
 from jobs.storage.lines import Concatenated, Lines, iter_lines

@@ -12,11 +12,11 @@ from typing import Any
 from django.conf import settings
 
 from jobs.engines import served_endpoints, usable_adapters
+from jobs.heavy import Guard, cached, version
 from jobs.models import ContentRule, File
 from jobs.queries import dashboard
 from jobs.services.budgets import Estimate, estimate
 from jobs.services.files import create_input_file
-from jobs.services.heavy import Guard, cached, version
 from jobs.services.validation import InputReport, check_batch_input
 from jobs.storage.lines import iter_lines
 from jobs.storage.objects import open_file

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from jobs.errors import ServiceError, wrong_state
 from jobs.models import Batch, File
 from jobs.queries.results import failed_custom_ids, iter_input_matches
 from jobs.services.batches import MAX_METADATA_PAIRS, create_batch
-from jobs.services.errors import ServiceError, wrong_state
 from jobs.services.files import create_input_file
 from jobs.storage.objects import open_file
 from jobs.storage.temp import local_temp

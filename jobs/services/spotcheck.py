@@ -11,8 +11,10 @@ from typing import Any
 
 from django.db.models import Count, Q
 
+from jobs.compiled import Compiled
+from jobs.errors import ServiceError
+from jobs.heavy import Guard, cached, version
 from jobs.models import Batch, SpotCheck
-from jobs.queries.compiled import Compiled
 from jobs.queries.flags import FlagRow, find_outputs, flag_labels, flag_segments, iter_flagged
 from jobs.queries.results import (
     PREVIEW_LINE_BYTES,
@@ -21,8 +23,6 @@ from jobs.queries.results import (
     scan,
     segments,
 )
-from jobs.services.errors import ServiceError
-from jobs.services.heavy import Guard, cached, version
 
 SPOT_SHARE = 0.05
 SPOT_MIN = 10

@@ -12,8 +12,8 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+from jobs.errors import wrong_state
 from jobs.models import Batch, File, Shard
-from jobs.services.errors import wrong_state
 from jobs.services.progress import refresh_progress
 from jobs.services.scheduling import request_finalize
 from jobs.services.shard_input import shard_custom_ids

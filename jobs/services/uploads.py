@@ -18,8 +18,8 @@ from django.db import transaction
 from django.db.models import Sum
 from django.utils import timezone
 
+from jobs.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.models import Upload, UploadPart
-from jobs.services.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.services.files import (
     check_purpose,
     clean_filename,

@@ -31,13 +31,14 @@ from django.utils.text import slugify
 from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import HttpResponseClientRedirect, HttpResponseStopPolling
 
-from jobs import polls
+from jobs import heavy, polls
+from jobs.errors import ServiceError
 from jobs.forms import NewBatchForm, ResultFilterForm, SpotCheckForm
 from jobs.models import Batch, File
 from jobs.quality import FLAG_LABELS, FLAGS
 from jobs.queries import dashboard, flags, health, results, usage
 from jobs.queries.evals import batch_record
-from jobs.services import heavy, preflight, spotcheck
+from jobs.services import preflight, spotcheck
 from jobs.services.batches import (
     LIST_PAGE_SIZE,
     count_batches,
@@ -46,7 +47,6 @@ from jobs.services.batches import (
     newest_batches,
 )
 from jobs.services.budgets import budget_for
-from jobs.services.errors import ServiceError
 from jobs.services.files import create_input_file, get_file_for_user
 from jobs.services.pricing import format_cost, rates_for
 from jobs.services.progress import batch_version
@@ -89,7 +89,7 @@ def _get_batch_for_user(request: SignedInRequest, batch_id: str) -> Batch:
 
 def _busy(request: SignedInRequest) -> HttpResponse:
     """429 for a heavy view while the same user's previous one still computes (see
-    jobs.services.heavy): said plainly, with when to try again."""
+    jobs.heavy): said plainly, with when to try again."""
     response = render(request, "jobs/busy.html", status=429)
     response["Retry-After"] = str(BUSY_RETRY_SECONDS)
     return response

@@ -16,9 +16,9 @@ from django.core.handlers.wsgi import WSGIHandler
 
 from batchweb.wsgi import application
 from jobs import polls
+from jobs.compiled import Compiled
 from jobs.models import Batch, SpotCheck
 from jobs.queries import health
-from jobs.queries.compiled import Compiled
 from jobs.services import batches
 from jobs.services.keys import revoke_api_key
 from jobs.services.shards import Progress, heartbeat

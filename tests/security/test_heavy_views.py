@@ -19,9 +19,10 @@ from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from django.urls import reverse
 
+from jobs import heavy
 from jobs.models import Batch, ContentRule, Shard
 from jobs.queries import results
-from jobs.services import heavy, preflight, spotcheck
+from jobs.services import preflight, spotcheck
 from jobs.services.shard_input import shard_custom_ids
 from jobs.storage.objects import new_storage_name
 from tests.factories import Api, chat_line, make_batch, make_file, run_batch, run_shard

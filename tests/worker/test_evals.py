@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
+from jobs.errors import ServiceError
 from jobs.models import Batch, EvalRun, EvalSet, Shard, UsageRecord, WebhookEvent
 from jobs.services import evals
 from jobs.services.batches import create_batch
-from jobs.services.errors import ServiceError
 from jobs.services.files import create_input_file
 from jobs.services.finalize import finalize_batch
 from jobs.services.validation import run_validation
