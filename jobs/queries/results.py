@@ -23,10 +23,10 @@ from typing import IO, Any, Literal
 from django.conf import settings
 from django.core.files.storage import default_storage
 
+from jobs.checkpoint import Checkpoint
 from jobs.errors import ServiceError
 from jobs.heavy import Guard, cached, version
 from jobs.models import Batch, File, Shard
-from jobs.services.shards import Checkpoint
 from jobs.storage.backends import CHUNK
 from jobs.storage.lines import iter_lines
 from jobs.storage.objects import open_file, open_range

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 from django.db import InterfaceError, OperationalError, connection
 
+from jobs.checkpoint import Progress
 from jobs.services import shards as shard_service
-from jobs.services.shards import Progress
 from jobs.worker.loop import Loop
 from jobs.worker.timings import timed
 

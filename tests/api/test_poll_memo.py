@@ -16,12 +16,13 @@ from django.core.handlers.wsgi import WSGIHandler
 
 from batchweb.wsgi import application
 from jobs import polls
+from jobs.checkpoint import Progress
 from jobs.compiled import Compiled
 from jobs.models import Batch, SpotCheck
 from jobs.queries import health
 from jobs.services import batches
 from jobs.services.keys import revoke_api_key
-from jobs.services.shards import Progress, heartbeat
+from jobs.services.shards import heartbeat
 from jobs.services.stopping import cancel_batch
 from jobs.views import batches as views
 from tests.factories import claimed_batch, wsgi_call
