@@ -1032,3 +1032,8 @@ class EvalRun(models.Model):
                 "baseline_score": self.baseline_score, "changed": self.changed_count,
                 "drifted": self.drifted, "threshold": self.eval_set.drift_threshold,
                 "accepted": self.accepted_at is not None}
+
+    def may_be_accepted_by(self, user: Any) -> bool:
+        """Who may make a run its set's baseline: an operator, or the set's owner."""
+        return bool(user.is_staff or (self.eval_set.owner_id
+                                      and self.eval_set.owner_id == user.pk))

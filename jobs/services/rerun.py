@@ -6,7 +6,7 @@ from typing import Any
 
 from jobs.errors import ServiceError, wrong_state
 from jobs.models import Batch, File
-from jobs.queries.results import failed_custom_ids, iter_input_matches
+from jobs.result_lines import failed_custom_ids, iter_input_matches
 from jobs.services.batches import MAX_METADATA_PAIRS, create_batch
 from jobs.services.files import create_input_file
 from jobs.storage.objects import open_file

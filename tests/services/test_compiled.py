@@ -22,8 +22,8 @@ from batchweb.sessions import SessionStore
 from jobs.compiled import Compiled
 from jobs.errors import ServiceError
 from jobs.models import Batch, SpotCheck
+from jobs.queries.spot_samples import summary
 from jobs.services.batches import get_batch_for_user
-from jobs.services.spotcheck import summary
 from tests.factories import claimed_batch, partly_run_batch
 
 pytestmark = pytest.mark.django_db
