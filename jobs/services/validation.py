@@ -35,8 +35,8 @@ from redis import RedisError
 
 from jobs import queues
 from jobs.digestset import DigestSet
-from jobs.engines import served_endpoints, usable_adapters
-from jobs.models import Batch, RequestCopy, ScreenedLine, Shard
+from jobs.engines import served_endpoints
+from jobs.models import Batch, LoraAdapter, RequestCopy, ScreenedLine, Shard
 from jobs.policy import VIOLATION, Screener, ScreeningChunker, Violation
 from jobs.prefix import prefix_key
 from jobs.services.budgets import estimate
@@ -160,7 +160,7 @@ class LineChecker:
         model = line.model
         if model not in self.models:
             if self.adapters is None:
-                self.adapters = usable_adapters()
+                self.adapters = LoraAdapter.objects.usable()
             model = self.adapters.get(model, model)
         served = self.models.get(model)
         if served is None:
