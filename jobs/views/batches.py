@@ -36,7 +36,7 @@ from jobs.errors import ServiceError
 from jobs.forms import NewBatchForm, ResultFilterForm, SpotCheckForm
 from jobs.models import Batch, File
 from jobs.quality import FLAG_LABELS, FLAGS
-from jobs.queries import dashboard, flags, health, results, spot_samples, usage
+from jobs.queries import dashboard, flags, queue_health, results, spot_samples, usage
 from jobs.queries.evals import batch_record
 from jobs.services import preflight, spotcheck
 from jobs.services.batches import (
@@ -295,7 +295,7 @@ def _detail_context(batch: Batch, tab: str) -> dict[str, Any]:
 def _blocker(batch: Batch) -> str:
     """Why the batch cannot progress now, in words ("" when it can)."""
     if batch.status == Batch.Status.IN_PROGRESS and not batch.stop_code:
-        return health.progress_blocker(batch.model)
+        return queue_health.progress_blocker(batch.model)
     return ""
 
 
