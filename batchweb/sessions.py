@@ -1,5 +1,5 @@
 """The session engine (SESSION_ENGINE): Django's database sessions, read with a query
-compiled once per process (jobs.queries.compiled). Every request of a signed-in page reads
+compiled once per process (jobs.compiled). Every request of a signed-in page reads
 its session, and each poll of the batch page is one such request; the rows, their expiry and
 everything that writes sessions are Django's own."""
 
@@ -11,7 +11,7 @@ from django.contrib.sessions.backends.db import SessionStore as DatabaseSessionS
 from django.contrib.sessions.models import Session
 from django.utils import timezone
 
-from jobs.queries.compiled import Compiled
+from jobs.compiled import Compiled
 
 _SESSION = Compiled(lambda key: Session.objects.filter(session_key=key)[:1], "key")
 

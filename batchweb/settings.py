@@ -245,7 +245,7 @@ STATICFILES_DIRS = [BASE_DIR / "static"]
 # (or, with BATCHWEB_DOWNLOAD_REDIRECT, a presigned URL of a few seconds handed out by them).
 # The filesystem is the embedded default; for several machines point BATCHWEB_STORAGE_DIR at
 # shared storage, or set BATCHWEB_STORAGE_BACKEND=s3 and the BATCHWEB_S3_* variables
-# (jobs/storage.py streams ranges, multipart writes and server-side copies on top of
+# (jobs/storage/backends.py streams ranges, multipart writes and server-side copies on top of
 # django-storages' S3Storage). Another dotted storage class is used with its own defaults.
 STORAGE_DIR = Path(os.environ.get("BATCHWEB_STORAGE_DIR", VAR_DIR / "storage"))
 STORAGE_BACKEND = os.environ.get("BATCHWEB_STORAGE_BACKEND", "filesystem").strip()
@@ -296,7 +296,7 @@ DOWNLOAD_REDIRECT = env_bool("BATCHWEB_DOWNLOAD_REDIRECT", False)
 DOWNLOAD_URL_SECONDS = env_int("BATCHWEB_DOWNLOAD_URL_SECONDS", 60)
 # Scratch space for streaming (assembling uploads, writing shard parts before they are stored).
 # Local to each machine and to one deployment: workers sweep it of what killed processes left.
-# Created where it is first used (jobs.services.files.temp_dir), not on import.
+# Created where it is first used (jobs.storage.temp.temp_dir), not on import.
 TMP_DIR = Path(os.environ.get("BATCHWEB_TMP_DIR", VAR_DIR / "tmp"))
 FILE_UPLOAD_TEMP_DIR = str(TMP_DIR)
 # Uploads bigger than this go to a temporary file while they arrive, never into memory.

@@ -364,14 +364,16 @@ def _history(count: str, per_batch: str, password: str) -> dict[str, str]:
     from django.core.files.storage import default_storage
 
     from jobs import queues
+    from jobs.checkpoint import Progress
     from jobs.models import Shard
     from jobs.services.batches import create_batch
-    from jobs.services.files import create_input_file, new_storage_name
+    from jobs.services.files import create_input_file
     from jobs.services.finalize import finalize_batch
     from jobs.services.keys import create_api_key
     from jobs.services.shard_input import shard_custom_ids
-    from jobs.services.shards import Progress, claim_shard, finish_shard
+    from jobs.services.shards import claim_shard, finish_shard
     from jobs.services.validation import run_validation
+    from jobs.storage.objects import new_storage_name
     from jobs.wire import response_line
 
     user = get_user_model().objects.create_user("dash", password=password)

@@ -17,6 +17,7 @@ from django.utils import timezone
 from django.utils.cache import add_never_cache_headers
 
 from jobs.engines import model_specs, serves_adapters
+from jobs.errors import ServiceError
 from jobs.models import (
     ApiKey,
     Batch,
@@ -32,12 +33,11 @@ from jobs.models import (
     WebhookDelivery,
     WebhookEvent,
 )
-from jobs.queries.health import queue_health
-from jobs.services import ServiceError
+from jobs.queries.queue_health import queue_health
 from jobs.services.cleanup import delete_expired_files
-from jobs.services.health import requeue_shards
 from jobs.services.keys import create_api_key, revoke_api_key
 from jobs.services.stopping import cancel_batch
+from jobs.services.upkeep import requeue_shards
 from jobs.services.webhooks import enqueue_delivery, retry_now
 
 
@@ -171,7 +171,7 @@ class BatchAdmin(admin.ModelAdmin):
     def requeue_shards(self, request: HttpRequest, queryset: QuerySet[Batch]) -> None:
         """Shards waiting for a retry run now, shards whose job was lost get a new one,
         running shards of a silent worker are retried, and shards out of retries get
-        fresh ones (see `health.requeue_shards`)."""
+        fresh ones (see `upkeep.requeue_shards`)."""
         count = 0
         for batch in queryset.filter(status=Batch.Status.IN_PROGRESS):
             count += requeue_shards(batch=batch)

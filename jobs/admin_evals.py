@@ -11,9 +11,9 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from jobs import evalrules
+from jobs.errors import ServiceError
 from jobs.models import EvalRun, EvalSet
 from jobs.services import evals
-from jobs.services.errors import ServiceError
 from jobs.web import uploaded_path
 
 

@@ -33,11 +33,13 @@ from typing import Any
 from django.conf import settings
 
 from engine.base import anthropic_error
+from jobs.heavy import Guard
 from jobs.models import Batch, File
 from jobs.queries.dashboard import ended_at
-from jobs.queries.results import Kind, error_counts, segments
-from jobs.services.files import iter_lines, open_file, open_range
-from jobs.services.heavy import Guard
+from jobs.queries.results import error_counts
+from jobs.result_lines import Kind, segments
+from jobs.storage.lines import iter_lines
+from jobs.storage.objects import open_file, open_range
 from jobs.wire import Code, custom_id_of, read_result_line
 
 # A result line is read whole however long (a Message of a long answer).

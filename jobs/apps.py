@@ -8,8 +8,8 @@ class JobsConfig(AppConfig):
     def ready(self) -> None:
         # Django streams large uploads into FILE_UPLOAD_TEMP_DIR and fails if it is
         # missing; settings only name it (they create nothing on import).
-        from jobs.services.files import temp_dir
-        from jobs.storage import check_at_start
+        from jobs.storage.backends import check_at_start
+        from jobs.storage.temp import temp_dir
 
         temp_dir()
         # A wrong S3 endpoint, bucket or credentials stops every process at start, naming

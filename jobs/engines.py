@@ -102,17 +102,3 @@ def adapter_problem(*, name: str, base_model: str, source: str) -> tuple[str, st
                               "max_lora_rank) in its options.")
     problem = adapter_source_problem(source)
     return ("source", problem) if problem else None
-
-
-def adapter_bases() -> dict[str, str]:
-    """Adapter name -> its base model, for every registered LoRA adapter."""
-    from jobs.models import LoraAdapter
-
-    return dict(LoraAdapter.objects.values_list("name", "base_model"))
-
-
-def usable_adapters() -> dict[str, str]:
-    """Adapter name -> base model, for the adapters whose base model is served and loads
-    adapters (what validation accepts in a request's `model`)."""
-    bases = {spec.name for spec in model_specs() if serves_adapters(spec)}
-    return {name: base for name, base in adapter_bases().items() if base in bases}

@@ -8,8 +8,8 @@ from typing import Any
 from django import forms
 
 from engine.base import ENDPOINTS
-from jobs.engines import served_endpoints, usable_adapters
-from jobs.models import Batch, File, SpotCheck
+from jobs.engines import served_endpoints
+from jobs.models import Batch, File, LoraAdapter, SpotCheck
 from jobs.services.evals import sets_for
 
 PRIORITY_CHOICES = [(p.value, p.label) for p in Batch.Priority]
@@ -73,7 +73,7 @@ class NewBatchForm(forms.Form):
         model.choices = [("", "from the file")] + [
             (name, f"{name} ({', '.join(eps)})") for name, eps in served_endpoints().items()] + [
             (name, f"{name} (LoRA adapter of {base})")
-            for name, base in sorted(usable_adapters().items())]
+            for name, base in sorted(LoraAdapter.objects.usable().items())]
         eval_set = self.fields["eval_set"]
         assert isinstance(eval_set, forms.ChoiceField)
         eval_set.choices = [("", "none")] + [

@@ -71,7 +71,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from jobs import queues
 from jobs.models import Batch, Shard, UsageDay, WebhookEvent
-from jobs.queries.health import Health, queue_health, shard_counts_by_model
+from jobs.queries.queue_health import Health, queue_health, shard_counts_by_model
 
 THROUGHPUT_WINDOW = timedelta(minutes=5)
 

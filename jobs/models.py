@@ -14,6 +14,7 @@ from django.db import models
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from jobs.engines import adapter_problem, model_specs, serves_adapters
 from jobs.re2check import regex_problem
 
 PROGRESS_FIELDS = ("completed", "failed", "input_tokens", "output_tokens", "cached_tokens",
@@ -287,7 +288,7 @@ class Batch(models.Model):
     # whether it grouped. Empty for batches planned before prefix planning existed.
     plan = models.JSONField(default=dict, blank=True)
     # Storage name of the line index of a grouped batch: the input lines of every shard, in
-    # the order they run (see jobs.services.line_index). Empty when the shards are byte
+    # the order they run (see jobs.storage.line_index). Empty when the shards are byte
     # ranges of the input in file order.
     line_index = models.CharField(max_length=255, blank=True)
     # The evaluation set its owner attached (jobs.services.evals): run beside the batch on
@@ -457,7 +458,7 @@ class Shard(models.Model):
     flag_counts = models.JSONField(default=dict, blank=True)
     # Requests run a second time because their JSON output did not parse or match.
     json_retries = models.PositiveIntegerField(default=0)
-    # The results a running attempt has saved so far (jobs.services.shards.Checkpoint as
+    # The results a running attempt has saved so far (jobs.checkpoint.Checkpoint as
     # JSON: stored segments of its part files, the input lines they answer, their counters),
     # written only under the attempt that saved them. It stays on the row when the attempt
     # ends unfinished, and the next attempt adopts it: only lines without a result run again.
@@ -720,6 +721,15 @@ class ContentRule(models.Model):
                 raise ValidationError({"pattern": problem})
 
 
+class LoraAdapterQuerySet(models.QuerySet["LoraAdapter"]):
+    def usable(self) -> dict[str, str]:
+        """Adapter name -> base model, for the adapters whose base model is served and loads
+        adapters (what validation accepts in a request's `model`)."""
+        bases = {spec.name for spec in model_specs() if serves_adapters(spec)}
+        return {name: base for name, base in self.values_list("name", "base_model")
+                if base in bases}
+
+
 class LoraAdapter(models.Model):
     """A LoRA adapter an operator registered: a request whose `model` names it runs on its
     base model's workers with the adapter loaded (vLLM's LoRARequest)."""
@@ -737,6 +747,8 @@ class LoraAdapter(models.Model):
         "a wheel that carries such a folder (downloaded by each worker on first use)."))
     created_at = models.DateTimeField(auto_now_add=True)
 
+    objects = LoraAdapterQuerySet.as_manager()
+
     class Meta:
         ordering = ["name"]
         verbose_name = "LoRA adapter"
@@ -746,8 +758,6 @@ class LoraAdapter(models.Model):
 
     def clean(self) -> None:
         from django.core.exceptions import ValidationError
-
-        from jobs.engines import adapter_problem
 
         super().clean()
         problem = adapter_problem(name=self.name, base_model=self.base_model,
@@ -1032,3 +1042,8 @@ class EvalRun(models.Model):
                 "baseline_score": self.baseline_score, "changed": self.changed_count,
                 "drifted": self.drifted, "threshold": self.eval_set.drift_threshold,
                 "accepted": self.accepted_at is not None}
+
+    def may_be_accepted_by(self, user: Any) -> bool:
+        """Who may make a run its set's baseline: an operator, or the set's owner."""
+        return bool(user.is_staff or (self.eval_set.owner_id
+                                      and self.eval_set.owner_id == user.pk))

@@ -56,8 +56,8 @@ from django.http import HttpResponseBase
 from django.http.cookie import parse_cookie
 
 from batchweb.sessions import SessionStore
+from jobs.compiled import Compiled
 from jobs.models import Batch, SpotCheck
-from jobs.queries.compiled import Compiled
 from jobs.services.batches import LIST_LIMIT, LIST_MAX_LIMIT, LIST_PAGE_SIZE
 
 log = logging.getLogger(__name__)

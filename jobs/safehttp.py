@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 
-from jobs.services.errors import ServiceError
+from jobs.errors import ServiceError
 from jobs.wire import host_listed
 
 log = logging.getLogger(__name__)

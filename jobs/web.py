@@ -15,7 +15,8 @@ from django.http.response import HttpResponseBase
 from django_htmx.middleware import HtmxDetails
 
 from jobs.models import File
-from jobs.services.files import download_url, local_temp, open_file
+from jobs.storage.objects import download_url, open_file
+from jobs.storage.temp import local_temp
 
 
 class SignedInRequest(HttpRequest):

@@ -88,14 +88,14 @@ def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[N
 def _clean_redis() -> Iterator[None]:
     """An empty Redis for each test, and nothing this process remembers of an earlier one's.
 
-    The web side keeps a model's progress blocker for a few seconds (jobs.queries.health):
+    The web side keeps a model's progress blocker for a few seconds (jobs.queries.queue_health):
     left over from the test before (whose workers were alive), it would expire in the middle
     of this one, and a batch page would see its version change with nothing changed."""
     from jobs import queues
-    from jobs.queries import health
+    from jobs.queries import queue_health
 
     queues.connection().flushdb()
-    health._blockers.clear()
+    queue_health._blockers.clear()
     yield
 
 

@@ -39,11 +39,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jobs.models import Batch, File, Quota, Shard, UsageRecord
 from jobs.services.batches import create_batch
-from jobs.services.files import create_input_file, new_storage_name, open_file
+from jobs.services.files import create_input_file
 from jobs.services.finalize import finalize_batch
 from jobs.services.progress import refresh_progress
 from jobs.services.shard_input import shard_custom_ids
 from jobs.services.validation import run_validation
+from jobs.storage.objects import new_storage_name, open_file
 from jobs.wire import response_line
 from jobs.worker.pipeline import Pipeline
 

@@ -14,11 +14,11 @@ from django.utils.cache import get_conditional_response, patch_cache_control, se
 
 from jobs import polls
 from jobs.api.base import api_view, json_body, paginate, parse_limit
-from jobs.engines import model_names, usable_adapters
-from jobs.models import Batch
+from jobs.engines import model_names
+from jobs.errors import ServiceError
+from jobs.models import Batch, LoraAdapter
 from jobs.queries import results as result_pages
 from jobs.services import batches, stopping
-from jobs.services.errors import ServiceError
 
 
 def create(request: HttpRequest, user: Any) -> HttpResponse:
@@ -116,7 +116,7 @@ def list_models(request: HttpRequest, user: Any) -> HttpResponse:
         {"id": name, "object": "model", "created": created, "owned_by": "batchweb"}
         for name in model_names()] + [
         {"id": name, "object": "model", "created": created, "owned_by": "batchweb",
-         "parent": base} for name, base in sorted(usable_adapters().items())]})
+         "parent": base} for name, base in sorted(LoraAdapter.objects.usable().items())]})
 
 
 batch_list = api_view({"GET": list_batches, "POST": create})

@@ -14,8 +14,8 @@ from jobs.api.base import (
     multipart_file,
     paginate,
 )
+from jobs.errors import ServiceError
 from jobs.models import File
-from jobs.services.errors import ServiceError
 from jobs.services.files import create_input_file, delete_file, get_file_for_user
 from jobs.web import download_response, uploaded_path
 

@@ -11,12 +11,12 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.http.response import HttpResponseBase
 from django.utils.cache import patch_cache_control
 
-from jobs import anthropic
+from jobs import anthropic, heavy
 from jobs.api.base import ANTHROPIC, api_view, parse_limit
+from jobs.errors import ServiceError, storable_id
 from jobs.models import Batch
-from jobs.services import heavy, stopping
+from jobs.services import stopping
 from jobs.services.batches import get_message_batch_for_user
-from jobs.services.errors import ServiceError, storable_id
 from jobs.services.message_batches import create_message_batch, delete_message_batch
 from jobs.web import declared_length
 

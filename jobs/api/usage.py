@@ -22,8 +22,8 @@ from django.utils import timezone
 
 from engine.base import ENDPOINTS, POOLING_ENDPOINTS
 from jobs.api.base import api_view
+from jobs.errors import ServiceError
 from jobs.queries import usage
-from jobs.services.errors import ServiceError
 
 # Per bucket width: (default, maximum) buckets a page, as OpenAI's.
 LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}

@@ -5,6 +5,7 @@ input line while a batch validates.
   is searched for all of them at once, by one RE2 pass, or on ASCII text by
 - `prefilter`: Hyperscan naming the lines and rules to check (bench/policy.py measures
   both).
+- `texts`: what both read: a rule's patterns and a chunk's text.
 - `size`: the prompt-size rule, in the model's own tokens.
 - `moderation`: the moderation rule, an embeddings model and example texts.
 - `screener`: all of them on a chunk of lines; `chunker`: how validation cuts the chunks.

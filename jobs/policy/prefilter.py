@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import re2
 
+from jobs.policy.texts import ChunkText, TextRule
 from jobs.re2check import options
 
 hyperscan: Any
@@ -36,9 +37,6 @@ try:
     import hyperscan
 except ImportError:  # no wheel for this platform: every chunk takes RE2's path
     hyperscan = None
-
-if TYPE_CHECKING:
-    from jobs.policy.re2rules import ChunkText, TextRule
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ code run per line. Each match found names the line it starts in, which is then c
 its own with an RE2 set of the same rules (which of them match it, and, when several do,
 whose match is leftmost); the search goes on from the next line. On ASCII chunks, a
 Hyperscan prefilter may name the lines and rules to check instead (`jobs.policy.prefilter`).
+What both read, a compiled rule and a chunk's text, is `jobs.policy.texts`.
 
 A line's text is its messages joined with "\\n", so the chunk's text is its lines' texts
 joined with "\\n" too. That loses no match of a rule that cannot tell where a text starts
@@ -23,14 +24,12 @@ import bisect
 import logging
 import unicodedata
 from collections.abc import Iterator
-from dataclasses import dataclass
-from itertools import accumulate, count
-from operator import add
 from typing import Any
 
 import re2
 
 from jobs.policy.prefilter import Prefilter
+from jobs.policy.texts import ChunkText, TextRule
 from jobs.re2check import error_text, options
 
 logger = logging.getLogger(__name__)
@@ -110,31 +109,6 @@ def _without_word_boundaries(pattern: str) -> str:
     return "".join(pieces) + pattern[last:]
 
 
-@dataclass
-class TextRule:
-    rule: Any
-    scan: str  # its pattern in the sets; on ASCII text it decides as `exact` does
-    exact: str  # the pattern that decides whether, and where, the rule matches
-    loose: str  # its pattern in the prefilter: matches at least where `exact` does
-    group: int  # the group of `exact` that is the match (terms consume edge characters)
-    edges: bool  # uses the start or end of the text: not scanned in joined chunks
-    compiled: Any = None
-    compiled_scan: Any = None
-
-    def search(self, data: bytes) -> int | None:
-        """Where (in bytes) the rule's leftmost match in the UTF-8 text `data` starts, None
-        if it does not match."""
-        if data.isascii():  # `scan` decides there too, and its DFA is smaller (ASCII edges)
-            if self.compiled_scan is None:
-                self.compiled_scan = re2.compile(self.scan, options())
-            match = self.compiled_scan.search(data)
-        else:
-            if self.compiled is None:
-                self.compiled = re2.compile(self.exact, options())
-            match = self.compiled.search(data)
-        return None if match is None else match.start(self.group)
-
-
 def _compile_sets(patterns: list[tuple[int, str]]) -> list[tuple[Any, list[int]]]:
     """RE2 sets of (rule index, pattern), each with the rule index of each of its patterns:
     one set, or more if the rules together are too large for one."""
@@ -182,33 +156,6 @@ def _compile_scanners(patterns: list[str]) -> list[Any]:
                 return []
         half = len(patterns) // 2
         return _compile_scanners(patterns[:half]) + _compile_scanners(patterns[half:])
-
-
-class ChunkText:
-    """The text of a chunk of lines as RE2 reads it: the lines' texts joined with "\\n", in
-    UTF-8."""
-
-    def __init__(self, texts: list[str]) -> None:
-        self.texts = texts
-        text = "\n".join(texts)
-        self.data = text.encode()
-        self.ascii = len(self.data) == len(text)
-        self._ends: list[int] | None = None
-
-    def ends(self) -> list[int]:
-        """Where each line's text ends in `data` (where the "\\n" after it is, or the end):
-        computed only for a chunk where something matched, by C iterators."""
-        if self._ends is None:
-            lengths = (map(len, self.texts) if self.ascii else
-                       map(len, map(str.encode, self.texts)))
-            # The end of each text: its length and those of the texts and "\n"s before it.
-            self._ends = list(map(add, accumulate(lengths), count()))
-        return self._ends
-
-    def text(self, i: int) -> bytes:
-        """The text of line `i`, in UTF-8."""
-        ends = self.ends()
-        return self.data[ends[i - 1] + 1 if i else 0:ends[i]]
 
 
 class TextRules:

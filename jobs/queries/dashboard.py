@@ -1,6 +1,5 @@
 """Read-side numbers of the dashboard: progress, throughput (now, average, over time), ETA,
-the run report (what a run cost and how it went) and the throughput behind the new-batch
-(preflight) estimate.
+and the run report (what a run cost and how it went).
 The throughput-over-time series is data only; `templatetags.dashboard.throughput_chart`
 draws it.
 
@@ -12,22 +11,18 @@ and a fair estimate for "now" and for the chart, without recording per-request t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from django.db.models import Max, Min, Sum
 from django.utils import timezone
 
+from jobs.compiled import Compiled
 from jobs.models import Batch, Shard
-from jobs.queries.compiled import Compiled
 
 # "Now" is the last two minutes: long enough to smooth shard boundaries, short enough to
 # follow a worker joining or leaving.
 RECENT_WINDOW = timedelta(minutes=2)
-# The preflight estimate uses the model's shards that finished within this window.
-MODEL_HISTORY = timedelta(hours=1)
 CHART_BUCKETS = 30
 
 SHARD_FIELDS = ("batch_id", "status", "started_at", "finished_at", "completed", "failed",
@@ -322,29 +317,3 @@ def throughput_series(batch: Batch, rows: list[ShardRow], now: datetime,
             if overlap > 0:
                 counts[i] += per_unit * overlap
     return [count / step * 60 for count in counts]
-
-
-# --- preflight ---
-
-
-def model_throughput(model: str, *, now: datetime | None = None) -> float | None:
-    """Requests per second this deployment recently sustained for a model: the requests of
-    its shards that finished within MODEL_HISTORY, over the time from the first of them
-    starting to the last finishing (so shards running side by side count once). None
-    when there is no such history."""
-    now = now or timezone.now()
-    agg = Shard.objects.filter(
-        batch__model=model, status=Shard.Status.DONE, started_at__isnull=False,
-        finished_at__gte=now - MODEL_HISTORY).aggregate(
-        requests=Sum("completed"), failed=Sum("failed"), first=Min("started_at"),
-        last=Max("finished_at"))
-    requests = (agg["requests"] or 0) + (agg["failed"] or 0)
-    if not requests or agg["first"] is None:
-        return None
-    seconds = max((agg["last"] - agg["first"]).total_seconds(), 1.0)
-    return requests / seconds
-
-
-def estimate_seconds(requests: int, rate: float | None) -> float | None:
-    return math.ceil(requests / rate) if rate else None
-

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobs.models import Batch, EvalRun
-from jobs.services.evals import can_accept
 
 
 @dataclass
@@ -43,5 +42,5 @@ def batch_record(batch: Batch, *, user: Any) -> BatchRecord:
         runs.append(RunView(run=run, baseline=run.baseline, changed=run.changed,
                             may_accept=(run.status == EvalRun.Status.SCORED
                                         and run.accepted_at is None
-                                        and can_accept(run=run, user=user))))
+                                        and run.may_be_accepted_by(user))))
     return BatchRecord(provenance=batch.provenance or [], runs=runs)

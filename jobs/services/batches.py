@@ -22,11 +22,11 @@ from django.utils import timezone
 
 from engine.base import ENDPOINTS
 from jobs import queues
+from jobs.compiled import Compiled
+from jobs.errors import ServiceError, not_found, storable_id
 from jobs.models import Batch, File, new_batch_id, new_message_batch_id
-from jobs.queries.compiled import Compiled
 from jobs.services import preflight
 from jobs.services.budgets import check_budget
-from jobs.services.errors import ServiceError, not_found, storable_id
 from jobs.services.evals import find_set_for_user
 from jobs.services.files import get_file_for_user, parse_expires_after
 from jobs.services.quotas import check_quota

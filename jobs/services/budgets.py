@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
+from jobs.errors import ServiceError
 from jobs.models import UsageRecord
-from jobs.services.errors import ServiceError
 from jobs.services.pricing import NANOS, Rate, format_cost, rate_for
 from jobs.services.quotas import cost_nanos_since, limits_for, period_starts
 

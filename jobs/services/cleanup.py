@@ -44,10 +44,11 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from jobs import queues
+from jobs.errors import ServiceError
 from jobs.models import Batch, File, Shard, Upload, UploadPart
-from jobs.services.errors import ServiceError
-from jobs.services.files import delete_file, temp_dir
-from jobs.storage import StoredObject, backend
+from jobs.services.files import delete_file
+from jobs.storage.backends import StoredObject, backend
+from jobs.storage.temp import temp_dir
 
 log = logging.getLogger(__name__)
 

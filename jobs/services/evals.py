@@ -40,17 +40,13 @@ from django.utils import timezone
 
 from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RESPONSES
 from jobs import evalrules, queues
+from jobs.errors import ServiceError, not_found
 from jobs.models import Batch, EvalRun, EvalSet, File
 from jobs.quality import output_texts
-from jobs.services.errors import ServiceError, not_found
-from jobs.services.files import (
-    iter_lines,
-    local_temp,
-    open_file,
-    open_range,
-    save_local,
-    store_file,
-)
+from jobs.services.files import store_file
+from jobs.storage.lines import iter_lines
+from jobs.storage.objects import open_file, open_range, save_local
+from jobs.storage.temp import local_temp
 from jobs.wire import check_body
 
 log = logging.getLogger(__name__)
@@ -465,14 +461,9 @@ def refresh_batch(*, batch_id: str) -> None:
         eval_drift=any(run.drifted for run in runs))
 
 
-def can_accept(*, run: EvalRun, user: Any) -> bool:
-    """Who may make a run its set's baseline: an operator, or the set's owner."""
-    return bool(user.is_staff or (run.eval_set.owner_id and run.eval_set.owner_id == user.pk))
-
-
 def accept_run(*, run: EvalRun, user: Any) -> EvalRun:
     """Make a scored run the baseline of its set on its model (later runs compare with it)."""
-    if not can_accept(run=run, user=user):
+    if not run.may_be_accepted_by(user):
         raise ServiceError("Only an operator or the set's owner may accept a run.",
                            status=403, code="permission_denied")
     if run.status != EvalRun.Status.SCORED:

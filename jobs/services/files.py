@@ -1,4 +1,5 @@
-"""Stored files: streaming them in and out of storage (jobs.storage), line by line.
+"""Stored files, the File rows: their content checked and stored, joined, deleted (the
+bytes themselves move through jobs.storage, line by line).
 
 No function here reads a whole file into memory: uploads arrive in a temporary file (Django's
 upload handler), are checked in one streaming pass and moved into storage; an assembled
@@ -12,195 +13,27 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 from django.conf import settings
-from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from django.db import transaction
 from django.utils import timezone
 
+from jobs.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.models import Batch, File
-from jobs.services.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.services.quotas import check_quota
-from jobs.storage import Source, backend
+from jobs.storage.backends import CHUNK, Source, backend
+from jobs.storage.lines import Concatenated, Lines, iter_lines
+from jobs.storage.objects import new_storage_name, open_range, save_local
 from jobs.wire import loads_strict
-
-CHUNK = 1024 * 1024
-UTF8_BOM = b"\xef\xbb\xbf"
 
 
 def limits() -> dict[str, int]:
     return settings.BATCHWEB
-
-
-def new_storage_name(prefix: str) -> str:
-    # Random, never from the user's filename: nothing the user sends can pick a path.
-    return f"{prefix}/{secrets.token_hex(16)}"
-
-
-def save_local(path: str | Path, prefix: str) -> str:
-    """Store a local file under a new name in `prefix`, streamed through our own writer: on
-    S3 at most one part is held in memory (boto3's managed upload holds several at once,
-    in threads, for every request doing it)."""
-    name = new_storage_name(prefix)
-    if Path(path).stat().st_size == 0:  # a writer makes no object of nothing
-        return default_storage.save(name, ContentFile(b""))
-    with open(path, "rb") as handle, backend().open_writer(name) as writer:
-        while chunk := handle.read(CHUNK):
-            writer.write(chunk)
-    return name
-
-
-def temp_dir() -> Path:
-    path = Path(settings.TMP_DIR)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-class Lines(Protocol):
-    """What the line readers need of a stream: a file, a bounded range, parts in a row."""
-
-    def readline(self, limit: int = -1, /) -> bytes: ...
-
-
-@dataclass
-class Line:
-    number: int  # 1-based, counting every physical line (as editors do)
-    start: int  # byte offset of the line in the file
-    end: int  # byte offset just past its line ending
-    content: bytes | None  # without line ending; None when longer than the limit
-
-
-def iter_lines(stream: Lines, *, max_line_bytes: int, start: int = 0,
-               first_number: int = 1) -> Iterator[Line]:
-    """Every line of a binary stream with its byte range, reading at most
-    `max_line_bytes` of any line into memory (a longer line is reported, not loaded)."""
-    offset = start
-    number = first_number
-    while True:
-        raw = stream.readline(max_line_bytes + 2)
-        if not raw:
-            return
-        line_start = offset
-        offset += len(raw)
-        content: bytes | None
-        if raw.endswith(b"\n") or len(raw) <= max_line_bytes:
-            content = raw.rstrip(b"\r\n")
-            if number == 1 and line_start == 0 and content.startswith(UTF8_BOM):
-                content = content[len(UTF8_BOM):]
-        else:
-            # Too long: skip to the end of this line without keeping it.
-            content = None
-            while not raw.endswith(b"\n"):
-                raw = stream.readline(CHUNK)
-                if not raw:
-                    break
-                offset += len(raw)
-        yield Line(number=number, start=line_start, end=offset, content=content)
-        number += 1
-
-
-def open_file(file: File) -> IO[bytes]:
-    """A file's whole content, streamed (on S3 one GET read as it goes, never a local
-    copy)."""
-    return backend().open_range(file.storage_name)
-
-
-def download_url(file: File) -> str | None:
-    """Where a download may be redirected instead of streamed through this process: a
-    presigned URL valid DOWNLOAD_URL_SECONDS when DOWNLOAD_REDIRECT is on and the storage
-    has such URLs (object storage); None otherwise. Only for a file whose owner has been
-    checked."""
-    if not settings.DOWNLOAD_REDIRECT:
-        return None
-    return backend().download_url(file.storage_name, filename=file.filename,
-                                  seconds=settings.DOWNLOAD_URL_SECONDS)
-
-
-@contextmanager
-def open_range(storage_name: str, start: int, end: int | None = None) -> Iterator[IO[bytes]]:
-    """Bytes [start, end) of a stored file (to its end when `end` is None), streamed: on S3
-    a Range GET of exactly those bytes."""
-    stream = backend().open_range(storage_name, start, end)
-    try:
-        yield stream
-    finally:
-        stream.close()
-
-
-@contextmanager
-def open_range_lines(storage_name: str, *, start: int, end: int,
-                     first_number: int) -> Iterator[Iterator[Line]]:
-    """The lines of bytes [start, end) of a stored file (a shard's part of its input),
-    numbered from `first_number`, streamed."""
-    with open_range(storage_name, start, end) as stream:
-        yield iter_lines(_Bounded(stream, end - start),
-                         max_line_bytes=settings.BATCHWEB["MAX_LINE_BYTES"],
-                         start=start, first_number=first_number)
-
-
-class _Bounded:
-    """Read at most `remaining` bytes of a stream through readline."""
-
-    def __init__(self, stream: IO[bytes], remaining: int) -> None:
-        self.stream = stream
-        self.remaining = remaining
-
-    def readline(self, limit: int = -1) -> bytes:
-        if self.remaining <= 0:
-            return b""
-        limit = self.remaining if limit < 0 else min(limit, self.remaining)
-        data = self.stream.readline(limit)
-        self.remaining -= len(data)
-        return data
-
-
-class _Concatenated:
-    """The stored objects `names`, one after the other, as one stream (a line may run on
-    from one into the next), each opened only when reached."""
-
-    def __init__(self, names: list[str]) -> None:
-        self.names = list(names)
-        self.current: IO[bytes] | None = None
-
-    def _next(self) -> bool:
-        self.close()
-        if not self.names:
-            return False
-        self.current = backend().open_range(self.names.pop(0))
-        return True
-
-    def readline(self, limit: int = -1) -> bytes:
-        data = b""
-        while not data.endswith(b"\n") and (limit < 0 or len(data) < limit):
-            if self.current is None and not self._next():
-                break
-            assert self.current is not None
-            more = self.current.readline(-1 if limit < 0 else limit - len(data))
-            if not more:
-                self.close()
-            data += more
-        return data
-
-    def close(self) -> None:
-        if self.current is not None:
-            self.current.close()
-            self.current = None
-
-    def __enter__(self) -> _Concatenated:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.names = []
-        self.close()
 
 
 @dataclass
@@ -387,7 +220,7 @@ def create_input_file_from_parts(*, owner: Any, part_names: list[str], size: int
     digest = hashlib.md5(usedforsecurity=False)
     scan: ScanResult | None = None
     refusal: ServiceError | None = None
-    with _Concatenated(part_names) as stream:
+    with Concatenated(part_names) as stream:
         hashed = _hashing(stream, digest)
         try:
             scan = scan_jsonl(hashed)
@@ -439,7 +272,6 @@ def get_file_for_user(*, owner: Any, file_id: str) -> File:
     return file
 
 
-
 def file_in_use(file: File) -> bool:
     return Batch.objects.active().filter(input_file=file).exists()
 
@@ -452,14 +284,3 @@ def delete_file(*, file: File) -> None:
         storage_name = file.storage_name
         file.delete()
         transaction.on_commit(lambda: default_storage.delete(storage_name), robust=True)
-
-
-@contextmanager
-def local_temp(suffix: str = "") -> Iterator[Path]:
-    """A temporary local file path, removed afterwards."""
-    fd, name = tempfile.mkstemp(dir=temp_dir(), suffix=suffix)
-    os.close(fd)
-    try:
-        yield Path(name)
-    finally:
-        Path(name).unlink(missing_ok=True)

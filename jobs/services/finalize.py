@@ -14,7 +14,7 @@ from jobs.models import Batch, File, Shard
 from jobs.services.files import delete_file, store_concatenated
 from jobs.services.progress import refresh_progress
 from jobs.services.stopping import UnstartedLines, drop_queued_shards, unrun_lines
-from jobs.storage import Source
+from jobs.storage.backends import Source
 from jobs.wire import Code
 
 log = logging.getLogger(__name__)

@@ -18,47 +18,15 @@ charge nothing: their requests are all error lines.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from datetime import UTC
 from typing import Any
 
 from django.db import connection
 from django.utils import timezone
 
+from jobs.checkpoint import ShardUsage
 from jobs.models import Shard, UsageDay, UsageRecord
 from jobs.services.pricing import rates_for
-
-# Per model: requests succeeded, input tokens, cached input tokens, output tokens.
-ModelCounts = list[int]
-
-
-@dataclass
-class ShardUsage:
-    """What a shard attempt used beyond its Progress: the counters of requests that ran on a
-    LoRA adapter (by adapter name; the rest ran on the batch's model), and the engine's time
-    its requests took. Carried in checkpoints, so a resumed attempt keeps them."""
-
-    adapters: dict[str, ModelCounts] = field(default_factory=dict)
-    engine_seconds: float = 0.0
-
-    def add(self, model: str, *, requests: int, input_tokens: int, cached_tokens: int,
-            output_tokens: int) -> None:
-        counts = self.adapters.setdefault(model, [0, 0, 0, 0])
-        for index, value in enumerate((requests, input_tokens, cached_tokens, output_tokens)):
-            counts[index] += value
-
-    def as_json(self) -> dict[str, Any]:
-        return {"adapters": {k: list(v) for k, v in self.adapters.items()},
-                "engine_seconds": self.engine_seconds}
-
-    @classmethod
-    def from_json(cls, value: dict[str, Any] | None) -> ShardUsage:
-        value = value or {}
-        return cls(adapters={k: list(v) for k, v in (value.get("adapters") or {}).items()},
-                   engine_seconds=float(value.get("engine_seconds") or 0.0))
-
-    def copy(self) -> ShardUsage:
-        return ShardUsage.from_json(self.as_json())
 
 
 def record_shard_usage(*, shard_id: str, progress: Any, usage: ShardUsage | None) -> None:

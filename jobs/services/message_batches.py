@@ -20,10 +20,11 @@ from django.conf import settings
 from django.db import transaction
 
 from engine.base import MESSAGES
+from jobs.errors import ServiceError, wrong_state
 from jobs.models import Batch, File
 from jobs.services.batches import create_batch
-from jobs.services.errors import ServiceError, wrong_state
-from jobs.services.files import create_input_file, delete_file, local_temp
+from jobs.services.files import create_input_file, delete_file
+from jobs.storage.temp import local_temp
 from jobs.wire import raw_decode_strict
 
 # Anthropic's rule for a request's custom_id.

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jobs.services.files import Line
+from jobs.storage.lines import Line
 from jobs.wire import RequestLine, dedup_key
 
 

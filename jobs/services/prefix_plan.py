@@ -30,10 +30,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from jobs.prefix import PrefixKey
-from jobs.services.files import Line
-
-# One record of the line index per line a grouped shard runs, in run order.
-RECORD = np.dtype([("start", "<u8"), ("length", "<u4"), ("line", "<u4")])
+from jobs.storage.line_index import RECORD
+from jobs.storage.lines import Line
 
 
 @dataclass

@@ -5,19 +5,28 @@ picks another model than the file names) write a copy of the file for that model
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from django.conf import settings
+from django.db.models import Max, Min, Sum
+from django.utils import timezone
 
-from jobs.engines import served_endpoints, usable_adapters
-from jobs.models import ContentRule, File
-from jobs.queries import dashboard
+from jobs.engines import served_endpoints
+from jobs.heavy import Guard, cached, version
+from jobs.models import ContentRule, File, LoraAdapter, Shard
 from jobs.services.budgets import Estimate, estimate
-from jobs.services.files import create_input_file, iter_lines, local_temp, open_file
-from jobs.services.heavy import Guard, cached, version
+from jobs.services.files import create_input_file
 from jobs.services.validation import InputReport, check_batch_input
+from jobs.storage.lines import iter_lines
+from jobs.storage.objects import open_file
+from jobs.storage.temp import local_temp
+
+# The estimate uses the model's shards that finished within this window.
+MODEL_HISTORY = timedelta(hours=1)
 
 
 @dataclass
@@ -52,7 +61,7 @@ def check_file(file: File, *, endpoint: str | None = None, strict: bool = False,
     picking the same file again costs one cache read. `guard` is entered only to check."""
     depends = version(file.sha256 or file.storage_name, endpoint, strict, _rules_version(),
                       sorted(settings.BATCHWEB.items()), served_endpoints(),
-                      sorted(usable_adapters().items()))
+                      sorted(LoraAdapter.objects.usable().items()))
     key = f"preflight:{file.pk}:{depends}"
 
     def check() -> InputReport:
@@ -69,9 +78,31 @@ def _rules_version() -> list[tuple[Any, ...]]:
 
 
 def _preflight(report: InputReport) -> Preflight:
-    rate = dashboard.model_throughput(report.model) if report.model else None
+    rate = model_throughput(report.model) if report.model else None
     return Preflight(report=report, rate=rate,
-                     estimated_seconds=dashboard.estimate_seconds(report.requests, rate))
+                     estimated_seconds=estimate_seconds(report.requests, rate))
+
+
+def model_throughput(model: str, *, now: datetime | None = None) -> float | None:
+    """Requests per second this deployment recently sustained for a model: the requests of
+    its shards that finished within MODEL_HISTORY, over the time from the first of them
+    starting to the last finishing (so shards running side by side count once). None
+    when there is no such history."""
+    now = now or timezone.now()
+    agg = Shard.objects.filter(
+        batch__model=model, status=Shard.Status.DONE, started_at__isnull=False,
+        finished_at__gte=now - MODEL_HISTORY).aggregate(
+        requests=Sum("completed"), failed=Sum("failed"), first=Min("started_at"),
+        last=Max("finished_at"))
+    requests = (agg["requests"] or 0) + (agg["failed"] or 0)
+    if not requests or agg["first"] is None:
+        return None
+    seconds = max((agg["last"] - agg["first"]).total_seconds(), 1.0)
+    return requests / seconds
+
+
+def estimate_seconds(requests: int, rate: float | None) -> float | None:
+    return math.ceil(requests / rate) if rate else None
 
 
 def with_model(*, file: File, model: str, owner: Any) -> File:

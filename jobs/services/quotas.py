@@ -38,8 +38,8 @@ from django.db import IntegrityError, transaction
 from django.db.models import F, Sum
 from django.utils import timezone
 
+from jobs.errors import ServiceError
 from jobs.models import Batch, File, Quota, Shard, Upload, UploadPart, UsageRecord
-from jobs.services.errors import ServiceError
 
 LABELS = {
     "max_file_bytes": "file size",

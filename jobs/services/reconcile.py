@@ -13,10 +13,10 @@ from jobs import queues
 from jobs.models import Batch, Shard
 from jobs.services.evals import settle_due
 from jobs.services.finalize import FINALIZE_STALE_AFTER
-from jobs.services.health import periodic_operations
 from jobs.services.scheduling import enqueue_next_shards, request_finalize
 from jobs.services.shards import fail_shard
 from jobs.services.stopping import expire_due_batches
+from jobs.services.upkeep import periodic_operations
 
 log = logging.getLogger(__name__)
 

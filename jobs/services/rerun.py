@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from jobs.errors import ServiceError, wrong_state
 from jobs.models import Batch, File
-from jobs.queries.results import failed_custom_ids, iter_input_matches
+from jobs.result_lines import failed_custom_ids, iter_input_matches
 from jobs.services.batches import MAX_METADATA_PAIRS, create_batch
-from jobs.services.errors import ServiceError, wrong_state
-from jobs.services.files import create_input_file, local_temp, open_file
+from jobs.services.files import create_input_file
+from jobs.storage.objects import open_file
+from jobs.storage.temp import local_temp
 
 
 def rerun_failed(*, batch: Batch, owner: Any) -> Batch:

@@ -4,7 +4,7 @@ custom_ids all of that makes. The worker runs a shard from these; the finalizer 
 error lines for an unfinished shard from them.
 
 A shard's lines are a byte range of the input in file order, or, for a batch grouped by
-prompt prefix, its records of the batch's line index (jobs.services.line_index)."""
+prompt prefix, its records of the batch's line index (jobs.storage.line_index)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 from django.db.models import Q
 
 from jobs.models import RequestCopy, Shard
-from jobs.services.files import open_range_lines
+from jobs.storage.lines import open_range_lines
 
 # Line numbers per query of a grouped shard's lines (well under SQLite's variable limit).
 IN_CHUNK = 500
@@ -72,7 +72,7 @@ def shard_lines(shard: Shard) -> ShardLines:
 def _records(shard: Shard) -> Any:
     # The line index (and numpy with it) is imported by the workers that run a grouped
     # shard only: ~0.1 s of each worker's start otherwise.
-    from jobs.services.line_index import read_records
+    from jobs.storage.line_index import read_records
 
     assert shard.lines_from is not None and shard.lines_to is not None
     return read_records(shard.batch.line_index, shard.lines_from, shard.lines_to)
@@ -85,7 +85,7 @@ def shard_requests(shard: Shard, skip: set[int]) -> Iterator[Iterator[tuple[int,
     lines its records in the line index name."""
     storage_name = shard.batch.input_file.storage_name
     if shard.lines_from is not None:
-        from jobs.services.line_index import iter_indexed_lines
+        from jobs.storage.line_index import iter_indexed_lines
 
         lines = iter_indexed_lines(storage_name, _records(shard))
         yield ((number, json.loads(content)) for number, content in lines

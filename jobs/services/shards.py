@@ -14,91 +14,21 @@ from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 from django.conf import settings
 from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from jobs.models import PROGRESS_FIELDS, Batch, Shard
-from jobs.services.ledger import ShardUsage, record_shard_usage
+from jobs.checkpoint import Checkpoint, Progress, ShardUsage
+from jobs.models import Batch, Shard
+from jobs.services.ledger import record_shard_usage
 from jobs.services.progress import refresh_progress
 from jobs.services.scheduling import enqueue_next_shards, request_finalize
 from jobs.wire import Code
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Progress:
-    completed: int = 0
-    failed: int = 0
-    input_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0  # of input_tokens, those served from the engine's prefix cache
-    cacheable_tokens: int = 0  # of input_tokens, the most a prefix cache could serve
-
-    def as_fields(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in PROGRESS_FIELDS}
-
-
-# The kinds of part a shard attempt writes, in the order of a checkpoint segment's names.
-PART_KINDS = ("output", "error", "flags")
-
-
-@dataclass
-class Checkpoint:
-    """The results an attempt saved so far: its part files' stored segments, in order
-    (each an (output, error, flags) triple of storage names, "" for nothing new), the input
-    lines they answer, and the counters they carry."""
-
-    attempt: int = 0
-    segments: list[tuple[str, str, str]] = field(default_factory=list)
-    lines: set[int] = field(default_factory=set)
-    progress: Progress = field(default_factory=Progress)
-    flag_counts: dict[str, int] = field(default_factory=dict)
-    json_retries: int = 0
-    usage: ShardUsage = field(default_factory=ShardUsage)
-
-    def as_json(self) -> dict[str, Any]:
-        return {"attempt": self.attempt, "segments": [list(s) for s in self.segments],
-                "lines": _ranges(self.lines), "progress": self.progress.as_fields(),
-                "flag_counts": self.flag_counts, "json_retries": self.json_retries,
-                "usage": self.usage.as_json()}
-
-    @classmethod
-    def from_json(cls, value: dict[str, Any]) -> Checkpoint:
-        if not value:
-            return cls()
-        return cls(attempt=value["attempt"],
-                   segments=[(out, err, flags) for out, err, flags in value["segments"]],
-                   lines={line for first, last in value["lines"]
-                          for line in range(first, last + 1)},
-                   progress=Progress(**value["progress"]),
-                   flag_counts=dict(value["flag_counts"]), json_retries=value["json_retries"],
-                   usage=ShardUsage.from_json(value.get("usage")))
-
-    def names_of(self, kind: str) -> list[str]:
-        """The stored segments of one kind of part (PART_KINDS), in order."""
-        index = PART_KINDS.index(kind)
-        return [segment[index] for segment in self.segments if segment[index]]
-
-    def storage_names(self) -> list[str]:
-        return [name for segment in self.segments for name in segment if name]
-
-
-def _ranges(lines: set[int]) -> list[list[int]]:
-    # Results finish roughly in line order: a shard's lines fold into a few [first, last].
-    ranges: list[list[int]] = []
-    for line in sorted(lines):
-        if ranges and ranges[-1][1] == line - 1:
-            ranges[-1][1] = line
-        else:
-            ranges.append([line, line])
-    return ranges
 
 
 def claim_shard(*, shard_id: str, worker: str, top_up: bool = True) -> Shard | None:

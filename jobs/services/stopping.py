@@ -12,12 +12,13 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
+from jobs.errors import wrong_state
 from jobs.models import Batch, File, Shard
-from jobs.services.errors import wrong_state
-from jobs.services.files import iter_lines, open_file
 from jobs.services.progress import refresh_progress
 from jobs.services.scheduling import request_finalize
 from jobs.services.shard_input import shard_custom_ids
+from jobs.storage.lines import iter_lines
+from jobs.storage.objects import open_file
 from jobs.wire import Code, custom_id_of, failure_line, unrun_message
 
 

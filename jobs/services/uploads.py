@@ -18,17 +18,17 @@ from django.db import transaction
 from django.db.models import Sum
 from django.utils import timezone
 
+from jobs.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.models import Upload, UploadPart
-from jobs.services.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.services.files import (
     check_purpose,
     clean_filename,
     create_input_file_from_parts,
     delete_file,
-    save_local,
 )
 from jobs.services.quotas import check_open_uploads, check_quota
-from jobs.storage import backend
+from jobs.storage.backends import backend
+from jobs.storage.objects import save_local
 
 JSONL_MIME_TYPES = {"application/jsonl", "application/x-ndjson", "application/json",
                     "text/jsonl", "text/plain", "application/octet-stream"}

@@ -35,17 +35,19 @@ from redis import RedisError
 
 from jobs import queues
 from jobs.digestset import DigestSet
-from jobs.engines import served_endpoints, usable_adapters
-from jobs.models import Batch, RequestCopy, ScreenedLine, Shard
+from jobs.engines import served_endpoints
+from jobs.models import Batch, LoraAdapter, RequestCopy, ScreenedLine, Shard
 from jobs.policy import VIOLATION, Screener, ScreeningChunker, Violation
 from jobs.prefix import prefix_key
 from jobs.services.budgets import estimate
-from jobs.services.files import Line, iter_lines, local_temp, open_file
 from jobs.services.finalize import notify_ended
-from jobs.services.line_index import write_line_index
 from jobs.services.planning import CopySink, ShardPlan, ShardPlanner
 from jobs.services.prefix_plan import GroupedShard, PrefixPlan, PrefixPlanner
 from jobs.services.scheduling import enqueue_next_shards
+from jobs.storage.line_index import write_line_index
+from jobs.storage.lines import Line, iter_lines
+from jobs.storage.objects import open_file
+from jobs.storage.temp import local_temp
 from jobs.wire import (
     Code,
     LineError,
@@ -158,7 +160,7 @@ class LineChecker:
         model = line.model
         if model not in self.models:
             if self.adapters is None:
-                self.adapters = usable_adapters()
+                self.adapters = LoraAdapter.objects.usable()
             model = self.adapters.get(model, model)
         served = self.models.get(model)
         if served is None:

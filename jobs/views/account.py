@@ -11,9 +11,9 @@ from django.shortcuts import redirect, render
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_POST
 
+from jobs.errors import ServiceError
 from jobs.models import WebhookEvent
 from jobs.services import quotas, webhooks
-from jobs.services.errors import ServiceError
 from jobs.web import SignedInRequest
 
 

@@ -31,13 +31,14 @@ from django.utils.text import slugify
 from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import HttpResponseClientRedirect, HttpResponseStopPolling
 
-from jobs import polls
+from jobs import heavy, polls, result_lines
+from jobs.errors import ServiceError
 from jobs.forms import NewBatchForm, ResultFilterForm, SpotCheckForm
 from jobs.models import Batch, File
 from jobs.quality import FLAG_LABELS, FLAGS
-from jobs.queries import dashboard, flags, health, results, usage
+from jobs.queries import dashboard, flags, queue_health, results, spot_samples, usage
 from jobs.queries.evals import batch_record
-from jobs.services import heavy, preflight, spotcheck
+from jobs.services import preflight, spotcheck
 from jobs.services.batches import (
     LIST_PAGE_SIZE,
     count_batches,
@@ -46,7 +47,6 @@ from jobs.services.batches import (
     newest_batches,
 )
 from jobs.services.budgets import budget_for
-from jobs.services.errors import ServiceError
 from jobs.services.files import create_input_file, get_file_for_user
 from jobs.services.pricing import format_cost, rates_for
 from jobs.services.progress import batch_version
@@ -89,7 +89,7 @@ def _get_batch_for_user(request: SignedInRequest, batch_id: str) -> Batch:
 
 def _busy(request: SignedInRequest) -> HttpResponse:
     """429 for a heavy view while the same user's previous one still computes (see
-    jobs.services.heavy): said plainly, with when to try again."""
+    jobs.heavy): said plainly, with when to try again."""
     response = render(request, "jobs/busy.html", status=429)
     response["Retry-After"] = str(BUSY_RETRY_SECONDS)
     return response
@@ -289,13 +289,13 @@ def batch_new(request: SignedInRequest) -> HttpResponse:
 
 
 def _detail_context(batch: Batch, tab: str) -> dict[str, Any]:
-    return {"batch": batch, "tab": tab, "spot": spotcheck.summary(batch)}
+    return {"batch": batch, "tab": tab, "spot": spot_samples.summary(batch)}
 
 
 def _blocker(batch: Batch) -> str:
     """Why the batch cannot progress now, in words ("" when it can)."""
     if batch.status == Batch.Status.IN_PROGRESS and not batch.stop_code:
-        return health.progress_blocker(batch.model)
+        return queue_health.progress_blocker(batch.model)
     return ""
 
 
@@ -426,8 +426,8 @@ def batch_download(request: SignedInRequest, batch_id: str, kind: str) -> HttpRe
     elif batch.is_ended:
         file_id = batch.output_file_id if kind == "output" else batch.error_file_id
     else:
-        segs = results.segments(batch, "output" if kind == "output" else "error")
-        response = StreamingHttpResponse(results.stream_segments(segs),
+        segs = result_lines.segments(batch, "output" if kind == "output" else "error")
+        response = StreamingHttpResponse(result_lines.stream_segments(segs),
                                          content_type="application/jsonl")
         response["Content-Disposition"] = (
             f'attachment; filename="{batch.pk}_{kind}_partial.jsonl"')
@@ -444,7 +444,7 @@ def batch_download(request: SignedInRequest, batch_id: str, kind: str) -> HttpRe
 # --- tabs ---
 
 
-def _tab(request: SignedInRequest, batch_id: str, kind: results.Kind, tab: str,
+def _tab(request: SignedInRequest, batch_id: str, kind: result_lines.Kind, tab: str,
          partial: str) -> HttpResponse:
     batch = _get_batch_for_user(request, batch_id)
     filters = ResultFilterForm(request.GET)
@@ -524,26 +524,24 @@ def batch_spot_check(request: SignedInRequest, batch_id: str) -> HttpResponse:
         form = SpotCheckForm(request.POST)
         if not form.is_valid():
             return HttpResponse("Choose good or bad.", status=400)
+    try:
+        sample = spot_samples.sample(batch, flagged=flagged, guard=_guard(request))
+    except heavy.Busy:
+        return _busy(request)
+    if request.method == "POST":
         try:
-            spotcheck.mark(batch=batch, user=request.user, flagged=flagged,
-                           guard=_guard(request), **form.cleaned_data)
+            spotcheck.mark(batch=batch, user=request.user,
+                           sampled={item.custom_id for item in sample}, **form.cleaned_data)
         except ServiceError as exc:
             return HttpResponse(exc.message, status=400)
-        except heavy.Busy:
-            return _busy(request)
         if not request.htmx:
             return redirect(reverse("batch_spot_check", args=[batch.pk]) +
                             ("?flagged=1" if flagged else "") +
                             f"#spot-{slugify(form.cleaned_data['custom_id'])[:60]}")
-    try:
-        sample = spotcheck.sample(batch, flagged=flagged, guard=_guard(request))
-    except heavy.Busy:
-        return _busy(request)
-    if request.method == "POST":
         # htmx: only the marked item is re-rendered (and the summary, out of band).
         sample = [i for i in sample if i.custom_id == form.cleaned_data["custom_id"]]
     inputs = results.find_inputs(batch, {item.custom_id for item in sample})
-    marks = spotcheck.marks(batch)
+    marks = spot_samples.marks(batch)
     items = [{"item": item, "input": inputs.get(item.custom_id),
               "mark": marks.get(item.custom_id)} for item in sample]
     context = {**_detail_context(batch, "spot_check"), "items": items, "flagged": flagged,

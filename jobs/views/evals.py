@@ -8,10 +8,10 @@ from django.http import Http404, HttpResponse
 from django.shortcuts import redirect
 from django.views.decorators.http import require_POST
 
+from jobs.errors import ServiceError
 from jobs.models import EvalRun
 from jobs.services import evals
 from jobs.services.batches import get_batch_for_user
-from jobs.services.errors import ServiceError
 from jobs.web import SignedInRequest
 
 

@@ -8,8 +8,8 @@ import logging
 
 from django.db import InterfaceError, OperationalError, connection
 
+from jobs.checkpoint import Progress
 from jobs.services import shards as shard_service
-from jobs.services.shards import Progress
 from jobs.worker.loop import Loop
 from jobs.worker.state import WorkerState
 from jobs.worker.timings import timed

@@ -11,11 +11,11 @@ from collections.abc import Callable
 from django.db import close_old_connections
 
 from engine.base import EngineRequest
+from jobs.checkpoint import Checkpoint
 from jobs.models import Shard
 from jobs.prefix import prefix_key
 from jobs.services import shards as shard_service
 from jobs.services.shard_input import shard_requests
-from jobs.services.shards import Checkpoint
 from jobs.wire import Code, RequestLine
 from jobs.worker.adapters import AdapterFolders
 from jobs.worker.db import with_db_retry

@@ -22,13 +22,12 @@ from django.utils.crypto import salted_hmac
 
 from engine.base import EngineResult
 from engine.prefix_limit import PrefixLimit
+from jobs.checkpoint import PART_KINDS, Checkpoint, Progress, ShardUsage
 from jobs.models import ContentRule, ScreenedLine, Shard
 from jobs.policy import VIOLATION, Violation
 from jobs.quality import flags_for
-from jobs.services.ledger import ShardUsage
 from jobs.services.shard_input import shard_lines
-from jobs.services.shards import PART_KINDS, Checkpoint, Progress
-from jobs.storage import Source, backend
+from jobs.storage.backends import Source, backend
 from jobs.wire import (
     LineError,
     RequestLine,

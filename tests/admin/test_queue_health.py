@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from jobs import queues
 from jobs.models import Shard
-from jobs.queries import health
+from jobs.queries import queue_health
 from jobs.services.stopping import cancel_batch
 from tests.factories import chat_lines, jsonl, make_batch, prometheus_values, wait_for
 
@@ -34,7 +34,7 @@ def test_queue_health_page_with_a_live_worker(admin_client, openai_client, worke
                                          completion_window="24h")
 
     def busy():
-        snapshot = health.queue_health()
+        snapshot = queue_health.queue_health()
         echo = next(m for m in snapshot.models if m.model == "echo-test")
         # A shard running, the batch's next one waiting in Redis, the rest in the database.
         ready = echo.running and echo.depth["default"] >= 1 and echo.waiting_in_db >= 1
@@ -71,7 +71,7 @@ def test_queue_health_without_redis_still_shows_the_database(admin_client, user,
     def down(*args, **kwargs):
         raise ConnectionError("Redis is down")
 
-    monkeypatch.setattr(health, "_workers", down)
+    monkeypatch.setattr(queue_health, "_workers", down)
     page = admin_client.get("/admin/jobs/shard/health/").content.decode()
     assert "Redis did not answer" in page and batch.pk in page
 
@@ -93,7 +93,7 @@ def test_queue_health_shows_workers_per_host_and_a_lost_host(admin_client, user,
     batch = make_batch(user, chat_lines(1200), tmp_path, shard_size=50, settings=settings)
 
     def both_hosts_hold_shards():
-        snapshot = health.queue_health()
+        snapshot = queue_health.queue_health()
         hosts = {h.hostname: h for h in snapshot.hosts}
         return set(hosts) == {"host-a", "host-b"} and all(
             h.shards_held >= 1 for h in hosts.values()) and snapshot
@@ -147,6 +147,6 @@ def test_queue_health_shows_workers_per_host_and_a_lost_host(admin_client, user,
     # for a job times out (minutes), batchworker's presence thread does every second.
     time.sleep(max(0.0, host_a_idle_since + settings.BATCHWEB["HEARTBEAT_TIMEOUT_SECONDS"] + 2
                    - time.monotonic()))
-    alive = next(h for h in health.queue_health().hosts if h.hostname == "host-a")
+    alive = next(h for h in queue_health.queue_health().hosts if h.hostname == "host-a")
     assert not alive.lost and alive.workers[0].state == "idle"
     assert alive.heartbeat_age is not None and alive.heartbeat_age.total_seconds() < 3

@@ -12,8 +12,8 @@ import pytest
 import requests
 from django.utils import timezone
 
+from jobs import heavy
 from jobs.models import Batch, File
-from jobs.services import heavy
 from jobs.services.finalize import finalize_batch
 from jobs.services.stopping import expire_due_batches
 from jobs.tasks import validate_batch

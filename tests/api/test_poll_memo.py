@@ -16,12 +16,13 @@ from django.core.handlers.wsgi import WSGIHandler
 
 from batchweb.wsgi import application
 from jobs import polls
+from jobs.checkpoint import Progress
+from jobs.compiled import Compiled
 from jobs.models import Batch, SpotCheck
-from jobs.queries import health
-from jobs.queries.compiled import Compiled
+from jobs.queries import queue_health
 from jobs.services import batches
 from jobs.services.keys import revoke_api_key
-from jobs.services.shards import Progress, heartbeat
+from jobs.services.shards import heartbeat
 from jobs.services.stopping import cancel_batch
 from jobs.views import batches as views
 from tests.factories import claimed_batch, wsgi_call
@@ -300,7 +301,7 @@ def test_the_live_block_changes_with_marks_and_the_queue(site, running, user, me
     assert status.startswith("200") and not remembered
 
     path, browser = _revalidated(site, batch, memo)
-    health._blockers[batch.model] = (time.monotonic(), "the queue (Redis) cannot be reached")
+    queue_health._blockers[batch.model] = (time.monotonic(), "the queue (Redis) cannot be reached")
     (status, _, _), remembered = _poll(path, browser, memo)
     assert status.startswith("200") and not remembered
 

@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 from django.core.cache import cache
 
+from jobs.checkpoint import Progress
 from jobs.models import ApiKey, Batch, Shard
 from jobs.services.keys import authenticate_key, revoke_api_key
 from jobs.services.progress import refresh_progress
-from jobs.services.shards import Progress, finish_shard, heartbeat
+from jobs.services.shards import finish_shard, heartbeat
 from tests.factories import Api, claimed_batch
 
 pytestmark = pytest.mark.django_db

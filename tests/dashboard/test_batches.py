@@ -22,12 +22,12 @@ from django.urls import reverse
 from django.utils import timezone
 
 from jobs.models import ApiKey, Batch, File, Shard, SpotCheck
-from jobs.queries import dashboard, flags, results
-from jobs.services import spotcheck
-from jobs.services.files import new_storage_name
+from jobs.queries import dashboard, flags, results, spot_samples
+from jobs.services import preflight
 from jobs.services.keys import create_api_key
 from jobs.services.progress import refresh_progress
 from jobs.services.shard_input import shard_custom_ids
+from jobs.storage.objects import new_storage_name
 from jobs.templatetags.dashboard import clip
 from tests.factories import (
     HTMX,
@@ -274,7 +274,7 @@ def test_new_batch_other_model_rewrites_the_file(site, user, tmp_path):
 def test_preflight_estimates_time_from_recent_history(site, user, tmp_path):
     done = make_batch(user, chat_lines(20), tmp_path)
     run_batch(done, seconds=10)  # 20 requests in 10 s: 2 requests/s
-    assert dashboard.model_throughput("echo-test") == pytest.approx(2.0)
+    assert preflight.model_throughput("echo-test") == pytest.approx(2.0)
     file = make_file(user, chat_lines(120), tmp_path)
     page = site.post(reverse("batch_new"), {"file_id": file.pk, "action": "check",
                                             "completion_window": "24h",
@@ -748,12 +748,12 @@ def test_flags_tab_queries_do_not_grow_with_shards(site, user, tmp_path, setting
 
 def test_spot_check_sample_and_marks(site, user, tmp_path):
     batch = run_batch(make_batch(user, chat_lines(300), tmp_path))
-    assert spotcheck.spot_sample_size(300) == 15
-    assert spotcheck.spot_sample_size(5) == 5 and spotcheck.spot_sample_size(10_000) == 200
+    assert spot_samples.spot_sample_size(300) == 15
+    assert spot_samples.spot_sample_size(5) == 5 and spot_samples.spot_sample_size(10_000) == 200
     page = site.get(reverse("batch_spot_check", args=[batch.pk])).content.decode()
     assert page.count('<article class="result spot') == 15
-    sample = spotcheck.spot_sample(batch)
-    assert [s.custom_id for s in sample] == [s.custom_id for s in spotcheck.spot_sample(batch)]
+    sample = spot_samples.spot_sample(batch)
+    assert [s.custom_id for s in sample] == [s.custom_id for s in spot_samples.spot_sample(batch)]
     first, second = sample[0].custom_id, sample[1].custom_id
     response = site.post(reverse("batch_spot_check", args=[batch.pk]),
                          {"custom_id": first, "verdict": "good", "note": "fine"}, **HTMX)
@@ -773,12 +773,12 @@ def test_spot_check_sample_and_marks(site, user, tmp_path):
 def test_spot_check_flagged_only_samples_among_flagged(site, user, tmp_path, settings):
     batch = flagged_batch(user, tmp_path, settings, n=600, shard_size=200)
     flagged = set(expected(600))
-    sample = spotcheck.flagged_sample(batch)
+    sample = spot_samples.flagged_sample(batch)
     # 5% of the 360 flagged requests, at least 10: 18, all flagged, stable.
     assert len(flagged) == 360 and len(sample) == 18
     assert {item.custom_id for item in sample} <= flagged
     assert [i.custom_id for i in sample] == [i.custom_id for i in
-                                             spotcheck.flagged_sample(batch)]
+                                             spot_samples.flagged_sample(batch)]
     assert all(item.flags == tuple(flags_of(item.custom_id)) for item in sample)
     url = reverse("batch_spot_check", args=[batch.pk])
     page = site.get(url, {"flagged": "1"}).content.decode()
@@ -793,8 +793,8 @@ def test_spot_check_flagged_only_samples_among_flagged(site, user, tmp_path, set
 def test_spot_check_flagged_marks(site, user, tmp_path, settings):
     batch = flagged_batch(user, tmp_path, settings, n=60)
     url = reverse("batch_spot_check", args=[batch.pk])
-    flagged_ids = [item.custom_id for item in spotcheck.flagged_sample(batch)]
-    regular = {item.custom_id for item in spotcheck.spot_sample(batch)}
+    flagged_ids = [item.custom_id for item in spot_samples.flagged_sample(batch)]
+    regular = {item.custom_id for item in spot_samples.spot_sample(batch)}
     target = flagged_ids[0]
     response = site.post(url, {"custom_id": target, "verdict": "bad", "flagged": "1"},
                          **HTMX)

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from jobs.services.shards import Progress, heartbeat
+from jobs.checkpoint import Progress
+from jobs.services.shards import heartbeat
 from tests.factories import (
     chat_line,
     chat_lines,

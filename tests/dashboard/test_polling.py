@@ -18,9 +18,10 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
+from jobs.checkpoint import Progress
 from jobs.models import Batch, Shard
 from jobs.services.progress import refresh_progress
-from jobs.services.shards import Progress, finish_shard, heartbeat
+from jobs.services.shards import finish_shard, heartbeat
 from jobs.views import batches as views
 from tests.factories import HTMX, chat_lines, claimed_batch, make_batch, poll_of, run_batch
 

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jobs import queues
-from jobs.queries import health
+from jobs.queries import queue_health
 from tests.factories import Workers, chat_line, make_batch, register_worker, wait_for
 
 pytestmark = pytest.mark.django_db
@@ -38,8 +38,8 @@ def test_no_worker_is_shown_everywhere_until_one_starts(site: Any, admin_client:
     workers.start()
     try:
         def unblocked() -> bool:
-            health._blockers.clear()
-            return health.progress_blocker("echo-test") == ""
+            queue_health._blockers.clear()
+            return queue_health.progress_blocker("echo-test") == ""
 
         wait_for(unblocked, timeout=60, message="the worker to register")
         # The worker may already have finished the batch: either way nothing says blocked.
@@ -54,10 +54,10 @@ def test_a_worker_of_a_dead_host_is_not_counted_as_running(site: Any, user: Any,
     # Its registration outlives it in Redis; its heartbeat stopped a minute ago.
     batch = make_batch(user, [chat_line("r0", "hi")], tmp_path)
     register_worker("host-b.1.echo-test", "host-b", heartbeat_age=60)
-    assert "no worker for echo-test is running" in health.progress_blocker("echo-test")
-    health._blockers.clear()
+    assert "no worker for echo-test is running" in queue_health.progress_blocker("echo-test")
+    queue_health._blockers.clear()
     register_worker("host-a.1.echo-test", "host-a")
-    assert health.progress_blocker("echo-test") == ""
+    assert queue_health.progress_blocker("echo-test") == ""
     assert 'id="blocker"' not in site.get(f"/batches/{batch.pk}/live").content.decode()
 
 

@@ -103,9 +103,9 @@ def test_metrics_workers_per_host(admin_client, user, tmp_path, settings):
 
 
 def test_metrics_usage_ledger(admin_client, user, tmp_path, settings):
+    from jobs.checkpoint import Progress
     from jobs.models import Price
     from jobs.services import shards as shard_service
-    from jobs.services.shards import Progress
 
     Price.objects.create(model="echo-test", input_per_million=4, cached_input_per_million=2,
                          output_per_million=8)

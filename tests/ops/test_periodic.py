@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from jobs import queues
 from jobs.models import WebhookEvent
-from jobs.services.health import periodic_operations
+from jobs.services.upkeep import periodic_operations
 
 
 @pytest.mark.django_db

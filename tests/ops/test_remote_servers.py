@@ -12,7 +12,7 @@ from django.conf import settings as django_settings
 
 from engine.base import CHAT, EngineRequest, ModelSpec
 from engine.remote import RemoteEngine
-from jobs.queries import health
+from jobs.queries import queue_health
 from tests.factories import free_port, prometheus_values, register_worker
 from tests.faultproxy import FaultProxy
 
@@ -41,7 +41,7 @@ def test_busy_and_unreachable_servers_show_everywhere(admin_client, settings):
     down = f"http://127.0.0.1:{free_port()}/v1"
     busy, gone = remote_model("remote-busy", proxy.url), remote_model("remote-down", down)
     settings.BATCHWEB_MODELS = [*settings.BATCHWEB_MODELS, busy, gone]
-    health._blockers.clear()
+    queue_health._blockers.clear()
     engine = engine_for(busy)
     try:
         [result] = list(engine.run([chat("x")]))
@@ -60,8 +60,8 @@ def test_busy_and_unreachable_servers_show_everywhere(admin_client, settings):
 
     for model in ("remote-busy", "remote-down"):
         register_worker(f"w-{model}", "host-a", model=model)
-    assert "is busy" in health.progress_blocker("remote-busy")
-    assert "cannot be reached" in health.progress_blocker("remote-down")
+    assert "is busy" in queue_health.progress_blocker("remote-busy")
+    assert "cannot be reached" in queue_health.progress_blocker("remote-down")
 
     values = prometheus_values(admin_client.get("/metrics").content.decode())
     server = (("server", proxy.url),)
@@ -87,7 +87,7 @@ def test_a_server_heard_from_again_is_no_blocker(settings):
     proxy.served = ["remote-busy"]
     entry = remote_model("remote-busy", proxy.url)
     settings.BATCHWEB_MODELS = [*settings.BATCHWEB_MODELS, entry]
-    health._blockers.clear()
+    queue_health._blockers.clear()
     register_worker("w-ok", "host-a", model="remote-busy")
     engine = engine_for(entry)
     try:
@@ -96,4 +96,4 @@ def test_a_server_heard_from_again_is_no_blocker(settings):
         engine.close()
         proxy.close()
     time.sleep(0.01)
-    assert health.progress_blocker("remote-busy") == ""
+    assert queue_health.progress_blocker("remote-busy") == ""

@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from jobs.models import Batch, File, Quota, Shard, UploadPart
 from jobs.services import cleanup
-from jobs.storage import backend
+from jobs.storage.backends import backend
 from tests.factories import (
     assert_exactly_once,
     chat_line,

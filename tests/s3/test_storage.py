@@ -19,8 +19,8 @@ from django.core.files.storage import default_storage
 from django.utils import timezone
 
 from batchweb.embedded import PrivateS3
-from jobs import storage
-from jobs.services.files import open_range_lines
+from jobs.storage import backends as storage
+from jobs.storage.lines import open_range_lines
 from tests.factories import ROOT, free_port
 
 MIB = 1024 * 1024

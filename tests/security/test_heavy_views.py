@@ -19,11 +19,12 @@ from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from django.urls import reverse
 
+from jobs import heavy, result_lines
 from jobs.models import Batch, ContentRule, Shard
-from jobs.queries import results
-from jobs.services import heavy, preflight, spotcheck
-from jobs.services.files import new_storage_name
+from jobs.queries import results, spot_samples
+from jobs.services import preflight
 from jobs.services.shard_input import shard_custom_ids
+from jobs.storage.objects import new_storage_name
 from tests.factories import Api, chat_line, make_batch, make_file, run_batch, run_shard
 
 pytestmark = pytest.mark.django_db
@@ -89,7 +90,7 @@ def test_error_counts_of_a_running_batch_are_counted_once_per_progress(
     assert results.error_counts(batch) == [("http_400", 10)]
 
 
-def drawn_once(batch: Batch, draw: Callable[[Batch], list[spotcheck.SampleItem]],
+def drawn_once(batch: Batch, draw: Callable[[Batch], list[spot_samples.SampleItem]],
                passes: list[Any]) -> list[str]:
     """The custom_ids `draw` samples, drawn 4 times: the same, and read from the files once
     (`passes` records the reads)."""
@@ -103,11 +104,11 @@ def drawn_once(batch: Batch, draw: Callable[[Batch], list[spotcheck.SampleItem]]
 def test_the_spot_sample_of_a_running_batch_is_drawn_once_per_progress(
         user: Any, tmp_path: Path, settings: Any) -> None:
     batch = running_batch(user, tmp_path, settings, run=1)
-    with counting(spotcheck, "scan") as passes:
-        first = drawn_once(batch, spotcheck.spot_sample, passes)
+    with counting(spot_samples, "scan") as passes:
+        first = drawn_once(batch, spot_samples.spot_sample, passes)
     assert set(first) <= {f"r{i}" for i in range(20)} and len(first) == 10
     batch = run_next_shard(batch)
-    drawn = {item.custom_id for item in spotcheck.spot_sample(batch)}
+    drawn = {item.custom_id for item in spot_samples.spot_sample(batch)}
     assert drawn - {f"r{i}" for i in range(20)}, "the new shard's results are sampled too"
 
 
@@ -126,21 +127,21 @@ def test_the_flagged_sample_is_drawn_once_per_progress(
         user: Any, tmp_path: Path, settings: Any) -> None:
     batch = running_batch(user, tmp_path, settings, run=1)
     _flag_shard(Shard.objects.get(batch=batch, index=0))
-    with counting(spotcheck, "iter_flagged") as passes:
-        first = drawn_once(batch, spotcheck.flagged_sample, passes)
+    with counting(spot_samples, "iter_flagged") as passes:
+        first = drawn_once(batch, spot_samples.flagged_sample, passes)
     assert first == [f"r{i}" for i in range(0, 20, 3) if i % 4]  # failed ones have no output
     batch = run_next_shard(batch)
     _flag_shard(Shard.objects.get(batch=batch, index=1))
-    assert len(spotcheck.flagged_sample(batch)) > len(first)
+    assert len(spot_samples.flagged_sample(batch)) > len(first)
 
 
 def test_an_ended_batch_keeps_its_cached_results(user: Any, tmp_path: Path,
                                                  settings: Any) -> None:
     batch = run_batch(running_batch(user, tmp_path, settings, run=0),
                       fails=lambda c: int(c[1:]) % 4 == 0)
-    with counting(spotcheck, "scan") as passes:
+    with counting(spot_samples, "scan") as passes:
         for _ in range(3):
-            spotcheck.spot_sample(Batch.objects.get(pk=batch.pk))
+            spot_samples.spot_sample(Batch.objects.get(pk=batch.pk))
             results.error_counts(Batch.objects.get(pk=batch.pk))
     assert results.error_counts(batch) == [("http_400", 15)]
     assert len(passes) == 1
@@ -152,7 +153,7 @@ def test_the_errors_tab_counts_once_while_the_batch_is_unchanged(
     url = reverse("batch_errors", args=[batch.pk])
     error_parts = set(Shard.objects.filter(batch=batch).exclude(error_part="")
                       .values_list("error_part", flat=True))
-    with counting(results, "open_range") as opened:
+    with counting(result_lines, "open_range") as opened:
         for _ in range(4):
             page = site.get(url)
             assert page.status_code == 200 and "http_400" in page.content.decode()

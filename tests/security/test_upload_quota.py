@@ -15,10 +15,10 @@ from django.core.files.storage import default_storage
 from django.db import connection
 from django.utils import timezone
 
+from jobs.errors import ServiceError
 from jobs.models import File, Quota, Upload, UploadPart
 from jobs.services import quotas
 from jobs.services import uploads as upload_service
-from jobs.services.errors import ServiceError
 from tests.factories import Api, assert_openai_error, chat_line, jsonl, make_file
 
 CONTENT = jsonl([chat_line(f"r{i}", f"hello {i}") for i in range(3)])

@@ -1,4 +1,4 @@
-"""Queries compiled once (jobs.queries.compiled) answer exactly as the ORM does: the same
+"""Queries compiled once (jobs.compiled) answer exactly as the ORM does: the same
 models with the same field values, the same tuples, one query each; and what is built on
 them (the owner's batch, the spot-check summary, a session and its user) keeps its rules."""
 
@@ -19,11 +19,11 @@ from django.utils import timezone
 
 from batchweb.auth import ModelBackend
 from batchweb.sessions import SessionStore
+from jobs.compiled import Compiled
+from jobs.errors import ServiceError
 from jobs.models import Batch, SpotCheck
-from jobs.queries.compiled import Compiled
+from jobs.queries.spot_samples import summary
 from jobs.services.batches import get_batch_for_user
-from jobs.services.errors import ServiceError
-from jobs.services.spotcheck import summary
 from tests.factories import claimed_batch, partly_run_batch
 
 pytestmark = pytest.mark.django_db

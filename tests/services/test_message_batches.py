@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from engine.base import MESSAGES, ModelSpec, anthropic_error
 from engine.echo import EchoEngine
 from jobs import anthropic
+from jobs.errors import ServiceError
 from jobs.models import Batch
 from jobs.quality import LENGTH, flags_for
-from jobs.services.errors import ServiceError
 from jobs.services.message_batches import iter_requests
 from jobs.templatetags.dashboard import request_text, response_text
 from jobs.wire import (

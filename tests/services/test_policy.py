@@ -15,7 +15,8 @@ from django.core.exceptions import ValidationError
 from jobs.models import Batch, ContentRule, ScreenedLine
 from jobs.policy import CHUNK_TOKENS, LINE_TOKENS, Screener, Violation
 from jobs.policy.prefilter import Prefilter
-from jobs.policy.re2rules import ChunkText, term_pattern
+from jobs.policy.re2rules import term_pattern
+from jobs.policy.texts import ChunkText
 from jobs.services import preflight
 from jobs.services.files import create_input_file
 from jobs.wire import RequestLine, estimate_tokens, prompt_text

@@ -11,9 +11,9 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.urls import reverse
 from django.utils import timezone
 
+from jobs.errors import ServiceError
 from jobs.models import Batch, File, Quota, Shard
 from jobs.services import quotas
-from jobs.services.errors import ServiceError
 from tests.factories import (
     chat_line,
     jsonl,

@@ -12,13 +12,14 @@ import pytest
 from django.core.files.storage import default_storage
 from django.utils import timezone
 
+from jobs.checkpoint import Checkpoint, Progress
 from jobs.models import Batch, Shard, UsageRecord
 from jobs.services import shards as shard_service
 from jobs.services.batches import create_batch
-from jobs.services.files import create_input_file, open_file
+from jobs.services.files import create_input_file
 from jobs.services.finalize import finalize_batch
-from jobs.services.shards import Checkpoint, Progress
 from jobs.services.validation import run_validation
+from jobs.storage.objects import open_file
 from tests.factories import (
     assert_charged_once,
     assert_exactly_once,

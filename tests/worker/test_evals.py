@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
+from jobs.errors import ServiceError
 from jobs.models import Batch, EvalRun, EvalSet, Shard, UsageRecord, WebhookEvent
 from jobs.services import evals
 from jobs.services.batches import create_batch
-from jobs.services.errors import ServiceError
 from jobs.services.files import create_input_file
 from jobs.services.finalize import finalize_batch
 from jobs.services.validation import run_validation
@@ -372,7 +372,7 @@ def test_the_set_runs_with_the_batchs_model_and_sampling(make_pipeline, run_with
              for i in range(2)]
     _, _, _, run = run_with_eval(make_pipeline(), eval_set, lines=lines)
     assert run.sampling == {"temperature": 0.3, "top_p": 0.9, "seed": 7}
-    from jobs.services.files import open_file
+    from jobs.storage.objects import open_file
 
     with open_file(run.run_batch.input_file) as stream:
         bodies = [json.loads(line)["body"] for line in stream]

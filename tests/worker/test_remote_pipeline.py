@@ -20,7 +20,7 @@ from django.utils import timezone
 
 from engine.remote_limits import server_state
 from jobs.models import Batch, Shard
-from jobs.queries import health
+from jobs.queries import queue_health
 from tests.factories import (
     assert_charged_once,
     assert_exactly_once,
@@ -131,8 +131,8 @@ def test_a_batch_waits_for_its_server_and_says_so(openai_client, workers, settin
     workers.start(NAME, env=env)
 
     def blocker() -> str:
-        health._blockers.clear()
-        return health.progress_blocker(NAME)
+        queue_health._blockers.clear()
+        return queue_health.progress_blocker(NAME)
 
     wait_for(lambda: "cannot be reached" in blocker(), timeout=60,
              message="the batch page's note")

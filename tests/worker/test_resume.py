@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from django.core.files.storage import default_storage
 
+from jobs.checkpoint import Checkpoint
 from jobs.models import Shard
 from jobs.services import shards as shard_service
-from jobs.services.shards import Checkpoint
 from tests.factories import (
     SHAPES,
     assert_charged_once,

@@ -12,7 +12,7 @@ import pytest
 from django.utils import timezone
 
 from jobs.models import Shard
-from jobs.queries import health
+from jobs.queries import queue_health
 from jobs.worker.switching import model_due
 from tests.factories import (
     assert_exactly_once,
@@ -61,11 +61,11 @@ def test_one_worker_runs_two_models_one_at_a_time(openai_client, workers, two_mo
              timeout=60, message="the first model's shards running")
     # (From the worker's first presence beat on, a heartbeat after it registers.)
     def no_blocker() -> bool:
-        health._blockers.clear()
-        return health.progress_blocker("echo-other") == ""
+        queue_health._blockers.clear()
+        return queue_health.progress_blocker("echo-other") == ""
 
     wait_for(no_blocker, timeout=10, message="the second model on standby")
-    other = next(m for m in health.queue_health().models if m.model == "echo-other")
+    other = next(m for m in queue_health.queue_health().models if m.model == "echo-other")
     assert other.standby and not other.workers and not other.blocked
     for batch, model, count in ((first, "echo-test", 60), (second, "echo-other", 30)):
         done = wait_status(openai_client, batch.id, {"completed"}, timeout=120)

@@ -11,6 +11,7 @@ from decimal import Decimal
 import pytest
 
 from jobs.models import Price, Shard, UsageRecord
+from jobs.queries.spot_samples import sample
 from jobs.services.pricing import format_cost
 from jobs.services.spotcheck import mark
 from jobs.services.stopping import cancel_batch
@@ -93,7 +94,8 @@ def test_a_batchs_cost_on_its_page_is_its_output_usage_times_the_prices(
     Price.objects.filter(pk=prices.pk).update(input_per_million=100, output_per_million=100)
     assert sum(r.cost_nanos for r in UsageRecord.objects.filter(batch_id=batch.pk)) == charged
     # A spot check's verdict changes nothing either: a "bad" output was still delivered.
-    mark(batch=done, custom_id="r1", verdict="bad", note="wrong", user=done.owner)
+    mark(batch=done, custom_id="r1", verdict="bad", note="wrong", user=done.owner,
+         sampled={item.custom_id for item in sample(done)})
     assert sum(r.cost_nanos for r in UsageRecord.objects.filter(batch_id=batch.pk)) == charged
 
 

@@ -23,9 +23,12 @@ from functools import lru_cache
 
 import numpy as np
 
-from jobs.services.files import UTF8_BOM, new_storage_name, open_range
-from jobs.services.prefix_plan import RECORD
-from jobs.storage import backend
+from jobs.storage.backends import backend
+from jobs.storage.lines import UTF8_BOM
+from jobs.storage.objects import new_storage_name, open_range
+
+# One record per line a grouped shard runs, in run order.
+RECORD = np.dtype([("start", "<u8"), ("length", "<u4"), ("line", "<u4")])
 
 # Lines read per chunk, and the bytes a chunk may hold before it is cut short.
 CHUNK_LINES = 256

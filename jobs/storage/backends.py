@@ -35,6 +35,8 @@ from typing import Any, BinaryIO, Protocol
 from django.core.exceptions import ImproperlyConfigured
 from django.core.files.storage import Storage, storages
 
+from jobs.storage.temp import temp_dir
+
 CHUNK = 1024 * 1024
 # S3 refuses multipart parts under 5 MiB, except the last one.
 MIN_PART_BYTES = 5 * 1024 * 1024
@@ -195,8 +197,6 @@ class _FileWriter:
             self.final: Path | None = path
             self.scratch = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
         else:  # a storage without paths: written locally, saved on commit
-            from jobs.services.files import temp_dir
-
             self.final = None
             self.scratch = temp_dir() / f"writer-{secrets.token_hex(8)}"
         self.handle: BinaryIO | None = open(self.scratch, "wb")  # noqa: SIM115

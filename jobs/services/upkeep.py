@@ -1,6 +1,6 @@
 """The operator's repairs and routine: put a batch's failed or stuck shards back in line
 (the admin's action), and the operations' share of the reconciler's pass. What the queues
-and workers are doing (the queue-health page) is read by `jobs.queries.health`."""
+and workers are doing (the queue-health page) is read by `jobs.queries.queue_health`."""
 
 from __future__ import annotations
 

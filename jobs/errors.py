@@ -1,3 +1,6 @@
+"""What a refused request looks like (ServiceError) and its common kinds, shared by the
+services that refuse and the reads that refuse a bad cursor alike."""
+
 from __future__ import annotations
 
 
