@@ -59,15 +59,14 @@ import redis.asyncio as aioredis
 from engine import remote_limits as limits
 from engine.base import (
     ABORTED_STATUS,
-    MESSAGES,
-    RESPONSES,
     Engine,
     EngineError,
     EngineRequest,
     EngineResult,
     ModelSpec,
-    anthropic_error,
 )
+from engine.endpoints import REGISTRY
+from engine.endpoints.base import openai_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -82,8 +81,6 @@ OPTIONS = {
 }
 # Answers that mean "too busy now": retried, and the limit is cut.
 THROTTLED = (429, 503)
-# vLLM's Anthropic request model has no `priority` field (it would be ignored anyway).
-NO_PRIORITY = (MESSAGES,)
 # The lowest seen latency drifts up by this factor a minute, so one lucky request does not
 # hold the limit down for ever.
 FLOOR_DRIFT = 1.25
@@ -402,21 +399,18 @@ class RemoteEngine(Engine):
     # -- one request --------------------------------------------------------------------
 
     def _body(self, req: EngineRequest) -> dict[str, Any]:
+        endpoint = REGISTRY[req.url]
         body = {**req.body, "model": self.model}
-        if self.priority is not None and req.url not in NO_PRIORITY:
+        if self.priority is not None and endpoint.takes_priority:
             body["priority"] = self.priority
         if self.send_cache_salt and req.cache_salt:
             body["cache_salt"] = req.cache_salt
-        if req.url == RESPONSES:
-            body["store"] = False  # as in process: the server keeps nothing of it
-        return body
+        # As in process (what a batch cannot ask for set: the server keeps nothing of it).
+        return endpoint.engine_body(body)
 
     def _error(self, url: str, status: int, message: str) -> tuple[int, dict[str, Any]]:
-        if url == MESSAGES:
-            return status, anthropic_error(status, message)
-        return status, {"error": {"message": message, "type": "BadRequestError"
-                                  if status < 500 else "ServerError",
-                                  "param": None, "code": status}}
+        return status, REGISTRY[url].error_body(status, openai_error(
+            status, message, kind="BadRequestError" if status < 500 else "ServerError"))
 
     async def _serve(self, req: EngineRequest) -> tuple[int, dict[str, Any]]:
         if req.body.get("stream"):

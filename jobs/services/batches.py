@@ -20,7 +20,7 @@ from django.db import transaction
 from django.db.models import Count
 from django.utils import timezone
 
-from engine.base import ENDPOINTS
+from engine.endpoints import ENDPOINTS
 from jobs import queues
 from jobs.models import Batch, File, new_batch_id, new_message_batch_id
 from jobs.queries.compiled import Compiled
