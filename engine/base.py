@@ -7,8 +7,11 @@ the OpenAI response body the output (or error) file will carry for it.
 
 from __future__ import annotations
 
+import asyncio
+import queue
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,3 +127,137 @@ class Engine(ABC):
 
     def close(self) -> None:  # noqa: B027 (optional hook, not abstract)
         """Release the model and any engine process."""
+
+
+@dataclass(frozen=True)
+class Exhausted:
+    """The feeder's last word: how many requests it handed to the engine in this run."""
+
+    count: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The run fails with `error` (the caller's iterable raised, or the engine died)."""
+
+    error: BaseException
+
+
+class LoopEngine(Engine):
+    """An engine whose requests are tasks on an asyncio event loop it owns in a background
+    thread (vLLM in process, the remote server's HTTP client). The worker is not asyncio
+    based: `run` feeds the loop from a second thread (the input iterable may block, and
+    must never block the loop) and hands results back through a queue. A subclass starts
+    the loop and gives one request's coroutine (`_serve`) and what its ended task comes to
+    (`_outcome`)."""
+
+    spec: ModelSpec
+    # Names the threads of this engine ("vllm": vllm-feed-<model>).
+    thread_prefix: str
+    _loop: asyncio.AbstractEventLoop
+    _tasks: dict[str, asyncio.Task[Any]]
+    # Requests cancelled through `abort` (their tasks may end otherwise than cancelled).
+    _aborted: set[str]
+    _closed: bool
+
+    @abstractmethod
+    def _serve(self, req: EngineRequest) -> Coroutine[Any, Any, Any]:
+        """One request, on the loop."""
+
+    @abstractmethod
+    def _outcome(self, request_id: str, task: asyncio.Task[Any]) -> EngineResult | Failed:
+        """What a request's task that ended by itself (not aborted) comes to; `Failed`
+        fails the whole run."""
+
+    def run(self, requests: Iterable[EngineRequest]) -> Iterator[EngineResult]:
+        if self._closed:
+            raise EngineError("engine is closed")
+        results: queue.SimpleQueue[EngineResult | Exhausted | Failed] = queue.SimpleQueue()
+        # A slot is taken before a request is pulled and given back when its result is
+        # yielded: at most max_in_flight requests are inside the engine or waiting to be
+        # consumed, so memory stays flat whatever the input size.
+        slots = threading.Semaphore(self.max_in_flight)
+        stop = threading.Event()
+        mine: set[str] = set()  # request ids of this run not yet yielded
+
+        def feed() -> None:
+            count = 0
+            try:
+                source = iter(requests)
+                while True:
+                    slots.acquire()
+                    if stop.is_set():
+                        return
+                    try:
+                        req = next(source)
+                    except StopIteration:
+                        break
+                    if stop.is_set():
+                        return
+                    count += 1
+                    mine.add(req.request_id)
+                    self._loop.call_soon_threadsafe(self._submit, req, results)
+            except BaseException as e:  # the caller's iterable failed: re-raised in run()
+                results.put(Failed(e))
+                return
+            results.put(Exhausted(count))
+
+        feeder = threading.Thread(target=feed, name=f"{self.thread_prefix}-feed-{self.spec.name}",
+                                  daemon=True)
+        feeder.start()
+        expected: int | None = None
+        done = 0
+        try:
+            while expected is None or done < expected:
+                item = results.get()
+                if isinstance(item, Exhausted):
+                    expected = item.count
+                elif isinstance(item, Failed):
+                    raise item.error
+                else:
+                    done += 1
+                    mine.discard(item.request_id)
+                    yield item
+                    # Given back once the caller took the result (it asks for the next one),
+                    # so pulled-but-not-consumed requests never exceed max_in_flight.
+                    slots.release()
+        finally:
+            # Normal end, or the caller stopped early / an error: free the feeder and make
+            # sure nothing of this run keeps the engine busy.
+            stop.set()
+            slots.release()
+            if mine:
+                self.abort(list(mine))
+
+    def _submit(self, req: EngineRequest, results: queue.SimpleQueue[Any]) -> None:
+        """On the loop: start one request."""
+        task = self._loop.create_task(self._serve(req))
+        self._tasks[req.request_id] = task
+        task.add_done_callback(lambda t: self._finish(req.request_id, t, results))
+
+    def _finish(self, request_id: str, task: asyncio.Task[Any],
+                results: queue.SimpleQueue[Any]) -> None:
+        """On the loop: a request's task ended; hand its result to the consumer."""
+        self._tasks.pop(request_id, None)
+        aborted = request_id in self._aborted
+        self._aborted.discard(request_id)
+        if aborted or task.cancelled():
+            results.put(EngineResult(request_id, ABORTED_STATUS, aborted=True))
+        else:
+            results.put(self._outcome(request_id, task))
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        ids = list(request_ids)
+        if ids and not self._closed:
+            self._loop.call_soon_threadsafe(self._cancel, ids)
+
+    def _cancel(self, ids: list[str]) -> None:
+        """On the loop. Cancelling the task stops the request where it runs (vLLM aborts
+        it in its engine; the remote server, when its HTTP connection closes). vLLM's
+        serving layer turns the cancellation into a "Client disconnected" error body, so
+        the ids cancelled here are remembered as aborted."""
+        for request_id in ids:
+            task = self._tasks.get(request_id)
+            if task is not None and not task.done():
+                self._aborted.add(request_id)
+                task.cancel()

@@ -23,8 +23,7 @@ How each endpoint is served (the serving object, its request model, how its answ
 dumped) is the endpoint's `vllm` (engine/endpoints/); this file only calls it.
 
 Threads: vLLM is asyncio-based, the worker is not. The engine owns one event loop in a
-background thread; `run` feeds it from a second thread (the input iterable may block, and
-must never block the loop) and hands results back through a queue.
+background thread; `run` (engine/base.py's `LoopEngine`) feeds it from a second thread.
 """
 
 from __future__ import annotations
@@ -36,20 +35,19 @@ import copy
 import importlib
 import json
 import os
-import queue
 import threading
-from collections.abc import Coroutine, Iterable, Iterator
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any, TypeVar
 
 from engine.base import (
-    ABORTED_STATUS,
-    Engine,
     EngineError,
     EngineRequest,
     EngineResult,
+    Failed,
+    LoopEngine,
     ModelSpec,
 )
 from engine.endpoints import REGISTRY
@@ -176,17 +174,9 @@ class _Serving:
     dropped: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class _Exhausted:
-    count: int  # how many requests the feeder handed to the engine in this run
+class VllmEngine(LoopEngine):
+    thread_prefix = "vllm"
 
-
-@dataclass(frozen=True)
-class _Failed:
-    error: BaseException
-
-
-class VllmEngine(Engine):
     def __init__(self, spec: ModelSpec) -> None:
         if not spec.path:
             raise EngineError(f"model {spec.name!r} has no local path (run prepare_model)")
@@ -494,113 +484,19 @@ class VllmEngine(Engine):
                 base_model_name=self.spec.name)
             return result if isinstance(result, self._error_response) else None
 
-    # -- the stream ---------------------------------------------------------------------
-
-    def run(self, requests: Iterable[EngineRequest]) -> Iterator[EngineResult]:
-        if self._closed:
-            raise EngineError("engine is closed")
-        results: queue.SimpleQueue[EngineResult | _Exhausted | _Failed] = queue.SimpleQueue()
-        # A slot is taken before a request is pulled and given back when its result is
-        # yielded: at most max_in_flight requests are inside the engine or waiting to be
-        # consumed, so memory stays flat whatever the input size.
-        slots = threading.Semaphore(self.max_in_flight)
-        stop = threading.Event()
-        mine: set[str] = set()  # request ids of this run not yet yielded
-
-        def feed() -> None:
-            count = 0
-            try:
-                source = iter(requests)
-                while True:
-                    slots.acquire()
-                    if stop.is_set():
-                        return
-                    try:
-                        req = next(source)
-                    except StopIteration:
-                        break
-                    if stop.is_set():
-                        return
-                    count += 1
-                    mine.add(req.request_id)
-                    self._loop.call_soon_threadsafe(self._submit, req, results)
-            except BaseException as e:  # the caller's iterable failed: re-raised in run()
-                results.put(_Failed(e))
-                return
-            results.put(_Exhausted(count))
-
-        feeder = threading.Thread(target=feed, name=f"vllm-feed-{self.spec.name}", daemon=True)
-        feeder.start()
-        expected: int | None = None
-        done = 0
-        try:
-            while expected is None or done < expected:
-                item = results.get()
-                if isinstance(item, _Exhausted):
-                    expected = item.count
-                elif isinstance(item, _Failed):
-                    raise item.error
-                else:
-                    done += 1
-                    mine.discard(item.request_id)
-                    yield item
-                    # Given back once the caller took the result (it asks for the next one),
-                    # so pulled-but-not-consumed requests never exceed max_in_flight.
-                    slots.release()
-        finally:
-            # Normal end, or the caller stopped early / an error: free the feeder and make
-            # sure nothing of this run keeps the engine busy.
-            stop.set()
-            slots.release()
-            if mine:
-                self.abort(list(mine))
-
-    def _submit(self, req: EngineRequest, results: queue.SimpleQueue[Any]) -> None:
-        """On the loop: start one request."""
-        task = self._loop.create_task(self._serve(req))
-        self._tasks[req.request_id] = task
-        task.add_done_callback(lambda t: self._finish(req.request_id, t, results))
-
-    def _finish(
-        self, request_id: str, task: asyncio.Task[Any], results: queue.SimpleQueue[Any]
-    ) -> None:
-        """On the loop: a request's task ended; hand its result to the consumer."""
-        self._tasks.pop(request_id, None)
-        aborted = request_id in self._aborted
-        self._aborted.discard(request_id)
-        if aborted or task.cancelled():
-            results.put(EngineResult(request_id, ABORTED_STATUS, aborted=True))
-            return
+    def _outcome(self, request_id: str, task: asyncio.Task[Any]) -> EngineResult | Failed:
         error = task.exception()
         if error is None:
             status, body, blocks = task.result()
             if status < 500 or not self._engine_errored():
-                results.put(EngineResult(request_id, status, body, prompt_blocks=blocks))
-                return
+                return EngineResult(request_id, status, body, prompt_blocks=blocks)
             error = RuntimeError(body.get("error", {}).get("message", "engine error"))
         if self._engine_errored():
             # The engine process died: the whole shard is retried elsewhere.
-            results.put(_Failed(EngineError(f"vLLM engine died: {error}")))
-        else:
-            body = {"error": {"message": str(error), "type": "InternalServerError",
-                              "param": None, "code": 500}}
-            results.put(EngineResult(request_id, 500, body))
+            return Failed(EngineError(f"vLLM engine died: {error}"))
+        return EngineResult(request_id, 500, {"error": {
+            "message": str(error), "type": "InternalServerError", "param": None, "code": 500}})
 
     def _engine_errored(self) -> bool:
         llm = getattr(self, "_llm", None)
         return llm is None or llm.errored
-
-    def abort(self, request_ids: Iterable[str]) -> None:
-        ids = list(request_ids)
-        if ids and not self._closed:
-            self._loop.call_soon_threadsafe(self._cancel, ids)
-
-    def _cancel(self, ids: list[str]) -> None:
-        """On the loop. Cancelling the task makes vLLM abort the request in the engine."""
-        for request_id in ids:
-            task = self._tasks.get(request_id)
-            if task is not None and not task.done():
-                # The serving layer turns the cancellation into a "Client disconnected"
-                # error body, so remember that this one was ours.
-                self._aborted.add(request_id)
-                task.cancel()
