@@ -43,7 +43,8 @@ def cpu_seconds() -> float:
 
 
 def run_engine(path: str, options: dict[str, Any], n: int) -> dict[str, float]:
-    from engine.base import CHAT, EngineRequest, ModelSpec
+    from engine.base import EngineRequest, ModelSpec
+    from engine.endpoints import CHAT
     from engine.vllm_engine import VllmEngine
 
     start = time.perf_counter()

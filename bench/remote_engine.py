@@ -41,7 +41,8 @@ import httpx
 
 from bench import harness
 from bench.engine_efficiency import llm_class_batch_sizes, run_vllm_batch
-from engine.base import CHAT, EngineRequest, ModelSpec
+from engine.base import EngineRequest, ModelSpec
+from engine.endpoints import CHAT
 from tests.vllmserve import MODELS, VllmServe
 
 MAX_MODEL_LEN = 2048

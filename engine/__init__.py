@@ -7,6 +7,13 @@
 from __future__ import annotations
 
 from engine.base import (
+    Engine,
+    EngineError,
+    EngineRequest,
+    EngineResult,
+    ModelSpec,
+)
+from engine.endpoints import (
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
@@ -16,11 +23,6 @@ from engine.base import (
     RERANK,
     RESPONSES,
     SCORE,
-    Engine,
-    EngineError,
-    EngineRequest,
-    EngineResult,
-    ModelSpec,
 )
 
 __all__ = [

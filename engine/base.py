@@ -7,146 +7,16 @@ the OpenAI response body the output (or error) file will carry for it.
 
 from __future__ import annotations
 
+import asyncio
+import queue
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.endpoints import CHAT, COMPLETIONS
 from engine.prefix_limit import PromptBlocks
-
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-EMBEDDINGS = "/v1/embeddings"
-RESPONSES = "/v1/responses"
-# Anthropic's Messages API (a Message Batch's requests): vLLM's Anthropic serving layer,
-# which renders the request through the chat one, so every model serving CHAT serves it.
-MESSAGES = "/v1/messages"
-# vLLM's score and rerank APIs: a score request pairs the inputs of its two sides (1:1, 1:N
-# or N:N) and answers one score per pair; a rerank request orders documents by their
-# relevance to one query. A pooling model serves them: a cross-encoder scores each pair,
-# an embeddings model (the default here) the cosine similarity of the two embeddings.
-SCORE = "/v1/score"
-RERANK = "/v1/rerank"
-ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, MESSAGES, SCORE, RERANK)
-# The endpoints of pooling models: no output tokens and no sampling (the same request gets
-# the same answer), no generated text to check, retry or prefix-group.
-POOLING_ENDPOINTS = (EMBEDDINGS, SCORE, RERANK)
-# The names vLLM's ScoreRequest accepts for a score request's two sides, one pair a body.
-SCORE_SIDES = (("queries", "documents"), ("queries", "items"), ("text_1", "text_2"),
-               ("data_1", "data_2"))
-
-# Anthropic's error types by HTTP status (its documented "HTTP errors"); any other status
-# is the nearest of them: another 4xx an invalid request, another 5xx an API error.
-ANTHROPIC_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    402: "billing_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    504: "timeout_error",
-    529: "overloaded_error",
-}
-
-
-def anthropic_error(status: int, message: str) -> dict[str, Any]:
-    """An Anthropic error object: {"type": "error", "error": {"type", "message"}}, the body
-    of the API's refusals and of an `errored` batch result alike."""
-    kind = ANTHROPIC_ERROR_TYPES.get(status) or (
-        "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
-
-
-def text_parts(value: Any) -> list[str]:
-    """The texts of a message's `content`, a `prompt`, an `input`, an Anthropic `system` or
-    a Message's `content`: a string itself; in a list, its strings and the `text` of its
-    content parts (OpenAI's parts and Anthropic's text blocks alike). Token ids, images and anything
-    else carry no text. The one definition of "the text of a prompt", used by validation
-    (estimates, content rules), token counting, the echo engine and the dashboard."""
-    if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list):
-        return []
-    parts = []
-    for item in value:
-        if isinstance(item, str):
-            parts.append(item)
-        elif isinstance(item, dict) and isinstance(item.get("text"), str):
-            parts.append(item["text"])
-    return parts
-
-
-def request_messages(url: str, body: dict[str, Any]) -> list[Any]:
-    """The chat messages a chat, Responses or Messages request puts through the model's
-    chat template, each a dict with `role` and `content` (whose texts are `text_parts`); [] for
-    other endpoints. A chat body's are its `messages` themselves (the list, not a copy:
-    validation calls this for every line; a body not yet validated may hold other items
-    there). A Responses body's are built as vLLM builds them: `instructions` as a system
-    message, a string `input` as one user message, else its items with a role (messages),
-    and each function_call_output as a tool message carrying its output; function calls
-    and reasoning items carry no prompt text. A Messages body's are its `system` and
-    `messages`. The one definition of "the messages of a
-    prompt", beside `text_parts`, used by validation, token counting, prefix keys, the
-    echo engine and the dashboard alike."""
-    if url == CHAT:
-        messages = body.get("messages")
-        return messages if isinstance(messages, list) else []
-    if url == MESSAGES:
-        # Its `system` first, as one system message: vLLM's Anthropic layer renders it so,
-        # its text blocks joined as they are.
-        system = body.get("system")
-        head = [{"role": "system", "content": "".join(text_parts(system))}] if system else []
-        messages = body.get("messages")
-        return head + (messages if isinstance(messages, list) else [])
-    if url != RESPONSES:
-        return []
-    found: list[Any] = []
-    instructions = body.get("instructions")
-    if isinstance(instructions, str) and instructions:
-        found.append({"role": "system", "content": instructions})
-    value = body.get("input")
-    if isinstance(value, str):
-        found.append({"role": "user", "content": value})
-    elif isinstance(value, list):
-        for item in value:
-            if not isinstance(item, dict):
-                continue
-            if isinstance(item.get("role"), str):
-                found.append({"role": item["role"], "content": item.get("content")})
-            elif item.get("type") in ("function_call_output", "custom_tool_call_output"):
-                found.append({"role": "tool", "content": item.get("output")})
-    return found
-
-
-def score_pair(body: dict[str, Any]) -> tuple[str, str] | None:
-    """The pair of SCORE_SIDES a score body names its sides with; None when it names none,
-    one side only, or sides of two pairs."""
-    named = {name for pair in SCORE_SIDES for name in pair if name in body}
-    return next((pair for pair in SCORE_SIDES if named == set(pair)), None)
-
-
-def score_sides(url: str, body: dict[str, Any]) -> list[tuple[str, list[Any]]]:
-    """The two sides a score or rerank body pairs, each as (field name, inputs): a rerank's
-    query and documents, a score's sides by the names it uses (`score_pair`). A single
-    input is a list of one. Each input is given as its content, a string or a list of
-    content parts (vLLM's `{"content": [...]}` inputs), whose texts are `text_parts`.
-    [] for other endpoints and for a score body without one pair. The one definition of
-    "the inputs of a score request", used by validation, token counting, the echo engine
-    and the dashboard alike."""
-    names = ("query", "documents") if url == RERANK else (
-        score_pair(body) if url == SCORE else None)
-    if names is None:
-        return []
-    sides = []
-    for name in names:
-        value = body.get(name)
-        inputs = value if isinstance(value, list) else [value]
-        sides.append((name, [item.get("content") if isinstance(item, dict) else item
-                             for item in inputs]))
-    return sides
-
 
 # The status an aborted request's EngineResult carries (nginx's "client closed request");
 # callers look at `aborted` first.
@@ -164,7 +34,7 @@ class EngineError(Exception):
 class EngineRequest:
     # Unique among the requests in flight in this engine; the worker uses "<shard>:<line>".
     request_id: str
-    # One of ENDPOINTS.
+    # One of engine.endpoints.ENDPOINTS.
     url: str
     # The request body exactly as the batch line carries it (model name already checked).
     body: dict[str, Any]
@@ -186,11 +56,10 @@ class EngineRequest:
 @dataclass(frozen=True)
 class EngineResult:
     request_id: str
-    # 200 with an OpenAI response object (chat.completion, text_completion, an embeddings
-    # list or a Responses `response`, each with `usage`; vLLM's score list or rerank
-    # results for SCORE and RERANK), or 4xx with an OpenAI error
-    # body {"error": {...}}; for MESSAGES an Anthropic Message (with its `usage`) or an
-    # `anthropic_error` body.
+    # 200 with the endpoint's response object (chat.completion, text_completion, an
+    # embeddings list or a Responses `response`, each with `usage`; vLLM's score list or
+    # rerank results; an Anthropic Message), or 4xx with its error body (OpenAI's
+    # {"error": {...}}, or Anthropic's: `Endpoint.error_body`).
     status_code: int
     body: dict[str, Any] = field(default_factory=dict)
     # True when the request was aborted through `Engine.abort` before it finished; `body`
@@ -258,3 +127,137 @@ class Engine(ABC):
 
     def close(self) -> None:  # noqa: B027 (optional hook, not abstract)
         """Release the model and any engine process."""
+
+
+@dataclass(frozen=True)
+class Exhausted:
+    """The feeder's last word: how many requests it handed to the engine in this run."""
+
+    count: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The run fails with `error` (the caller's iterable raised, or the engine died)."""
+
+    error: BaseException
+
+
+class LoopEngine(Engine):
+    """An engine whose requests are tasks on an asyncio event loop it owns in a background
+    thread (vLLM in process, the remote server's HTTP client). The worker is not asyncio
+    based: `run` feeds the loop from a second thread (the input iterable may block, and
+    must never block the loop) and hands results back through a queue. A subclass starts
+    the loop and gives one request's coroutine (`_serve`) and what its ended task comes to
+    (`_outcome`)."""
+
+    spec: ModelSpec
+    # Names the threads of this engine ("vllm": vllm-feed-<model>).
+    thread_prefix: str
+    _loop: asyncio.AbstractEventLoop
+    _tasks: dict[str, asyncio.Task[Any]]
+    # Requests cancelled through `abort` (their tasks may end otherwise than cancelled).
+    _aborted: set[str]
+    _closed: bool
+
+    @abstractmethod
+    def _serve(self, req: EngineRequest) -> Coroutine[Any, Any, Any]:
+        """One request, on the loop."""
+
+    @abstractmethod
+    def _outcome(self, request_id: str, task: asyncio.Task[Any]) -> EngineResult | Failed:
+        """What a request's task that ended by itself (not aborted) comes to; `Failed`
+        fails the whole run."""
+
+    def run(self, requests: Iterable[EngineRequest]) -> Iterator[EngineResult]:
+        if self._closed:
+            raise EngineError("engine is closed")
+        results: queue.SimpleQueue[EngineResult | Exhausted | Failed] = queue.SimpleQueue()
+        # A slot is taken before a request is pulled and given back when its result is
+        # yielded: at most max_in_flight requests are inside the engine or waiting to be
+        # consumed, so memory stays flat whatever the input size.
+        slots = threading.Semaphore(self.max_in_flight)
+        stop = threading.Event()
+        mine: set[str] = set()  # request ids of this run not yet yielded
+
+        def feed() -> None:
+            count = 0
+            try:
+                source = iter(requests)
+                while True:
+                    slots.acquire()
+                    if stop.is_set():
+                        return
+                    try:
+                        req = next(source)
+                    except StopIteration:
+                        break
+                    if stop.is_set():
+                        return
+                    count += 1
+                    mine.add(req.request_id)
+                    self._loop.call_soon_threadsafe(self._submit, req, results)
+            except BaseException as e:  # the caller's iterable failed: re-raised in run()
+                results.put(Failed(e))
+                return
+            results.put(Exhausted(count))
+
+        feeder = threading.Thread(target=feed, name=f"{self.thread_prefix}-feed-{self.spec.name}",
+                                  daemon=True)
+        feeder.start()
+        expected: int | None = None
+        done = 0
+        try:
+            while expected is None or done < expected:
+                item = results.get()
+                if isinstance(item, Exhausted):
+                    expected = item.count
+                elif isinstance(item, Failed):
+                    raise item.error
+                else:
+                    done += 1
+                    mine.discard(item.request_id)
+                    yield item
+                    # Given back once the caller took the result (it asks for the next one),
+                    # so pulled-but-not-consumed requests never exceed max_in_flight.
+                    slots.release()
+        finally:
+            # Normal end, or the caller stopped early / an error: free the feeder and make
+            # sure nothing of this run keeps the engine busy.
+            stop.set()
+            slots.release()
+            if mine:
+                self.abort(list(mine))
+
+    def _submit(self, req: EngineRequest, results: queue.SimpleQueue[Any]) -> None:
+        """On the loop: start one request."""
+        task = self._loop.create_task(self._serve(req))
+        self._tasks[req.request_id] = task
+        task.add_done_callback(lambda t: self._finish(req.request_id, t, results))
+
+    def _finish(self, request_id: str, task: asyncio.Task[Any],
+                results: queue.SimpleQueue[Any]) -> None:
+        """On the loop: a request's task ended; hand its result to the consumer."""
+        self._tasks.pop(request_id, None)
+        aborted = request_id in self._aborted
+        self._aborted.discard(request_id)
+        if aborted or task.cancelled():
+            results.put(EngineResult(request_id, ABORTED_STATUS, aborted=True))
+        else:
+            results.put(self._outcome(request_id, task))
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        ids = list(request_ids)
+        if ids and not self._closed:
+            self._loop.call_soon_threadsafe(self._cancel, ids)
+
+    def _cancel(self, ids: list[str]) -> None:
+        """On the loop. Cancelling the task stops the request where it runs (vLLM aborts
+        it in its engine; the remote server, when its HTTP connection closes). vLLM's
+        serving layer turns the cancellation into a "Client disconnected" error body, so
+        the ids cancelled here are remembered as aborted."""
+        for request_id in ids:
+            task = self._tasks.get(request_id)
+            if task is not None and not task.done():
+                self._aborted.add(request_id)
+                task.cancel()

@@ -4,6 +4,8 @@ Never a default: a deployment gets it only by declaring `backend="echo"`. It exi
 orchestration (sharding, retries, cancellation, output files) can be tested and benchmarked
 on a million requests without loading a model.
 
+- every answer is built by the request's endpoint (engine/endpoints/) from what was
+  computed (`Generation`, `Pooled`), so the shapes are the endpoints', not this file's.
 - chat: content is "echo: " + the last user message's text; completions echo the prompt;
   responses are answered as chat (over `request_messages`: instructions, then input), in
   vLLM's Response shape: one output message, status "incomplete" when cut at
@@ -23,8 +25,8 @@ on a million requests without loading a model.
   message's text, stop_reason "max_tokens" when cut, else "end_turn"; errors in
   Anthropic's shape.
 - prompt words + max_tokens > options["max_model_len"] (default 2048) -> 400 like vLLM.
-- bodies arrive validated (jobs.wire.check_body runs before any engine); a body it still
-  cannot read is one plain 400.
+- bodies arrive validated (their endpoint's `check` runs before any engine); a body it
+  still cannot read is one plain 400 (its endpoint's error shape).
 - options["seconds_per_request"] (default 0) sleeps that long per request (slow shards);
   options["max_in_flight"] (default 64) bounds concurrency like the real engine.
 - options["version"] (default "1"): a stand-in for the model's weights, hashed as its
@@ -47,35 +49,24 @@ import queue
 import struct
 import threading
 import time
-import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from engine.base import (
     ABORTED_STATUS,
-    CHAT,
-    COMPLETIONS,
-    EMBEDDINGS,
-    MESSAGES,
-    RERANK,
-    RESPONSES,
-    SCORE,
     Engine,
     EngineError,
     EngineRequest,
     EngineResult,
     ModelSpec,
-    anthropic_error,
-    request_messages,
-    score_sides,
-    text_parts,
 )
+from engine.endpoints import REGISTRY, Endpoint, text_parts
+from engine.endpoints.base import Generation, Pooled, openai_error
 
 
 def _error(message: str, param: str | None = None) -> tuple[int, dict[str, Any]]:
-    return 400, {"error": {"message": message, "type": "BadRequestError", "param": param,
-                           "code": 400}}
+    return 400, openai_error(400, message, param)
 
 
 def _context_error(tokens: int, limit: int) -> tuple[int, dict[str, Any]]:
@@ -96,32 +87,6 @@ def _cosine(a: list[float], b: list[float]) -> float:
     dot = sum(x * y for x, y in zip(a, b, strict=True))
     norms = math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
     return dot / norms if norms else 0.0
-
-
-def _response_object(body: dict[str, Any], text: str, finish: str, prompt_tokens: int,
-                     output_tokens: int, model: str) -> dict[str, Any]:
-    """A Responses `response` as vLLM's serving layer writes it (the fields readers use)."""
-    content: list[dict[str, Any]] = [{"type": "output_text", "text": text, "annotations": [],
-                                      "logprobs": None}]
-    return {
-        "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
-        "model": body.get("model") or model, "status": "completed" if finish == "stop"
-        else "incomplete", "incomplete_details": None if finish == "stop"
-        else {"reason": "max_output_tokens"}, "instructions": body.get("instructions"),
-        "metadata": body.get("metadata"), "background": False,
-        "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": None,
-        "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
-        "text": body.get("text"), "tools": body.get("tools") or [],
-        "tool_choice": body.get("tool_choice", "auto"), "parallel_tool_calls": True,
-        "truncation": body.get("truncation", "disabled"), "service_tier": "auto",
-        "user": body.get("user"),
-        "output": [{"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
-                    "status": "completed", "content": content if text else []}],
-        "usage": {"input_tokens": prompt_tokens, "output_tokens": output_tokens,
-                  "total_tokens": prompt_tokens + output_tokens,
-                  "input_tokens_details": {"cached_tokens": 0},
-                  "output_tokens_details": {"reasoning_tokens": 0}},
-    }
 
 
 class EchoEngine(Engine):
@@ -149,46 +114,47 @@ class EchoEngine(Engine):
     def handle(self, url: str, body: dict[str, Any],
                adapter_path: str = "") -> tuple[int, dict[str, Any]]:
         """(status, body) for one request body, shaped as vLLM's. Bodies reach an engine
-        validated (jobs.wire.check_body, for every engine alike), so the only checks here
+        validated (its endpoint's `check`, for every engine alike), so the only checks here
         are the model's: what it serves, its context length and its adapters."""
+        endpoint = REGISTRY.get(url)
+        if endpoint is None:
+            return _error(f"model {self.spec.name!r} does not serve {url}", "url")
         lead = "echo:"
         if adapter_path:
             problem = self._adapter_problem(body.get("model"), adapter_path)
             if problem is not None:
                 status, refused = problem
-                if url == MESSAGES:
-                    return status, anthropic_error(status, refused)
-                return status, {"error": {"message": refused, "type": (
-                    "BadRequestError" if status == 400 else "NotFoundError"),
-                    "param": "model", "code": status}}
+                return status, endpoint.error_body(status, openai_error(
+                    status, refused, "model",
+                    kind="BadRequestError" if status == 400 else "NotFoundError"))
             lead = f"echo+{body.get('model')}:"
         try:
-            if url == EMBEDDINGS:
-                return self._embeddings(body)
-            if url in (SCORE, RERANK):
-                return self._scores(url, body)
-            if url == MESSAGES:
-                return self._messages(body, lead)
-            if url in (CHAT, RESPONSES):
-                # A body without its messages (input) is one it cannot read.
-                if not body.get("messages" if url == CHAT else "input"):
-                    raise KeyError(url)
-                messages = request_messages(url, body)
-                prompt_tokens = sum(len(" ".join(text_parts(m.get("content"))).split())
-                                    for m in messages)
-                last_user = next((" ".join(text_parts(m.get("content")))
-                                  for m in reversed(messages) if m.get("role") == "user"), "")
-                words = [lead, *last_user.split()]
-            elif url == COMPLETIONS:
-                words = " ".join(text_parts(body["prompt"])).split()
-                if adapter_path:
-                    words.insert(0, lead)
-                prompt_tokens = len(words)
-            else:
-                return _error(f"model {self.spec.name!r} does not serve {url}", "url")
+            status, answer = self._answer(endpoint, body, lead, adapter_path)
         except (KeyError, TypeError, AttributeError, ValueError):
-            refusal = "The echo engine cannot answer this request body."
-            return (400, anthropic_error(400, refusal)) if url == MESSAGES else _error(refusal)
+            status, answer = _error("The echo engine cannot answer this request body.")
+        return status, answer if status == 200 else endpoint.error_body(status, answer)
+
+    def _answer(self, endpoint: Endpoint, body: dict[str, Any], lead: str,
+                adapter_path: str) -> tuple[int, dict[str, Any]]:
+        """The answer by the kind of call; a body it cannot read raises."""
+        if endpoint.kind == "embed":
+            return self._embeddings(endpoint, body)
+        if endpoint.kind == "score":
+            return self._scores(endpoint, body)
+        if not body.get(endpoint.prompt_field):  # a body without its prompt
+            raise KeyError(endpoint.prompt_field)
+        if endpoint.kind == "chat":
+            messages = endpoint.messages(body)
+            prompt_tokens = sum(len(" ".join(text_parts(m.get("content"))).split())
+                                for m in messages)
+            last_user = next((" ".join(text_parts(m.get("content")))
+                              for m in reversed(messages) if m.get("role") == "user"), "")
+            words = [lead, *last_user.split()]
+        else:
+            words = " ".join(text_parts(body[endpoint.prompt_field])).split()
+            if adapter_path:
+                words.insert(0, lead)
+            prompt_tokens = len(words)
         max_tokens = (body.get("max_completion_tokens") or body.get("max_tokens")
                       or body.get("max_output_tokens")
                       or self.sampling_defaults.get("max_tokens"))
@@ -197,77 +163,32 @@ class EchoEngine(Engine):
         n = body.get("n") or 1
         if prompt_tokens + (max_tokens or 0) > self.max_model_len:
             return _context_error(prompt_tokens + (max_tokens or 0), self.max_model_len)
-        finish = "length" if max_tokens is not None and len(words) > max_tokens else "stop"
-        text = " ".join(words[:max_tokens])
-        completion_tokens = len(words[:max_tokens]) * n
-        common = {"created": int(time.time()), "model": body.get("model") or self.spec.name,
-                  "usage": {"prompt_tokens": prompt_tokens,
-                            "total_tokens": prompt_tokens + completion_tokens,
-                            "completion_tokens": completion_tokens,
-                            "prompt_tokens_details": None}}
-        if url == RESPONSES:
-            return 200, _response_object(body, text, finish, prompt_tokens,
-                                         completion_tokens, self.spec.name)
-        if url == CHAT:
-            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None,
-                                       "tool_calls": []}
-            return 200, {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                         **common, "choices": [
-                             {"index": i, "message": message, "logprobs": None,
-                              "finish_reason": finish, "stop_reason": None}
-                             for i in range(n)]}
-        return 200, {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", **common,
-                     "choices": [{"index": i, "text": text, "logprobs": None,
-                                  "finish_reason": finish, "stop_reason": None}
-                                 for i in range(n)]}
+        return 200, endpoint.respond(body, Generation(
+            model=body.get("model") or self.spec.name, text=" ".join(words[:max_tokens]),
+            cut=max_tokens is not None and len(words) > max_tokens,
+            prompt_tokens=prompt_tokens, output_tokens=len(words[:max_tokens]), n=n))
 
-    def _messages(self, body: dict[str, Any], lead: str) -> tuple[int, dict[str, Any]]:
-        """An Anthropic Message, as vLLM's Anthropic layer answers (its `usage` without the
-        cache fields: this engine has no prefix cache)."""
-        messages = body["messages"]
-        texts = [body.get("system"), *(m.get("content") for m in messages)]
-        prompt_tokens = sum(len(" ".join(text_parts(t)).split()) for t in texts)
-        last_user = next((" ".join(text_parts(m.get("content")))
-                          for m in reversed(messages) if m.get("role") == "user"), "")
-        words = [lead, *last_user.split()]
-        if self.version != "1":
-            words = [word.lower() for word in words]
-        max_tokens = body["max_tokens"]
-        if prompt_tokens + max_tokens > self.max_model_len:
-            status, error = _context_error(prompt_tokens + max_tokens, self.max_model_len)
-            return status, anthropic_error(status, error["error"]["message"])
-        cut = len(words) > max_tokens
-        return 200, {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
-                     "content": [{"type": "text", "text": " ".join(words[:max_tokens])}],
-                     "model": body.get("model") or self.spec.name,
-                     "stop_reason": "max_tokens" if cut else "end_turn", "stop_sequence": None,
-                     "usage": {"input_tokens": prompt_tokens,
-                               "output_tokens": len(words[:max_tokens])}}
-
-    def _embeddings(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    def _embeddings(self, endpoint: Endpoint,
+                    body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         inputs = body["input"]
         if isinstance(inputs, str):
             inputs = [inputs]
-        data = []
+        vectors = []
         prompt_tokens = 0
-        for i, text in enumerate(inputs):
+        for text in inputs:
             tokens = len(text.split())
             if tokens > self.max_model_len:
                 return _context_error(tokens, self.max_model_len)
             prompt_tokens += tokens
-            data.append({"index": i, "object": "embedding", "embedding": _vector(text)})
-        return 200, {
-            "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-            "model": body.get("model") or self.spec.name, "data": data,
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
-                      "completion_tokens": 0, "prompt_tokens_details": None},
-        }
+            vectors.append(_vector(text))
+        return 200, endpoint.respond(body, Pooled(
+            model=body.get("model") or self.spec.name, prompt_tokens=prompt_tokens,
+            embeddings=vectors))
 
-    def _scores(self, url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """A score list (one score per pair, a single first input paired with each second
-        one) or rerank results (the documents by relevance, the first `top_n`). Each input
-        counts its words once, as vLLM embeds each input once."""
-        (_, first), (_, second) = score_sides(url, body)
+    def _scores(self, endpoint: Endpoint, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """One score per pair, a single first input paired with each second one. Each
+        input counts its words once, as vLLM embeds each input once."""
+        (_, first), (_, second) = endpoint.sides(body)
         texts = [" ".join(text_parts(content)) for content in first + second]
         for text in texts:
             if len(text.split()) > self.max_model_len:
@@ -278,24 +199,9 @@ class EchoEngine(Engine):
             queries *= len(documents)
         scores = [_cosine(_vector(q), _vector(d))
                   for q, d in zip(queries, documents, strict=True)]
-        model = body.get("model") or self.spec.name
-        request_id = f"score-{uuid.uuid4().hex}"
-        if url == SCORE:
-            return 200, {
-                "id": request_id, "object": "list", "created": int(time.time()),
-                "model": model, "data": [{"index": i, "object": "score", "score": score}
-                                         for i, score in enumerate(scores)],
-                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
-                          "completion_tokens": 0, "prompt_tokens_details": None,
-                          "completion_tokens_details": None}}
-        # The most relevant first (ties in document order, as vLLM's stable sort).
-        ranked = sorted(range(len(scores)), key=lambda i: -scores[i])
-        results = [{"index": i, "document": {"text": second[i], "multi_modal": None}
-                    if isinstance(second[i], str) else {"text": None, "multi_modal": second[i]},
-                    "relevance_score": scores[i]}
-                   for i in ranked[:body.get("top_n") or len(ranked)]]
-        return 200, {"id": request_id, "model": model, "results": results,
-                     "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+        return 200, endpoint.respond(body, Pooled(
+            model=body.get("model") or self.spec.name, prompt_tokens=prompt_tokens,
+            scores=scores, documents=second))
 
     # -- the stream ---------------------------------------------------------------------
 

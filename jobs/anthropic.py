@@ -32,7 +32,7 @@ from typing import Any
 
 from django.conf import settings
 
-from engine.base import anthropic_error
+from engine.endpoints import anthropic_error
 from jobs.heavy import Guard
 from jobs.models import Batch, File
 from jobs.queries.dashboard import ended_at

@@ -11,7 +11,8 @@ import functools
 
 from django.conf import settings
 
-from engine.base import CHAT, MESSAGES, ModelSpec
+from engine.base import ModelSpec
+from engine.endpoints import CHAT, MESSAGES
 
 
 @functools.cache

@@ -7,7 +7,7 @@ from typing import Any
 
 from django import forms
 
-from engine.base import ENDPOINTS
+from engine.endpoints import ENDPOINTS
 from jobs.engines import served_endpoints
 from jobs.models import Batch, File, LoraAdapter, SpotCheck
 from jobs.services.evals import sets_for

@@ -16,7 +16,7 @@ from what decides the rendered prefix, in the order the template writes it:
 
 Sampling parameters change no prefill: vLLM computes and caches the prompt's KV the same
 whatever the temperature or max_tokens. Only chat and Responses requests get a key (a
-Responses body's messages are `engine.base.request_messages`: its instructions first);
+Responses body's messages are its endpoint's `messages`: its instructions first);
 completions and embeddings run in file order as before.
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from engine.base import CHAT, RESPONSES, request_messages, text_parts
+from engine.endpoints import endpoint, text_parts
 from jobs.wire import RequestLine
 
 # A context shorter than this (~64 tokens) is not worth grouping for.
@@ -66,10 +66,11 @@ def prefix_key(request: RequestLine) -> PrefixKey | None:
     """The key of the prompt prefix this request shares with others like it, or None when
     it has none worth grouping by (see the module docstring). Validation calls it for
     every line, so the common case (string contents, no tools) stays a few microseconds."""
-    if request.url not in (CHAT, RESPONSES):
+    found = endpoint(request.url)
+    if not found.prefix_grouped:
         return None
     body = request.body
-    messages = request_messages(request.url, body)
+    messages = found.messages(body)
     if not messages:
         return None
     context = "".join(map(_message_text, messages[:-1]))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.base import CHAT, COMPLETIONS, MESSAGES, RESPONSES, text_parts
+from engine.endpoints import endpoint
 
 EMPTY = "empty_output"
 LENGTH = "length_limit"
@@ -23,16 +23,9 @@ FLAG_LABELS = {
 
 
 def wants_json(url: str, body: dict[str, Any]) -> dict[str, Any] | None:
-    """The JSON format a request asked for, else None: a chat request's `response_format`,
-    a Responses request's `text.format` (the same types; its schema sits in the format
-    itself rather than under `json_schema`)."""
-    if url == CHAT:
-        response_format = body.get("response_format")
-    elif url == RESPONSES:
-        text = body.get("text")
-        response_format = text.get("format") if isinstance(text, dict) else None
-    else:
-        return None
+    """The JSON format a request asked for (`Endpoint.json_format`: a chat request's
+    `response_format`, a Responses request's `text.format`), else None."""
+    response_format = endpoint(url).json_format(body)
     if isinstance(response_format, dict) and response_format.get("type") in (
             "json_object", "json_schema"):
         return response_format
@@ -84,39 +77,9 @@ def is_repetitive(text: str, *, max_n: int = 8, min_repeats: int = 4) -> bool:
 
 
 def output_texts(url: str, body: dict[str, Any]) -> list[tuple[str, str | None]]:
-    """(text, finish_reason) of each choice of a chat or completion response; of a
-    Responses `response`, the one answer: the text of its output messages, "length" when
-    it stopped at max_output_tokens; of an Anthropic Message, its text blocks (stop_reason
-    "max_tokens" is the length stop)."""
-    if url == RESPONSES:
-        stopped = (body.get("incomplete_details") or {}).get("reason")
-        return [(response_output_text(body),
-                 "length" if stopped == "max_output_tokens" else None)]
-    if url == MESSAGES:
-        finish = "length" if body.get("stop_reason") == "max_tokens" else body.get("stop_reason")
-        return [(" ".join(text_parts(body.get("content"))), finish)]
-    texts = []
-    for choice in body.get("choices") or ():
-        if url == CHAT:
-            text = (choice.get("message") or {}).get("content") or ""
-        elif url == COMPLETIONS:
-            text = choice.get("text") or ""
-        else:
-            continue
-        texts.append((text, choice.get("finish_reason")))
-    return texts
-
-
-def response_output_text(body: dict[str, Any]) -> str:
-    """The text of a Responses `response`: its output messages' output_text parts, joined
-    (reasoning and function calls are not the answer's text)."""
-    parts = []
-    for item in body.get("output") or ():
-        if isinstance(item, dict) and item.get("type") == "message":
-            for part in item.get("content") or ():
-                if isinstance(part, dict) and part.get("type") == "output_text":
-                    parts.append(str(part.get("text") or ""))
-    return "".join(parts)
+    """(text, finish_reason) of each answer of a response body (`Endpoint.output_texts`);
+    "length" is the stop at the output-token cap."""
+    return endpoint(url).output_texts(body)
 
 
 def flags_for(url: str, request: dict[str, Any], response: dict[str, Any]) -> list[str]:

@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 
+from engine.endpoints.media import host_listed
 from jobs.errors import ServiceError
-from jobs.wire import host_listed
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from django.http.multipartparser import MultiPartParserError
 from django.http.response import HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 
-from engine.base import anthropic_error
+from engine.endpoints import anthropic_error
 from jobs.errors import ServiceError
 from jobs.services.keys import authenticate_key
 from jobs.web import declared_length

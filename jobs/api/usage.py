@@ -20,7 +20,7 @@ from typing import Any
 from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
 
-from engine.base import ENDPOINTS, POOLING_ENDPOINTS
+from engine.endpoints import ENDPOINTS, POOLING_ENDPOINTS
 from jobs.api.base import api_view
 from jobs.errors import ServiceError
 from jobs.queries import usage

@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine.base import EMBEDDINGS, Engine, EngineRequest
+from engine.base import Engine, EngineRequest
+from engine.endpoints import EMBEDDINGS
 from jobs.policy.violation import Violation, ViolationSink
 
 MODERATION_CHUNK = 256

@@ -8,7 +8,7 @@ from __future__ import annotations
 from operator import itemgetter
 from typing import Any
 
-from engine.base import request_messages
+from engine.endpoints import request_messages
 from engine.tokens import PromptCounter
 from jobs.policy.violation import Violation, ViolationSink
 from jobs.wire import RequestLine

@@ -20,7 +20,7 @@ from django.db import transaction
 from django.db.models import Count
 from django.utils import timezone
 
-from engine.base import ENDPOINTS
+from engine.endpoints import ENDPOINTS
 from jobs import queues
 from jobs.compiled import Compiled
 from jobs.errors import ServiceError, not_found, storable_id

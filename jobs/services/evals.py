@@ -38,7 +38,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from engine.base import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RESPONSES
+from engine.endpoints import CHAT, EMBEDDINGS, REGISTRY, check_body
 from jobs import evalrules, queues
 from jobs.errors import ServiceError, not_found
 from jobs.models import Batch, EvalRun, EvalSet, File
@@ -47,7 +47,6 @@ from jobs.services.files import store_file
 from jobs.storage.lines import iter_lines
 from jobs.storage.objects import open_file, open_range, save_local
 from jobs.storage.temp import local_temp
-from jobs.wire import check_body
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ ANSWER_CHARS = 4000
 # Changed items a run keeps side by side for its batch page.
 CHANGED_SHOWN = 50
 # The endpoints whose answers are text, which the rules score.
-TEXT_ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES, MESSAGES)
+TEXT_ENDPOINTS = tuple(url for url, endpoint in REGISTRY.items() if not endpoint.pooling)
 # The fields of a batch's first request that make its sampling, copied onto the set's
 # requests of the same endpoint (every one of them optional there).
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from django.conf import settings
 from django.db import transaction
 
-from engine.base import MESSAGES
+from engine.endpoints import MESSAGES
 from jobs.errors import ServiceError, wrong_state
 from jobs.models import Batch, File
 from jobs.services.batches import create_batch

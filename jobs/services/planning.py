@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from jobs.prompts import dedup_key
 from jobs.storage.lines import Line
-from jobs.wire import RequestLine, dedup_key
+from jobs.wire import RequestLine
 
 
 @dataclass

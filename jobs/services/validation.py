@@ -8,7 +8,7 @@ Two kinds of problems, one rule each (as OpenAI's Batch API and the seeds have i
   other than POST, a url other than the batch's, a model that is missing, differs from the
   first line's or is not served, a line over the size limit, more requests than the limit,
   a `reject_batch` content rule;
-- a *request problem* fails that request only: a body the endpoint refuses (`wire.check_body`:
+- a *request problem* fails that request only: a body the endpoint refuses (`Endpoint.check`:
   types, ranges, unknown fields, media outside the allowed domains) or a `reject` content
   rule. The line runs nowhere; its shard writes the endpoint's 400 to the error file
   (`wire.refused_line`), counted as a failed request. A `strict` batch makes every request
@@ -39,6 +39,7 @@ from jobs.engines import served_endpoints
 from jobs.models import Batch, LoraAdapter, RequestCopy, ScreenedLine, Shard
 from jobs.policy import VIOLATION, Screener, ScreeningChunker, Violation
 from jobs.prefix import prefix_key
+from jobs.prompts import estimate_tokens, prompt_text
 from jobs.services.budgets import estimate
 from jobs.services.finalize import notify_ended
 from jobs.services.planning import CopySink, ShardPlan, ShardPlanner
@@ -52,9 +53,7 @@ from jobs.wire import (
     Code,
     LineError,
     RequestLine,
-    estimate_tokens,
     parse_line,
-    prompt_text,
     quoted,
 )
 from jobs.worker.presence import kv_cache_tokens

@@ -15,8 +15,7 @@ from typing import Any
 
 from django import template
 
-from engine.base import CHAT, MESSAGES, RESPONSES, request_messages, score_sides, text_parts
-from jobs.quality import response_output_text
+from engine.endpoints import show_request, show_response
 
 register = template.Library()
 
@@ -116,84 +115,24 @@ def percent(value: Any, digits: int = 1) -> str:
 
 @register.filter
 def request_text(line: Any) -> str:
-    """The human part of an input line: the messages (of a chat, Responses or Messages
-    request; an Anthropic request's system prompt first), prompt or input, or the inputs
-    of a score or rerank request's two sides, one a line."""
+    """The human part of an input line, as its endpoint shows it: the messages (of a chat,
+    Responses or Messages request; an Anthropic request's system prompt first), prompt or
+    input, or the inputs of a score or rerank request's two sides, one a line."""
     body = line.get("body") if isinstance(line, dict) else None
     if not isinstance(body, dict):
         return ""
-    url = line.get("url")
-    sides = score_sides(url, body) if isinstance(url, str) else []
-    if sides:
-        lines = []
-        for name, inputs in sides:
-            for i, content in enumerate(inputs):
-                label = name if len(inputs) == 1 else f"{name}[{i}]"
-                lines.append(f"{label}: {' '.join(text_parts(content))}")
-        return "\n".join(lines)
-    if url == RESPONSES or isinstance(body.get("messages"), list):
-        parts = []
-        for message in request_messages(url if url in (RESPONSES, MESSAGES) else CHAT, body):
-            if not isinstance(message, dict):
-                continue
-            content = message.get("content")
-            if isinstance(content, list):
-                content = " ".join(text_parts(content))
-            parts.append(f"{message.get('role', '?')}: {content}")
-        return "\n".join(parts)
-    for key in ("prompt", "input"):
-        if key in body:
-            value = body[key]
-            return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-    return ""
+    return show_request(line.get("url"), body)
 
 
 @register.filter
 def response_text(body: Any) -> str:
-    """The human part of a response body: the first choice's text, a Responses answer's
-    text, an Anthropic Message's text blocks, an embedding's size, the scores of a score
-    list (one a pair) or a rerank's documents by relevance."""
+    """The human part of a response body, as the endpoint whose answer it is shows it: the
+    first choice's text, a Responses answer's text, an Anthropic Message's text blocks, an
+    embedding's size, the scores of a score list (one a pair) or a rerank's documents by
+    relevance; an error's message."""
     if not isinstance(body, dict):
         return ""
-    if body.get("object") == "response":
-        return response_output_text(body)
-    if body.get("type") == "message":
-        return " ".join(text_parts(body.get("content")))
-    choices = body.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        first = choices[0]
-        message = first.get("message")
-        if isinstance(message, dict):
-            return str(message.get("content") or "")
-        return str(first.get("text") or "")
-    data = body.get("data")
-    if isinstance(data, list) and data and isinstance(data[0], dict):
-        embedding = data[0].get("embedding")
-        if isinstance(embedding, list):
-            return f"embedding of {len(embedding)} dimensions ({len(data)} inputs)"
-        if "score" in data[0]:
-            return "\n".join(f"pair {item.get('index')}: {_score(item.get('score'))}"
-                             for item in data if isinstance(item, dict))
-    results = body.get("results")
-    if isinstance(results, list):
-        ranked = []
-        for result in results:
-            if not isinstance(result, dict):
-                continue
-            document = result.get("document")
-            # A document of content parts comes back as `multi_modal`: its text parts.
-            text = (document.get("text") or " ".join(text_parts(document.get("multi_modal")))
-                    if isinstance(document, dict) else "")
-            ranked.append(f"{_score(result.get('relevance_score'))} "
-                          f"documents[{result.get('index')}]" + (f": {text}" if text else ""))
-        return "\n".join(ranked)
-    if isinstance(body.get("error"), dict):
-        return str(body["error"].get("message") or "")
-    return ""
-
-
-def _score(value: Any) -> str:
-    return f"{value:.4f}" if isinstance(value, int | float) else "?"
+    return show_response(body)
 
 
 CHART_WIDTH = 600

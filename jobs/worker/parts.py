@@ -21,6 +21,7 @@ from django.core.files.storage import default_storage
 from django.utils.crypto import salted_hmac
 
 from engine.base import EngineResult
+from engine.endpoints import usage_of
 from engine.prefix_limit import PrefixLimit
 from jobs.checkpoint import PART_KINDS, Checkpoint, Progress, ShardUsage
 from jobs.models import ContentRule, ScreenedLine, Shard
@@ -35,7 +36,6 @@ from jobs.wire import (
     refused_line,
     response_line,
     unrun_message,
-    usage_of,
 )
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class ShardWork:
                 for flag in flags:
                     self.flag_counts[flag] = self.flag_counts.get(flag, 0) + 1
         if ok:
-            tokens_in, tokens_out, cached = usage_of(result.body)
+            tokens_in, tokens_out, cached = usage_of(request.url, result.body)
             self.progress.input_tokens += tokens_in
             self.progress.output_tokens += tokens_out
             self.progress.cached_tokens += cached

@@ -199,7 +199,7 @@ def test_too_long_prompt_is_400_like_vllm() -> None:
 
 def test_a_body_it_cannot_read_is_one_400() -> None:
     # Parameter checks (max_tokens, n, stream...) are validation's, for every engine alike
-    # (jobs.wire.check_body; the bad-input corpus has each): the echo engine keeps only the
+    # (its endpoint's `check`; the bad-input corpus has each): the echo engine keeps only the
     # model's own refusals, and a body it cannot read at all is a plain 400.
     reqs = [
         EngineRequest("m", CHAT, {"model": "echo-test"}),

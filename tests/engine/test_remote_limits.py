@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import redis
 
-from engine.base import CHAT, MESSAGES, EngineError, EngineRequest, ModelSpec
+from engine.base import EngineError, EngineRequest, ModelSpec
+from engine.endpoints import CHAT, MESSAGES
 from engine.remote import RemoteEngine, backoff_seconds, retry_after, vllm_queue
 from engine.remote_limits import ACQUIRE, keys, server_state
 from tests.factories import free_port

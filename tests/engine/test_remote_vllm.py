@@ -15,10 +15,10 @@ import httpx
 import pytest
 import redis
 
-from engine.base import CHAT, COMPLETIONS, MESSAGES, RESPONSES, EngineRequest, ModelSpec
+from engine.base import EngineRequest, ModelSpec
+from engine.endpoints import CHAT, COMPLETIONS, MESSAGES, RESPONSES, usage_of
 from engine.remote import RemoteEngine, vllm_queue
 from engine.remote_limits import server_state
-from jobs.wire import usage_of
 from tests.engine import needs_vllm
 from tests.faultproxy import FaultProxy
 
@@ -85,8 +85,9 @@ def test_every_endpoint_of_a_chat_model(make_engine):
     assert results["m"].body["type"] == "message"
     for rid in "cpr":
         assert results[rid].body["model"] == NAME  # our name, not the server's
+    URLS = {"c": CHAT, "p": COMPLETIONS, "r": RESPONSES, "m": MESSAGES}  # noqa: N806
     for rid in "cprm":
-        prompt, output, _cached = usage_of(results[rid].body)
+        prompt, output, _cached = usage_of(URLS[rid], results[rid].body)
         assert prompt > 0 and output > 0
 
 
@@ -95,9 +96,9 @@ def test_cached_tokens_through_the_server_and_the_owners_salt(make_engine):
     first = run_all(engine, [chat("a", "Hello.", salt="owner-1", system=SYSTEM)])["a"]
     again = run_all(engine, [chat("b", "Hi there.", salt="owner-1", system=SYSTEM)])["b"]
     other = run_all(engine, [chat("c", "Hey.", salt="owner-2", system=SYSTEM)])["c"]
-    assert usage_of(first.body)[2] == 0
-    assert usage_of(again.body)[2] >= 128  # the shared system prompt, from the cache
-    assert usage_of(other.body)[2] == 0  # another owner's salt: nothing shared
+    assert usage_of(CHAT, first.body)[2] == 0
+    assert usage_of(CHAT, again.body)[2] >= 128  # the shared system prompt, from the cache
+    assert usage_of(CHAT, other.body)[2] == 0  # another owner's salt: nothing shared
 
 
 def test_faults_change_no_answer(make_engine, proxy):

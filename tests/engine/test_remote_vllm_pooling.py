@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.base import EMBEDDINGS, RERANK, SCORE, EngineRequest, ModelSpec
+from engine.base import EngineRequest, ModelSpec
+from engine.endpoints import EMBEDDINGS, RERANK, SCORE
 from engine.remote import RemoteEngine
 from tests.engine import needs_vllm
 from tests.faultproxy import FaultProxy

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine.base import (
+from engine.endpoints import (
     CHAT,
     COMPLETIONS,
     EMBEDDINGS,
@@ -51,7 +51,8 @@ def assert_over_agrees(counter: PromptCounter, url: str, body: dict) -> int:
     """`over` says "over" exactly when the count is over the limit, for limits on both
     sides of the count: the bound that spares the tokenizer is never below the count, nor
     is the looser one that clears whole chunks from the cost preview's estimate."""
-    from jobs.wire import RequestLine, estimate_tokens
+    from jobs.prompts import estimate_tokens
+    from jobs.wire import RequestLine
 
     count = counter.count(url, body)
     estimate = estimate_tokens(RequestLine("x", url, body))[0]
@@ -127,7 +128,8 @@ def test_the_prompt_size_rule_counts_the_models_tokens(chat_counter):
     by the estimate is refused by its real count."""
     from jobs.models import ContentRule
     from jobs.policy import Screener
-    from jobs.wire import RequestLine, estimate_tokens, prompt_text
+    from jobs.prompts import estimate_tokens, prompt_text
+    from jobs.wire import RequestLine
 
     def line(custom_id: str, text: str) -> RequestLine:
         return RequestLine(custom_id, CHAT, {"model": "SmolLM2-135M-Instruct",

@@ -24,11 +24,12 @@ from engine import (
     EngineResult,
     load_engine,
 )
+from engine.endpoints import REGISTRY, usage_of
+from engine.endpoints.responses import output_text as response_output_text
 from engine.prefix_limit import PrefixLimit
 from engine.prepare import DEFAULT_MODELS, prepare_model
 from engine.vllm_engine import VllmEngine
-from jobs.quality import flags_for, response_output_text
-from jobs.wire import DOCUMENTED_FIELDS, usage_of
+from jobs.quality import flags_for
 from tests.engine import needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.engine, pytest.mark.timeout(600)]
@@ -196,8 +197,6 @@ def test_anthropic_messages_shape_and_usage(engine: VllmEngine) -> None:
     """A /v1/messages request runs through vLLM's Anthropic layer: an Anthropic Message
     with its usage, the same greedy answer as the chat request it renders to, and errors
     in Anthropic's shape."""
-    from jobs.wire import usage_of
-
     system = "You are terse."
     question = "What is 2+2?"
     results = run_all(engine, [
@@ -223,7 +222,7 @@ def test_anthropic_messages_shape_and_usage(engine: VllmEngine) -> None:
     assert 0 < usage["output_tokens"] <= 12
     assert usage["output_tokens"] == results["c"].body["usage"]["completion_tokens"]
     # Anthropic counts prompt tokens served from the prefix cache apart; ours sum them.
-    prompt, completion, cached = usage_of(body)
+    prompt, completion, cached = usage_of(MESSAGES, body)
     assert prompt == results["c"].body["usage"]["prompt_tokens"]
     assert (completion, cached) == (usage["output_tokens"],
                                     usage.get("cache_read_input_tokens", 0))
@@ -459,7 +458,7 @@ def test_documented_responses_fields_are_fields_of_vllms_request() -> None:
     `conversation`). A vLLM that adds or drops one makes this fail, to be looked at."""
     from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
-    missing = DOCUMENTED_FIELDS[RESPONSES] - set(ResponsesRequest.model_fields)
+    missing = REGISTRY[RESPONSES].fields - set(ResponsesRequest.model_fields)
     assert missing == {"conversation", "prompt_cache_retention", "safety_identifier",
                        "stream_options"}
 
@@ -496,7 +495,7 @@ def test_responses_shape_usage_and_json_formats(engine: VllmEngine) -> None:
     usage = body["usage"]
     assert usage["input_tokens"] > 5 and 0 < usage["output_tokens"] <= 12
     assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
-    assert usage_of(body) == (usage["input_tokens"], usage["output_tokens"],
+    assert usage_of(RESPONSES, body) == (usage["input_tokens"], usage["output_tokens"],
                               usage["input_tokens_details"]["cached_tokens"])
     json.dumps(body)  # the worker writes it as a JSON line
 

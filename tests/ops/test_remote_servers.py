@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from django.conf import settings as django_settings
 
-from engine.base import CHAT, EngineRequest, ModelSpec
+from engine.base import EngineRequest, ModelSpec
+from engine.endpoints import CHAT
 from engine.remote import RemoteEngine
 from jobs.queries import queue_health
 from tests.factories import free_port, prometheus_values, register_worker

@@ -10,15 +10,12 @@ from typing import Any
 
 import pytest
 
+from engine.endpoints import CHAT, COMPLETIONS, EMBEDDINGS, REGISTRY, check_body
+from engine.endpoints.base import Refusal
 from jobs.wire import (
-    CHAT,
-    COMPLETIONS,
-    DOCUMENTED_FIELDS,
-    EMBEDDINGS,
     Code,
     LineError,
     RequestLine,
-    check_body,
     parse_line,
 )
 
@@ -33,7 +30,7 @@ def _line(url: str, body: dict[str, Any]) -> bytes:
     return json.dumps({"custom_id": "r", "method": "POST", "url": url, "body": body}).encode()
 
 
-def _check(url: str, body: dict[str, Any], domains: tuple[str, ...] = ()) -> LineError | None:
+def _check(url: str, body: dict[str, Any], domains: tuple[str, ...] = ()) -> Refusal | None:
     return check_body(url, body, max_tokens_cap=CAP, media_domains=domains)
 
 
@@ -56,28 +53,27 @@ def test_an_undocumented_field_is_a_request_problem_naming_it(url: str, name: st
 @pytest.mark.parametrize("url", [CHAT, COMPLETIONS, EMBEDDINGS])
 def test_every_documented_field_passes(url: str) -> None:
     # null is accepted for every optional field by check_body's value rules.
-    body = {**{name: None for name in DOCUMENTED_FIELDS[url]}, **BASES[url]}
+    body = {**{name: None for name in REGISTRY[url].fields}, **BASES[url]}
     assert _check(url, body) is None
     assert isinstance(parse_line(_line(url, body), max_tokens_cap=CAP), RequestLine)
 
 
 def test_openai_and_vllm_sampling_fields_are_documented() -> None:
     assert {"response_format", "tools", "tool_choice", "logprobs", "top_logprobs",
-            "max_completion_tokens", "seed", "stop"} <= DOCUMENTED_FIELDS[CHAT]
-    assert {"suffix", "echo", "best_of", "logprobs"} <= DOCUMENTED_FIELDS[COMPLETIONS]
-    assert {"dimensions", "encoding_format"} <= DOCUMENTED_FIELDS[EMBEDDINGS]
+            "max_completion_tokens", "seed", "stop"} <= REGISTRY[CHAT].fields
+    assert {"suffix", "echo", "best_of", "logprobs"} <= REGISTRY[COMPLETIONS].fields
+    assert {"dimensions", "encoding_format"} <= REGISTRY[EMBEDDINGS].fields
     for url in (CHAT, COMPLETIONS):
         assert {"top_k", "min_p", "repetition_penalty", "min_tokens",
-                "stop_token_ids"} <= DOCUMENTED_FIELDS[url]
+                "stop_token_ids"} <= REGISTRY[url].fields
 
 
 def test_the_fields_the_vllm_engine_ignores_still_reach_it() -> None:
-    """engine/vllm_engine.py decides about these (ignores them, or answers a per-request
-    400 when ignoring would change the answer): validation must not refuse them first."""
-    from engine.vllm_engine import _IGNORED_PARAMETERS
-
-    for url, names in _IGNORED_PARAMETERS.items():
-        assert set(names) <= DOCUMENTED_FIELDS[url], url
+    """engine/vllm_engine.py decides about these (an endpoint's `droppable`: ignores them,
+    or answers a per-request 400 when ignoring would change the answer): validation must
+    not refuse them first."""
+    for url, endpoint in REGISTRY.items():
+        assert set(endpoint.droppable) <= endpoint.fields, url
 
 
 def _image(url: str) -> dict[str, Any]:

@@ -14,11 +14,13 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from engine.base import MESSAGES, ModelSpec, anthropic_error
+from engine.base import ModelSpec
 from engine.echo import EchoEngine
+from engine.endpoints import MESSAGES, anthropic_error, check_body, usage_of
 from jobs import anthropic
 from jobs.errors import ServiceError
 from jobs.models import Batch
+from jobs.prompts import dedup_key, prompt_text
 from jobs.quality import LENGTH, flags_for
 from jobs.services.message_batches import iter_requests
 from jobs.templatetags.dashboard import request_text, response_text
@@ -26,13 +28,9 @@ from jobs.wire import (
     Code,
     LineError,
     RequestLine,
-    check_body,
-    dedup_key,
     failure_line,
     parse_line,
-    prompt_text,
     response_line,
-    usage_of,
 )
 
 CAP = 1000
@@ -117,7 +115,7 @@ def test_usage_of_a_message_counts_the_cache_parts() -> None:
     body = {"type": "message", "usage": {"input_tokens": 7, "output_tokens": 3,
                                          "cache_read_input_tokens": 5,
                                          "cache_creation_input_tokens": 1}}
-    assert usage_of(body) == (13, 3, 5)
+    assert usage_of(MESSAGES, body) == (13, 3, 5)
 
 
 # --- the create body, read as a stream ---

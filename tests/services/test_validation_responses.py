@@ -10,17 +10,13 @@ from typing import Any
 
 import pytest
 
-from engine.base import RESPONSES, request_messages
+from engine.endpoints import CHAT, REGISTRY, RESPONSES, check_body, request_messages, usage_of
+from engine.endpoints.base import Refusal
+from jobs.prompts import estimate_tokens, prompt_text
 from jobs.wire import (
-    DOCUMENTED_FIELDS,
     Code,
-    LineError,
     RequestLine,
-    check_body,
-    estimate_tokens,
     parse_line,
-    prompt_text,
-    usage_of,
 )
 
 MODEL = "echo-test"
@@ -31,7 +27,7 @@ FUNCTION = {"type": "function", "name": "get_weather", "description": "Weather o
             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
 
 
-def _check(body: dict[str, Any], domains: tuple[str, ...] = ()) -> LineError | None:
+def _check(body: dict[str, Any], domains: tuple[str, ...] = ()) -> Refusal | None:
     return check_body(RESPONSES, body, max_tokens_cap=CAP, media_domains=domains)
 
 
@@ -70,7 +66,7 @@ def test_a_good_responses_body_passes(body: dict[str, Any]) -> None:
 
 
 def test_every_documented_field_passes_as_null() -> None:
-    body = {**{name: None for name in DOCUMENTED_FIELDS[RESPONSES]}, **BASE}
+    body = {**{name: None for name in REGISTRY[RESPONSES].fields}, **BASE}
     assert _check(body) is None
 
 
@@ -190,11 +186,11 @@ def test_usage_of_a_response_object() -> None:
         "input_tokens": 30, "output_tokens": 7, "total_tokens": 37,
         "input_tokens_details": {"cached_tokens": 16},
         "output_tokens_details": {"reasoning_tokens": 0}}}
-    assert usage_of(body) == (30, 7, 16)
-    assert usage_of({"usage": {"input_tokens": 3, "output_tokens": 1,
+    assert usage_of(RESPONSES, body) == (30, 7, 16)
+    assert usage_of(RESPONSES, {"usage": {"input_tokens": 3, "output_tokens": 1,
                                "input_tokens_details": None}}) == (3, 1, 0)
     # The chat shape still reads as before.
-    assert usage_of({"usage": {"prompt_tokens": 5, "completion_tokens": 2,
+    assert usage_of(CHAT, {"usage": {"prompt_tokens": 5, "completion_tokens": 2,
                                "prompt_tokens_details": {"cached_tokens": 1}}}) == (5, 2, 1)
 
 

@@ -10,18 +10,14 @@ from typing import Any
 
 import pytest
 
-from engine.base import POOLING_ENDPOINTS, RERANK, SCORE, SCORE_SIDES, score_sides
+from engine.endpoints import POOLING_ENDPOINTS, REGISTRY, RERANK, SCORE, check_body, usage_of
+from engine.endpoints.base import Refusal
+from engine.endpoints.score import SCORE_SIDES
+from jobs.prompts import dedup_key, estimate_tokens, prompt_text
 from jobs.wire import (
-    DOCUMENTED_FIELDS,
     Code,
-    LineError,
     RequestLine,
-    check_body,
-    dedup_key,
-    estimate_tokens,
     parse_line,
-    prompt_text,
-    usage_of,
 )
 
 MODEL = "echo-test"
@@ -31,7 +27,7 @@ RERANK_BODY = {"model": MODEL, "query": "pets", "documents": ["Tax.", "A kitten.
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
 
 
-def _check(url: str, body: dict[str, Any], domains: tuple[str, ...] = ()) -> LineError | None:
+def _check(url: str, body: dict[str, Any], domains: tuple[str, ...] = ()) -> Refusal | None:
     return check_body(url, body, max_tokens_cap=CAP, media_domains=domains)
 
 
@@ -64,7 +60,7 @@ def test_vllms_score_and_rerank_shapes_pass(url: str, body: dict[str, Any]) -> N
 def test_every_documented_parameter_passes_as_null(url: str) -> None:
     sides = {name for pair in SCORE_SIDES for name in pair} | {"query", "documents"}
     base = SCORE_BODY if url == SCORE else RERANK_BODY
-    body = {**{name: None for name in DOCUMENTED_FIELDS[url] - sides}, **base}
+    body = {**{name: None for name in REGISTRY[url].fields - sides}, **base}
     assert _check(url, body) is None
 
 
@@ -131,11 +127,11 @@ def test_media_of_allowed_domains_pass() -> None:
 def test_the_sides_and_texts_of_score_and_rerank_requests() -> None:
     body = {"model": MODEL, "text_1": "Cats?",
             "text_2": ["Yes.", {"content": [{"type": "text", "text": "No."}, IMAGE]}]}
-    assert score_sides(SCORE, body) == [
+    assert REGISTRY[SCORE].sides(body) == [
         ("text_1", ["Cats?"]), ("text_2", ["Yes.", [{"type": "text", "text": "No."}, IMAGE]])]
-    assert score_sides(RERANK, RERANK_BODY) == [("query", ["pets"]),
+    assert REGISTRY[RERANK].sides(RERANK_BODY) == [("query", ["pets"]),
                                                 ("documents", ["Tax.", "A kitten."])]
-    assert score_sides(SCORE, {"model": MODEL}) == []
+    assert REGISTRY[SCORE].sides({"model": MODEL}) == []
     line = RequestLine("s", SCORE, body)
     text, chars = prompt_text(line)
     assert text == "Cats?\nYes.\nNo."
@@ -161,8 +157,8 @@ def test_usage_of_score_and_rerank_responses() -> None:
     score = {"id": "score-1", "object": "list", "data": [], "usage": {
         "prompt_tokens": 17, "total_tokens": 17, "completion_tokens": 0,
         "prompt_tokens_details": None, "completion_tokens_details": None}}
-    assert usage_of(score) == (17, 0, 0)
-    assert usage_of({"id": "score-2", "results": [],
+    assert usage_of(SCORE, score) == (17, 0, 0)
+    assert usage_of(RERANK, {"id": "score-2", "results": [],
                      "usage": {"prompt_tokens": 19, "total_tokens": 19}}) == (19, 0, 0)
 
 

@@ -1,0 +1,335 @@
+"""What every endpoint shares: the `Endpoint` base class, the `Refusal` of a body it will
+not run, the neutral results an engine computes, and the text of a prompt.
+
+An endpoint object is stateless: one instance per url, in the registry
+(`engine/endpoints/__init__.py`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+# The `code` of a body's refusal (jobs/wire.py's Code names them for the line format).
+MISSING_PARAMETER = "missing_required_parameter"
+INVALID_BODY = "invalid_body"
+INVALID_PARAMETER = "invalid_parameter"
+
+# vLLM's documented extra sampling parameters, fields of its ChatCompletionRequest and
+# CompletionRequest (its ResponsesRequest has some of them: engine/endpoints/responses.py).
+VLLM_SAMPLING_FIELDS = frozenset({
+    "use_beam_search", "top_k", "min_p", "repetition_penalty", "length_penalty",
+    "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "min_tokens",
+    "skip_special_tokens", "spaces_between_special_tokens", "truncate_prompt_tokens",
+    "prompt_logprobs", "allowed_token_ids", "bad_words"})
+
+# Body fields that cap the output tokens of a generating request, by endpoint: chat's two,
+# completions' and Anthropic's max_tokens, Responses' max_output_tokens.
+MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+class Refusal(NamedTuple):
+    """Why an endpoint refuses a body: the 400 it answers, naming the field. A tuple, so
+    the line format's `LineError` (a Refusal that also knows its errors.data entry) and
+    the endpoint's own refusal of the same body compare equal."""
+
+    code: str
+    message: str
+    param: str | None = None
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def text_parts(value: Any) -> list[str]:
+    """The texts of a message's `content`, a `prompt`, an `input`, an Anthropic `system` or
+    a Message's `content`: a string itself; in a list, its strings and the `text` of its
+    content parts (OpenAI's parts and Anthropic's text blocks alike). Token ids, images and
+    anything else carry no text. The one definition of "the text of a prompt", used by
+    validation (estimates, content rules), token counting, the echo engine and the
+    dashboard."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        return []
+    parts = []
+    for item in value:
+        if isinstance(item, str):
+            parts.append(item)
+        elif isinstance(item, dict) and isinstance(item.get("text"), str):
+            parts.append(item["text"])
+    return parts
+
+
+def openai_error(status: int, message: str, param: str | None = None, *,
+                 kind: str = "BadRequestError") -> dict[str, Any]:
+    """An OpenAI error body as vLLM's serving layer writes it."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def openai_usage(body: dict[str, Any]) -> tuple[int, int, int]:
+    """(prompt, completion, cached prompt) tokens of OpenAI's `usage`; cached ones are its
+    `prompt_tokens_details.cached_tokens` (served from the prefix cache)."""
+    usage = body.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return (int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0),
+            int(details.get("cached_tokens") or 0))
+
+
+def show_messages(messages: list[Any]) -> str:
+    """Messages for the dashboard: "role: text", one a line."""
+    lines = []
+    for message in messages:
+        if not isinstance(message, dict):
+            continue
+        content = message.get("content")
+        if isinstance(content, list):
+            content = " ".join(text_parts(content))
+        lines.append(f"{message.get('role', '?')}: {content}")
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What a generating request came to, whatever engine computed it; its endpoint builds
+    the wire response (`Endpoint.respond`)."""
+
+    model: str
+    text: str
+    # Cut at the output-token cap (else it stopped by itself).
+    cut: bool
+    prompt_tokens: int
+    # Output tokens of one choice.
+    output_tokens: int
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """What a pooling request came to: one embedding per input, or one score per pair
+    with the documents scored (rerank shows them)."""
+
+    model: str
+    prompt_tokens: int
+    embeddings: list[list[float]] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    documents: list[Any] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class VllmServing:
+    """How vLLM's in-process serving layer answers an endpoint (engine/vllm_engine.py):
+    the serving object's name on vLLM's app state, its request model (module.Name, imported
+    only by the worker that runs vLLM), the method called (None: the object itself is
+    called, as the pooling ones are) and how a pydantic answer is dumped to JSON, as vLLM's
+    own route writes it."""
+
+    state: str
+    request: str
+    method: str | None = None
+    dump: dict[str, Any] = field(default_factory=dict)
+
+
+class Endpoint:
+    """One endpoint: what is particular to it, from its body's rules to the dashboard's
+    view of its answer. Subclasses set the class attributes and override what differs."""
+
+    url: str
+    # The body fields it documents; anything else never reaches an engine.
+    fields: frozenset[str]
+    # Documented fields no model here can honour: refused by name.
+    unsupported: frozenset[str] = frozenset()
+    max_temperature = 2
+    # The kind of call an engine makes: "chat" (messages through the chat template),
+    # "generate" (a plain prompt), "embed" or "score".
+    kind: str
+    # A pooling model's endpoint: no output tokens and no sampling (the same request gets
+    # the same answer), no generated text to check, retry or prefix-group.
+    pooling = False
+    # Whether validation groups its requests by prompt prefix (jobs/prefix.py).
+    prefix_grouped = False
+    # The body field an engine cannot answer without.
+    prompt_field: str
+    # OpenAI parameters that change the answer and that vLLM's request model may lack
+    # (it would drop them silently: engine/vllm_engine.py refuses them instead).
+    droppable: tuple[str, ...] = ()
+    # Whether vLLM's request model takes a `priority` (the remote engine sends one).
+    takes_priority = True
+    vllm: VllmServing
+
+    # -- the body -----------------------------------------------------------------------
+
+    def check(self, body: dict[str, Any], *, max_tokens_cap: int,
+              media_domains: Sequence[str] = ()) -> Refusal | None:
+        """The request-body rules we can check without the model; the engine checks the
+        rest and answers a per-request 400 for what it cannot honour."""
+        model = body.get("model")
+        if model is None:
+            return Refusal(MISSING_PARAMETER, "Missing body.model.", "body.model")
+        if not isinstance(model, str) or not model:
+            return Refusal(INVALID_BODY, "body.model must be a non-empty string.", "body.model")
+        for name in body:
+            if name in self.unsupported:
+                return Refusal(INVALID_PARAMETER,
+                               f"body.{name} is not supported by this service's models.",
+                               f"body.{name}")
+            if name not in self.fields:
+                return Refusal(INVALID_PARAMETER,
+                               f"body.{name[:100]} is not a parameter of {self.url}; only the "
+                               "endpoint's documented parameters are accepted.",
+                               f"body.{name[:100]}")
+        if body.get("stream"):
+            return Refusal(INVALID_PARAMETER, "Streaming is not supported in a batch.",
+                           "body.stream")
+        problem = self.check_own(body, media_domains)
+        if problem:
+            return problem
+        for name in MAX_TOKENS_FIELDS:
+            value = body.get(name)
+            if value is None:
+                continue
+            if not is_int(value) or value < 1:
+                return Refusal(INVALID_PARAMETER, f"body.{name} must be a positive integer.",
+                               f"body.{name}")
+            if value > max_tokens_cap:
+                return Refusal(INVALID_PARAMETER,
+                               f"body.{name} must be at most {max_tokens_cap}.", f"body.{name}")
+        n = body.get("n")
+        if n is not None and (not is_int(n) or not 1 <= n <= 128):
+            return Refusal(INVALID_PARAMETER, "body.n must be an integer from 1 to 128.",
+                           "body.n")
+        temperature = body.get("temperature")
+        highest = self.max_temperature
+        if temperature is not None and (not is_number(temperature)
+                                        or not 0 <= temperature <= highest):
+            return Refusal(INVALID_PARAMETER,
+                           f"body.temperature must be between 0 and {highest}.",
+                           "body.temperature")
+        top_p = body.get("top_p")
+        if top_p is not None and (not is_number(top_p) or not 0 < top_p <= 1):
+            return Refusal(INVALID_PARAMETER, "body.top_p must be in (0, 1].", "body.top_p")
+        return None
+
+    def check_own(self, body: dict[str, Any], media_domains: Sequence[str]) -> Refusal | None:
+        """The endpoint's own rules: its prompt or inputs (run after the shared ones on
+        fields and streaming, before those on sampling)."""
+        raise NotImplementedError
+
+    # -- the prompt ---------------------------------------------------------------------
+
+    def messages(self, body: dict[str, Any]) -> list[Any]:
+        """The messages a "chat" kind puts through the model's chat template, each a dict
+        with `role` and `content` (whose texts are `text_parts`); [] for other kinds. The
+        one definition of "the messages of a prompt", used by validation, token counting,
+        prefix keys, the echo engine and the dashboard alike."""
+        return []
+
+    def sides(self, body: dict[str, Any]) -> list[tuple[str, list[Any]]]:
+        """The two sides a "score" kind pairs, each as (field name, inputs); [] for other
+        kinds, and for a body without its two. The one definition of "the inputs of a
+        score request", used by validation, token counting, the echo engine and the
+        dashboard alike."""
+        return []
+
+    def prompts(self, body: dict[str, Any]) -> list[Any]:
+        """The prompts of the other kinds, as a tokenizer counts them: each a string or a
+        list of token ids."""
+        return []
+
+    def prompt_values(self, body: dict[str, Any]) -> list[Any]:
+        """The values whose `text_parts` are the prompt's text."""
+        return [message.get("content") for message in self.messages(body)]
+
+    def prompt_text(self, body: dict[str, Any]) -> tuple[str, int]:
+        """(text, characters) of what a request sends to the model: the texts of its
+        `prompt_values` joined with "\\n", and the characters the token estimate counts
+        (the texts' own, and 4 for each token id or token array)."""
+        values = self.prompt_values(body)
+        parts = [part for value in values for part in text_parts(value)]
+        # Token ids (in a completions prompt or an embeddings input) have no text.
+        token_ids = sum(1 for value in values if isinstance(value, list)
+                        for item in value if not isinstance(item, str | dict))
+        return "\n".join(parts), sum(map(len, parts)) + 4 * token_ids
+
+    def output_ceiling(self, body: dict[str, Any]) -> int:
+        """The most output tokens the request may generate, all choices together."""
+        cap = (body.get("max_completion_tokens") or body.get("max_tokens")
+               or body.get("max_output_tokens") or 0)
+        return cap * (body.get("n") or 1)
+
+    def deterministic(self, body: dict[str, Any]) -> bool:
+        """Whether the answer is fully determined by the body (greedy sampling, or a fixed
+        seed): identical requests are then computed once."""
+        return body.get("temperature", 1) == 0 or body.get("seed") is not None
+
+    def engine_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The body as an engine sends it on (what a batch cannot ask for, set)."""
+        return body
+
+    def calls_functions(self, body: dict[str, Any]) -> bool:
+        """Whether the body offers function tools that vLLM answers as calls only with a
+        tool call parser (and would otherwise answer as plain text)."""
+        return False
+
+    # -- the answer ---------------------------------------------------------------------
+
+    def respond(self, body: dict[str, Any], result: Any) -> dict[str, Any]:
+        """The wire response of a `Generation` or `Pooled` result, shaped as vLLM's."""
+        raise NotImplementedError
+
+    def error_body(self, status: int, openai: dict[str, Any]) -> dict[str, Any]:
+        """The error body of this endpoint's API from an OpenAI error body."""
+        return openai
+
+    def json_format(self, body: dict[str, Any]) -> Any:
+        """Where the body asks for its output's format (chat's `response_format`), else
+        None."""
+        return None
+
+    def output_texts(self, body: dict[str, Any]) -> list[tuple[str, str | None]]:
+        """(text, finish_reason) of each answer of a response body; "length" is the stop
+        at the output-token cap. [] where nothing is generated."""
+        return []
+
+    def usage(self, body: dict[str, Any]) -> tuple[int, int, int]:
+        """(prompt, completion, cached prompt) tokens of a response body's usage."""
+        return openai_usage(body)
+
+    # -- the dashboard ------------------------------------------------------------------
+
+    def show_request(self, body: dict[str, Any]) -> str:
+        """The human part of a request body: here a `messages` list as chat messages, else
+        its prompt or input (also what a body this endpoint cannot read shows)."""
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            return show_messages(messages)
+        for key in ("prompt", "input"):
+            if key in body:
+                value = body[key]
+                return value if isinstance(value, str) else json.dumps(value,
+                                                                       ensure_ascii=False)
+        return ""
+
+    def show_response(self, body: dict[str, Any]) -> str | None:
+        """The human part of a response body, None when the body is not this endpoint's
+        answer."""
+        return None
+
+
+class Pooling(Endpoint):
+    """An endpoint of pooling models: nothing generated, the same body the same answer."""
+
+    pooling = True
+
+    def output_ceiling(self, body: dict[str, Any]) -> int:
+        return 0
+
+    def deterministic(self, body: dict[str, Any]) -> bool:
+        return True

@@ -1,0 +1,72 @@
+"""/v1/completions: OpenAI's (legacy) completions of a plain prompt."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from engine.endpoints.base import (
+    INVALID_BODY,
+    VLLM_SAMPLING_FIELDS,
+    Endpoint,
+    Generation,
+    Refusal,
+    VllmServing,
+)
+from engine.endpoints.chat import openai_common
+
+
+def plain_prompts(value: Any) -> list[Any]:
+    """The prompts of a completions `prompt` or an embeddings `input`: a string or one list
+    of token ids is one prompt, another list holds several."""
+    if isinstance(value, str) or (isinstance(value, list) and value
+                                  and all(isinstance(t, int) for t in value)):
+        return [value]
+    return list(value) if isinstance(value, list) else []
+
+
+class Completions(Endpoint):
+    url = "/v1/completions"
+    fields = frozenset({
+        "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
+        "max_tokens", "n", "presence_penalty", "seed", "stop", "stream", "stream_options",
+        "suffix", "temperature", "top_p", "user"}) | VLLM_SAMPLING_FIELDS
+    kind = "generate"
+    prompt_field = "prompt"
+    droppable = ("best_of",)
+    vllm = VllmServing("openai_serving_completion",
+                       "vllm.entrypoints.openai.completion.protocol.CompletionRequest",
+                       "create_completion")
+
+    def check_own(self, body: dict[str, Any], media_domains: Sequence[str]) -> Refusal | None:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str | list) or prompt in ("", []):
+            return Refusal(INVALID_BODY, "body.prompt must be a non-empty string or array.",
+                           "body.prompt")
+        return None
+
+    def prompts(self, body: dict[str, Any]) -> list[Any]:
+        return plain_prompts(body.get("prompt"))
+
+    def prompt_values(self, body: dict[str, Any]) -> list[Any]:
+        return [body.get("prompt")]
+
+    def output_texts(self, body: dict[str, Any]) -> list[tuple[str, str | None]]:
+        return [(choice.get("text") or "", choice.get("finish_reason"))
+                for choice in body.get("choices") or ()]
+
+    def respond(self, body: dict[str, Any], result: Generation) -> dict[str, Any]:
+        finish = "length" if result.cut else "stop"
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                **openai_common(result),
+                "choices": [{"index": i, "text": result.text, "logprobs": None,
+                             "finish_reason": finish, "stop_reason": None}
+                            for i in range(result.n)]}
+
+    def show_response(self, body: dict[str, Any]) -> str | None:
+        """The first choice's text."""
+        choices = body.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            return str(choices[0].get("text") or "")
+        return None

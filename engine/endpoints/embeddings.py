@@ -1,0 +1,54 @@
+"""/v1/embeddings: OpenAI's embeddings, on a pooling model."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from engine.endpoints.base import INVALID_BODY, Pooled, Pooling, Refusal, VllmServing
+from engine.endpoints.completions import plain_prompts
+
+
+class Embeddings(Pooling):
+    url = "/v1/embeddings"
+    fields = frozenset({"input", "model", "dimensions", "encoding_format", "user",
+                        "truncate_prompt_tokens"})
+    kind = "embed"
+    prompt_field = "input"
+    vllm = VllmServing("serving_embedding",
+                       "vllm.entrypoints.pooling.embed.protocol.EmbeddingRequest")
+
+    def check_own(self, body: dict[str, Any], media_domains: Sequence[str]) -> Refusal | None:
+        value = body.get("input")
+        if not isinstance(value, str | list) or value in ("", []):
+            return Refusal(INVALID_BODY, "body.input must be a non-empty string or array.",
+                           "body.input")
+        return None
+
+    def prompts(self, body: dict[str, Any]) -> list[Any]:
+        return plain_prompts(body.get("input"))
+
+    def prompt_values(self, body: dict[str, Any]) -> list[Any]:
+        return [body.get("input")]
+
+    def respond(self, body: dict[str, Any], result: Pooled) -> dict[str, Any]:
+        return {
+            "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+            "model": result.model,
+            "data": [{"index": i, "object": "embedding", "embedding": vector}
+                     for i, vector in enumerate(result.embeddings)],
+            "usage": {"prompt_tokens": result.prompt_tokens,
+                      "total_tokens": result.prompt_tokens,
+                      "completion_tokens": 0, "prompt_tokens_details": None},
+        }
+
+    def show_response(self, body: dict[str, Any]) -> str | None:
+        """The embedding's size."""
+        data = body.get("data")
+        if isinstance(data, list) and data and isinstance(data[0], dict):
+            embedding = data[0].get("embedding")
+            if isinstance(embedding, list):
+                return f"embedding of {len(embedding)} dimensions ({len(data)} inputs)"
+        return None
