@@ -12,7 +12,7 @@ import functools
 from django.conf import settings
 
 from engine.base import ModelSpec
-from engine.endpoints import CHAT, MESSAGES
+from engine.endpoints import served
 
 
 @functools.cache
@@ -48,13 +48,7 @@ def engine_media_domains() -> list[str]:
 
 
 def _endpoints(entry: dict) -> tuple[str, ...]:
-    endpoints = tuple(entry.get("endpoints", ()))
-    # Anthropic's Messages API runs through the chat serving layer (vLLM's Anthropic layer
-    # renders it as a chat completion): a model that serves chat serves it too, without
-    # every models file having to say so.
-    if CHAT in endpoints and MESSAGES not in endpoints:
-        endpoints += (MESSAGES,)
-    return endpoints
+    return served(entry.get("endpoints", ()))
 
 
 def model_specs() -> list[ModelSpec]:

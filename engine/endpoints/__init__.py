@@ -46,7 +46,7 @@ POOLING_ENDPOINTS = tuple(url for url, endpoint in REGISTRY.items() if endpoint.
 __all__ = [
     "CHAT", "COMPLETIONS", "EMBEDDINGS", "ENDPOINTS", "MESSAGES", "POOLING_ENDPOINTS",
     "REGISTRY", "RERANK", "RESPONSES", "SCORE", "Endpoint", "Refusal", "anthropic_error",
-    "check_body", "endpoint", "request_messages", "show_request", "show_response",
+    "check_body", "endpoint", "request_messages", "served", "show_request", "show_response",
     "text_parts", "usage_of",
 ]
 
@@ -54,6 +54,14 @@ __all__ = [
 def endpoint(url: str) -> Endpoint:
     """The endpoint of `url`, one of ENDPOINTS (KeyError for another)."""
     return REGISTRY[url]
+
+
+def served(declared: Sequence[str]) -> tuple[str, ...]:
+    """The endpoints a model declared to serve `declared` serves: those, and every endpoint
+    that runs through one of them (a chat model serves Anthropic's Messages)."""
+    extra = tuple(url for url, one in REGISTRY.items()
+                  if one.served_through in declared and url not in declared)
+    return tuple(declared) + extra
 
 
 def check_body(url: str, body: dict[str, Any], *, max_tokens_cap: int,

@@ -162,6 +162,9 @@ class Endpoint:
     droppable: tuple[str, ...] = ()
     # Whether vLLM's request model takes a `priority` (the remote engine sends one).
     takes_priority = True
+    # The url of another endpoint through whose serving layer this one runs: a model that
+    # serves that one serves this one too, without every models file having to say so.
+    served_through: str | None = None
     vllm: VllmServing
 
     # -- the body -----------------------------------------------------------------------

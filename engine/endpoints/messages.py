@@ -98,6 +98,8 @@ class Messages(Endpoint):
     prompt_field = "messages"
     # vLLM's Anthropic request model has no `priority` field (it would be ignored anyway).
     takes_priority = False
+    # vLLM's Anthropic layer renders a Message as a chat completion.
+    served_through = "/v1/chat/completions"
     # As vLLM's router writes a Message: unset optional fields left out.
     vllm = VllmServing("anthropic_serving_messages",
                        "vllm.entrypoints.anthropic.protocol.AnthropicMessagesRequest",

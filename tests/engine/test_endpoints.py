@@ -48,3 +48,11 @@ def test_a_response_is_shown_by_the_endpoint_whose_shape_it_has() -> None:
     assert show_response({"data": [{"embedding": [0.1, 0.2]}]}) == (
         "embedding of 2 dimensions (1 inputs)")
     assert show_response({"error": {"message": "nope"}}) == "nope"
+
+
+def test_a_chat_model_serves_messages_without_saying_so() -> None:
+    from engine.endpoints import CHAT, EMBEDDINGS, MESSAGES, served
+
+    assert served((CHAT,)) == (CHAT, MESSAGES)
+    assert served((CHAT, MESSAGES)) == (CHAT, MESSAGES)
+    assert served((EMBEDDINGS,)) == (EMBEDDINGS,)
