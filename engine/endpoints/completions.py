@@ -26,7 +26,25 @@ def plain_prompts(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list) else []
 
 
-class Completions(Endpoint):
+class PlainPrompts(Endpoint):
+    """An endpoint whose prompt field (`prompt_field`) holds plain prompts: a string, token
+    ids, or a list of either."""
+
+    def check_own(self, body: dict[str, Any], media_domains: Sequence[str]) -> Refusal | None:
+        value = body.get(self.prompt_field)
+        if not isinstance(value, str | list) or value in ("", []):
+            param = f"body.{self.prompt_field}"
+            return Refusal(INVALID_BODY, f"{param} must be a non-empty string or array.", param)
+        return None
+
+    def prompts(self, body: dict[str, Any]) -> list[Any]:
+        return plain_prompts(body.get(self.prompt_field))
+
+    def prompt_values(self, body: dict[str, Any]) -> list[Any]:
+        return [body.get(self.prompt_field)]
+
+
+class Completions(PlainPrompts):
     url = "/v1/completions"
     fields = frozenset({
         "model", "prompt", "best_of", "echo", "frequency_penalty", "logit_bias", "logprobs",
@@ -38,19 +56,6 @@ class Completions(Endpoint):
     vllm = VllmServing("openai_serving_completion",
                        "vllm.entrypoints.openai.completion.protocol.CompletionRequest",
                        "create_completion")
-
-    def check_own(self, body: dict[str, Any], media_domains: Sequence[str]) -> Refusal | None:
-        prompt = body.get("prompt")
-        if not isinstance(prompt, str | list) or prompt in ("", []):
-            return Refusal(INVALID_BODY, "body.prompt must be a non-empty string or array.",
-                           "body.prompt")
-        return None
-
-    def prompts(self, body: dict[str, Any]) -> list[Any]:
-        return plain_prompts(body.get("prompt"))
-
-    def prompt_values(self, body: dict[str, Any]) -> list[Any]:
-        return [body.get("prompt")]
 
     def output_texts(self, body: dict[str, Any]) -> list[tuple[str, str | None]]:
         return [(choice.get("text") or "", choice.get("finish_reason"))

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
-from engine.endpoints.base import INVALID_BODY, Pooled, Pooling, Refusal, VllmServing
-from engine.endpoints.completions import plain_prompts
+from engine.endpoints.base import Pooled, Pooling, VllmServing
+from engine.endpoints.completions import PlainPrompts
 
 
-class Embeddings(Pooling):
+class Embeddings(PlainPrompts, Pooling):
     url = "/v1/embeddings"
     fields = frozenset({"input", "model", "dimensions", "encoding_format", "user",
                         "truncate_prompt_tokens"})
@@ -19,19 +18,6 @@ class Embeddings(Pooling):
     prompt_field = "input"
     vllm = VllmServing("serving_embedding",
                        "vllm.entrypoints.pooling.embed.protocol.EmbeddingRequest")
-
-    def check_own(self, body: dict[str, Any], media_domains: Sequence[str]) -> Refusal | None:
-        value = body.get("input")
-        if not isinstance(value, str | list) or value in ("", []):
-            return Refusal(INVALID_BODY, "body.input must be a non-empty string or array.",
-                           "body.input")
-        return None
-
-    def prompts(self, body: dict[str, Any]) -> list[Any]:
-        return plain_prompts(body.get("input"))
-
-    def prompt_values(self, body: dict[str, Any]) -> list[Any]:
-        return [body.get("input")]
 
     def respond(self, body: dict[str, Any], result: Pooled) -> dict[str, Any]:
         return {
