@@ -203,6 +203,16 @@ def env_file_text(values: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def small_batch_models(folder: Path) -> Path:
+    models = json.loads((DEPLOY / "models.cpu.json").read_text())
+    for model in models:
+        model["options"]["max_num_seqs"] = 16
+    path = folder / "models.json"
+    path.write_text(json.dumps(models))
+    path.chmod(0o644)  # read inside the containers by their unprivileged user
+    return path
+
+
 @dataclass
 class Stack:
     env_file: Path
@@ -286,7 +296,12 @@ def stack(image: dict[str, str], workdir: Path) -> Iterator[Stack]:
         "BATCHWEB_PORT": str(port),
         "WORKER_HOST": "deploytest",
         "WORKER_MODEL": MODEL,
-        "MODELS_FILE": "./models.cpu.json",
+        # deploy/models.cpu.json with the engine's batch cut to 16 sequences, and shards of
+        # 20: the worker holds a shard or two at a time, so a drain (compose restart) hands
+        # most of the 200 requests back instead of finishing them all, and the batch is
+        # still running when the worker is killed.
+        "MODELS_FILE": str(small_batch_models(folder)),
+        "BATCHWEB_SHARD_SIZE": "20",
         "MODELS_DIR": str(ROOT / "var" / "models"),
         "VLLM_TARGET": "cpu",
         "BATCHWEB_IMAGE": IMAGE,
