@@ -39,7 +39,11 @@ from typing import Any
 
 import httpx
 
-from bench import harness
+try:
+    from bench import harness
+except ImportError:  # run as `python bench/remote_engine.py`: start again as the module,
+    # which imports this checkout's tests/ and bench/ as packages.
+    os.execv(sys.executable, [sys.executable, "-m", "bench.remote_engine", *sys.argv[1:]])
 from bench.engine_efficiency import llm_class_batch_sizes, run_vllm_batch
 from engine.base import EngineRequest, ModelSpec
 from engine.endpoints import CHAT
