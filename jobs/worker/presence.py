@@ -18,11 +18,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import redis
+from rq import SimpleWorker
 from rq.utils import now, utcformat
 from rq.worker import BaseWorker
 
+from jobs import queues
 from jobs.worker.loop import Loop
 
 log = logging.getLogger(__name__)
@@ -118,3 +121,23 @@ def kv_cache_tokens(connection: redis.Redis, model: str, *, max_age: float) -> i
         else:
             connection.hdel(key, name)  # a worker gone: forget it
     return min(fresh) if fresh else None
+
+
+def registered(name: str) -> bool:
+    """Whether RQ holds a live registration for a worker of this name (RQ's own test in
+    register_birth); False when Redis cannot say, since the worker rides out the outage."""
+    key = SimpleWorker.redis_worker_namespace_prefix + name
+    try:
+        conn = queues.connection()
+        return bool(conn.exists(key)) and not conn.hexists(key, "death")
+    except redis.exceptions.RedisError:
+        return False
+
+
+def free_name(base: str, taken: Callable[[str], bool] = registered) -> str:
+    """`base`, or `base.r2`, `base.r3`... : the first that no live RQ worker holds."""
+    name, n = base, 1
+    while taken(name):
+        n += 1
+        name = f"{base}.r{n}"
+    return name

@@ -28,14 +28,13 @@ from jobs.management.commands.gpuworkers import (
     Devices,
     Supervisor,
     WorkerPlan,
-    free_name,
     gpu_groups,
     gpus_per_engine,
     parse_nvidia_smi,
     plan_workers,
-    registered,
     visible_devices,
 )
+from jobs.worker.presence import free_name, registered
 from tests.factories import ROOT, chat_line, database_url, wait_for
 
 NVIDIA_SMI = """\

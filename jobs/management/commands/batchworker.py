@@ -34,7 +34,7 @@ from jobs.policy import close_engines
 from jobs.services.cleanup import sweep_temp_dir
 from jobs.worker.db import with_db_retry
 from jobs.worker.pipeline import Pipeline
-from jobs.worker.presence import Presence
+from jobs.worker.presence import Presence, free_name
 from jobs.worker.rq_worker import BatchWorker
 from jobs.worker.switching import model_due
 
@@ -78,7 +78,11 @@ class Command(BaseCommand):
                 raise CommandError(f"Unknown model {model!r}; served here: {known}")
             specs.append(found)
         host = options["host"] or socket.gethostname()
-        name = options["name"] or f"{host}.{os.getpid()}.{'+'.join(s.name for s in specs)}"
+        # A pid repeats in a container (a restarted worker is pid 7 again) and across
+        # containers of one host name, while RQ refuses a name a live or just-killed worker
+        # still holds: then the first free `.rN` of it.
+        name = options["name"] or free_name(
+            f"{host}.{os.getpid()}.{'+'.join(s.name for s in specs)}")
         # What a killed predecessor on this machine left in TMP_DIR.
         sweep_temp_dir()
         spec: ModelSpec | None = specs[0]

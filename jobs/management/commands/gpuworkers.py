@@ -30,16 +30,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
-from rq import SimpleWorker
 
 from engine.base import ModelSpec
-from jobs import queues
 from jobs.engines import model_spec
 from jobs.management.commands.batchworker import Command as BatchWorker
 from jobs.management.commands.runservice import MAX_RESTARTS, RESTART_WINDOW_SECONDS, Restarts
+from jobs.worker.presence import free_name, registered
 
 # The vLLM options whose product is the number of GPUs one engine uses.
 PARALLEL_OPTIONS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
@@ -153,26 +151,6 @@ def plan_workers(*, spec: ModelSpec, devices: Devices, per_worker: int, host: st
                                 name=worker_name(host=host, devices=group, model=spec.name),
                                 args=("--model", spec.name, "--host", host, *worker_args)))
     return plans, idle
-
-
-def registered(name: str) -> bool:
-    """Whether RQ holds a live registration for a worker of this name (RQ's own test in
-    register_birth); False when Redis cannot say, since the worker rides out the outage."""
-    key = SimpleWorker.redis_worker_namespace_prefix + name
-    try:
-        conn = queues.connection()
-        return bool(conn.exists(key)) and not conn.hexists(key, "death")
-    except redis.exceptions.RedisError:
-        return False
-
-
-def free_name(base: str, taken: Callable[[str], bool] = registered) -> str:
-    """`base`, or `base.r2`, `base.r3`... : the first that no live RQ worker holds."""
-    name, n = base, 1
-    while taken(name):
-        n += 1
-        name = f"{base}.r{n}"
-    return name
 
 
 def _die_with_supervisor() -> None:
