@@ -73,18 +73,19 @@ def claim_shard(*, shard_id: str, worker: str, top_up: bool = True) -> Shard | N
     return shard
 
 
-def heartbeat(*, shard_id: str, attempt: int, progress: Progress, unsaved: int = 0,
+def heartbeat(*, shard_id: str, attempt: int, progress: Progress, unsaved: int | None = 0,
               batch_id: str = "") -> tuple[bool, str]:
     """Record that the worker is alive, how far it got, and how many of the requests it
-    computed its checkpoint does not hold yet. Returns (still ours, the batch's stop code:
-    non-empty when the shard must stop). `batch_id`: the shard's, when the caller knows it
-    (one read less)."""
+    computed its checkpoint does not hold yet (None: left as the last checkpoint recorded
+    it). Returns (still ours, the batch's stop code: non-empty when the shard must stop).
+    `batch_id`: the shard's, when the caller knows it (one read less)."""
     batch_id = batch_id or Shard.objects.filter(pk=shard_id).values_list(
         "batch_id", flat=True).first() or ""
+    counts = {} if unsaved is None else {"computed_unsaved": unsaved}
     with transaction.atomic():
         mine = Shard.objects.filter(pk=shard_id, attempt=attempt,
                                     status=Shard.Status.RUNNING).update(
-            heartbeat_at=timezone.now(), computed_unsaved=unsaved, **progress.as_fields())
+            heartbeat_at=timezone.now(), **counts, **progress.as_fields())
         if mine and batch_id:
             refresh_progress(batch_id=batch_id)
     stop_code = (Batch.objects.filter(pk=batch_id).values_list("stop_code", flat=True)

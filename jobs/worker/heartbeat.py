@@ -39,13 +39,22 @@ class Heartbeat(Loop):
     def beat(self) -> None:
         state = self.state
         for work in state.current_works():
-            with work.lock:
-                snapshot = Progress(**work.progress.as_fields())
-                unsaved = work.computed - work.saved_computed
-            with timed("heartbeat"):
-                mine, stop_code = shard_service.heartbeat(
-                    shard_id=work.shard_id, attempt=work.attempt, progress=snapshot,
-                    unsaved=unsaved, batch_id=work.batch_id)
+            # The unsaved count is read and written with no checkpoint in between: one
+            # recorded meanwhile would otherwise be overwritten by this older, larger count
+            # (and a lost attempt's recomputed requests over-counted). While a checkpoint
+            # is being taken, the heartbeat leaves the count to it.
+            counting = work.checkpoint_lock.acquire(blocking=False)
+            try:
+                with work.lock:
+                    snapshot = Progress(**work.progress.as_fields())
+                    unsaved = work.computed - work.saved_computed if counting else None
+                with timed("heartbeat"):
+                    mine, stop_code = shard_service.heartbeat(
+                        shard_id=work.shard_id, attempt=work.attempt, progress=snapshot,
+                        unsaved=unsaved, batch_id=work.batch_id)
+            finally:
+                if counting:
+                    work.checkpoint_lock.release()
             if not mine and not work.finishing:
                 log.warning("shard %s is no longer ours; dropping it", work.shard_id)
                 state.drop(work)
