@@ -60,13 +60,9 @@ def _check_input_items(items: list[Any], media_domains: Sequence[str]) -> Refusa
         if kind == "function_call_output":
             # Its output becomes a tool message's content: parts there are fetched as a
             # message's are (an input_image's image_url included).
-            output = item.get("output")
-            if isinstance(output, list):
-                problem = check_parts(output, f"{param}.output", media_domains,
-                                      text_types=TEXT_PART_TYPES,
-                                      media_types=MEDIA_PART_TYPES)
-                if problem:
-                    return problem
+            problem = _check_parts(item.get("output"), f"{param}.output", media_domains)
+            if problem:
+                return problem
             continue
         if kind != "message":
             continue
@@ -74,12 +70,18 @@ def _check_input_items(items: list[Any], media_domains: Sequence[str]) -> Refusa
         if not isinstance(item.get("role"), str) or not isinstance(content, str | list):
             return Refusal(INVALID_BODY,
                            f"{param} must have a role and a content string or array.", param)
-        if isinstance(content, list):
-            problem = check_parts(content, f"{param}.content", media_domains,
-                                  text_types=TEXT_PART_TYPES, media_types=MEDIA_PART_TYPES)
-            if problem:
-                return problem
+        problem = _check_parts(content, f"{param}.content", media_domains)
+        if problem:
+            return problem
     return None
+
+
+def _check_parts(value: Any, param: str, media_domains: Sequence[str]) -> Refusal | None:
+    """A Responses message's parts (a list; a string has none), as check_parts reads them."""
+    if not isinstance(value, list):
+        return None
+    return check_parts(value, param, media_domains, text_types=TEXT_PART_TYPES,
+                       media_types=MEDIA_PART_TYPES)
 
 
 def output_text(body: dict[str, Any]) -> str:
