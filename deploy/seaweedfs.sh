@@ -9,8 +9,13 @@
 # master, volume server and filer (HTTP and gRPC) on the container's loopback; and their
 # HTTP APIs want JWTs signed with keys made at each start (security.toml), so even a
 # process beside them cannot write or read a volume or the filer without the master.
+#
+# Healthy (compose's check) once the bucket exists: batchweb's processes check the store
+# when they start, so they wait for this. A restarted container starts unready again.
 set -eu
 : "${S3_ACCESS_KEY_ID:?}" "${S3_SECRET_ACCESS_KEY:?}" "${S3_BUCKET:?}"
+ready=/tmp/seaweedfs-ready
+rm -f "$ready"
 
 umask 077
 conf=$(mktemp -d)
@@ -46,5 +51,6 @@ until echo "s3.bucket.list" | weed shell 2>/dev/null | grep -qw "${S3_BUCKET}"; 
     echo "s3.bucket.create -name ${S3_BUCKET}" | weed shell >/dev/null 2>&1 || true
     sleep 2
 done
+touch "$ready"
 echo "seaweedfs: bucket ${S3_BUCKET} ready on :8333"
 wait "$server"

@@ -208,6 +208,13 @@ def test_each_worker_has_its_own_gpus_as_many_as_its_model_uses() -> None:
 def test_the_web_waits_for_the_migration_and_has_a_health_check() -> None:
     web = COMPOSE["services"]["web"]
     assert web["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+    # A batchweb process checks the store when it starts: the store's own check is that its
+    # bucket exists (seaweedfs.sh marks it), and the migration and the web wait for it.
+    assert "/tmp/seaweedfs-ready" in COMPOSE["services"]["s3"]["healthcheck"]["test"][1]
+    assert 'touch "$ready"' in (DEPLOY / "seaweedfs.sh").read_text()
+    for name in ("migrate", "web"):
+        depends = COMPOSE["services"][name]["depends_on"]
+        assert depends["s3"]["condition"] == "service_healthy", name
     assert batchweb_services()["migrate"]["command"][2] == "migrate"
     assert 'CMD ["python", "deploy/healthcheck.py"]' in DOCKERFILE
     assert "USER batchweb" in DOCKERFILE

@@ -555,11 +555,11 @@ def test_a_batch_survives_a_worker_restart_and_a_sigkill(worker: Stack) -> None:
     # The files are objects in the bucket, and no container keeps a copy on its disk.
     stored = stack.exec_python("web", f"""
 import django, json; django.setup()
-from django.core.files.storage import default_storage
+from django.core.files.storage import default_storage, storages
 from jobs.models import Batch
 batch = Batch.objects.get(pk={batch.id!r})
 files = [batch.input_file, batch.output_file]
-print(json.dumps({{"storage": type(default_storage).__name__,
+print(json.dumps({{"storage": type(storages["default"]).__name__,
                   "objects": [default_storage.size(f.storage_name) for f in files],
                   "bytes": [f.bytes for f in files]}}))""")
     assert stored["storage"] == "S3Storage"
@@ -578,6 +578,7 @@ def test_down_then_up_keeps_the_batches_and_files(worker: Stack) -> None:
     stack.compose("down", "-t", "30")
     assert stack.compose("ps", "-aq").stdout.strip() == ""
     stack.timings["up_again"] = stack.up()
+    log(f"compose down, then up to healthy: {stack.timings['up_again']:.0f} s")
     assert "No migrations to apply" in stack.compose("logs", "migrate").stdout
     client = stack.client()
     batch = client.batches.retrieve(stack.batch_id)
