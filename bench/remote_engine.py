@@ -16,7 +16,9 @@ interactive client (short streamed chats at a fixed rate, priority 0) alone, the
 draining through the remote engine alone, then both together, against `vllm serve` with
 and without `--scheduling-policy priority`. Reported: the client's p50/p99 time to first
 token and latency in each phase, and the batch's output tokens/s with the client against
-without it. Rounds alternate the two server settings.
+without it (the server's own count of generated tokens, less the client's). The batch's
+limit first finds its level in an unmeasured window, and each measured window starts once
+the batch flows (SETTLE). Rounds alternate the two server settings.
 
 Every engine here holds /tmp/engine.lock: run as `flock /tmp/engine.lock .venv/bin/python
 bench/remote_engine.py ...`.
@@ -51,6 +53,8 @@ from tests.vllmserve import MODELS, VllmServe
 
 MAX_MODEL_LEN = 2048
 KV_GIB = 2
+# interactive: seconds a drain runs before its window (and the client) starts.
+SETTLE = 10.0
 
 
 def cpu_name() -> str:
@@ -179,12 +183,16 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
 # --- interactive protection -------------------------------------------------------------
 
 
-async def interactive_client(url: str, seconds: float, every: float) -> list[tuple[float, float]]:
-    """(TTFT, latency) of short streamed chats sent every `every` seconds for `seconds`."""
+async def interactive_client(url: str, seconds: float, every: float) -> dict[str, Any]:
+    """Short streamed chats sent every `every` seconds for `seconds`: each one's (TTFT,
+    latency), and the output tokens they had (to tell the batch's from the server's count)."""
     samples: list[tuple[float, float]] = []
+    tokens = 0
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
+        nonlocal tokens
         body = {"model": "smol", "max_tokens": 16, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True},
                 "messages": [{"role": "user", "content": f"Say hello to user {i}."}]}
         started = time.monotonic()
         first = None
@@ -192,6 +200,9 @@ async def interactive_client(url: str, seconds: float, every: float) -> list[tup
             async for line in response.aiter_lines():
                 if first is None and line.startswith("data: {") and '"content"' in line:
                     first = time.monotonic() - started
+                if line.startswith("data: {") and '"usage":{' in line.replace(" ", ""):
+                    usage = json.loads(line[len("data: "):]).get("usage") or {}
+                    tokens += usage.get("completion_tokens") or 0
         samples.append((first if first is not None else float("nan"),
                         time.monotonic() - started))
 
@@ -204,7 +215,14 @@ async def interactive_client(url: str, seconds: float, every: float) -> list[tup
             i += 1
             await asyncio.sleep(every)
         await asyncio.gather(*tasks)
-    return samples
+    return {"samples": samples, "tokens": tokens}
+
+
+def generated_tokens(url: str) -> float:
+    """vLLM's own count of output tokens generated so far (every request, finished or not)."""
+    text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
 
 
 def percentiles(samples: list[tuple[float, float]]) -> dict[str, float]:
@@ -219,19 +237,31 @@ def percentiles(samples: list[tuple[float, float]]) -> dict[str, float]:
 
 
 class BatchDrain:
-    """The batch through the remote engine in a thread, for `seconds`; output tokens of
-    the requests finished within that window, per second."""
+    """The batch through the remote engine in a thread, for `seconds`. What it measures is
+    the server's count of output tokens generated in the window (requests still running at
+    its end count for what they made; a request of 64-128 tokens outlasts a short window),
+    and the batch's concurrency limit and requests in flight, sampled every second."""
 
     def __init__(self, url: str, requests: list[EngineRequest], ceiling: int) -> None:
+        self.url = url
+        self.ceiling = ceiling
         self.engine = remote_engine(url, ceiling)
         # One pass over the batch across windows: no window gets prompts already cached.
         self.requests = iter(requests)
-        self.tokens = 0
-        self.finished = 0
 
-    def run(self, seconds: float) -> float:
+    def run(self, seconds: float, settle: float = 0.0) -> dict[str, Any]:
+        """`settle` seconds first, unmeasured: a drain started again hands in a whole
+        limit's worth of prompts at once, which a batch flowing steadily never does."""
+        import redis
+
+        from engine.remote_limits import server_state
+
+        client = redis.Redis.from_url(os.environ["REDIS_URL"])
         pending: set[str] = set()
-        deadline = time.monotonic() + seconds
+        deadline = time.monotonic() + settle + seconds
+        window: dict[str, float] = {}
+        limits: list[float] = []
+        in_flight: list[int] = []
 
         def source() -> Any:
             for req in self.requests:
@@ -240,15 +270,29 @@ class BatchDrain:
                 pending.add(req.request_id)
                 yield req
 
-        stopper = threading.Timer(seconds, lambda: self.engine.abort(list(pending)))
-        stopper.start()
+        def watch() -> None:
+            time.sleep(settle)
+            window["before"] = generated_tokens(self.url)
+            while time.monotonic() < deadline - 0.5:
+                state = server_state(client, self.url, ceiling=self.ceiling)
+                limits.append(state.limit)
+                in_flight.append(state.in_flight)
+                time.sleep(1.0)
+            window["after"] = generated_tokens(self.url)
+            self.engine.abort(list(pending))
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        finished = 0
         for result in self.engine.run(source()):
             pending.discard(result.request_id)
-            if result.status_code == 200 and time.monotonic() <= deadline:
-                self.tokens += result.body["usage"]["completion_tokens"]
-                self.finished += 1
-        stopper.cancel()
-        return self.tokens / seconds
+            finished += result.status_code == 200 and deadline - seconds <= time.monotonic() \
+                <= deadline
+        watcher.join()
+        return {"generated": window["after"] - window["before"], "seconds": seconds,
+                "finished": finished,
+                "limit_mean": statistics.fmean(limits) if limits else 0.0,
+                "in_flight_mean": statistics.fmean(in_flight) if in_flight else 0.0}
 
     def close(self) -> None:
         self.engine.close()
@@ -257,26 +301,36 @@ class BatchDrain:
 def interactive_round(policy: str, args: argparse.Namespace, batch: list[EngineRequest],
                       scratch: Path) -> dict[str, Any]:
     seqs, batched = llm_class_batch_sizes(1)
+    # A smaller step budget bounds how long one engine step (and so an interactive
+    # request's first token) can take behind the batch's prefills.
+    batched = args.server_batched_tokens or batched
     server = serve(args.dtype, policy, seqs, batched, scratch / f"serve-{policy}.log")
-    row: dict[str, Any] = {"policy": policy}
+    row: dict[str, Any] = {"policy": policy, "max_num_seqs": seqs,
+                           "max_num_batched_tokens": batched}
     try:
         reset_limit(server.url)
         asyncio.run(interactive_client(server.url, 5, args.every))  # warm up
-        row["alone"] = percentiles(asyncio.run(
-            interactive_client(server.url, args.seconds, args.every)))
+        alone = asyncio.run(interactive_client(server.url, args.seconds, args.every))
+        row["alone"] = percentiles(alone["samples"])
         drain = BatchDrain(server.url, batch, args.ceiling)
         try:
-            row["batch_idle_tok_s"] = drain.run(args.seconds)
-            drain.tokens = 0
-            done: list[float] = []
-            thread = threading.Thread(target=lambda: done.append(drain.run(args.seconds)))
+            drain.run(min(20.0, args.seconds))  # the limit finds its level, unmeasured
+            idle = drain.run(args.seconds, settle=SETTLE)
+            done: list[dict[str, Any]] = []
+            thread = threading.Thread(
+                target=lambda: done.append(drain.run(args.seconds, settle=SETTLE)))
             thread.start()
-            row["with_batch"] = percentiles(asyncio.run(
-                interactive_client(server.url, args.seconds, args.every)))
+            time.sleep(SETTLE)
+            beside = asyncio.run(interactive_client(server.url, args.seconds, args.every))
             thread.join()
-            row["batch_busy_tok_s"] = done[0]
         finally:
             drain.close()
+        row["with_batch"] = percentiles(beside["samples"])
+        row["batch_idle"] = idle
+        # The server's count less the client's own tokens: the batch's share of the window.
+        row["batch_busy"] = {**done[0], "generated": done[0]["generated"] - beside["tokens"]}
+        row["batch_idle_tok_s"] = idle["generated"] / args.seconds
+        row["batch_busy_tok_s"] = row["batch_busy"]["generated"] / args.seconds
     finally:
         server.stop()
     row["ttft_p99_ratio"] = row["with_batch"]["ttft_p99"] / row["alone"]["ttft_p99"]
@@ -289,12 +343,13 @@ def interactive(args: argparse.Namespace) -> dict[str, Any]:
     batch = engine_requests(harness.make_requests(args.batch, 32, 64), "smol")
     rows = []
     for index in range(args.rounds):
-        policies = ["priority", "fcfs"] if index % 2 == 0 else ["fcfs", "priority"]
+        policies = args.policies.split(",")
+        policies = policies if index % 2 == 0 else policies[::-1]
         for policy in policies:
             with tempfile.TemporaryDirectory(prefix="bench-remote-") as folder:
                 rows.append(interactive_round(policy, args, batch, Path(folder)))
     summary = {}
-    for policy in ("priority", "fcfs"):
+    for policy in args.policies.split(","):
         mine = [r for r in rows if r["policy"] == policy]
         summary[policy] = {
             key: statistics.median(r[key] for r in mine)
@@ -305,7 +360,8 @@ def interactive(args: argparse.Namespace) -> dict[str, Any]:
                 summary[policy][f"{phase}_{key}"] = statistics.median(r[phase][key]
                                                                       for r in mine)
     return {"rounds": rows, "summary": summary, "batch_requests": args.batch,
-            "seconds": args.seconds, "every": args.every, "ceiling": args.ceiling}
+            "seconds": args.seconds, "every": args.every, "ceiling": args.ceiling,
+            "max_num_batched_tokens": rows[0]["max_num_batched_tokens"]}
 
 
 def main() -> None:
@@ -322,6 +378,11 @@ def main() -> None:
                         help="interactive: seconds between the client's requests")
     parser.add_argument("--ceiling", type=int, default=64,
                         help="interactive: the batch's max_concurrency")
+    parser.add_argument("--policies", default="priority,fcfs",
+                        help="interactive: the server's --scheduling-policy values, in turn")
+    parser.add_argument("--server-batched-tokens", type=int, default=0,
+                        help="interactive: the server's --max-num-batched-tokens (default: "
+                             "the in-process engine's)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     # The same for every path and every engine process (run_batch's, the server's).
