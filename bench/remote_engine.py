@@ -301,9 +301,6 @@ class BatchDrain:
 def interactive_round(policy: str, args: argparse.Namespace, batch: list[EngineRequest],
                       scratch: Path) -> dict[str, Any]:
     seqs, batched = llm_class_batch_sizes(1)
-    # A smaller step budget bounds how long one engine step (and so an interactive
-    # request's first token) can take behind the batch's prefills.
-    batched = args.server_batched_tokens or batched
     server = serve(args.dtype, policy, seqs, batched, scratch / f"serve-{policy}.log")
     row: dict[str, Any] = {"policy": policy, "max_num_seqs": seqs,
                            "max_num_batched_tokens": batched}
@@ -380,9 +377,6 @@ def main() -> None:
                         help="interactive: the batch's max_concurrency")
     parser.add_argument("--policies", default="priority,fcfs",
                         help="interactive: the server's --scheduling-policy values, in turn")
-    parser.add_argument("--server-batched-tokens", type=int, default=0,
-                        help="interactive: the server's --max-num-batched-tokens (default: "
-                             "the in-process engine's)")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     # The same for every path and every engine process (run_batch's, the server's).
