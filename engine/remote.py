@@ -4,7 +4,10 @@ serves the model (`vllm serve`, SGLang, ...). A worker for it loads no weights.
 Options (the model's `options` in BATCHWEB_MODELS_FILE):
     base_url             the server's OpenAI base URL, e.g. http://gpu1:8000/v1 (required)
     model                the model's name on the server (default: the model's name here)
-    api_key_env          the environment variable holding the server's API key (optional)
+    api_key_env          the environment variable holding the server's API key (optional),
+                         sent to base_url's origin only
+    allow_plain_http     let the key go over http:// to a host other than loopback (default
+                         false: refused at start)
     max_concurrency      the ceiling of requests in flight there, summed over every worker
                          that names the same base_url (default 64)
     initial_concurrency  where the adaptive limit starts (default 4)
@@ -15,23 +18,31 @@ Options (the model's `options` in BATCHWEB_MODELS_FILE):
                          than interactive requests at 0 on a server started with
                          --scheduling-policy priority; ignored by one without it); null:
                          not sent (a server that refuses unknown fields)
-    cache_salt           send each owner's prefix cache salt (vLLM's `cache_salt`; default
-                         true)
+    share_prefix_cache_across_owners   true: send no owner's cache salt (vLLM's
+                         `cache_salt`), so one owner's `cached_tokens` can tell how another's
+                         prompts begin (default false; the old `cache_salt` key is refused)
     latency_tolerance    the limit grows while a request's seconds per output token stay
                          within this factor of the lowest seen (default 2)
     metrics_url          vLLM's Prometheus endpoint (default: base_url's host + /metrics);
                          "" to not watch it
+    metrics_api_key_env  the variable holding a key for metrics_url (default: the server's
+                         key where metrics_url is base_url's origin, else none)
+    max_response_bytes   a response body past this fails its request (default 64 MiB)
     max_in_flight        requests the worker hands in at once (default 2 x max_concurrency)
     redis_url            set by jobs/engines.py: the Redis holding the shared limit
 
 Every request: a slot of the shared limit (engine/remote_limits.py), one POST, the slot
 given back. 429 and 503 are retried after a full-jitter backoff of at least their
-Retry-After, timeouts and resets likewise; each cuts the limit. A request still failing
-after max_retries ends as a failed request carrying the server's own error. A server that
-cannot be reached at all is waited for (backoff capped at backoff_max), never a failed
-request: the batch waits (its page says so) until the server is back, the batch is
-cancelled or it expires. `abort` cancels the HTTP request, which closes its connection;
-`vllm serve` then aborts the request in its engine.
+Retry-After (capped at backoff_max), timeouts and resets likewise; each cuts the limit. A
+request still failing after max_retries ends as a failed request carrying the server's own
+error. A server that cannot be reached at all is waited for (backoff capped at
+backoff_max), never a failed request: the batch waits (its page says so) until the server
+is back, the batch is cancelled or it expires. `abort` cancels the HTTP request, which
+closes its connection; `vllm serve` then aborts the request in its engine.
+
+What a failed request's error line says is ours or the server's own JSON error, never the
+server's URL nor an exception's text (they name hosts, ports and paths); those go to the
+worker's log and to queue health's last error.
 
 Threads: as engine/vllm_engine.py, one event loop in a background thread owns the HTTP
 client and the Redis client; `run` (engine/base.py's `LoopEngine`) feeds it from a second
@@ -41,8 +52,12 @@ thread.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import email.utils
+import ipaddress
+import json
 import logging
+import math
 import os
 import random
 import threading
@@ -64,18 +79,34 @@ from engine.base import (
     ModelSpec,
 )
 from engine.endpoints import REGISTRY
-from engine.endpoints.base import openai_error
+from engine.endpoints.base import openai_error, within_context
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# A response body past this fails its request: a few times the largest legitimate answer
+# (a long list of embeddings as JSON), and a bound on what a broken or hostile server can
+# make the worker hold per request in flight.
+MAX_RESPONSE_BYTES = 64 << 20
+# /metrics and /models: a Prometheus page or a model list is kilobytes.
+MAX_PAGE_BYTES = 8 << 20
 OPTIONS = {
-    "base_url": None, "model": "", "api_key_env": "",
+    "base_url": None, "model": "", "api_key_env": "", "allow_plain_http": False,
     "max_concurrency": limits.DEFAULT_CEILING,
     "initial_concurrency": 4, "connect_timeout": 10.0, "request_timeout": 600.0,
     "max_retries": 8, "backoff_base": 0.5, "backoff_max": 30.0, "priority": 10,
-    "cache_salt": True, "latency_tolerance": 2.0, "metrics_url": None, "max_in_flight": None,
-    "metrics_interval": 2.0, "redis_url": None,
+    "share_prefix_cache_across_owners": False, "latency_tolerance": 2.0,
+    "metrics_url": None, "metrics_api_key_env": "", "max_response_bytes": MAX_RESPONSE_BYTES,
+    "max_in_flight": None, "metrics_interval": 2.0, "redis_url": None,
+    # The served model's context (the server's --max-model-len); else its model card's.
+    "max_model_len": None,
+}
+# Options that were renamed: refused, with what to write instead (silently ignoring one
+# could quietly undo what it asked for).
+RENAMED = {
+    "cache_salt": ('"cache_salt" is now "share_prefix_cache_across_owners" with the opposite '
+                   'sense: "cache_salt": false is "share_prefix_cache_across_owners": true, '
+                   "a trust decision (docs/security.md)"),
 }
 # Answers that mean "too busy now": retried, and the limit is cut.
 THROTTLED = (429, 503)
@@ -85,24 +116,100 @@ FLOOR_DRIFT = 1.25
 
 
 def retry_after(value: str | None) -> float:
-    """Seconds a Retry-After header asks for (delta-seconds or an HTTP date); 0 if none."""
-    if not value:
-        return 0.0
+    """Seconds a Retry-After header asks for (delta-seconds or an HTTP date); 0 if none, in
+    the past, not finite or not understood (`inf` must not park a request for ever)."""
+    seconds = _retry_after_seconds(value) if value else 0.0
+    return seconds if math.isfinite(seconds) and seconds > 0 else 0.0
+
+
+def _retry_after_seconds(value: str) -> float:
     try:
-        return max(0.0, float(value))
+        return float(value)
     except ValueError:
         pass
     try:
         when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, IndexError, OverflowError):
         return 0.0
-    return max(0.0, when.timestamp() - time.time())
+    if when.tzinfo is None:  # "-0000": HTTP dates are GMT
+        when = when.replace(tzinfo=datetime.UTC)
+    return when.timestamp() - time.time()
 
 
 def backoff_seconds(attempt: int, *, base: float, cap: float, asked: float = 0.0) -> float:
     """Full jitter (uniform in [0, min(cap, base * 2^attempt)]), never less than what the
-    server asked for in Retry-After."""
-    return max(asked, random.uniform(0.0, min(cap, base * 2 ** attempt)))
+    server asked for in Retry-After, up to `cap` (a server asking for a day gets retried
+    after `cap`, as one that asked for nothing could be)."""
+    return max(min(asked, cap), random.uniform(0.0, min(cap, base * 2 ** attempt)))
+
+
+class BodyRefused(Exception):
+    """A response body not read: over the bound, or encoded (the client asks for none)."""
+
+
+async def read_bounded(response: httpx.Response, limit: int) -> bytes:
+    """The body of a streamed response, read as it comes and refused once past `limit`
+    bytes. Only identity bodies: a compressed body's size says nothing of what it inflates
+    to (a gzip chunk inflates a thousandfold, and is inflated whole)."""
+    encoding = response.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise BodyRefused(f"a {encoding[:40]}-encoded body")
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyRefused(f"a body over {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_raw():
+        size += len(chunk)
+        if size > limit:
+            raise BodyRefused(f"a body over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def origin(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of `url`, the port spelt out where it is the scheme's default."""
+    parsed = httpx.URL(url)
+    return parsed.scheme, parsed.host, parsed.port or {"http": 80, "https": 443}.get(
+        parsed.scheme, 0)
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: a key sent there never leaves this host."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_http_url(name: str, option: str, url: str) -> None:
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as e:
+        raise EngineError(f"model {name!r}: {option} {url!r} is not a URL ({e})") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise EngineError(f"model {name!r}: {option} {url!r} is not an http(s) URL")
+
+
+def check_key_transport(name: str, option: str, url: str, *, allowed: bool) -> None:
+    """Refuses an http:// URL off this host for a key: anyone on the path reads it (and
+    then may send the server anything). `allow_plain_http` accepts that, loudly."""
+    scheme, host, _ = origin(url)
+    if scheme != "http" or is_loopback(host):
+        return
+    if not allowed:
+        raise EngineError(
+            f"model {name!r}: {option} {url} is plain http, and the server's API key would "
+            'cross the network in clear text; use https, or set "allow_plain_http": true '
+            "to accept that")
+    log.warning("model %r: the API key goes over plain http to %s (allow_plain_http)",
+                name, url)
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def vllm_queue(text: str, model: str) -> tuple[float, float] | None:
@@ -134,18 +241,24 @@ class _Attempt:
     """How one attempt at a request ended."""
 
     def __init__(self, status: int, body: dict[str, Any], kind: str = "answer",
-                 wait: float = 0.0) -> None:
+                 wait: float = 0.0, detail: str = "") -> None:
         self.status = status
         self.body = body
         # "answer" (the server answered), "unreachable" (no connection), "timeout", "reset"
         self.kind = kind
         self.wait = wait  # Retry-After, seconds
+        # What went wrong, with the URL and the exception, for the log and queue health
+        # only; "" where the body is the server's own error.
+        self.detail = detail
 
 
 class RemoteEngine(LoopEngine):
     thread_prefix = "remote"
 
     def __init__(self, spec: ModelSpec) -> None:
+        renamed = sorted(set(spec.options) & set(RENAMED))
+        if renamed:
+            raise EngineError(f"model {spec.name!r}: {RENAMED[renamed[0]]}")
         unknown = sorted(set(spec.options) - set(OPTIONS))
         if unknown:
             raise EngineError(f"unknown remote option(s) {unknown} for model {spec.name!r}")
@@ -157,23 +270,24 @@ class RemoteEngine(LoopEngine):
         self.spec = spec
         self.base_url = str(options["base_url"]).rstrip("/")
         self.model = options["model"] or spec.name
-        key_env = options["api_key_env"]
-        self._api_key = os.environ.get(key_env, "") if key_env else ""
-        if key_env and not self._api_key:
-            raise EngineError(f"model {spec.name!r}: environment variable {key_env} is not set")
+        check_http_url(spec.name, "base_url", self.base_url)
+        self.metrics_url = self._metrics_url(options["metrics_url"])
+        self._auth, self._metrics_auth = self._keys(options)
         self.ceiling = max(1, int(options["max_concurrency"]))
         self.initial = max(1, min(self.ceiling, int(options["initial_concurrency"])))
         self.max_retries = int(options["max_retries"])
         self.backoff_base = float(options["backoff_base"])
         self.backoff_max = float(options["backoff_max"])
         self.priority = options["priority"]
-        self.send_cache_salt = bool(options["cache_salt"])
+        # The model's context, as the registry or the server's model card says.
+        self.max_model_len: int | None = options["max_model_len"] or None
+        self.send_cache_salt = not options["share_prefix_cache_across_owners"]
+        if not self.send_cache_salt:
+            log.warning("model %r: owners share the server's prefix cache "
+                        "(share_prefix_cache_across_owners): cached_tokens can tell one "
+                        "owner how another's prompts begin", spec.name)
         self.tolerance = float(options["latency_tolerance"])
-        metrics_url = options["metrics_url"]
-        if metrics_url is None:
-            root = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
-            metrics_url = root + "/metrics"
-        self.metrics_url = metrics_url
+        self.max_response_bytes = int(options["max_response_bytes"])
         self.metrics_interval = float(options["metrics_interval"])
         self.max_in_flight = int(options["max_in_flight"] or 2 * self.ceiling)
         self._timeout = httpx.Timeout(float(options["request_timeout"]),
@@ -187,6 +301,7 @@ class RemoteEngine(LoopEngine):
         self._floor = float("inf")
         self._floor_at = time.monotonic()
         self._noted: dict[str, float] = {}
+        self._logged: dict[str, float] = {}  # time.monotonic() of the last log line, by kind
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever,
@@ -202,15 +317,51 @@ class RemoteEngine(LoopEngine):
     def batch_size(self) -> int:
         return self.ceiling
 
+    def _metrics_url(self, configured: str | None) -> str:
+        if configured is None:
+            root = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
+            return root + "/metrics"
+        if configured:
+            check_http_url(self.spec.name, "metrics_url", configured)
+        return str(configured)
+
+    def _keys(self, options: dict[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+        """The Authorization headers for base_url and for metrics_url. The server's key
+        goes to base_url's origin only: a metrics_url elsewhere (a Prometheus proxy, a
+        sidecar) gets its own key from metrics_api_key_env, or none. Redirects are not
+        followed (httpx's default), so no answer can send the key on elsewhere either."""
+        key = self._env_key(options["api_key_env"])
+        metrics_key = self._env_key(options["metrics_api_key_env"])
+        if not options["metrics_api_key_env"] and self.metrics_url and \
+                origin(self.metrics_url) == origin(self.base_url):
+            metrics_key = key
+        allowed = bool(options["allow_plain_http"])
+        if key:
+            check_key_transport(self.spec.name, "base_url", self.base_url, allowed=allowed)
+        if metrics_key and self.metrics_url:
+            check_key_transport(self.spec.name, "metrics_url", self.metrics_url,
+                                allowed=allowed)
+        return bearer(key), bearer(metrics_key)
+
+    def _env_key(self, variable: str) -> str:
+        if not variable:
+            return ""
+        key = os.environ.get(variable, "")
+        if not key:
+            raise EngineError(f"model {self.spec.name!r}: environment variable {variable} "
+                              "is not set")
+        return key
+
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     # -- start / stop -------------------------------------------------------------------
 
     async def _start(self) -> None:
-        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        # Identity bodies only: their size on the wire is what the worker holds
+        # (read_bounded). Keys go per request (_keys), never as the client's default.
         self._http = httpx.AsyncClient(
-            timeout=self._timeout, headers=headers,
+            timeout=self._timeout, headers={"Accept-Encoding": "identity"},
             limits=httpx.Limits(max_connections=self.ceiling + 4,
                                 max_keepalive_connections=self.ceiling + 4))
         self._redis = aioredis.from_url(self._redis_url)
@@ -230,21 +381,38 @@ class RemoteEngine(LoopEngine):
         """Refuse to start against a server that answers but does not serve the model; a
         server that cannot be reached yet is only logged (its requests wait for it)."""
         try:
-            response = await self._http.get(self.base_url + "/models",
-                                            timeout=httpx.Timeout(10.0))
-        except httpx.HTTPError as e:
+            status, raw = await self._get(self.base_url + "/models", self._auth,
+                                          timeout=httpx.Timeout(10.0))
+        except (httpx.HTTPError, BodyRefused) as e:
             log.warning("remote %s not reachable yet (%s): requests wait for it",
                         self.base_url, e)
             return
-        if response.status_code != 200:
-            log.warning("remote %s/models answered %d", self.base_url, response.status_code)
+        if status != 200:
+            log.warning("remote %s/models answered %d", self.base_url, status)
             return
         try:
-            served = [m.get("id") for m in response.json().get("data", [])]
-        except (ValueError, AttributeError):
+            cards = [m for m in json.loads(raw).get("data", []) if isinstance(m, dict)]
+        except (ValueError, AttributeError, RecursionError):
             return
+        served = [m.get("id") for m in cards]
         if served and self.model not in served:
-            raise EngineError(f"{self.base_url} serves {served}, not {self.model!r}")
+            raise EngineError(f"{self.base_url} serves {served[:20]}, not {self.model!r}")
+        # vLLM's model card says its context: an output limit over it is lowered to it
+        # (where the registry does not give max_model_len, a request naming no limit comes
+        # with the service's cap, which the server would refuse).
+        context = next((m.get("max_model_len") for m in cards if m.get("id") == self.model),
+                       None)
+        if isinstance(context, int) and context > 0:
+            self.max_model_len = context
+
+    async def _get(self, url: str, headers: dict[str, str], *,
+                   timeout: httpx.Timeout) -> tuple[int, bytes]:
+        """A page of the server (its model list, its metrics): the status, and the body
+        when it is 200, read up to MAX_PAGE_BYTES."""
+        async with self._http.stream("GET", url, headers=headers, timeout=timeout) as response:
+            if response.status_code != 200:
+                return response.status_code, b""
+            return 200, await read_bounded(response, MAX_PAGE_BYTES)
 
     def close(self) -> None:
         if self._closed:
@@ -372,9 +540,7 @@ class RemoteEngine(LoopEngine):
             if not self._held:
                 continue
             try:
-                response = await self._http.get(self.metrics_url, timeout=httpx.Timeout(5.0))
-                found = vllm_queue(response.text, self.model) if response.status_code == 200 \
-                    else None
+                found = await self._read_metrics()
                 if found is None:
                     await asyncio.sleep(60)
                     continue
@@ -386,6 +552,19 @@ class RemoteEngine(LoopEngine):
                 await self._change_limit("cut")
                 await self._note(busy_at=time.time())
 
+    async def _read_metrics(self) -> tuple[float, float] | None:
+        """vLLM's queue from metrics_url; None where it is not there (or too big a page:
+        logged, and asked again a minute later like any page that is not vLLM's)."""
+        try:
+            status, raw = await self._get(self.metrics_url, self._metrics_auth,
+                                          timeout=httpx.Timeout(5.0))
+        except BodyRefused as e:
+            log.warning("remote %s: %s refused (%s)", self.base_url, self.metrics_url, e)
+            return None
+        if status != 200:
+            return None
+        return vllm_queue(raw.decode("utf-8", "replace"), self.model)
+
     # -- one request --------------------------------------------------------------------
 
     def _body(self, req: EngineRequest) -> dict[str, Any]:
@@ -395,8 +574,11 @@ class RemoteEngine(LoopEngine):
             body["priority"] = self.priority
         if self.send_cache_salt and req.cache_salt:
             body["cache_salt"] = req.cache_salt
-        # As in process (what a batch cannot ask for set: the server keeps nothing of it).
-        return endpoint.engine_body(body)
+        # The output limit the budget counted, named; as in process (what a batch cannot
+        # ask for set: the server keeps nothing of it).
+        body = endpoint.limited(endpoint.engine_body(body), room=req.output_room)
+        return within_context(endpoint, body, self.max_model_len) if self.max_model_len \
+            else body
 
     def _error(self, url: str, status: int, message: str) -> tuple[int, dict[str, Any]]:
         return status, REGISTRY[url].error_body(status, openai_error(
@@ -422,8 +604,10 @@ class RemoteEngine(LoopEngine):
             elapsed = time.monotonic() - started
             if attempt.kind == "unreachable":
                 # Waited for, without a limit: the server is down or not there yet.
+                if self._first_in(60.0, "unreachable_logged"):
+                    log.warning("remote request %s waits: %s", req.request_id, attempt.detail)
                 await self._note(count="backoffs", unreachable_at=time.time(),
-                                 last_error=attempt.body["error"]["message"])
+                                 last_error=attempt.detail)
                 waits += 1
                 await asyncio.sleep(backoff_seconds(min(waits, 10), base=self.backoff_base,
                                                     cap=self.backoff_max))
@@ -436,47 +620,79 @@ class RemoteEngine(LoopEngine):
                     if isinstance(req.body.get("model"), str) and "model" in attempt.body:
                         attempt.body["model"] = req.body["model"]
                 elif attempt.status >= 500:
-                    await self._note(count="errors", last_error=_message(attempt.body))
-                return attempt.status, attempt.body
+                    await self._note(count="errors", last_error=_last_error(attempt))
+                return self._result(req, attempt)
             await self._change_limit("cut")
             if retries >= self.max_retries:
                 await self._note(count="errors", busy_at=time.time(),
-                                 last_error=_message(attempt.body))
-                return attempt.status, attempt.body
+                                 last_error=_last_error(attempt))
+                return self._result(req, attempt)
+            log.debug("remote request %s retried: %s", req.request_id, _last_error(attempt))
             await self._note(count="backoffs", busy_at=time.time(),
-                             last_error=_message(attempt.body))
+                             last_error=_last_error(attempt))
             await asyncio.sleep(backoff_seconds(retries, base=self.backoff_base,
                                                 cap=self.backoff_max, asked=attempt.wait))
             retries += 1
 
+    def _result(self, req: EngineRequest, attempt: _Attempt) -> tuple[int, dict[str, Any]]:
+        """The request's result; what went wrong, where its error line cannot say, is
+        logged here."""
+        if attempt.detail:
+            log.warning("remote request %s failed: %s", req.request_id, attempt.detail)
+        return attempt.status, attempt.body
+
+    def _first_in(self, seconds: float, what: str) -> bool:
+        """Whether `what` happened last more than `seconds` ago (and now it has)."""
+        now = time.monotonic()
+        if now - self._logged.get(what, -seconds) < seconds:
+            return False
+        self._logged[what] = now
+        return True
+
+    def _no_answer(self, endpoint: str, status: int, kind: str, public: str, detail: str,
+                   wait: float = 0.0) -> _Attempt:
+        """An attempt without an answer to pass on: the error line gets `public`, in words
+        that name nothing of the server (its URL, hosts, ports, paths); the log and queue
+        health get `detail`."""
+        status, body = self._error(endpoint, status, public)
+        return _Attempt(status, body, kind, wait=wait, detail=f"{self.base_url}: {detail}")
+
     async def _post(self, url: str, endpoint: str, body: dict[str, Any]) -> _Attempt:
         try:
-            response = await self._http.post(url, json=body)
+            async with self._http.stream("POST", url, json=body,
+                                         headers=self._auth) as response:
+                raw = await read_bounded(response, self.max_response_bytes)
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-            status, error = self._error(endpoint, 503, f"{self.base_url} unreachable: {e!r}")
-            return _Attempt(status, error, "unreachable")
+            return self._no_answer(endpoint, 503, "unreachable",
+                                   "the model's server cannot be reached", f"unreachable: {e!r}")
         except httpx.TimeoutException as e:
-            status, error = self._error(endpoint, 504, f"{self.base_url} timed out: {e!r}")
-            return _Attempt(status, error, "timeout")
+            return self._no_answer(endpoint, 504, "timeout",
+                                   "the model's server did not answer in time",
+                                   f"timed out: {e!r}")
         except httpx.TransportError as e:  # reset, closed mid-answer, protocol error
-            status, error = self._error(endpoint, 502, f"{self.base_url} closed the "
-                                        f"connection: {e!r}")
-            return _Attempt(status, error, "reset")
+            return self._no_answer(endpoint, 502, "reset", "the model's server closed the "
+                                   "connection before answering", f"closed the connection: {e!r}")
+        except BodyRefused as e:
+            return self._no_answer(endpoint, 502, "answer",
+                                   f"the model's server answered with {e}: not read",
+                                   f"answered with {e}: not read")
+        return self._answer(endpoint, response, raw)
+
+    def _answer(self, endpoint: str, response: httpx.Response, raw: bytes) -> _Attempt:
+        """The server's answer as the request's result: its JSON as it wrote it, or, where
+        it is not an OpenAI answer or error (a proxy's HTML page, say), our error."""
+        wait = retry_after(response.headers.get("retry-after"))
         try:
-            parsed = response.json()
-        except ValueError:
+            parsed = json.loads(raw)
+        except (ValueError, RecursionError):
             parsed = None
-        if not isinstance(parsed, dict) or (response.status_code != 200 and
-                                            "error" not in parsed):
-            text = response.text[:500]
-            status, parsed = self._error(endpoint, 502 if response.status_code == 200 else
-                                         response.status_code,
-                                         f"{self.base_url} answered {response.status_code}: "
-                                         f"{text}")
-            return _Attempt(status, parsed, wait=retry_after(response.headers.get(
-                "retry-after")))
-        return _Attempt(response.status_code, parsed,
-                        wait=retry_after(response.headers.get("retry-after")))
+        status = response.status_code
+        if isinstance(parsed, dict) and (status == 200 or "error" in parsed):
+            return _Attempt(status, parsed, wait=wait)
+        return self._no_answer(endpoint, 502 if status == 200 else status, "answer",
+                               f"the model's server answered {status} without an OpenAI "
+                               "answer or error", f"answered {status}: {raw[:500]!r}",
+                               wait=wait)
 
     async def _learn(self, elapsed: float, body: dict[str, Any]) -> None:
         """AIMD's increase: one more slot per limit's worth of requests whose seconds per
@@ -497,10 +713,15 @@ class RemoteEngine(LoopEngine):
         if error is not None:  # a bug here, not the server's answer: this request fails
             log.error("remote request %s failed", request_id, exc_info=error)
             return EngineResult(request_id, 500, {"error": {
-                "message": f"remote engine error: {error!r}", "type": "InternalServerError",
-                "param": None, "code": 500}})
+                "message": "the remote engine failed on this request (the worker's log "
+                "says why)", "type": "InternalServerError", "param": None, "code": 500}})
         status, body = task.result()
         return EngineResult(request_id, status, body)
+
+
+def _last_error(attempt: _Attempt) -> str:
+    """What queue health shows of an attempt: our detail, or the server's own error."""
+    return attempt.detail[:500] or _message(attempt.body)
 
 
 def _message(body: dict[str, Any]) -> str:

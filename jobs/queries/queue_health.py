@@ -182,12 +182,14 @@ def _server_blocker(model: str, connection: Any) -> str:
     url = spec.options["base_url"]
     state = server_state(connection, url, ceiling=spec.options.get("max_concurrency",
                                                                     DEFAULT_CEILING))
+    # The batch's owner reads this: the server's address and the error's text are for
+    # staff (queue health), never for users.
     if state.condition == "unreachable":
-        return (f"its server {url} cannot be reached ({state.last_error}); its requests "
-                "wait and run as soon as it answers")
+        return ("its server cannot be reached; its requests wait and run as soon as it "
+                "answers")
     if state.condition == "busy":
-        return (f"its server {url} is busy (it refused or queued our requests lately); "
-                "its requests wait and are retried as it frees up")
+        return ("its server is busy (it refused or queued our requests lately); its "
+                "requests wait and are retried as it frees up")
     return ""
 
 

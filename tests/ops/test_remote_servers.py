@@ -63,6 +63,9 @@ def test_busy_and_unreachable_servers_show_everywhere(admin_client, settings):
         register_worker(f"w-{model}", "host-a", model=model)
     assert "is busy" in queue_health.progress_blocker("remote-busy")
     assert "cannot be reached" in queue_health.progress_blocker("remote-down")
+    # The owner's page names neither the server nor what went wrong there.
+    blocker = queue_health.progress_blocker("remote-down")
+    assert down not in blocker and "127.0.0.1" not in blocker
 
     values = prometheus_values(admin_client.get("/metrics").content.decode())
     server = (("server", proxy.url),)
