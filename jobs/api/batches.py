@@ -18,7 +18,13 @@ from jobs.engines import model_names
 from jobs.errors import ServiceError
 from jobs.models import Batch, LoraAdapter
 from jobs.queries import results as result_pages
-from jobs.services import batches, stopping
+from jobs.services import batches, provenance, stopping
+
+
+def shown(batch: Batch) -> dict[str, Any]:
+    """The batch object as every key sees it: what ran it without the machines' names
+    (staff see those in the admin and on the dashboard)."""
+    return {**batch.to_openai(), **provenance.public_fields(batch)}
 
 
 def create(request: HttpRequest, user: Any) -> HttpResponse:
@@ -29,7 +35,7 @@ def create(request: HttpRequest, user: Any) -> HttpResponse:
         priority=body.get("priority"), output_expires_after=body.get("output_expires_after"),
         api_key=getattr(request, "api_key", None), strict=body.get("strict", False),
         eval_set=body.get("eval_set"))
-    return JsonResponse(batches.get_batch_for_user(owner=user, batch_id=batch.pk).to_openai())
+    return JsonResponse(shown(batches.get_batch_for_user(owner=user, batch_id=batch.pk)))
 
 
 def list_batches(request: HttpRequest, user: Any) -> HttpResponse:
@@ -42,7 +48,7 @@ def list_batches(request: HttpRequest, user: Any) -> HttpResponse:
     newest = None if filtered else (
         lambda count: batches.newest_batches(owner=user, count=count, api=Batch.Api.OPENAI))
     response = paginate(request, objects, default_limit=batches.LIST_LIMIT,
-                        max_limit=batches.LIST_MAX_LIMIT, newest=newest)
+                        max_limit=batches.LIST_MAX_LIMIT, newest=newest, shown=shown)
     # The first page is replayed, while its batches are unchanged, to this client's next
     # polls (jobs.polls takes only that page).
     polls.remember(response)
@@ -69,8 +75,8 @@ def retrieve(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
     """The batch; a poller that sends back the ETag of its last answer gets 304 Not Modified
     (no body) while nothing it shows changed. The ETag is the body's hash, so it covers
     every field shown, counters and status alike."""
-    response = JsonResponse(batches.get_openai_batch_for_user(owner=user, batch_id=batch_id)
-                            .to_openai())
+    response = JsonResponse(shown(batches.get_openai_batch_for_user(owner=user,
+                                                                    batch_id=batch_id)))
     set_response_etag(response)
     # Revalidated on every use (a shared cache must never keep one owner's batch).
     patch_cache_control(response, private=True, no_cache=True)
@@ -105,7 +111,7 @@ def results(request: HttpRequest, user: Any, batch_id: str) -> HttpResponseBase:
 
 def cancel(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
     batch = batches.get_openai_batch_for_user(owner=user, batch_id=batch_id)
-    return JsonResponse(stopping.cancel_batch(batch=batch).to_openai())
+    return JsonResponse(shown(stopping.cancel_batch(batch=batch)))
 
 
 def list_models(request: HttpRequest, user: Any) -> HttpResponse:

@@ -2,13 +2,16 @@
 /v1/organization/usage/embeddings and /v1/organization/costs, in OpenAI's shapes, so usage
 tooling written for it reads batchweb's.
 
-A key sees its owner's usage; a staff user's key sees everyone's (and may filter by
-`user_ids`). What differs from OpenAI: there are no projects (`project_id` is always null,
-`project_ids` matches nothing but null), every request is a batch request (`batch=false`
-matches nothing), ids are batchweb's (`api_key_id` and `user_id` are the key's and the
-user's numeric ids as strings), and a costs `line_item` is the model's name. Embeddings
-usage counts /v1/embeddings, /v1/score and /v1/rerank (input tokens only), completions the
-other endpoints. Usage is recorded when each shard of a batch finishes (`recorded_at`).
+A key sees its owner's usage; the key of a superuser, or of a user given the permission to
+view usage records (`jobs.view_usagerecord`), sees everyone's (and may filter by
+`user_ids`): OpenAI answers these endpoints to admin keys only, and being staff alone (an
+admin login) is not that. What differs from OpenAI: there are no projects (`project_id` is
+always null, `project_ids` matches nothing but null), every request is a batch request
+(`batch=false` matches nothing), ids are batchweb's (`api_key_id` and `user_id` are the
+key's and the user's numeric ids as strings), and a costs `line_item` is the model's name.
+Embeddings usage counts /v1/embeddings, /v1/score and /v1/rerank (input tokens only),
+completions the other endpoints. Usage is recorded when each shard of a batch finishes
+(`recorded_at`).
 """
 
 from __future__ import annotations
@@ -93,10 +96,11 @@ class Query:
         self.since = start
         self.start = _align(start, self.bucket_width)
         self.end = end
-        staff = bool(getattr(user, "is_staff", False))
+        # Superusers hold every permission; a staff user without this one sees their own.
+        everyone = user.has_perm("jobs.view_usagerecord")
         user_ids = _int_ids(_list(request, "user_ids"), "user_ids")
         self.filters = usage.Filters(
-            owner_id=None if staff else user.pk, owner_ids=user_ids or None,
+            owner_id=None if everyone else user.pk, owner_ids=user_ids or None,
             models=_list(request, "models") or None,
             api_key_ids=_int_ids(_list(request, "api_key_ids"), "api_key_ids") or None)
         self.nothing = (request.GET.get("batch") == "false"

@@ -177,10 +177,14 @@ class ResultsCursor:
                 return cls(ended=True, kind=first, offset=int(second))  # type: ignore[arg-type]
             if phase != "r" or not re.fullmatch(r"[A-Za-z0-9_-]+", first):
                 raise bad
+            # One byte more than the batch's shards need, so that the bound is never 0
+            # (zlib's "unlimited": a batch with no shards yet, validating, would inflate a
+            # bomb whole); a bitmap that reaches it names more shards than the batch has.
+            need = (shards + 7) // 8
             inflate = zlib.decompressobj()
             bitmap = inflate.decompress(
-                base64.urlsafe_b64decode(first + "=" * (-len(first) % 4)), (shards + 7) // 8)
-            if inflate.unconsumed_tail:  # more shards than the batch has
+                base64.urlsafe_b64decode(first + "=" * (-len(first) % 4)), need + 1)
+            if len(bitmap) > need or inflate.unconsumed_tail:
                 raise bad
             consumed = {i * 8 + bit for i, byte in enumerate(bitmap) for bit in range(8)
                         if byte >> bit & 1}

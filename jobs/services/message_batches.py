@@ -5,7 +5,9 @@ once ended, as Anthropic allows.
 
 The create body, `{"requests": [{"custom_id", "params"}, ...]}`, is read as a stream: each
 request becomes one input line as soon as it is parsed, so memory holds one request at a
-time however large the batch (up to the input file limit).
+time however large the batch (up to the input file limit). Reading stops at the request
+after BATCHWEB_MAX_REQUESTS_PER_BATCH: a body of millions of tiny requests is refused then,
+not parsed to its end.
 """
 
 from __future__ import annotations
@@ -183,12 +185,20 @@ def create_message_batch(*, owner: Any, body: Readable, declared_length: int,
     are read, then a batch of it as the OpenAI API would create. Refused whole (nothing
     stored) when the body is malformed or over the limit."""
     limit = settings.BATCHWEB["MAX_FILE_BYTES"]
+    max_requests = settings.BATCHWEB["MAX_REQUESTS_PER_BATCH"]
     if declared_length > limit:
         raise too_large(limit)  # before reading any of it
     seen: set[str] = set()
     with local_temp(".jsonl") as path:
         with open(path, "wb") as out:
             for index, item in enumerate(iter_requests(body, limit=limit)):
+                # Refused at the first request over the limit, before the rest is read:
+                # the file's own check (on create_input_file) would come only after the
+                # whole body was parsed and every custom_id held in `seen`.
+                if index >= max_requests:
+                    raise ServiceError(f"requests: a batch takes at most {max_requests} "
+                                       "requests.", code="too_many_requests",
+                                       param="requests")
                 line = _input_line(index, item)
                 # Anthropic refuses a batch with a custom_id twice at once (400).
                 if item["custom_id"] in seen:

@@ -273,6 +273,23 @@ def test_a_body_over_the_size_limit_is_413(anthropic_client, settings):
     assert not Batch.objects.exists() and not File.objects.exists()
 
 
+def test_a_body_over_the_request_limit_is_refused_before_its_end(live_server, api_key,
+                                                                  settings):
+    settings.BATCHWEB = {**settings.BATCHWEB, "MAX_REQUESTS_PER_BATCH": 3}
+    requests_ = [{"custom_id": f"r{i}", "params": params("x")} for i in range(4)]
+    # What follows the request over the limit is not JSON: the refusal comes before it is
+    # read, so millions of tiny requests are never parsed (nor their custom_ids held).
+    body = json.dumps({"requests": requests_})[:-2] + ", {not json" + " " * 100_000
+    response = requests.post(f"{live_server.url}/v1/messages/batches", data=body.encode(),
+                             headers={"x-api-key": api_key, "anthropic-version": "2023-06-01",
+                                      "content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json() == {"type": "error", "error": {
+        "type": "invalid_request_error",
+        "message": "requests: a batch takes at most 3 requests."}}
+    assert not Batch.objects.exists() and not File.objects.exists()
+
+
 def test_list_pages_with_anthropic_cursors(anthropic_client):
     ids = [create(anthropic_client, 1).id for _ in range(5)]
     newest_first = ids[::-1]

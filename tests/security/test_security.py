@@ -151,6 +151,61 @@ def test_every_message_batches_endpoint_gives_404_for_another_users_ids(people: 
 
 
 
+# --- what ran a batch: the machines' names are the staff's ---
+
+PROVENANCE = [{
+    "engine": {"model": "echo-test", "model_source": "/srv/gpu-models/echo-test",
+               "model_sha256": "9f2c" * 16, "engine": "vllm", "engine_version": "0.8.5",
+               "dtype": "bfloat16", "parallelism": {"tensor_parallel_size": 2},
+               "sampling_defaults": {"temperature": 0.7}, "batchweb_version": "1.4.0"},
+    "workers": ["gpu-node-17.48213.echo-test"],
+    "adapters": [{"name": "tone", "source": "/srv/gpu-adapters/tone", "sha256": "ab12" * 16},
+                 {"name": "pinned", "source": "pypi:tone-lora==1.0", "sha256": "cd34" * 16}]}]
+# What names the machine: the worker's host and PID, the folders on it.
+MACHINE = ("gpu-node-17", "48213", "/srv/gpu-")
+
+
+def test_what_ran_a_batch_names_no_machine_but_to_staff(people: dict) -> None:
+    import io
+
+    from jobs.services.message_batches import create_message_batch
+
+    bob = people["bob"]
+    body = json.dumps({"requests": [{"custom_id": "r0", "params": {
+        "model": "echo-test", "max_tokens": 4,
+        "messages": [{"role": "user", "content": "hi"}]}}]}).encode()
+    message_batch = create_message_batch(owner=bob, body=io.BytesIO(body),
+                                         declared_length=len(body))
+    batch = people["done"]
+    Batch.objects.filter(pk__in=[batch.pk, message_batch.pk]).update(provenance=PROVENANCE)
+    api = Api(people["bob_key"])
+    answers = [api.get(f"/v1/batches/{batch.pk}"), api.get("/v1/batches"),
+               api.get(f"/v1/messages/batches/{message_batch.pk}"),
+               api.get("/v1/messages/batches"),
+               api.post_json(f"/v1/messages/batches/{message_batch.pk}/cancel", {})]
+    for response in answers:
+        assert response.status_code == 200, response.content
+        text = response.content.decode()
+        assert not [m for m in MACHINE if m in text], text
+        # The engine record stays: model, hashes, versions, adapters, a pinned source.
+        for shown in ("9f2c" * 16, "bfloat16", "0.8.5", "tensor_parallel_size", "temperature",
+                      "ab12" * 16, "pypi:tone-lora==1.0"):
+            assert shown in text, shown
+    entry = answers[0].json()["provenance"]["workers"][0]
+    assert set(entry) == {"engine", "adapters"}
+    assert entry["engine"]["model_source"] == entry["adapters"][0]["source"] == "local folder"
+    # The dashboard's "What ran it": the engine record for the owner, all of it for staff.
+    site = Client()
+    site.force_login(bob)
+    page = site.get(f"/batches/{batch.pk}/").content.decode()
+    assert 'id="provenance"' in page and "sha256:9f2c9f2c" in page and "tone" in page
+    assert not [m for m in MACHINE if m in page]
+    bob.is_staff = True
+    bob.save(update_fields=["is_staff"])
+    page = site.get(f"/batches/{batch.pk}/").content.decode()
+    assert all(m in page for m in MACHINE)
+
+
 def _dashboard_urls() -> list[URLPattern]:
     from jobs.views.urls import urlpatterns
 
