@@ -421,7 +421,10 @@ ECHO_MODEL = {
                 # Tests count what the engine computed (recomputation) from this file.
                 "request_log": os.environ.get("BATCHWEB_ECHO_REQUEST_LOG", ""),
                 # It loads LoRA adapters (as "echo+<adapter>:" answers), at no cost.
-                "enable_lora": True},
+                "enable_lora": True,
+                # Its context, in words (the engine's default): a request naming no output
+                # limit gets what its prompt leaves of it.
+                "max_model_len": 2048},
 }
 if os.environ.get("BATCHWEB_MODELS_FILE"):
     try:

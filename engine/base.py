@@ -51,6 +51,11 @@ class EngineRequest:
     # group of a grouped shard, jobs.prefix): the engine has the first one compute it
     # before the others start, so they all find it in its prefix cache.
     prefix: int = 0
+    # The most output tokens of one answer when the body names no limit: what the budget
+    # counted for it (the model's context less its prompt, at most the service's cap). The
+    # engine sends it as the endpoint's limit field, or its model's own default limit when
+    # lower (`Endpoint.limited`); 0: the engine's own default.
+    output_room: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,9 @@ on a million requests without loading a model.
 - messages (Anthropic): a Message whose one text block is "echo: " + the last user
   message's text, stop_reason "max_tokens" when cut, else "end_turn"; errors in
   Anthropic's shape.
-- prompt words + max_tokens > options["max_model_len"] (default 2048) -> 400 like vLLM.
+- prompt words >= options["max_model_len"] (default 2048) -> 400 like vLLM; an output
+  limit over it is lowered to it (as the in-process engine does), and the output to what
+  the prompt leaves (as vLLM does).
 - bodies arrive validated (their endpoint's `check` runs before any engine); a body it
   still cannot read is one plain 400 (its endpoint's error shape).
 - options["seconds_per_request"] (default 0) sleeps that long per request (slow shards);
@@ -62,7 +64,7 @@ from engine.base import (
     ModelSpec,
 )
 from engine.endpoints import REGISTRY, Endpoint, text_parts
-from engine.endpoints.base import Generation, Pooled, openai_error
+from engine.endpoints.base import Generation, Pooled, openai_error, within_context
 
 
 def _error(message: str, param: str | None = None) -> tuple[int, dict[str, Any]]:
@@ -155,14 +157,14 @@ class EchoEngine(Engine):
             if adapter_path:
                 words.insert(0, lead)
             prompt_tokens = len(words)
-        max_tokens = (body.get("max_completion_tokens") or body.get("max_tokens")
-                      or body.get("max_output_tokens")
-                      or self.sampling_defaults.get("max_tokens"))
+        body = within_context(endpoint, body, self.max_model_len)
+        max_tokens = endpoint.named_limit(body) or self.sampling_defaults.get("max_tokens")
         if self.version != "1":
             words = [word.lower() for word in words]
         n = body.get("n") or 1
-        if prompt_tokens + (max_tokens or 0) > self.max_model_len:
+        if prompt_tokens >= self.max_model_len:
             return _context_error(prompt_tokens + (max_tokens or 0), self.max_model_len)
+        max_tokens = min(max_tokens or self.max_model_len, self.max_model_len - prompt_tokens)
         return 200, endpoint.respond(body, Generation(
             model=body.get("model") or self.spec.name, text=" ".join(words[:max_tokens]),
             cut=max_tokens is not None and len(words) > max_tokens,
@@ -303,7 +305,12 @@ class EchoEngine(Engine):
                 self._clock.notify_all()
 
     def _compute(self, req: EngineRequest) -> EngineResult:
-        status, body = self.handle(req.url, req.body, req.adapter_path)
+        endpoint = REGISTRY.get(req.url)
+        # As the in-process engine: the output limit the budget counted, named.
+        request = endpoint.limited(req.body, room=req.output_room,
+                                   default=self.sampling_defaults.get("max_tokens")) \
+            if endpoint is not None else req.body
+        status, body = self.handle(req.url, request, req.adapter_path)
         with self._lock:
             if self._request_log is not None and not self._request_log.closed:
                 self._request_log.write(req.request_id + "\n")

@@ -51,6 +51,7 @@ from engine.base import (
     ModelSpec,
 )
 from engine.endpoints import REGISTRY
+from engine.endpoints.base import within_context
 from engine.prefix_limit import PromptBlocks, block_keys
 
 T = TypeVar("T")
@@ -276,6 +277,9 @@ class VllmEngine(LoopEngine):
         # a pair by the cosine similarity of the two embeddings; a cross-encoder or
         # reranker scores the pair).
         self._servings = self._start_servings(state)
+        model_config = self._llm.vllm_config.model_config
+        self._max_model_len = model_config.max_model_len
+        self._default_max_tokens = model_config.get_diff_sampling_param().get("max_tokens")
         # Function tools are answered as function_call items only with a tool call parser
         # (the model's options tool_call_parser and enable_auto_tool_choice, as for
         # `vllm serve`).
@@ -426,6 +430,10 @@ class VllmEngine(LoopEngine):
         # their requests go unsalted, as vLLM's pooling path was not checked with one.
         body = endpoint.engine_body({**req.body, "cache_salt": req.cache_salt}
                                     if req.cache_salt and not endpoint.pooling else req.body)
+        # The output limit the budget counted, named (or the model's own default where
+        # lower); any limit over the whole context lowered to it.
+        body = within_context(endpoint, endpoint.limited(
+            body, room=req.output_room, default=self._default_max_tokens), self._max_model_len)
         try:
             ignored = next((name for name in (serving.dropped if serving else ())
                             if _changes_the_answer(name, body.get(name), body)), None)

@@ -856,6 +856,9 @@ class UsageRecord(models.Model):
     # The engine's time the work took: each moment the engine was busy split evenly among
     # the requests in it, summed over this model's requests in the shard.
     engine_seconds = models.FloatField(default=0)
+    # The requests of an eval run (charged to the owner who attached the set, or to the
+    # evals' service user for an operator's set watching a model).
+    eval_run = models.BooleanField(default=False)
     recorded_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
@@ -901,12 +904,14 @@ class UsageDay(models.Model):
     output_tokens = models.BigIntegerField(default=0)
     cost_nanos = models.BigIntegerField(default=0)
     engine_seconds = models.FloatField(default=0)
+    eval_run = models.BooleanField(default=False)
 
     class Meta:
         constraints = [
             models.UniqueConstraint(
-                fields=["day", "owner", "api_key_id", "model", "endpoint", "currency"],
-                name="one_usage_day_per_key"),
+                fields=["day", "owner", "api_key_id", "model", "endpoint", "currency",
+                        "eval_run"],
+                name="one_usage_day_per_key_and_kind"),
         ]
         indexes = [models.Index(fields=["owner", "day"])]
 
@@ -970,8 +975,9 @@ def new_eval_run_id() -> str:
 class EvalRun(models.Model):
     """One run of an eval set beside a batch: its requests run as a batch of their own
     (`run_batch`, owned by the evals' service user, so they never touch the batch's files,
-    counts or owner's lists), scored once both have ended and compared with the baseline,
-    the last accepted run of the set on the same model."""
+    counts or owner's lists; charged to the owner who attached the set), scored once both
+    have ended and compared with the baseline, the last accepted run of the set on the
+    same model by the same owner."""
 
     class Status(models.TextChoices):
         RUNNING = "running"

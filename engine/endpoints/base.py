@@ -26,8 +26,17 @@ VLLM_SAMPLING_FIELDS = frozenset({
     "prompt_logprobs", "allowed_token_ids", "bad_words"})
 
 # Body fields that cap the output tokens of a generating request, by endpoint: chat's two,
-# completions' and Anthropic's max_tokens, Responses' max_output_tokens.
-MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+# completions' and Anthropic's max_tokens, Responses' max_output_tokens. In the order an
+# engine reads them (chat's max_completion_tokens before its older max_tokens).
+MAX_TOKENS_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+# What a prompt's text can cost in tokens at most, whatever its script: a tokenizer makes
+# at most one token of each UTF-8 byte, and far fewer for any real text (English ~1 in 4,
+# Chinese and Japanese ~1 in 2-3, emoji 1-2 in 4); half the bytes holds for all of them,
+# where a quarter of the characters undercounts CJK and emoji several times.
+BYTES_PER_TOKEN_BOUND = 2
+# Tokens a chat template adds around one message (role markers, separators) at most, for
+# the templates of the models served here (SmolLM2's and Llama's add 4-6).
+TEMPLATE_TOKENS = 8
 
 
 class Refusal(NamedTuple):
@@ -261,11 +270,61 @@ class Endpoint:
                         for item in value if not isinstance(item, str | dict))
         return "\n".join(parts), sum(map(len, parts)) + 4 * token_ids
 
-    def output_ceiling(self, body: dict[str, Any]) -> int:
-        """The most output tokens the request may generate, all choices together."""
-        cap = (body.get("max_completion_tokens") or body.get("max_tokens")
-               or body.get("max_output_tokens") or 0)
-        return cap * (body.get("n") or 1)
+    def prompt_bound(self, body: dict[str, Any]) -> int:
+        """An upper bound of the request's prompt tokens in any script (what the budget's
+        ceiling counts, and what is subtracted from the model's context to give a request
+        its output room): half the UTF-8 bytes of its texts, one token per token id, and
+        TEMPLATE_TOKENS for each message or input."""
+        values = self.prompt_values(body)
+        size = 0
+        for value in values:
+            texts = text_parts(value)
+            size += -(-sum(len(text.encode()) for text in texts) // BYTES_PER_TOKEN_BOUND)
+            if isinstance(value, list):  # token ids, or token arrays
+                size += sum(len(item) if isinstance(item, list) else 1 for item in value
+                            if not isinstance(item, str | dict))
+        return max(1, size + TEMPLATE_TOKENS * max(len(values), 1))
+
+    # The body field the output-token limit is sent in when a request names none.
+    limit_field = "max_tokens"
+    # The limit the API itself gives a request that names none (OpenAI's completions:
+    # 16); None: the model's room, its context less the prompt, at most the service's cap.
+    default_limit: int | None = None
+
+    def named_limit(self, body: dict[str, Any]) -> int | None:
+        """The output-token limit the body names, if any."""
+        return next((body[name] for name in MAX_TOKENS_FIELDS if body.get(name) is not None),
+                    None)
+
+    def answers(self, body: dict[str, Any]) -> int:
+        """How many answers the request generates (each up to its output limit)."""
+        n = body.get("n")
+        return n if isinstance(n, int) and n > 1 else 1
+
+    def output_limit(self, body: dict[str, Any], *, room: int) -> int:
+        """The most output tokens of one answer: the body's own limit, else the API's
+        default, else `room` (the model's context less the prompt's bound, at most the
+        service's cap). A request without a limit runs with this one named, so the engine
+        never generates more than the budget counted (engine_body)."""
+        named = self.named_limit(body)
+        if named is not None:
+            return named
+        return self.default_limit if self.default_limit is not None else room
+
+    def output_ceiling(self, body: dict[str, Any], *, room: int) -> int:
+        """The most output tokens the request may generate, all answers together."""
+        return self.output_limit(body, room=room) * self.answers(body)
+
+    def limited(self, body: dict[str, Any], *, room: int,
+                default: int | None = None) -> dict[str, Any]:
+        """The body with its output limit named (`output_limit`, or the model's own
+        `default` limit where lower: its generation config's, which an engine applies to
+        a request naming none): what an engine sends on, so that a request never generates
+        more than the budget counted. `room` 0: the body as it is."""
+        if not room or self.named_limit(body) is not None:
+            return body
+        limit = self.output_limit(body, room=room)
+        return {**body, self.limit_field: min(limit, default) if default else limit}
 
     def deterministic(self, body: dict[str, Any]) -> bool:
         """Whether the answer is fully determined by the body (greedy sampling, or a fixed
@@ -326,13 +385,28 @@ class Endpoint:
         return None
 
 
+def within_context(endpoint: Endpoint, body: dict[str, Any], context: int) -> dict[str, Any]:
+    """The body with an output limit over the model's whole context lowered to it: vLLM
+    refuses such a limit (where the registry did not give the model's max_model_len, a
+    request naming none is sent with the service's cap), and lowers any other to what the
+    prompt leaves; the request can only use less than the budget counted."""
+    named = endpoint.named_limit(body)
+    if named is None or not is_int(named) or named <= context:
+        return body
+    return {**body, **{name: context for name in MAX_TOKENS_FIELDS if name in body}}
+
+
 class Pooling(Endpoint):
     """An endpoint of pooling models: nothing generated, the same body the same answer."""
 
     pooling = True
 
-    def output_ceiling(self, body: dict[str, Any]) -> int:
+    def output_ceiling(self, body: dict[str, Any], *, room: int) -> int:
         return 0
+
+    def limited(self, body: dict[str, Any], *, room: int,
+                default: int | None = None) -> dict[str, Any]:
+        return body
 
     def deterministic(self, body: dict[str, Any]) -> bool:
         return True

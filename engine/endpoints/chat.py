@@ -69,6 +69,7 @@ class Chat(Endpoint):
     kind = "chat"
     prefix_grouped = True
     prompt_field = "messages"
+    limit_field = "max_completion_tokens"
     droppable = ("functions", "function_call", "modalities", "audio", "web_search_options")
     vllm = VllmServing("openai_serving_chat",
                        "vllm.entrypoints.openai.chat_completion.protocol.ChatCompletionRequest",

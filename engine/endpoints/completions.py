@@ -53,9 +53,17 @@ class Completions(PlainPrompts):
     kind = "generate"
     prompt_field = "prompt"
     droppable = ("best_of",)
+    # OpenAI's default for a completion that names no max_tokens (vLLM's as well).
+    default_limit = 16
     vllm = VllmServing("openai_serving_completion",
                        "vllm.entrypoints.openai.completion.protocol.CompletionRequest",
                        "create_completion")
+
+    def answers(self, body: dict[str, Any]) -> int:
+        """n answers (best_of generated, where an engine honours it) for each prompt."""
+        best_of = body.get("best_of")
+        each = max(super().answers(body), best_of if isinstance(best_of, int) else 1)
+        return each * max(len(self.prompts(body)), 1)
 
     def output_texts(self, body: dict[str, Any]) -> list[tuple[str, str | None]]:
         return [(choice.get("text") or "", choice.get("finish_reason"))

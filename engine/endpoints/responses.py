@@ -110,6 +110,7 @@ class Responses(Endpoint):
         "frequency_penalty", "presence_penalty", "logit_bias", "seed", "stop", "top_k",
         "min_p", "repetition_penalty", "stop_token_ids", "include_stop_str_in_output",
         "ignore_eos", "skip_special_tokens"})
+    limit_field = "max_output_tokens"
     kind = "chat"
     prefix_grouped = True
     prompt_field = "input"

@@ -8,12 +8,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobs.models import Batch, EvalRun
+from jobs.services.provenance import without_hosts
 
 
 @dataclass
 class RunView:
     run: EvalRun
     baseline: EvalRun | None
+    # The baseline's batch, when the viewer's own (an operator's watching set compares
+    # runs beside other users' batches: their ids are not shown).
+    baseline_batch: str | None = None
     changed: list[dict[str, Any]] = field(default_factory=list)
     may_accept: bool = False
 
@@ -39,8 +43,15 @@ def batch_record(batch: Batch, *, user: Any) -> BatchRecord:
     for run in (EvalRun.objects.filter(batch=batch)
                 .select_related("eval_set", "baseline", "baseline__batch", "run_batch")
                 .order_by("created_at")):
-        runs.append(RunView(run=run, baseline=run.baseline, changed=run.changed,
+        baseline = run.baseline
+        runs.append(RunView(run=run, baseline=baseline, changed=run.changed,
+                            baseline_batch=baseline.batch_id if baseline is not None and (
+                                baseline.batch.owner_id == batch.owner_id or user.is_staff)
+                            else None,
                             may_accept=(run.status == EvalRun.Status.SCORED
                                         and run.accepted_at is None
                                         and run.may_be_accepted_by(user))))
-    return BatchRecord(provenance=batch.provenance or [], runs=runs)
+    # The workers' names and local paths are for staff: an owner sees the engine records.
+    entries = batch.provenance or []
+    return BatchRecord(provenance=entries if user.is_staff else without_hosts(entries),
+                       runs=runs)

@@ -20,14 +20,14 @@ from django.db.models import Max, QuerySet, Sum
 from django.db.models.functions import Trunc
 from django.utils import timezone
 
-from jobs.models import UsageDay, UsageRecord
+from jobs.models import EvalRun, UsageDay, UsageRecord
 
 SUMS = ("requests_succeeded", "requests_failed", "input_tokens", "cached_tokens",
         "output_tokens", "cost_nanos", "engine_seconds")
 # What a usage sum may be grouped by, and the ledger's column for each.
 GROUPS = {"model": "model", "api_key_id": "api_key_id", "batch": "batch_id",
           "user_id": "owner_id", "endpoint": "endpoint", "currency": "currency",
-          "base_model": "base_model"}
+          "base_model": "base_model", "eval_run": "eval_run"}
 BUCKETS = {"1m": "minute", "1h": "hour", "1d": "day"}
 BUCKET_SECONDS = {"1m": 60, "1h": 3600, "1d": 86400}
 
@@ -97,7 +97,7 @@ def _midnight(day: date) -> datetime:
 
 
 def _day_columns(columns: list[str]) -> list[str] | None:
-    day_fields = {"model", "api_key_id", "owner_id", "endpoint", "currency"}
+    day_fields = {"model", "api_key_id", "owner_id", "endpoint", "currency", "eval_run"}
     return columns if set(columns) <= day_fields else None
 
 
@@ -146,8 +146,12 @@ def bucketed(filters: Filters, *, bucket_width: str = "1d",
 
 
 def batch_cost(batch_id: str) -> dict[str, Any]:
-    """What the ledger charged a batch so far: cost, currency, tokens, engine seconds."""
-    row = UsageRecord.objects.filter(batch_id=batch_id).order_by().aggregate(
+    """What the ledger charged a batch so far (the eval set its owner attached included,
+    whose requests run as a batch of their own): cost, currency, tokens, engine seconds."""
+    runs = EvalRun.objects.filter(batch_id=batch_id, trigger=EvalRun.Trigger.BATCH,
+                                  run_batch__isnull=False).values_list("run_batch_id",
+                                                                       flat=True)
+    row = UsageRecord.objects.filter(batch_id__in=[batch_id, *runs]).order_by().aggregate(
         **_sums(), currency=Max("currency"))
     return {**{k: (row[k] or 0) for k in SUMS}, "currency": row["currency"] or ""}
 

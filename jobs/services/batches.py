@@ -21,13 +21,12 @@ from django.db.models import Count
 from django.utils import timezone
 
 from engine.endpoints import ENDPOINTS
-from jobs import queues
+from jobs import heavy, queues
 from jobs.compiled import Compiled
 from jobs.errors import ServiceError, not_found, storable_id
-from jobs.models import Batch, File, new_batch_id, new_message_batch_id
-from jobs.services import preflight
-from jobs.services.budgets import check_budget
-from jobs.services.evals import find_set_for_user
+from jobs.models import Batch, EvalSet, File, new_batch_id, new_message_batch_id
+from jobs.services import budgets, preflight
+from jobs.services.evals import eval_ceiling, find_set_for_user
 from jobs.services.files import get_file_for_user, parse_expires_after
 from jobs.services.quotas import check_quota
 
@@ -98,24 +97,53 @@ def create_batch(*, owner: Any, input_file_id: Any, endpoint: Any, completion_wi
     input_file = get_file_for_user(owner=owner, file_id=input_file_id)
     if input_file.purpose != File.Purpose.BATCH:
         raise ServiceError("The input file must have purpose 'batch'.", param="input_file_id")
-    check_quota(owner=owner, batch_requests=input_file.line_count)
-    check_budget(owner=owner, estimate_of=lambda: preflight.check_file(
-        input_file, endpoint=endpoint).cost)
-    now = timezone.now()
-    batch = Batch.objects.create(
-        id=new_message_batch_id() if api == Batch.Api.ANTHROPIC else new_batch_id(), api=api,
-        owner=owner, api_key=api_key, endpoint=endpoint, input_file=input_file,
-        completion_window=completion_window, metadata=metadata, priority=priority,
-        strict=strict, eval_set=attached,
-        output_expires_after=int(output_lifetime.total_seconds()) if output_lifetime else None,
-        expires_at=now + window,
-    )
+    # The most it could cost, before the owner's lock is taken (a pass over the file,
+    # cached): only where a budget applies.
+    ceiling = (_ceiling(owner=owner, input_file=input_file, endpoint=endpoint,
+                        eval_set=attached) if budgets.applies(owner) else None)
+    with transaction.atomic():
+        # One owner's creations one at a time, so that two of them cannot both pass a
+        # quota or the budget on the same room (each sees the other's row).
+        budgets.lock_owner(owner)
+        check_quota(owner=owner, batch_requests=input_file.line_count,
+                    eval_requests=attached.item_count if attached else 0)
+        budgets.check_budget(owner=owner, ceiling=ceiling)
+        now = timezone.now()
+        batch = Batch.objects.create(
+            id=new_message_batch_id() if api == Batch.Api.ANTHROPIC else new_batch_id(),
+            api=api, owner=owner, api_key=api_key, endpoint=endpoint, input_file=input_file,
+            completion_window=completion_window, metadata=metadata, priority=priority,
+            strict=strict, eval_set=attached,
+            output_expires_after=(int(output_lifetime.total_seconds()) if output_lifetime
+                                  else None),
+            expires_at=now + window,
+            # Reserved from now on; validation sets it again from the same pass.
+            cost_ceiling_nanos=ceiling.ceiling_nanos if ceiling is not None else None,
+        )
     batch_id = batch.id
     # robust: if Redis is down the batch is still created; the reconciler enqueues it later.
     transaction.on_commit(
         lambda: queues.enqueue_control("jobs.tasks.validate_batch", batch_id, suffix="validate"),
         robust=True)
     return batch
+
+
+def _ceiling(*, owner: Any, input_file: File, endpoint: str,
+             eval_set: EvalSet | None) -> budgets.Estimate:
+    """The batch's cost ceiling (its input's preflight, plus the attached set's requests),
+    computed under the per-user guard of heavy work: one user's creates cannot keep every
+    web process reading files."""
+    try:
+        report = preflight.check_file(input_file, endpoint=endpoint,
+                                      guard=heavy.one_per_user(owner.pk)).report
+    except heavy.Busy:
+        raise ServiceError("Another of your requests is checking a file; retry in a moment.",
+                           status=429, code="rate_limit_exceeded") from None
+    cost = report.cost
+    if eval_set is not None and report.model:
+        cost = cost.plus(eval_ceiling(eval_set=eval_set, model=report.model,
+                                      first_model=report.first_model))
+    return cost
 
 
 # Every poll of a batch (the API's and the dashboard's) starts here: compiled once.

@@ -11,13 +11,16 @@ when the model's files, its adapter, the engine or its defaults change (docs/eva
   sampling) become a batch of their own, owned by the evals' service user (`eval_user`):
   they run on the same model's queues and workers under every guarantee of any batch
   (claims fenced by attempt, checkpoints, exactly one line per request), yet never appear
-  in the batch's files, counts, or its owner's lists, files and usage.
+  in the batch's files, counts, or its owner's lists and files. A run the owner attached
+  is theirs all the same: its ceiling is in the batch's (`eval_ceiling`), it counts
+  against their quotas and is charged to them (jobs.services.ledger, marked as an eval
+  run); an operator's watching set's runs are the service user's.
 - When both the batch and the run's batch have ended (`batch_ended`, from the finalizer),
   the run is scored by the set's rule and compared with the baseline: the last accepted
-  run of the set on the same model (the first run on a model is its own baseline until
-  another is accepted, `accept_run`). A score below the baseline's by more than the set's
-  threshold flags the batch (`Batch.eval_drift`) and sends its owner a signed
-  `batchweb.eval.drift` webhook event.
+  run of the set on the same model by the same owner (`baselines`; the first such run is
+  its own baseline until another is accepted, `accept_run`). A score below the
+  baseline's by more than the set's threshold flags the batch (`Batch.eval_drift`) and
+  sends its owner a signed `batchweb.eval.drift` webhook event.
 """
 
 from __future__ import annotations
@@ -42,11 +45,14 @@ from engine.endpoints import CHAT, EMBEDDINGS, REGISTRY, check_body
 from jobs import evalrules, queues
 from jobs.errors import ServiceError, not_found
 from jobs.models import Batch, EvalRun, EvalSet, File
+from jobs.prompts import ceiling, room_for
 from jobs.quality import output_texts
+from jobs.services.budgets import Estimate, estimate
 from jobs.services.files import store_file
 from jobs.storage.lines import iter_lines
 from jobs.storage.objects import open_file, open_range, save_local
 from jobs.storage.temp import local_temp
+from jobs.wire import RequestLine
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +198,20 @@ def find_set_for_user(*, owner: Any, value: Any) -> EvalSet | None:
     if found is None:
         raise not_found("eval set", str(value))
     return found
+
+
+def eval_ceiling(*, eval_set: EvalSet, model: str, first_model: str | None) -> Estimate:
+    """The most a run of the set beside a batch of `model` could cost: its requests as the
+    run sends them (named `first_model`, the batch's first request's model), priced as
+    that model's (jobs.services.budgets). Streamed: a set holds at most MAX_ITEMS."""
+    named = first_model or model
+    room = room_for(model)
+    tokens = [0, 0]
+    with open_range(eval_set.storage_name, 0) as stream:
+        for _, item in _lines(stream):
+            line = RequestLine(item["custom_id"], eval_set.url, {**item["body"], "model": named})
+            tokens = [a + b for a, b in zip(tokens, ceiling(line, room), strict=True)]
+    return estimate(model=model, ceilings={named: tokens})
 
 
 # --- runs ---
@@ -384,9 +404,7 @@ def _score(run: EvalRun) -> None:
         for (cid, _, answer), ok in zip(items, verdicts, strict=True))))
     passed = sum(verdicts)
     score = passed / len(items) if items else 0.0
-    baseline = (EvalRun.objects.filter(eval_set=eval_set, base_model=run.base_model,
-                                       status=EvalRun.Status.SCORED,
-                                       accepted_at__isnull=False)
+    baseline = (baselines(run).filter(status=EvalRun.Status.SCORED, accepted_at__isnull=False)
                 .exclude(pk=run.pk).order_by("-accepted_at").first())
     changed: list[dict[str, Any]] = []
     changed_count = 0
@@ -415,6 +433,17 @@ def _score(run: EvalRun) -> None:
         from jobs.services.webhooks import batch_event
 
         batch_event(batch_id=run.batch_id, type=DRIFT_EVENT)
+
+
+def baselines(run: EvalRun) -> Any:
+    """The runs `run` may be compared with: of its set and model, and of its owner (a run
+    the user attached compares only with that user's runs, whose answers they may see; an
+    operator's watching set, only with the watching runs)."""
+    runs = EvalRun.objects.filter(eval_set_id=run.eval_set_id, base_model=run.base_model,
+                                  trigger=run.trigger)
+    if run.trigger == EvalRun.Trigger.BATCH:
+        runs = runs.filter(batch__owner_id=run.batch.owner_id)
+    return runs
 
 
 def _similar(eval_set: EvalSet, items: list[tuple[str, Any, str | None]]) -> list[bool]:

@@ -25,7 +25,7 @@ from django.db import connection
 from django.utils import timezone
 
 from jobs.checkpoint import ShardUsage
-from jobs.models import Shard, UsageDay, UsageRecord
+from jobs.models import EvalRun, Shard, UsageDay, UsageRecord
 from jobs.services.pricing import rates_for
 
 
@@ -36,6 +36,13 @@ def record_shard_usage(*, shard_id: str, progress: Any, usage: ShardUsage | None
     batch = (Shard.objects.filter(pk=shard_id)
              .values("batch_id", "batch__owner_id", "batch__api_key_id", "batch__model",
                      "batch__endpoint").get())
+    # An eval run's requests are charged to whoever attached the set to their batch (the
+    # operator's watching sets stay the service user's, who owns every run's batch).
+    run = (EvalRun.objects.filter(run_batch_id=batch["batch_id"])
+           .values("trigger", "batch__owner_id", "batch__api_key_id").first())
+    owner_id, api_key_id = batch["batch__owner_id"], batch["batch__api_key_id"]
+    if run is not None and run["trigger"] == EvalRun.Trigger.BATCH:
+        owner_id, api_key_id = run["batch__owner_id"], run["batch__api_key_id"]
     base = batch["batch__model"]
     rows: dict[str, list[int]] = {}
     adapters = {k: v for k, v in usage.adapters.items() if k != base}
@@ -55,7 +62,7 @@ def record_shard_usage(*, shard_id: str, progress: Any, usage: ShardUsage | None
     for model, (succeeded, tokens_in, cached, tokens_out) in rows.items():
         rate = rates[model]
         records.append(UsageRecord(
-            owner_id=batch["batch__owner_id"], api_key_id=batch["batch__api_key_id"],
+            owner_id=owner_id, api_key_id=api_key_id, eval_run=run is not None,
             batch_id=batch["batch_id"], shard_id=shard_id, model=model, base_model=base,
             endpoint=batch["batch__endpoint"], requests_succeeded=succeeded,
             requests_failed=progress.failed if model == base else 0,
@@ -71,7 +78,7 @@ def record_shard_usage(*, shard_id: str, progress: Any, usage: ShardUsage | None
     add_to_days(records)
 
 
-_DAY_KEY = ("day", "owner_id", "api_key_id", "model", "endpoint", "currency")
+_DAY_KEY = ("day", "owner_id", "api_key_id", "model", "endpoint", "currency", "eval_run")
 _DAY_SUMS = ("requests_succeeded", "requests_failed", "input_tokens", "cached_tokens",
              "output_tokens", "cost_nanos", "engine_seconds")
 
@@ -84,7 +91,7 @@ def add_to_days(records: list[UsageRecord]) -> None:
     values: list[Any] = []
     for r in records:
         values.extend((r.recorded_at.astimezone(UTC).date(), r.owner_id, r.api_key_id or 0,
-                       r.model, r.endpoint, r.currency,
+                       r.model, r.endpoint, r.currency, r.eval_run,
                        *(getattr(r, name) for name in _DAY_SUMS)))
     row = "(" + ", ".join(["%s"] * len(columns)) + ")"
     adds = ", ".join(f"{name} = {table}.{name} + EXCLUDED.{name}" for name in _DAY_SUMS)

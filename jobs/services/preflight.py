@@ -18,7 +18,7 @@ from django.utils import timezone
 from jobs.engines import served_endpoints
 from jobs.heavy import Guard, cached, version
 from jobs.models import ContentRule, File, LoraAdapter, Shard
-from jobs.services.budgets import Estimate, estimate
+from jobs.services.budgets import Estimate
 from jobs.services.files import create_input_file
 from jobs.services.validation import InputReport, check_batch_input
 from jobs.storage.lines import iter_lines
@@ -43,8 +43,7 @@ class Preflight:
     @property
     def cost(self) -> Estimate:
         """The most the batch could cost (jobs.services.budgets)."""
-        return estimate(model=self.report.model, input_tokens=self.report.input_tokens_estimate,
-                        output_tokens_ceiling=self.report.output_tokens_ceiling)
+        return self.report.cost
 
 
 def check_path(path: str | Path, *, endpoint: str | None = None,

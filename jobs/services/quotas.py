@@ -14,16 +14,19 @@ row (see `Quota`). What counts:
 - open uploads: at most BATCHWEB_MAX_OPEN_UPLOADS pending uploads per user (a site-wide
   setting, 429), so reserving storage through uploads that are never completed is bounded.
 - max_active_batches: the user's batches validating, in progress, finalizing or cancelling,
-  plus the new one (429).
+  and the requests of eval sets they attached while those run (a batch of their own), plus
+  the new one (two, with an eval set attached) (429).
 - tokens_per_day / tokens_per_month: input + output tokens of successful requests (what
-  shards record: failed requests and deduplicated copies cost nothing), counted by the time
-  their shard finished, in the current calendar day / month of TIME_ZONE (UTC). A batch is
+  shards record: failed requests and deduplicated copies cost nothing), the requests of
+  eval sets the user attached included, counted by the time their shard finished, in the
+  current calendar day / month of TIME_ZONE (UTC). A batch is
   refused once the period's usage has reached the budget; a batch already accepted runs to
   the end even if it goes past (its tokens are not known in advance). The budget resets at
   midnight / on the 1st.
 
-Concurrent submissions are not serialized: two requests at the same instant may both pass
-(a quota is a fair-use limit, not an accounting guarantee).
+A batch's checks run under a lock on its owner's row (jobs.services.batches), so two of
+one user's creates at the same instant cannot both take the last room; files are not
+serialized (a quota on storage is a fair-use limit).
 """
 
 from __future__ import annotations
@@ -35,11 +38,11 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import F, Sum
+from django.db.models import F, Q, Sum
 from django.utils import timezone
 
 from jobs.errors import ServiceError
-from jobs.models import Batch, File, Quota, Shard, Upload, UploadPart, UsageRecord
+from jobs.models import Batch, EvalRun, File, Quota, Shard, Upload, UploadPart, UsageRecord
 
 LABELS = {
     "max_file_bytes": "file size",
@@ -89,9 +92,18 @@ def tokens_since(owner: Any, start: datetime) -> int:
     # use the (owner, created_at) index instead of scanning every batch of the user.
     oldest_batch = start - timedelta(hours=settings.BATCHWEB["MAX_WINDOW_HOURS"] + 24)
     total = Shard.objects.filter(
-        batch__owner=owner, batch__created_at__gte=oldest_batch, finished_at__gte=start,
+        _owned_or_attached(owner, "batch__"), batch__created_at__gte=oldest_batch,
+        finished_at__gte=start,
     ).aggregate(total=Sum(F("input_tokens") + F("output_tokens")))["total"]
     return int(total or 0)
+
+
+def _owned_or_attached(owner: Any, prefix: str = "") -> Q:
+    """Batches of the owner's, and the runs of eval sets the owner attached to a batch
+    (their requests are the owner's: charged to them, counted against their quotas)."""
+    return (Q(**{f"{prefix}owner": owner})
+            | Q(**{f"{prefix}eval_run_of__trigger": EvalRun.Trigger.BATCH,
+                   f"{prefix}eval_run_of__batch__owner": owner}))
 
 
 def cost_nanos_since(owner: Any, start: datetime) -> int:
@@ -129,7 +141,8 @@ def usage_for(owner: Any, *, now: datetime | None = None,
     day, month = period_starts(now)
     return {
         "max_stored_bytes": stored_bytes(owner, but_upload=but_upload),
-        "max_active_batches": Batch.objects.active().filter(owner=owner).count(),
+        "max_active_batches": Batch.objects.active().filter(
+            _owned_or_attached(owner)).count(),
         "tokens_per_day": tokens_since(owner, day),
         "tokens_per_month": tokens_since(owner, month),
         "cost_per_month": Decimal(cost_nanos_since(owner, month)) / 10**9,
@@ -147,11 +160,13 @@ def _refuse(limit: str, message: str) -> ServiceError:
 
 
 def check_quota(*, owner: Any, file_bytes: int | None = None,
-                batch_requests: int | None = None, from_upload: str | None = None) -> None:
+                batch_requests: int | None = None, eval_requests: int = 0,
+                from_upload: str | None = None) -> None:
     """Refuse (ServiceError 400 or 429, saying which limit and the current usage) a new
-    file of `file_bytes` or a new batch of `batch_requests` requests beyond the user's
-    quota. Nothing else is checked: pass what is being submitted, and `from_upload` when
-    the file is a pending upload being assembled (its reservation is not counted twice)."""
+    file of `file_bytes` or a new batch of `batch_requests` requests (and `eval_requests`
+    of an eval set attached to it, run as a batch of their own) beyond the user's quota.
+    Nothing else is checked: pass what is being submitted, and `from_upload` when the file
+    is a pending upload being assembled (its reservation is not counted twice)."""
     limits = limits_for(owner)
     if not any(v is not None for v in limits.values()):
         return
@@ -169,16 +184,20 @@ def check_quota(*, owner: Any, file_bytes: int | None = None,
                                               "Delete files or wait for them to expire.")
     if batch_requests is not None:
         limit = limits["max_requests_per_batch"]
-        if limit is not None and batch_requests > limit:
+        with_set = f" (with {eval_requests:,} of its eval set)" if eval_requests else ""
+        if limit is not None and batch_requests + eval_requests > limit:
             raise _refuse("max_requests_per_batch",
-                          f"this batch has {batch_requests:,} requests; a batch may have at "
-                          f"most {limit:,}.")
+                          f"this batch has {batch_requests + eval_requests:,} requests"
+                          f"{with_set}; a batch may have at most {limit:,}.")
         limit = limits["max_active_batches"]
         active = usage["max_active_batches"]
-        if limit is not None and active >= limit:
+        new = 2 if eval_requests else 1  # an eval set's requests run as a batch of their own
+        if limit is not None and active + new > limit:
             raise _refuse("max_active_batches",
                           f"{active:,} of your batches are active and at most {limit:,} may "
-                          "be; wait for one to end.")
+                          "be" + ("; this one and its eval set's requests would make "
+                                  f"{active + new:,}" if new > 1 else "")
+                          + "; wait for one to end.")
         for name, period in (("tokens_per_day", "today (UTC)"),
                              ("tokens_per_month", "this month")):
             limit = limits[name]

@@ -39,8 +39,9 @@ from jobs.engines import served_endpoints
 from jobs.models import Batch, LoraAdapter, RequestCopy, ScreenedLine, Shard
 from jobs.policy import VIOLATION, Screener, ScreeningChunker, Violation
 from jobs.prefix import prefix_key
-from jobs.prompts import estimate_tokens, prompt_text
-from jobs.services.budgets import estimate
+from jobs.prompts import Room, ceiling, estimate_tokens, prompt_text, room_for
+from jobs.services.budgets import Estimate, estimate
+from jobs.services.evals import eval_ceiling
 from jobs.services.finalize import notify_ended
 from jobs.services.planning import CopySink, ShardPlan, ShardPlanner
 from jobs.services.prefix_plan import GroupedShard, PrefixPlan, PrefixPlanner
@@ -78,8 +79,27 @@ class InputReport:
     # first MAX_ERRORS_REPORTED are listed as `errors` entries are.
     refused: int = 0
     refused_lines: list[dict[str, Any]] = field(default_factory=list)
-    input_tokens_estimate: int = 0
-    output_tokens_ceiling: int = 0
+    # The most the requests that run can use, by the model each names (an adapter is
+    # priced as itself): [input tokens, output tokens] (jobs.prompts.ceiling).
+    ceilings: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def input_tokens_ceiling(self) -> int:
+        return sum(tokens[0] for tokens in self.ceilings.values())
+
+    @property
+    def output_tokens_ceiling(self) -> int:
+        return sum(tokens[1] for tokens in self.ceilings.values())
+
+    @property
+    def first_model(self) -> str | None:
+        """The model the first request that runs names (an eval run runs with it)."""
+        return next(iter(self.ceilings), self.model)
+
+    @property
+    def cost(self) -> Estimate:
+        """The most the batch's requests could cost (jobs.services.budgets)."""
+        return estimate(model=self.model, ceilings=self.ceilings)
 
     @property
     def ok(self) -> bool:
@@ -240,6 +260,7 @@ def check_input(stream: IO[bytes], *, endpoint: str | None, strict: bool = False
                 on_screened(line_number, custom_id, violation.rule)
 
     chunker = ScreeningChunker(screener, screened) if screener is not None else None
+    room: Room | None = None  # the batch's model's, once a line names it
     for line in iter_lines(stream, max_line_bytes=checker.max_line_bytes):
         request = checker.check(line)
         if request is None:
@@ -253,11 +274,14 @@ def check_input(stream: IO[bytes], *, endpoint: str | None, strict: bool = False
             # Nothing to screen, estimate or share: it never runs.
             request_problem(line.number, request.custom_id, request.refused)
         text, chars = prompt_text(request)
-        tokens_in, ceiling = estimate_tokens(request, chars)
+        tokens_in = estimate_tokens(request, chars)
         if chunker is not None and request.refused is None:
             chunker.add(line.number, request, tokens_in, text)
-        report.input_tokens_estimate += tokens_in
-        report.output_tokens_ceiling += ceiling
+        if request.refused is None:
+            room = room or room_for(checker.model)
+            most = report.ceilings.setdefault(request.model, [0, 0])
+            most[0], most[1] = (a + b for a, b in zip(most, ceiling(request, room),
+                                                      strict=True))
         primary = planner.add(line, request)
         if primary is None:
             key = prefix_key(request) if prefixes.enabled and request.refused is None else None
@@ -351,9 +375,7 @@ def run_validation(*, batch_id: str) -> None:
                 status=Batch.Status.IN_PROGRESS, in_progress_at=timezone.now(),
                 total=report.requests, model=report.model or "",
                 dedup_saved=report.dedup_saved, plan=report.plan.to_json(),
-                line_index=line_index, cost_ceiling_nanos=estimate(
-                    model=report.model, input_tokens=report.input_tokens_estimate,
-                    output_tokens_ceiling=report.output_tokens_ceiling).ceiling_nanos)
+                line_index=line_index, cost_ceiling_nanos=_ceiling(batch, report))
             if not started:
                 return
             Shard.objects.bulk_create(_shard_rows(batch_id, report, queues.shard_queue_name(
@@ -361,6 +383,15 @@ def run_validation(*, batch_id: str) -> None:
             _save_copies(batch_id, copies_path)
             _save_screened(batch_id, screened_path)
             transaction.on_commit(lambda: enqueue_next_shards(batch_id=batch_id), robust=True)
+
+
+def _ceiling(batch: Batch, report: InputReport) -> int:
+    """The batch's cost ceiling: its requests', and its attached eval set's."""
+    cost = report.cost
+    if batch.eval_set is not None and report.model:
+        cost = cost.plus(eval_ceiling(eval_set=batch.eval_set, model=report.model,
+                                      first_model=report.first_model))
+    return cost.ceiling_nanos
 
 
 def _shard_rows(batch_id: str, report: InputReport, queue_name: str) -> list[Shard]:

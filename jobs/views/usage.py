@@ -92,7 +92,9 @@ def chart(rows: list[dict[str, Any]], *, start: date, days: int) -> dict[str, An
 @require_GET
 def usage_page(request: SignedInRequest) -> HttpResponse:
     form, filters, days = _filters(request)
-    rows = usage.bucketed(filters, bucket_width="1d", group_by=["model", "currency"])
+    # Eval runs' requests (of sets attached to batches) on rows of their own.
+    rows = usage.bucketed(filters, bucket_width="1d",
+                          group_by=["model", "currency", "eval_run"])
     total = usage.totals(filters)
     start = filters.start.date() if filters.start else date.today()
     currency = rows[0]["currency"] if rows else "usd"

@@ -10,6 +10,7 @@ import queue
 from collections.abc import Callable, Iterator
 
 from engine.base import EngineRequest, EngineResult
+from jobs.prompts import output_room, room_for
 from jobs.services import shards as shard_service
 from jobs.wire import Code
 from jobs.worker.adapters import AdapterFolders
@@ -123,7 +124,8 @@ class Dispatcher(Loop):
             elif not is_retry(result.request_id) and needs_json_retry(request, result):
                 retry = retry_request(result.request_id, request,
                                       self.adapters.known(request.model),
-                                      cache_salt=work.cache_salt)
+                                      cache_salt=work.cache_salt,
+                                      output_room=output_room(request, room_for(work.model)))
                 work.pending[retry.request_id] = request
                 work.json_retries += 1
                 state.idle.request_started(retry.request_id)

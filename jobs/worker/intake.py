@@ -14,6 +14,7 @@ from engine.base import EngineRequest
 from jobs.checkpoint import Checkpoint
 from jobs.models import Shard
 from jobs.prefix import prefix_key
+from jobs.prompts import output_room, room_for
 from jobs.services import shards as shard_service
 from jobs.services.shard_input import shard_requests
 from jobs.wire import Code, RequestLine
@@ -125,6 +126,7 @@ class Intake:
         # compute the prefix before the rest, which then find it in its prefix cache.
         grouped = shard.lines_from is not None
         missing: set[str] = set()  # adapters found unregistered during this shard
+        room = room_for(shard.batch.model)
         with shard_requests(shard, work.skip | work.adopted) as requests:
             for number, request in requests:
                 if work.dead or work.handing_back:
@@ -155,7 +157,9 @@ class Intake:
                                                url=line.url, body=line.body,
                                                adapter_path=adapter_path,
                                                cache_salt=work.cache_salt,
-                                               prefix=(key.digest or 1) if key else 0)
+                                               prefix=(key.digest or 1) if key else 0,
+                                               # The output limit the budget counted.
+                                               output_room=output_room(line, room))
                 with work.lock:
                     work.pending[engine_request.request_id] = line
                 self._put(engine_request)

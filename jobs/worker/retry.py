@@ -28,12 +28,12 @@ def needs_json_retry(request: RequestLine, result: EngineResult) -> bool:
 
 
 def retry_request(request_id: str, request: RequestLine, adapter_path: str, *,
-                  cache_salt: str) -> EngineRequest:
-    """The second run of a request, with the LoRA adapter folder and the prefix cache salt
-    its first run had."""
+                  cache_salt: str, output_room: int) -> EngineRequest:
+    """The second run of a request, with the LoRA adapter folder, the prefix cache salt
+    and the output room its first run had."""
     return EngineRequest(request_id=request_id + RETRY_SUFFIX, url=request.url,
                          body=reseeded(request.body), adapter_path=adapter_path,
-                         cache_salt=cache_salt)
+                         cache_salt=cache_salt, output_room=output_room)
 
 
 def reseeded(body: dict[str, Any]) -> dict[str, Any]:

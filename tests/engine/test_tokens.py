@@ -55,7 +55,7 @@ def assert_over_agrees(counter: PromptCounter, url: str, body: dict) -> int:
     from jobs.wire import RequestLine
 
     count = counter.count(url, body)
-    estimate = estimate_tokens(RequestLine("x", url, body))[0]
+    estimate = estimate_tokens(RequestLine("x", url, body))
     assert counter.bound(estimate, len(request_messages(url, body))) >= count
     for limit in (0, count - 1, count, count + 1, 10 * count + 100):
         assert counter.over(url, body, limit) == (count if count > limit else None), limit
@@ -138,13 +138,13 @@ def test_the_prompt_size_rule_counts_the_models_tokens(chat_counter):
     at_limit = line("at-limit", "word " * 40)
     limit = chat_counter.count(CHAT, at_limit.body)
     japanese = line("japanese", "こんにちは世界" * 6)
-    assert estimate_tokens(japanese)[0] < limit // 4 < limit < chat_counter.count(
+    assert estimate_tokens(japanese) < limit // 4 < limit < chat_counter.count(
         CHAT, japanese.body)
     lines = [at_limit, line("one-more", "word " * 41), japanese, line("short", "Hi!")]
     screener = Screener([ContentRule(name="prompt-size", kind="max_prompt_tokens",
                                      max_tokens=limit, action="reject")])
     refused: dict[str, str] = {}
-    chunk = [(n, x.custom_id, estimate_tokens(x)[0], prompt_text(x)[0])
+    chunk = [(n, x.custom_id, estimate_tokens(x), prompt_text(x)[0])
              for n, x in enumerate(lines, 1)]
     assert screener.needs_requests("SmolLM2-135M-Instruct")
     screener.screen(chunk, lambda n, custom_id, violation: refused.update(

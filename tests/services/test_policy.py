@@ -176,7 +176,7 @@ def screen(rules: list[ContentRule], bodies: list[dict], tokens: int | None = No
     lines = [RequestLine(custom_id=f"c{number}", body=body,
                          url=next(url for key, url in urls.items() if key in body))
              for number, body in enumerate(bodies, start=1)]
-    chunk = [(number, line.custom_id, estimate_tokens(line)[0] if tokens is None else tokens,
+    chunk = [(number, line.custom_id, estimate_tokens(line) if tokens is None else tokens,
               prompt_text(line)[0]) for number, line in enumerate(lines, start=1)]
     keep = screener.needs_requests(lines[0].body["model"])
     for start in range(0, len(chunk), chunk_lines):

@@ -137,7 +137,7 @@ def test_the_sides_and_texts_of_score_and_rerank_requests() -> None:
     assert text == "Cats?\nYes.\nNo."
     assert chars == len("Cats?Yes.No.")
     # No output tokens: a pooling model generates none.
-    assert estimate_tokens(line, chars) == (max(1, chars // 4), 0)
+    assert estimate_tokens(line, chars) == max(1, chars // 4)
     assert prompt_text(RequestLine("r", RERANK, RERANK_BODY)) == ("pets\nTax.\nA kitten.",
                                                                   len("petsTax.A kitten."))
 

@@ -63,13 +63,15 @@ def run_with_eval(user: Any, tmp_path: Path, settings: Any, storage: Path):
     """Run a batch with the set attached on `pipeline`, then the run's requests, and end
     both: (the batch, its output lines, error lines, the run)."""
     def run(pipeline: Any, eval_set: EvalSet, *, lines: list[dict] | None = None,
-            ) -> tuple[Batch, list[dict], list[dict], EvalRun]:
+            owner: Any = None) -> tuple[Batch, list[dict], list[dict], EvalRun]:
         settings.BATCHWEB = {**settings.BATCHWEB, "SHARD_SIZE": 4}
         lines = lines or [chat_line(f"u{i}", f"user question {i}") for i in range(6)]
         path = tmp_path / "in.jsonl"
         path.write_bytes(jsonl(lines))
-        file = create_input_file(owner=user, path=path, filename="in.jsonl", purpose="batch")
-        created = create_batch(owner=user, input_file_id=file.pk, eval_set=eval_set.name,
+        file = create_input_file(owner=owner or user, path=path, filename="in.jsonl",
+                                 purpose="batch")
+        created = create_batch(owner=owner or user, input_file_id=file.pk,
+                               eval_set=eval_set.name,
                                endpoint="/v1/chat/completions", completion_window="24h")
         run_validation(batch_id=created.pk)
         batch = Batch.objects.get(pk=created.pk)
@@ -102,9 +104,27 @@ def test_the_same_engine_twice_shows_no_drift(make_pipeline, run_with_eval, eval
     assert second.baseline_id == first.pk
     assert (second.score, second.baseline_score, second.changed_count) == (1.0, 1.0, 0)
     assert not second.drifted and not batch2.eval_drift
-    # The run's requests ran as a batch of the evals' service user: none of the user's.
+    # The run's requests ran as a batch of the evals' service user (none in the user's
+    # lists), charged to the user who attached the set, as an eval run's.
     assert not Batch.objects.filter(owner=user).exclude(pk__in=[batch.pk, batch2.pk]).exists()
-    assert not UsageRecord.objects.filter(owner=user, batch_id=second.run_batch_id).exists()
+    charges = UsageRecord.objects.filter(batch_id=second.run_batch_id)
+    assert charges.exists() and {(c.owner_id, c.eval_run) for c in charges} == {(user.pk, True)}
+
+
+def test_another_owners_run_is_never_a_baseline(make_pipeline, run_with_eval, eval_set,
+                                                other_user, client):
+    """Baselines are per owner: a user's first run of a shared set is their own baseline,
+    whoever ran the set before, and their page names no other user's batch."""
+    pipeline = make_pipeline()
+    theirs = run_with_eval(pipeline, eval_set, owner=other_user)[3]
+    assert theirs.accepted_at is not None and theirs.baseline_id is None
+    batch, _, _, mine = run_with_eval(pipeline, eval_set)
+    assert mine.baseline_id is None and mine.accepted_at is not None  # its own
+    again = run_with_eval(pipeline, eval_set)[3]
+    assert again.baseline_id == mine.pk
+    client.force_login(batch.owner)
+    page = client.get(f"/batches/{again.batch_id}/").content.decode()
+    assert theirs.batch_id not in page and theirs.pk not in page
 
 
 def _changed(run: EvalRun) -> set[str]:
@@ -177,9 +197,10 @@ def test_eval_requests_run_exactly_once_whatever_the_retries(make_pipeline, run_
         assert not shard_service.finish_shard(shard_id=shard.pk, attempt=0, output_part="x",
                                               error_part="",
                                               progress=shard_service.Progress())
-    # Charged once per shard, to the evals' service user.
+    # Charged once per shard, to the owner who attached the set, as an eval run's.
     charges = UsageRecord.objects.filter(batch_id=run.run_batch_id)
-    assert charges.count() == 2 and {c.owner.username for c in charges} == {"batchweb-evals"}
+    assert charges.count() == 2 and {c.owner_id for c in charges} == {run.batch.owner_id}
+    assert all(c.eval_run for c in charges)
     assert sum(c.requests_succeeded for c in charges) == len(ITEMS)
 
 
