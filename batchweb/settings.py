@@ -294,6 +294,34 @@ STORAGES = {
 # check is followed by a redirect to a presigned URL valid BATCHWEB_DOWNLOAD_URL_SECONDS.
 DOWNLOAD_REDIRECT = env_bool("BATCHWEB_DOWNLOAD_REDIRECT", False)
 DOWNLOAD_URL_SECONDS = env_int("BATCHWEB_DOWNLOAD_URL_SECONDS", 60)
+
+
+def data_credentials() -> dict[str, dict[str, Any]]:
+    """The credential sets that storage grants (jobs.models.StorageGrant) reach users'
+    buckets with, by name: "" is the storage settings' own S3 endpoint and keys (the
+    BATCHWEB_S3_* variables, without a bucket: used when the service's storage is not S3;
+    on S3 its own connection serves), and NAME the BATCHWEB_DATA_<NAME>_ENDPOINT_URL,
+    _REGION, _ACCESS_KEY_ID, _SECRET_ACCESS_KEY and _PATH_STYLE variables. Always the
+    service's keys, never a user's."""
+    import re
+
+    def one(prefix: str) -> dict[str, Any]:
+        return {"endpoint_url": os.environ.get(f"{prefix}ENDPOINT_URL") or None,
+                "region_name": os.environ.get(f"{prefix}REGION") or None,
+                "access_key": os.environ.get(f"{prefix}ACCESS_KEY_ID") or None,
+                "secret_key": os.environ.get(f"{prefix}SECRET_ACCESS_KEY") or None,
+                "path_style": env_bool(f"{prefix}PATH_STYLE")}
+
+    sets = {"": one("BATCHWEB_S3_")}
+    pattern = re.compile(r"BATCHWEB_DATA_([A-Z0-9]+)_(ENDPOINT_URL|REGION|ACCESS_KEY_ID|"
+                         r"SECRET_ACCESS_KEY|PATH_STYLE)")
+    for variable in os.environ:
+        if match := pattern.fullmatch(variable):
+            sets.setdefault(match.group(1), one(f"BATCHWEB_DATA_{match.group(1)}_"))
+    return sets
+
+
+DATA_CREDENTIALS = data_credentials()
 # Scratch space for streaming (assembling uploads, writing shard parts before they are stored).
 # Local to each machine and to one deployment: workers sweep it of what killed processes left.
 # Created where it is first used (jobs.storage.temp.temp_dir), not on import.
@@ -341,6 +369,13 @@ BATCHWEB: dict[str, Any] = {
     "MODEL_SWITCH_SECONDS": env_float("BATCHWEB_MODEL_SWITCH_SECONDS", 60.0),
     "HEARTBEAT_TIMEOUT_SECONDS": env_int("BATCHWEB_HEARTBEAT_TIMEOUT_SECONDS", 30),
     "RECONCILE_SECONDS": env_int("BATCHWEB_RECONCILE_SECONDS", 15),
+    # The capacity plan (jobs.capacity, docs/operations.md): the share of a
+    # batch's time left that it aims to leave unused (its margin for late workers and
+    # estimates), and a worker's output tokens per second assumed for a model of which
+    # neither the ledger nor a live worker says anything yet.
+    "CAPACITY_MARGIN": env_float("BATCHWEB_CAPACITY_MARGIN", 0.2),
+    "DEFAULT_WORKER_TOKENS_PER_SECOND": env_float(
+        "BATCHWEB_DEFAULT_WORKER_TOKENS_PER_SECOND", 500.0),
     # A running shard saves its finished results to storage this often (seconds) or after
     # this many new results, whichever comes first; a retry computes only what was not saved.
     "CHECKPOINT_SECONDS": float(os.environ.get("BATCHWEB_CHECKPOINT_SECONDS", "5")),
@@ -366,6 +401,18 @@ BATCHWEB: dict[str, Any] = {
     "MAX_WINDOW_HOURS": env_int("BATCHWEB_MAX_WINDOW_HOURS", 168),
     "INPUT_FILE_TTL_DAYS": env_int("BATCHWEB_INPUT_FILE_TTL_DAYS", 30),
     "UPLOAD_TTL_HOURS": env_int("BATCHWEB_UPLOAD_TTL_HOURS", 1),
+    # Anthropic's Message Batches: Anthropic's own limits (100,000 requests, a 256 MB create
+    # body) unless set; an operator who set the limits above gets those on both faces.
+    "MESSAGE_BATCH_MAX_REQUESTS": env_int(
+        "BATCHWEB_MESSAGE_BATCH_MAX_REQUESTS",
+        env_int("BATCHWEB_MAX_REQUESTS_PER_BATCH", 100_000)),
+    "MESSAGE_BATCH_MAX_BYTES": env_int(
+        "BATCHWEB_MESSAGE_BATCH_MAX_BYTES",
+        env_int("BATCHWEB_MAX_FILE_BYTES", 256 * 1024 * 1024)),
+    # Days a Message Batch's results are kept after it ends (Anthropic's 29); then its
+    # output and error files expire and it is archived (`archived_at`). 0: kept until
+    # deleted.
+    "MESSAGE_BATCH_RESULTS_DAYS": env_int("BATCHWEB_MESSAGE_BATCH_RESULTS_DAYS", 29),
 }
 
 # --- Models this deployment serves ---
@@ -522,4 +569,9 @@ BATCHWEB.update({
     # before RQ stops it; the reconciler enqueues it again. A 1M-line validation takes
     # about a minute here, so an hour leaves room for slow storage.
     "CONTROL_JOB_TIMEOUT": env_int("BATCHWEB_CONTROL_JOB_TIMEOUT", 3600),
+    # A batch's results delivered to the prefix its owner named (output_prefix): attempts
+    # after the finalizer's first, by the reconciler, base * 2**(n-1) seconds apart
+    # (1 min, 2, 4, ... ~1 h). The files stay in the Files API whatever happens.
+    "DELIVERY_MAX_ATTEMPTS": env_int("BATCHWEB_DELIVERY_MAX_ATTEMPTS", 8),
+    "DELIVERY_RETRY_BASE_SECONDS": env_int("BATCHWEB_DELIVERY_RETRY_BASE_SECONDS", 60),
 })

@@ -2,8 +2,10 @@ from collections.abc import Callable
 
 from django.contrib import admin
 from django.contrib.auth.decorators import user_passes_test
-from django.urls import include, path
+from django.urls import include, path, re_path
 from django_rq.urls import get_admin_urlpatterns, get_api_urlpatterns
+
+from jobs.api.base import unknown_path
 
 # django-rq's pages show every job's arguments and can empty, requeue or stop any queue:
 # superusers only (django-rq itself lets any staff user in). Everyone else is sent to the
@@ -21,7 +23,13 @@ admin.autodiscover()
 urlpatterns = [
     path("", include("jobs.views.ops_urls")),  # /metrics, /account/
     path("v1/", include("jobs.api.urls")),
+    # Any other path under /v1/: the API's 404, not Django's page (with DEBUG on too).
+    re_path(r"^v1/", unknown_path),
     path("admin/rq/", include((rq_urlpatterns, "django_rq"))),
     path("admin/", admin.site.urls),
     path("", include("jobs.views.urls")),
 ]
+
+# Errors Django answers itself, outside any view, are the API's JSON under /v1/.
+handler400 = "jobs.api.base.bad_request"
+handler500 = "jobs.api.base.server_error"

@@ -37,6 +37,14 @@ on a million requests without loading a model.
 - options["sampling_defaults"] (default none): the defaults the engine applies to what a
   request leaves unset, as vLLM's generation config does; here only "max_tokens" (chat,
   completions, responses) changes an answer. Recorded in the provenance.
+- options["reasoning_parser"] (vLLM's option; default none): the model reasons before it
+  answers, as a reasoning model served with a parser does. A chat-kind answer (chat,
+  responses, messages) first thinks "think: " + the last user message's text, then
+  answers; both count as output tokens and share the output limit (the thought first), and
+  the thought's words are its reasoning tokens: chat's message `reasoning` and
+  `usage.completion_tokens_details.reasoning_tokens`, a Responses reasoning item and
+  `usage.output_tokens_details.reasoning_tokens`, a Message's thinking block. Without the
+  option, usage has no completion_tokens_details, as vLLM's without a parser.
 - options["request_log"] (default none): a file to which the id of every request the engine
   computes (not the aborted ones) is appended, one per line, flushed at once, so tests count
   from the engine's own side what a worker computed twice, even across a SIGKILL.
@@ -100,6 +108,7 @@ class EchoEngine(Engine):
         self.max_in_flight = int(opts.get("max_in_flight", 64))
         self.version = str(opts.get("version", "1"))
         self.sampling_defaults = dict(opts.get("sampling_defaults") or {})
+        self.reasons = bool(opts.get("reasoning_parser"))
         log_path = opts.get("request_log") or ""
         self._request_log = open(log_path, "a", buffering=1) if log_path else None  # noqa: SIM115
         self._lock = threading.Lock()
@@ -145,6 +154,7 @@ class EchoEngine(Engine):
             return self._scores(endpoint, body)
         if not body.get(endpoint.prompt_field):  # a body without its prompt
             raise KeyError(endpoint.prompt_field)
+        thought: list[str] | None = None  # None: no reasoning parser
         if endpoint.kind == "chat":
             messages = endpoint.messages(body)
             prompt_tokens = sum(len(" ".join(text_parts(m.get("content"))).split())
@@ -152,6 +162,8 @@ class EchoEngine(Engine):
             last_user = next((" ".join(text_parts(m.get("content")))
                               for m in reversed(messages) if m.get("role") == "user"), "")
             words = [lead, *last_user.split()]
+            if self.reasons:
+                thought = ["think:", *last_user.split()]
         else:
             words = " ".join(text_parts(body[endpoint.prompt_field])).split()
             if adapter_path:
@@ -165,10 +177,16 @@ class EchoEngine(Engine):
         if prompt_tokens >= self.max_model_len:
             return _context_error(prompt_tokens + (max_tokens or 0), self.max_model_len)
         max_tokens = min(max_tokens or self.max_model_len, self.max_model_len - prompt_tokens)
+        # The thought comes first and takes its share of the limit, as a reasoning model's
+        # does: a limit it reaches leaves no answer.
+        thinking = (thought or [])[:max_tokens]
+        answer = words[:max_tokens - len(thinking)]
         return 200, endpoint.respond(body, Generation(
-            model=body.get("model") or self.spec.name, text=" ".join(words[:max_tokens]),
-            cut=max_tokens is not None and len(words) > max_tokens,
-            prompt_tokens=prompt_tokens, output_tokens=len(words[:max_tokens]), n=n))
+            model=body.get("model") or self.spec.name, text=" ".join(answer),
+            cut=len(thought or []) + len(words) > max_tokens,
+            prompt_tokens=prompt_tokens, output_tokens=len(thinking) + len(answer), n=n,
+            reasoning=" ".join(thinking) if thought is not None else None,
+            reasoning_tokens=len(thinking)))
 
     def _embeddings(self, endpoint: Endpoint,
                     body: dict[str, Any]) -> tuple[int, dict[str, Any]]:

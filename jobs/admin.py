@@ -27,6 +27,7 @@ from jobs.models import (
     Price,
     Quota,
     Shard,
+    StorageGrant,
     Upload,
     UsageRecord,
     UserSettings,
@@ -35,6 +36,7 @@ from jobs.models import (
 )
 from jobs.queries.queue_health import queue_health
 from jobs.services.cleanup import delete_expired_files
+from jobs.services.delivery import deliver_again
 from jobs.services.keys import create_api_key, revoke_api_key
 from jobs.services.stopping import cancel_batch
 from jobs.services.upkeep import requeue_shards
@@ -148,7 +150,7 @@ class BatchAdmin(admin.ModelAdmin):
     search_fields = ["id", "owner__username", "input_file__id"]
     readonly_fields = [f.name for f in Batch._meta.fields if f.name != "priority"]
     inlines = [ShardInline]
-    actions = ["cancel", "requeue_shards"]
+    actions = ["cancel", "requeue_shards", "deliver_results_again"]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Batch]:
         return super().get_queryset(request).select_related("owner")
@@ -176,6 +178,14 @@ class BatchAdmin(admin.ModelAdmin):
         for batch in queryset.filter(status=Batch.Status.IN_PROGRESS):
             count += requeue_shards(batch=batch)
         self.message_user(request, f"Requeued {count} shard(s) at {timezone.now():%H:%M:%S}.")
+
+    @admin.action(description="Deliver results to their output prefix again",
+                  permissions=["change"])
+    def deliver_results_again(self, request: HttpRequest, queryset: QuerySet[Batch]) -> None:
+        """A failed delivery to the owner's bucket (its automatic retries spent, or not
+        yet due) is tried once more now, with its attempts counted afresh."""
+        count = sum(deliver_again(batch=batch) for batch in queryset)
+        self.message_user(request, f"Delivering the results of {count} batch(es) again.")
 
 
 @admin.register(Shard)
@@ -426,6 +436,23 @@ class LoraAdapterAdmin(admin.ModelAdmin):
     # Every worker downloads and loads what an adapter's source names, with its own
     # environment (database URL, secret key, storage keys): only superusers, who hold
     # those already, add or change adapters, whatever permissions a staff user was given.
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return request.user.is_superuser and super().has_add_permission(request)
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return request.user.is_superuser and super().has_change_permission(request, obj)
+
+
+@admin.register(StorageGrant)
+class StorageGrantAdmin(admin.ModelAdmin):
+    list_display = ["prefix", "user", "group", "read", "write", "credentials", "created_at"]
+    list_filter = ["read", "write", "credentials"]
+    search_fields = ["prefix", "user__username", "group__name"]
+    readonly_fields = ["created_at"]
+
+    # A grant has the service read and write where it names, with the service's own keys
+    # (jobs/services/grants.py): as with LoRA adapters, only superusers, who hold those
+    # keys already, add or change grants, whatever permissions a staff user was given.
     def has_add_permission(self, request: HttpRequest) -> bool:
         return request.user.is_superuser and super().has_add_permission(request)
 

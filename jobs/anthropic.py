@@ -9,7 +9,10 @@ What a Message Batch is here (anthropic/types/messages/message_batch.py):
                        then succeeded (output lines), canceled (batch_cancelled lines),
                        expired (batch_expired lines), errored (every other error line)
     ended_at:          completed_at, cancelled_at, expired_at or failed_at
-    cancel_initiated_at: cancelling_at; expires_at the 24-hour window; archived_at null
+    cancel_initiated_at: cancelling_at; expires_at the 24-hour window
+    archived_at:       set once retention removed its results (MESSAGE_BATCH_RESULTS_DAYS
+                       after it ended): its results then answer 404 not_found_error, and
+                       its request counts are those kept when it was archived
     results_url:       .../v1/messages/batches/{id}/results once ended, else null
 A result line (MessageBatchIndividualResponse), from an output or error line:
     output line (200)               -> {"type": "succeeded", "message": <Message>}
@@ -33,12 +36,12 @@ from typing import Any
 from django.conf import settings
 
 from engine.endpoints import anthropic_error
+from jobs.errors import ServiceError
 from jobs.heavy import Guard
 from jobs.models import Batch, File
 from jobs.queries.dashboard import ended_at
 from jobs.queries.results import error_counts
 from jobs.result_lines import Kind, segments
-from jobs.services import provenance
 from jobs.storage.lines import iter_lines
 from jobs.storage.objects import open_file, open_range
 from jobs.wire import Code, custom_id_of, read_result_line
@@ -71,6 +74,8 @@ def request_counts(batch: Batch, *, guard: Guard | None = None) -> dict[str, int
     cancelled and expired requests of a stopped batch are counted in its error file (one
     pass, cached, see jobs.queries.results.error_counts; under `guard` when it counts)."""
     counts = {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
+    if batch.archived_counts:  # its error file is gone: as counted when it was archived
+        return {**counts, **batch.archived_counts}
     if not batch.is_ended:
         counts["processing"] = batch.total
         return counts
@@ -98,14 +103,22 @@ def message_batch(batch: Batch, *, base_url: str, guard: Guard | None = None
         "ended_at": rfc3339(ended_at(batch)),
         "created_at": rfc3339(batch.created_at),
         "expires_at": rfc3339(batch.expires_at),
-        "archived_at": None,
+        "archived_at": rfc3339(batch.archived_at),
         "cancel_initiated_at": rfc3339(batch.cancelling_at),
         "results_url": (f"{base_url.rstrip('/')}/v1/messages/batches/{batch.id}/results"
                         if batch.is_ended else None),
         # Extensions, as on the OpenAI face: what ran it (without the machines' names),
         # its eval runs and drift.
-        **provenance.public_fields(batch),
+        **batch.extension_fields(),
     }
+
+
+def check_results_kept(batch: Batch) -> None:
+    """Refuse the results of an archived batch as Anthropic does: they are gone (404)."""
+    if batch.archived_at is not None:
+        raise ServiceError(f"The results of {batch.id} are no longer available: they "
+                           f"expired, and the batch was archived at "
+                           f"{rfc3339(batch.archived_at)}.", status=404, code="not_found")
 
 
 def _line(custom_id: str, result: dict[str, Any]) -> bytes:

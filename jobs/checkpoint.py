@@ -10,8 +10,10 @@ from typing import Any
 
 from jobs.models import PROGRESS_FIELDS
 
-# Per model: requests succeeded, input tokens, cached input tokens, output tokens.
+# Per model: requests succeeded, input tokens, cached input tokens, output tokens, reasoning
+# tokens (of the output ones; absent from checkpoints written before they were counted).
 ModelCounts = list[int]
+MODEL_COUNTS = 5
 
 
 @dataclass
@@ -23,10 +25,16 @@ class ShardUsage:
     adapters: dict[str, ModelCounts] = field(default_factory=dict)
     engine_seconds: float = 0.0
 
+    def __post_init__(self) -> None:
+        # Counts kept before reasoning tokens were counted have four: none reasoned.
+        self.adapters = {k: [*v, *[0] * (MODEL_COUNTS - len(v))]
+                         for k, v in self.adapters.items()}
+
     def add(self, model: str, *, requests: int, input_tokens: int, cached_tokens: int,
-            output_tokens: int) -> None:
-        counts = self.adapters.setdefault(model, [0, 0, 0, 0])
-        for index, value in enumerate((requests, input_tokens, cached_tokens, output_tokens)):
+            output_tokens: int, reasoning_tokens: int = 0) -> None:
+        counts = self.adapters.setdefault(model, [0] * MODEL_COUNTS)
+        for index, value in enumerate((requests, input_tokens, cached_tokens, output_tokens,
+                                       reasoning_tokens)):
             counts[index] += value
 
     def as_json(self) -> dict[str, Any]:
@@ -51,6 +59,7 @@ class Progress:
     output_tokens: int = 0
     cached_tokens: int = 0  # of input_tokens, those served from the engine's prefix cache
     cacheable_tokens: int = 0  # of input_tokens, the most a prefix cache could serve
+    reasoning_tokens: int = 0  # of output_tokens, those spent reasoning
 
     def as_fields(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in PROGRESS_FIELDS}

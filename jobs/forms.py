@@ -7,10 +7,10 @@ from typing import Any
 
 from django import forms
 
-from engine.endpoints import ENDPOINTS
+from engine.endpoints import EMBEDDINGS, ENDPOINTS
 from jobs.engines import served_endpoints
-from jobs.models import Batch, File, LoraAdapter, SpotCheck
-from jobs.services.evals import sets_for
+from jobs.models import Batch, EvalSet, File, LoraAdapter, SpotCheck
+from jobs.services.evals import public_id, sets_for
 
 PRIORITY_CHOICES = [(p.value, p.label) for p in Batch.Priority]
 
@@ -40,6 +40,13 @@ class NewBatchForm(forms.Form):
     # looks it up for this user), not only the recent ones listed.
     file_id = forms.CharField(required=False, max_length=40, label="…or use an uploaded file",
                               widget=forms.Select)
+    # Data by reference (jobs.services.references): an object of a granted bucket prefix,
+    # registered as a file and read in place.
+    source = forms.CharField(
+        required=False, max_length=1100, label="…or read an object in place",
+        widget=forms.TextInput(attrs={"placeholder": "s3://bucket/key.jsonl"}),
+        help_text="An object under a bucket prefix an operator granted you: registered as "
+                  "a file, read where it is, never copied.")
     endpoint = forms.ChoiceField(required=False, label="Endpoint")
     model = forms.ChoiceField(required=False, label="Model")
     completion_window = forms.CharField(initial="24h", max_length=10,
@@ -51,6 +58,12 @@ class NewBatchForm(forms.Form):
         required=False, label="Strict",
         help_text="Fail the whole batch on any problem of any line, before anything runs "
                   "(otherwise a request the endpoint refuses fails alone).")
+    output_prefix = forms.CharField(
+        required=False, max_length=1100, label="Deliver results to",
+        widget=forms.TextInput(attrs={"placeholder": "s3://bucket/results/"}),
+        help_text="Optional: a folder under a bucket prefix you may write to; the output "
+                  "and error files are written there as <batch id>_output.jsonl and "
+                  "_errors.jsonl when the batch ends (and stay here too).")
     eval_set = forms.ChoiceField(
         required=False, label="Eval set",
         help_text="Run a fixed evaluation set beside the batch, on its model and sampling, "
@@ -76,12 +89,43 @@ class NewBatchForm(forms.Form):
             for name, base in sorted(LoraAdapter.objects.usable().items())]
         eval_set = self.fields["eval_set"]
         assert isinstance(eval_set, forms.ChoiceField)
+        # By id: a user's set may share its name with one of the operator's.
         eval_set.choices = [("", "none")] + [
-            (s.name, f"{s.name} ({s.item_count} items, {s.get_rule_display().lower()})")
+            (public_id(s), f"{s.name} ({s.item_count} items, {s.get_rule_display().lower()}"
+                           f"{', yours' if s.owner_id else ''})")
             for s in sets_for(owner)]
 
     def clean_metadata(self) -> dict[str, str]:
         return parse_metadata(self.cleaned_data.get("metadata") or "")
+
+
+class EvalSetForm(forms.Form):
+    """A user's own eval set: its JSONL and rule (the options are checked by the service,
+    as the API's are)."""
+
+    name = forms.CharField(max_length=100)
+    upload = forms.FileField(label="JSONL file", widget=forms.ClearableFileInput(
+        attrs={"accept": ".jsonl,.json,.txt"}), help_text=(
+        'One item a line: {"custom_id", "url" (optional), "body" (without model), '
+        '"expected"}.'))
+    rule = forms.ChoiceField(choices=EvalSet.Rule.choices, initial=EvalSet.Rule.EXACT)
+    tolerance = forms.FloatField(required=False, min_value=0,
+                                 help_text="Numeric: the largest difference that passes.")
+    embedding_model = forms.ChoiceField(required=False, label="Embeddings model",
+                                        help_text="Embedding similarity: the model that "
+                                                  "embeds both texts.")
+    similarity = forms.FloatField(required=False, initial=0.9, help_text=(
+        "Embedding similarity: the cosine similarity an answer needs."))
+    drift_threshold = forms.FloatField(required=False, initial=0.05, help_text=(
+        "A score this far (a fraction of items) below the baseline flags the batch."))
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        embedding_model = self.fields["embedding_model"]
+        assert isinstance(embedding_model, forms.ChoiceField)
+        embedding_model.choices = [("", "—")] + [
+            (name, name) for name, endpoints in served_endpoints().items()
+            if EMBEDDINGS in endpoints]
 
 
 class ApiKeyForm(forms.Form):

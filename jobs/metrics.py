@@ -42,6 +42,15 @@ setting), or a signed-in staff user.
                                                     the set's threshold
     batchweb_eval_runs{eval_set,model,status}       eval runs by set, model and status;
     batchweb_eval_score{eval_set,model}             the newest scored run's score (0 to 1)
+    batchweb_workers_needed{model}                  the fewest workers of the model that
+                                                    finish every running batch inside its
+                                                    window, less the capacity margin; 0
+                                                    when nothing is left to run (what an
+                                                    autoscaler scales on)
+    batchweb_batches_at_risk{model}                 running batches projected past their
+                                                    window on the workers alive now
+    batchweb_worker_tokens_per_second{model,worker,kind}  a live worker's prompt and output
+                                                    tokens per second while busy
     batchweb_redis_up                               1 if Redis answered
     batchweb_remote_in_flight{server}               requests in flight on a remote server
                                                     (all workers), batchweb_remote_limit
@@ -69,7 +78,8 @@ from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from jobs import queues
+from jobs import capacity, queues
+from jobs.engines import model_names
 from jobs.models import Batch, Shard, UsageDay, WebhookEvent
 from jobs.queries.queue_health import Health, queue_health, shard_counts_by_model
 
@@ -202,6 +212,7 @@ class ServiceCollector:
             events.add_metric([status], event_counts.get(status, 0))
         yield events
         yield from eval_metrics()
+        yield from capacity_metrics(health)
 
 
 def host_metrics(health: Health) -> Iterator[Metric]:
@@ -269,6 +280,29 @@ def remote_metrics(health: Health) -> Iterator[Metric]:
         backoffs.add_metric([state.base_url], state.backoffs)
         errors.add_metric([state.base_url], state.errors)
     yield from (in_flight, limit, ceiling, condition, backoffs, errors)
+
+
+def capacity_metrics(health: Health) -> Iterator[Metric]:
+    """The capacity plan (jobs.capacity): what an autoscaler scales on."""
+    needed = GaugeMetricFamily(
+        "batchweb_workers_needed", "The fewest workers of a model that finish every running "
+        "batch inside its window (less the capacity margin); 0 when none is left to run.",
+        labels=["model"])
+    at_risk = GaugeMetricFamily("batchweb_batches_at_risk", "Running batches projected to "
+                                "end past their window on the workers alive now.",
+                                labels=["model"])
+    rates = GaugeMetricFamily("batchweb_worker_tokens_per_second", "A live worker's tokens "
+                              "per second while busy (kind: prompt | output).",
+                              labels=["model", "worker", "kind"])
+    planned = {m.model: m.plan for m in health.models}
+    for model in sorted({*model_names(), *planned}):
+        plan = planned.get(model)
+        needed.add_metric([model], plan.workers_needed if plan else 0)
+        at_risk.add_metric([model], sum(p.at_risk for p in plan.batches) if plan else 0)
+        for worker in capacity.live_workers(model):
+            rates.add_metric([model, worker.name, "prompt"], worker.prompt_tokens_per_second)
+            rates.add_metric([model, worker.name, "output"], worker.output_tokens_per_second)
+    yield from (needed, at_risk, rates)
 
 
 def render_metrics() -> bytes:

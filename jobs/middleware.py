@@ -9,7 +9,8 @@ from collections.abc import Callable
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 
-from jobs.api.base import api_error
+from jobs.api.base import dialect_of
+from jobs.errors import ServiceError
 from jobs.web import declared_length
 
 # Multipart framing and form fields around the file.
@@ -18,7 +19,8 @@ SLACK = 1024 * 1024
 
 def max_body_bytes() -> int:
     conf = settings.BATCHWEB
-    return max(conf["MAX_FILE_BYTES"], conf["MAX_UPLOAD_PART_BYTES"]) + SLACK
+    return max(conf["MAX_FILE_BYTES"], conf["MAX_UPLOAD_PART_BYTES"],
+               conf["MESSAGE_BATCH_MAX_BYTES"]) + SLACK
 
 
 class BodySizeLimitMiddleware:
@@ -29,7 +31,9 @@ class BodySizeLimitMiddleware:
         limit = max_body_bytes()
         if declared_length(request) > limit:
             message = f"The request body is larger than {limit} bytes."
-            if request.path.startswith("/v1/"):
-                return api_error(413, message, code="file_too_large")
+            dialect = dialect_of(request.path)
+            if dialect is not None:  # the API's own error shape, OpenAI's or Anthropic's
+                return dialect.render(ServiceError(message, status=413,
+                                                   code="file_too_large"))
             return HttpResponse(message, status=413, content_type="text/plain")
         return self.get_response(request)

@@ -16,9 +16,10 @@ from django.utils import timezone
 
 from jobs.engines import adapter_problem, model_specs, serves_adapters
 from jobs.re2check import regex_problem
+from jobs.storage.external import grant_problem
 
 PROGRESS_FIELDS = ("completed", "failed", "input_tokens", "output_tokens", "cached_tokens",
-                   "cacheable_tokens")
+                   "cacheable_tokens", "reasoning_tokens")
 
 
 def new_id(prefix: str) -> str:
@@ -86,6 +87,12 @@ class File(models.Model):
         BATCH_OUTPUT = "batch_output"
         BATCH_ERROR = "batch_error"
 
+    # The purpose the Files API shows for a stored one. OpenAI's file objects know
+    # `batch_output` for a batch's results, its error file included, and strictly typed
+    # clients refuse any other value; the row keeps `batch_error`, by which the dashboard,
+    # the admin and cleanup tell the two apart.
+    SHOWN_PURPOSES: dict[str, str] = {Purpose.BATCH_ERROR: Purpose.BATCH_OUTPUT}
+
     id = models.CharField(primary_key=True, max_length=40, default=new_file_id, editable=False)
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
     purpose = models.CharField(max_length=20, choices=Purpose.choices)
@@ -93,8 +100,17 @@ class File(models.Model):
     bytes = models.BigIntegerField(default=0)
     line_count = models.BigIntegerField(default=0)
     sha256 = models.CharField(max_length=64, blank=True)
-    # Name inside Django storage: random, never derived from the user's filename.
+    # Name inside Django storage: random, never derived from the user's filename. Empty for
+    # a file registered by reference.
     storage_name = models.CharField(max_length=255)
+    # A file registered by reference (jobs.services.files.register_reference): the object
+    # of a granted bucket prefix it reads in place (s3://bucket/key), never copied nor
+    # deleted by the service; the version registered (its ETag, with `bytes` and `sha256`
+    # read then), which every later read insists on; and the grant's credential set.
+    source = models.CharField(max_length=1100, blank=True)
+    source_etag = models.CharField(max_length=200, blank=True)
+    source_modified = models.DateTimeField(null=True, blank=True)
+    source_credentials = models.CharField(max_length=50, blank=True)
     created_at = models.DateTimeField(auto_now_add=True, db_index=True)
     expires_at = models.DateTimeField(null=True, blank=True, db_index=True)
 
@@ -106,6 +122,13 @@ class File(models.Model):
     def __str__(self) -> str:
         return f"{self.id} {self.filename}"
 
+    @classmethod
+    def stored_purposes(cls, shown: str) -> list[str]:
+        """The stored purposes a Files API filter by `shown` matches: itself, and those
+        shown as it (`batch_output` lists the error files too)."""
+        return [shown, *(stored for stored, as_shown in cls.SHOWN_PURPOSES.items()
+                         if as_shown == shown)]
+
     def to_openai(self) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -114,9 +137,11 @@ class File(models.Model):
             "created_at": epoch(self.created_at),
             "expires_at": epoch(self.expires_at),
             "filename": self.filename,
-            "purpose": self.purpose,
+            "purpose": self.SHOWN_PURPOSES.get(self.purpose, self.purpose),
             "status": "processed",
             "status_details": None,
+            # Extension: the object a file registered by reference reads in place.
+            **({"source": self.source} if self.source else {}),
         }
 
 
@@ -139,6 +164,9 @@ class Upload(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField(db_index=True)
     file = models.OneToOneField(File, null=True, blank=True, on_delete=models.SET_NULL)
+    # OpenAI's `expires_after` of uploads.create: the seconds the completed file lives
+    # from its creation (None: the input files' default, INPUT_FILE_TTL_DAYS).
+    file_expires_after = models.PositiveIntegerField(null=True, blank=True)
 
     def __str__(self) -> str:
         return f"{self.id} {self.filename}"
@@ -173,6 +201,34 @@ class UploadPart(models.Model):
         }
 
 
+# Keys of a record (a batch's entries, a shard's record, an engine's) that name a machine:
+# the workers' names (batchworker: "<host>.<pid>.<models>") and what an engine may add (a
+# remote engine's server).
+HOST_KEYS = frozenset({"worker", "workers", "host", "hostname", "pid", "path", "url",
+                       "base_url", "metrics_url"})
+# Keys that say where the files came from: shown, unless a path or URL on the workers'
+# network (`pypi:...`, `pypi-package:...` and `echo` have no slash; a folder has one).
+SOURCE_KEYS = frozenset({"model_source", "source"})
+LOCAL_SOURCE = "local folder"
+
+
+def without_hosts(record: Any) -> Any:
+    """A provenance record (a batch's list of entries, or a shard's record) as any user may
+    see it: the engine records, the adapters and their hashes, without HOST_KEYS and with
+    a source that is a local path (or a URL) shown as LOCAL_SOURCE."""
+    if isinstance(record, list):
+        return [without_hosts(item) for item in record]
+    if not isinstance(record, dict):
+        return record
+    return {key: (LOCAL_SOURCE if key in SOURCE_KEYS and _local(value)
+                  else without_hosts(value))
+            for key, value in record.items() if key not in HOST_KEYS}
+
+
+def _local(source: Any) -> bool:
+    return isinstance(source, str) and ("/" in source or "\\" in source)
+
+
 class BatchQuerySet(models.QuerySet["Batch"]):
     def active(self) -> BatchQuerySet:
         """Batches that have not ended: they count against the active-batch quota, and
@@ -204,6 +260,11 @@ class Batch(models.Model):
         HIGH = "high"
         DEFAULT = "default"
         LOW = "low"
+
+    class DeliveryStatus(models.TextChoices):
+        PENDING = "pending"
+        DELIVERED = "delivered"
+        FAILED = "failed"
 
     class Api(models.TextChoices):
         """The API a batch was created through, and which shape its owner reads it in."""
@@ -247,6 +308,17 @@ class Batch(models.Model):
     )
     # Seconds the output and error files live after the batch ends (None: no expiry).
     output_expires_after = models.PositiveIntegerField(null=True, blank=True)
+    # Where its owner asked the results to be delivered besides the Files API (a granted
+    # s3://bucket/prefix/; empty: nowhere), and how that went (jobs.services.delivery):
+    # pending until the batch ends, then delivered or failed (with the reason, retried by
+    # the reconciler at delivery_next_at).
+    output_prefix = models.CharField(max_length=1100, blank=True)
+    delivery_status = models.CharField(max_length=10, choices=DeliveryStatus.choices,
+                                       blank=True)
+    delivery_error = models.TextField(blank=True)
+    delivery_attempts = models.PositiveIntegerField(default=0)
+    delivery_next_at = models.DateTimeField(null=True, blank=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
     # The API key that created the batch (None: the dashboard): what its usage is charged
     # under in the ledger (UsageRecord.api_key).
     api_key = models.ForeignKey(ApiKey, null=True, blank=True, on_delete=models.SET_NULL,
@@ -262,6 +334,20 @@ class Batch(models.Model):
 
     # Set by whoever merges the results, so two finalizers never run at once.
     finalize_claimed_at = models.DateTimeField(null=True, blank=True)
+
+    # The work its requests are (validation's count of the prompts' tokens, ~4 characters
+    # a token, and the sum of the output limits they run with), which the capacity plan
+    # prices in engine seconds by what the model's requests really took
+    # (jobs.capacity); and what the plan last said of it: when it is expected
+    # to end, whether that is past its window, and whether its shards go first in line.
+    work_input_tokens = models.BigIntegerField(default=0)
+    work_output_tokens = models.BigIntegerField(default=0)
+    expected_completion_at = models.DateTimeField(null=True, blank=True)
+    at_risk = models.BooleanField(default=False)
+    urgent = models.BooleanField(default=False)
+    # When the plan first saw answers of it, and how many: its pace is counted from there.
+    pace_at = models.DateTimeField(null=True, blank=True)
+    pace_answered = models.PositiveIntegerField(default=0)
 
     total = models.PositiveIntegerField(default=0)
     # Requests whose body repeated an earlier deterministic one and were not computed again.
@@ -283,6 +369,10 @@ class Batch(models.Model):
     # The most of them a prefix cache could have served: the limit (engine.prefix_limit),
     # each distinct prompt block of a shard computed once. Counted by the workers.
     cacheable_tokens = models.BigIntegerField(default=0)
+    # Of output_tokens, those a reasoning model spent thinking (OpenAI's
+    # `output_tokens_details.reasoning_tokens`), as its engine's reasoning parser counts
+    # them; 0 for a model served without one.
+    reasoning_tokens = models.BigIntegerField(default=0)
     # How validation planned the shards (jobs.services.prefix_plan.PrefixPlan as JSON): the
     # prefix groups it found, the cache hits it expected in file order and grouped, and
     # whether it grouped. Empty for batches planned before prefix planning existed.
@@ -311,6 +401,12 @@ class Batch(models.Model):
     expired_at = models.DateTimeField(null=True, blank=True)
     cancelling_at = models.DateTimeField(null=True, blank=True)
     cancelled_at = models.DateTimeField(null=True, blank=True)
+    # A Message Batch whose results retention removed (its output and error files
+    # expired: MESSAGE_BATCH_RESULTS_DAYS after it ended): Anthropic's `archived_at`, its
+    # results no longer served. Its request counts are kept as they were then
+    # (`archived_counts`): a stopped batch's are counted in the error file, now gone.
+    archived_at = models.DateTimeField(null=True, blank=True)
+    archived_counts = models.JSONField(null=True, blank=True)
 
     class Meta:
         verbose_name_plural = "batches"
@@ -323,6 +419,15 @@ class Batch(models.Model):
     @property
     def is_ended(self) -> bool:
         return self.status in self.ENDED
+
+    @classmethod
+    def request_limit(cls, api: str) -> int:
+        """The most requests a batch created through `api` may hold: OpenAI's limit
+        (BATCHWEB_MAX_REQUESTS_PER_BATCH), or for a Message Batch Anthropic's
+        (MESSAGE_BATCH_MAX_REQUESTS). Read by the create call and by validation alike."""
+        conf = settings.BATCHWEB
+        return int(conf["MESSAGE_BATCH_MAX_REQUESTS"] if api == cls.Api.ANTHROPIC
+                   else conf["MAX_REQUESTS_PER_BATCH"])
 
     def progress(self) -> dict[str, int]:
         """Requests and tokens so far (the shards' sums, see `completed`)."""
@@ -359,22 +464,44 @@ class Batch(models.Model):
                 "input_tokens": progress["input_tokens"],
                 "input_tokens_details": {"cached_tokens": progress["cached_tokens"]},
                 "output_tokens": progress["output_tokens"],
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": progress["reasoning_tokens"]},
                 "total_tokens": progress["input_tokens"] + progress["output_tokens"],
             },
             "metadata": self.metadata or None,
             # Extension: any problem of any line fails the batch before anything runs.
             "strict": self.strict,
             **self.extension_fields(),
+            # Extension: results delivered to a prefix of the owner's bucket too.
+            **({"output_prefix": self.output_prefix, "output_delivery": self.delivery()}
+               if self.output_prefix else {}),
         }
+
+    def delivery(self) -> dict[str, Any]:
+        """How the delivery of its results to `output_prefix` stands: the objects it
+        writes, its status (pending until the batch ends), the last failure's reason."""
+        return {"status": self.delivery_status,
+                "output": (f"{self.output_prefix}{self.id}_output.jsonl"
+                           if self.output_file_id else None),
+                "errors": (f"{self.output_prefix}{self.id}_errors.jsonl"
+                           if self.error_file_id else None),
+                "error": self.delivery_error or None, "attempts": self.delivery_attempts,
+                "delivered_at": epoch(self.delivered_at)}
 
     def extension_fields(self) -> dict[str, Any]:
         """The batch object's extensions on both API faces: what ran it (each distinct
-        engine record of its workers; `consistent` false when they disagree), and its eval
-        runs' scores and drift (docs/eval-sets.md)."""
+        engine record of its workers; `consistent` false when they disagree), its eval
+        runs' scores and drift (docs/eval-sets.md), and its projected end."""
+        # The API calls the list of entries "workers" (one per engine record); every key
+        # sees them without what names the machines (staff see that in the admin).
         return {"provenance": {"consistent": len(self.provenance) <= 1,
-                               "workers": self.provenance} if self.provenance else None,
-                "evaluations": self.evaluations or None, "eval_drift": self.eval_drift}
+                               "workers": without_hosts(self.provenance)}
+                if self.provenance else None,
+                "evaluations": self.evaluations or None, "eval_drift": self.eval_drift,
+                # When the capacity plan expects it to end (None: ended, or no plan yet),
+                # and whether that is past its window (docs/operations.md).
+                "expected_completion_at": None if self.is_ended
+                else epoch(self.expected_completion_at),
+                "at_risk": self.at_risk and not self.is_ended}
 
 
 class ShardQuerySet(models.QuerySet["Shard"]):
@@ -449,6 +576,7 @@ class Shard(models.Model):
     output_tokens = models.BigIntegerField(default=0)
     cached_tokens = models.BigIntegerField(default=0)
     cacheable_tokens = models.BigIntegerField(default=0)  # see Batch.cacheable_tokens
+    reasoning_tokens = models.BigIntegerField(default=0)  # see Batch.reasoning_tokens
     # Storage names of this shard's results, set only when an attempt finishes whole.
     output_part = models.CharField(max_length=255, blank=True)
     error_part = models.CharField(max_length=255, blank=True)
@@ -766,6 +894,53 @@ class LoraAdapter(models.Model):
             raise ValidationError({problem[0]: problem[1]})
 
 
+class StorageGrant(models.Model):
+    """A bucket prefix an operator opened to a user, or to the users of a group: objects
+    under it may be registered as input files by reference (`read`), and batches may have
+    their results delivered under it (`write`). The service reaches it with its own
+    credentials (the storage settings', or the named set `credentials`), never a user's:
+    who may add or change a grant decides what those credentials are used on."""
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                             on_delete=models.CASCADE, related_name="+")
+    group = models.ForeignKey("auth.Group", null=True, blank=True, on_delete=models.CASCADE,
+                              related_name="+")
+    prefix = models.CharField(max_length=1100, help_text=(
+        "s3://bucket/folder/ (ending with '/'), or s3://bucket/ for the whole bucket."))
+    read = models.BooleanField(default=True, help_text=(
+        "May register objects under the prefix as batch input files (read in place)."))
+    write = models.BooleanField(default=False, help_text=(
+        "May have batch results delivered under the prefix (output_prefix)."))
+    credentials = models.CharField(max_length=50, blank=True, help_text=(
+        "Empty: the storage settings' S3 endpoint and keys (BATCHWEB_S3_*). NAME: the "
+        "BATCHWEB_DATA_NAME_ENDPOINT_URL, _REGION, _ACCESS_KEY_ID, _SECRET_ACCESS_KEY and "
+        "_PATH_STYLE variables, set for every web and worker process."))
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["prefix", "pk"]
+        verbose_name = "storage grant"
+        constraints = [models.CheckConstraint(
+            condition=models.Q(user__isnull=False, group__isnull=True)
+            | models.Q(user__isnull=True, group__isnull=False),
+            name="storage_grant_user_or_group")]
+
+    def __str__(self) -> str:
+        who = f"user {self.user}" if self.user_id else f"group {self.group}"
+        access = "/".join(a for a, on in (("read", self.read), ("write", self.write)) if on)
+        return f"{self.prefix} ({access or 'no access'}) for {who}"
+
+    def clean(self) -> None:
+        from django.core.exceptions import ValidationError
+
+        super().clean()
+        if (self.user_id is None) == (self.group_id is None):
+            raise ValidationError("Choose a user or a group (one of them).")
+        problem = grant_problem(prefix=self.prefix, credentials=self.credentials)
+        if problem:
+            raise ValidationError({problem[0]: problem[1]})
+
+
 class ScreenedLine(models.Model):
     """An input line that validation kept from running: its shard writes its error line
     instead. Either a request problem (`code`, `param`, `message`: a body the endpoint
@@ -847,6 +1022,9 @@ class UsageRecord(models.Model):
     input_tokens = models.BigIntegerField(default=0)  # cached ones included
     cached_tokens = models.BigIntegerField(default=0)
     output_tokens = models.BigIntegerField(default=0)
+    # Of output_tokens, those spent reasoning (Batch.reasoning_tokens): priced as output,
+    # counted apart.
+    reasoning_tokens = models.BigIntegerField(default=0)
     cost_nanos = models.BigIntegerField(default=0)
     currency = models.CharField(max_length=3, default="usd")
     # The prices charged (per million tokens, discount applied).
@@ -902,6 +1080,7 @@ class UsageDay(models.Model):
     input_tokens = models.BigIntegerField(default=0)
     cached_tokens = models.BigIntegerField(default=0)
     output_tokens = models.BigIntegerField(default=0)
+    reasoning_tokens = models.BigIntegerField(default=0)
     cost_nanos = models.BigIntegerField(default=0)
     engine_seconds = models.FloatField(default=0)
     eval_run = models.BooleanField(default=False)

@@ -58,10 +58,22 @@ def enqueue_control(func: str, batch_id: str, *, suffix: str) -> None:
                                  result_ttl=600, failure_ttl=7 * 24 * 3600)
 
 
-def enqueue_shard(shard_id: str, queue_name: str) -> None:
+def enqueue_shard(shard_id: str, queue_name: str, *, at_front: bool = False) -> None:
     # A shard runs as long as it runs: the worker heartbeats in the database instead.
     queue(queue_name).enqueue("jobs.tasks.run_shard", shard_id, job_id=shard_id,
-                              job_timeout=-1, result_ttl=600, failure_ttl=7 * 24 * 3600)
+                              job_timeout=-1, result_ttl=600, failure_ttl=7 * 24 * 3600,
+                              at_front=at_front)
+
+
+def move_to_front(shard_id: str, queue_name: str) -> bool:
+    """Put a shard's waiting job at the head of its queue (workers pop from the left);
+    False when it no longer waits there (a worker took it meanwhile: nothing to move)."""
+    client = connection()
+    key = queue(queue_name).key
+    if not client.lrem(key, 0, shard_id):
+        return False
+    client.lpush(key, shard_id)
+    return True
 
 
 def job_is_waiting(job_id: str, queue_name: str, *,

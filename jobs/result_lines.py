@@ -96,15 +96,16 @@ def scan(segs: list[Segment], start: tuple[str, int] | None, *, max_line_bytes: 
         offset = 0
 
 
-def failed_custom_ids(batch: Batch) -> set[str]:
-    """Every custom_id in the batch's error file (whole lines are read: an error line is
-    small, and no id may be missed)."""
+def failed_custom_ids(batch: Batch, *,
+                      which: Callable[[str | None], bool] = lambda code: True) -> set[str]:
+    """Every custom_id in the batch's error file whose line's code `which` accepts (whole
+    lines are read: an error line is small, and no id may be missed)."""
     ids: set[str] = set()
     for here, content, length in scan(
             segments(batch, "error"), None,
             max_line_bytes=settings.BATCHWEB["MAX_LINE_BYTES"]):
         row = parse_result_line(here, content, length)
-        if row.custom_id is not None:
+        if row.custom_id is not None and which(row.code):
             ids.add(row.custom_id)
     return ids
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.services import cleanup, finalize, validation, webhooks
+from jobs.services import cleanup, delivery, finalize, validation, webhooks
 
 
 def validate_batch(batch_id: str) -> None:
@@ -18,6 +18,12 @@ def validate_batch(batch_id: str) -> None:
 
 def finalize_batch(batch_id: str) -> None:
     finalize.finalize_batch(batch_id=batch_id)
+
+
+def deliver_results(batch_id: str) -> bool:
+    """One attempt to deliver an ended batch's results to its output_prefix (the
+    reconciler's retries, an operator's)."""
+    return delivery.deliver_results(batch_id=batch_id)
 
 
 def run_shard(shard_id: str) -> None:

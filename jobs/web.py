@@ -14,7 +14,9 @@ from django.http import FileResponse, HttpRequest, HttpResponseRedirect
 from django.http.response import HttpResponseBase
 from django_htmx.middleware import HtmxDetails
 
+from jobs.errors import ServiceError
 from jobs.models import File
+from jobs.storage.external import ObjectChanged
 from jobs.storage.objects import download_url, open_file
 from jobs.storage.temp import local_temp
 
@@ -57,7 +59,12 @@ def download_response(file: File) -> HttpResponseBase:
     url = download_url(file)
     if url:
         return HttpResponseRedirect(url)
-    response = FileResponse(open_file(file), as_attachment=True, filename=file.filename,
+    try:
+        stream = open_file(file)
+    except ObjectChanged as exc:  # a file registered by reference, replaced since
+        raise ServiceError(f"{exc} It cannot be downloaded as this file any more.",
+                           status=409, code="source_changed") from None
+    response = FileResponse(stream, as_attachment=True, filename=file.filename,
                             content_type="application/jsonl")
     if "Content-Length" not in response:  # a stream from object storage has no size
         response["Content-Length"] = str(file.bytes)

@@ -53,6 +53,9 @@ class Code:
     SHARD_FAILED = "shard_failed"
     BATCH_CANCELLED = "batch_cancelled"
     BATCH_EXPIRED = "batch_expired"
+    # The batch's input, read in place from its owner's bucket, was replaced after it was
+    # registered: the batch stops and fails rather than run on other data.
+    INPUT_CHANGED = "input_changed"
     # The engine aborted the request without the batch being stopped (its worker's
     # shard was taken over, or the engine was shut down under it).
     REQUEST_ABORTED = "request_aborted"
@@ -64,6 +67,8 @@ class Code:
 _UNRUN_MESSAGES = {
     Code.BATCH_CANCELLED: "The batch was cancelled before this request ran.",
     Code.BATCH_EXPIRED: "The batch expired before this request ran.",
+    Code.INPUT_CHANGED: "The batch's input file changed in its bucket before this request "
+                        "ran.",
     Code.REQUEST_ABORTED: "The request was aborted before it finished.",
 }
 

@@ -46,8 +46,8 @@ POOLING_ENDPOINTS = tuple(url for url, endpoint in REGISTRY.items() if endpoint.
 __all__ = [
     "CHAT", "COMPLETIONS", "EMBEDDINGS", "ENDPOINTS", "MESSAGES", "POOLING_ENDPOINTS",
     "REGISTRY", "RERANK", "RESPONSES", "SCORE", "Endpoint", "Refusal", "anthropic_error",
-    "check_body", "endpoint", "request_messages", "served", "show_request", "show_response",
-    "text_parts", "usage_of",
+    "check_body", "endpoint", "reasoning_of", "request_messages", "served", "show_request",
+    "show_response", "text_parts", "usage_of",
 ]
 
 
@@ -79,6 +79,12 @@ def request_messages(url: str, body: dict[str, Any]) -> list[Any]:
 def usage_of(url: str, body: dict[str, Any]) -> tuple[int, int, int]:
     """(prompt, completion, cached prompt) tokens of a response body (`Endpoint.usage`)."""
     return REGISTRY[url].usage(body)
+
+
+def reasoning_of(url: str, body: dict[str, Any]) -> int:
+    """Of a response body's completion tokens, those spent reasoning
+    (`Endpoint.reasoning_tokens`)."""
+    return REGISTRY[url].reasoning_tokens(body)
 
 
 def show_request(url: Any, body: dict[str, Any]) -> str:

@@ -115,9 +115,14 @@ class Generation:
     # Cut at the output-token cap (else it stopped by itself).
     cut: bool
     prompt_tokens: int
-    # Output tokens of one choice.
+    # Output tokens of one choice (its reasoning included).
     output_tokens: int
     n: int = 1
+    # What a model served with a reasoning parser thought before answering, and its
+    # tokens (of output_tokens), per choice; None: no reasoning parser, so its usage has no
+    # reasoning count at all (as vLLM's).
+    reasoning: str | None = None
+    reasoning_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -363,6 +368,13 @@ class Endpoint:
     def usage(self, body: dict[str, Any]) -> tuple[int, int, int]:
         """(prompt, completion, cached prompt) tokens of a response body's usage."""
         return openai_usage(body)
+
+    def reasoning_tokens(self, body: dict[str, Any]) -> int:
+        """Of a response body's completion tokens, those spent reasoning, as its engine's
+        reasoning parser counted them: OpenAI's
+        `usage.completion_tokens_details.reasoning_tokens` (0 where there is none)."""
+        details = (body.get("usage") or {}).get("completion_tokens_details") or {}
+        return int(details.get("reasoning_tokens") or 0)
 
     # -- the dashboard ------------------------------------------------------------------
 

@@ -46,13 +46,17 @@ def check_messages(messages: Any, media_domains: Sequence[str]) -> Refusal | Non
 
 
 def openai_common(result: Generation) -> dict[str, Any]:
-    """The fields a chat.completion and a text_completion share."""
+    """The fields a chat.completion and a text_completion share: with a reasoning parser,
+    vLLM's usage counts the reasoning tokens of its completion tokens (all choices)."""
     completion_tokens = result.output_tokens * result.n
-    return {"created": int(time.time()), "model": result.model,
-            "usage": {"prompt_tokens": result.prompt_tokens,
-                      "total_tokens": result.prompt_tokens + completion_tokens,
-                      "completion_tokens": completion_tokens,
-                      "prompt_tokens_details": None}}
+    usage: dict[str, Any] = {"prompt_tokens": result.prompt_tokens,
+                             "total_tokens": result.prompt_tokens + completion_tokens,
+                             "completion_tokens": completion_tokens,
+                             "prompt_tokens_details": None}
+    if result.reasoning is not None:
+        usage["completion_tokens_details"] = {
+            "reasoning_tokens": result.reasoning_tokens * result.n}
+    return {"created": int(time.time()), "model": result.model, "usage": usage}
 
 
 class Chat(Endpoint):
@@ -102,6 +106,8 @@ class Chat(Endpoint):
     def respond(self, body: dict[str, Any], result: Generation) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": result.text, "refusal": None,
                                    "tool_calls": []}
+        if result.reasoning is not None:  # vLLM's field beside the answer's content
+            message["reasoning"] = result.reasoning or None
         finish = "length" if result.cut else "stop"
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
                 **openai_common(result), "choices": [

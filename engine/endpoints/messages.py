@@ -172,9 +172,14 @@ class Messages(Endpoint):
 
     def respond(self, body: dict[str, Any], result: Generation) -> dict[str, Any]:
         """A Message, as vLLM's Anthropic layer answers (its `usage` without the cache
-        fields: the echo engine has no prefix cache)."""
+        fields: the echo engine has no prefix cache; a reasoning model's thinking as a
+        thinking block, its tokens only in output_tokens: Anthropic's usage has no count
+        of its own for them)."""
+        thinking = [{"type": "thinking", "thinking": result.reasoning,
+                     "signature": uuid.uuid4().hex}] if result.reasoning else []
         return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
-                "content": [{"type": "text", "text": result.text}], "model": result.model,
+                "content": [*thinking, {"type": "text", "text": result.text}],
+                "model": result.model,
                 "stop_reason": "max_tokens" if result.cut else "end_turn",
                 "stop_sequence": None,
                 "usage": {"input_tokens": result.prompt_tokens,

@@ -223,12 +223,22 @@ class Responses(Endpoint):
         return (int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0),
                 int(details.get("cached_tokens") or 0))
 
+    def reasoning_tokens(self, body: dict[str, Any]) -> int:
+        """Its usage's `output_tokens_details.reasoning_tokens`."""
+        details = (body.get("usage") or {}).get("output_tokens_details") or {}
+        return int(details.get("reasoning_tokens") or 0)
+
     def respond(self, body: dict[str, Any], result: Generation) -> dict[str, Any]:
-        """A `response` as vLLM's serving layer writes it (the fields readers use): one
-        output message, "incomplete" when cut at max_output_tokens."""
+        """A `response` as vLLM's serving layer writes it (the fields readers use): a
+        reasoning item first when the model reasoned, then one output message,
+        "incomplete" when cut at max_output_tokens."""
         content: list[dict[str, Any]] = [{"type": "output_text", "text": result.text,
                                           "annotations": [], "logprobs": None}]
         tokens = result.output_tokens * result.n
+        reasoning: list[dict[str, Any]] = [{
+            "id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "summary": [],
+            "content": [{"type": "reasoning_text", "text": result.reasoning}],
+            "encrypted_content": None, "status": None}] if result.reasoning else []
         return {
             "id": f"resp_{uuid.uuid4().hex}", "object": "response",
             "created_at": int(time.time()), "model": result.model,
@@ -241,13 +251,14 @@ class Responses(Endpoint):
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice", "auto"),
             "parallel_tool_calls": True, "truncation": body.get("truncation", "disabled"),
             "service_tier": "auto", "user": body.get("user"),
-            "output": [{"id": f"msg_{uuid.uuid4().hex}", "type": "message",
-                        "role": "assistant", "status": "completed",
-                        "content": content if result.text else []}],
+            "output": [*reasoning, {"id": f"msg_{uuid.uuid4().hex}", "type": "message",
+                                    "role": "assistant", "status": "completed",
+                                    "content": content if result.text else []}],
             "usage": {"input_tokens": result.prompt_tokens, "output_tokens": tokens,
                       "total_tokens": result.prompt_tokens + tokens,
                       "input_tokens_details": {"cached_tokens": 0},
-                      "output_tokens_details": {"reasoning_tokens": 0}},
+                      "output_tokens_details": {
+                          "reasoning_tokens": result.reasoning_tokens * result.n}},
         }
 
     def show_request(self, body: dict[str, Any]) -> str:

@@ -15,6 +15,7 @@ from django.db.models import Model, Q, QuerySet
 from django.http import HttpRequest, JsonResponse
 from django.http.multipartparser import MultiPartParserError
 from django.http.response import HttpResponseBase
+from django.views import defaults
 from django.views.decorators.csrf import csrf_exempt
 
 from engine.endpoints import anthropic_error
@@ -85,6 +86,48 @@ ANTHROPIC = Dialect(secret=lambda request: request.headers.get("x-api-key") or _
                     render=_anthropic_error,
                     missing_key="Incorrect or missing API key. Send 'x-api-key: <key>' with "
                                 "a key from the dashboard.")
+
+
+# Where each API's paths are: everything under /v1/ is answered in an API's error shape,
+# Anthropic's under its Message Batches paths (/v1/messages...), OpenAI's elsewhere.
+API_PREFIX = "/v1/"
+ANTHROPIC_PATHS = "/v1/messages"
+
+
+def dialect_of(path: str) -> Dialect | None:
+    """The API a request path belongs to, None outside /v1/ (the dashboard's pages)."""
+    if path == ANTHROPIC_PATHS or path.startswith(ANTHROPIC_PATHS + "/"):
+        return ANTHROPIC
+    return OPENAI if path.startswith(API_PREFIX) else None
+
+
+@csrf_exempt
+def unknown_path(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+    """Any path under /v1/ that no route serves: the API's 404 (as OpenAI's "Invalid URL"),
+    never Django's HTML page, whatever the method or key."""
+    dialect = dialect_of(request.path) or OPENAI
+    return dialect.render(ServiceError(f"Invalid URL ({request.method} {request.path})",
+                                       status=404))
+
+
+def server_error(request: HttpRequest) -> HttpResponseBase:
+    """Django's handler500: under /v1/ the API's 500 (an error raised outside an API view,
+    in a middleware), Django's page elsewhere."""
+    dialect = dialect_of(request.path)
+    if dialect is None:
+        return defaults.server_error(request)
+    return dialect.render(ServiceError("The server failed to handle the request.",
+                                       status=500, code="server_error", type="server_error"))
+
+
+def bad_request(request: HttpRequest, exception: Exception) -> HttpResponseBase:
+    """Django's handler400 (a request Django refuses before any view: a host not allowed,
+    a malformed body), in the API's shape under /v1/."""
+    dialect = dialect_of(request.path)
+    if dialect is None:
+        return defaults.bad_request(request, exception)
+    return dialect.render(ServiceError("The request could not be handled: it is malformed "
+                                       "or sent to a host this service does not answer."))
 
 
 def api_view(methods: dict[str, Handler], *, dialect: Dialect = OPENAI) -> Handler:

@@ -18,13 +18,13 @@ from jobs.engines import model_names
 from jobs.errors import ServiceError
 from jobs.models import Batch, LoraAdapter
 from jobs.queries import results as result_pages
-from jobs.services import batches, provenance, stopping
+from jobs.services import batches, rerun, stopping
 
 
 def shown(batch: Batch) -> dict[str, Any]:
     """The batch object as every key sees it: what ran it without the machines' names
     (staff see those in the admin and on the dashboard)."""
-    return {**batch.to_openai(), **provenance.public_fields(batch)}
+    return batch.to_openai()
 
 
 def create(request: HttpRequest, user: Any) -> HttpResponse:
@@ -34,7 +34,7 @@ def create(request: HttpRequest, user: Any) -> HttpResponse:
         completion_window=body.get("completion_window"), metadata=body.get("metadata"),
         priority=body.get("priority"), output_expires_after=body.get("output_expires_after"),
         api_key=getattr(request, "api_key", None), strict=body.get("strict", False),
-        eval_set=body.get("eval_set"))
+        eval_set=body.get("eval_set"), output_prefix=body.get("output_prefix"))
     return JsonResponse(shown(batches.get_batch_for_user(owner=user, batch_id=batch.pk)))
 
 
@@ -114,6 +114,18 @@ def cancel(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
     return JsonResponse(shown(stopping.cancel_batch(batch=batch)))
 
 
+def rerun_batch(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
+    """An extension: a new batch of the ended batch's failed or expired requests (the body's
+    `requests`: failed, expired, both or cancelled; failed when there is no body), made as
+    any batch is (jobs.services.rerun)."""
+    batch = batches.get_openai_batch_for_user(owner=user, batch_id=batch_id)
+    body = json_body(request) if request.body else {}
+    new = rerun.rerun_requests(
+        batch=batch, owner=user, kinds=rerun.parse_requests(body.get("requests"), api=batch.api),
+        api_key=getattr(request, "api_key", None))
+    return JsonResponse(shown(batches.get_batch_for_user(owner=user, batch_id=new.pk)))
+
+
 def list_models(request: HttpRequest, user: Any) -> HttpResponse:
     created = int(time.time())
     # LoRA adapters are models a request can name too; `parent` (vLLM's field) says which
@@ -129,4 +141,5 @@ batch_list = api_view({"GET": list_batches, "POST": create})
 batch_detail = api_view({"GET": retrieve})
 batch_cancel = api_view({"POST": cancel})
 batch_results = api_view({"GET": results})
+batch_rerun = api_view({"POST": rerun_batch})
 models = api_view({"GET": list_models})

@@ -10,6 +10,7 @@ from django.http.response import HttpResponseBase
 from jobs.api.base import (
     api_view,
     check_upload_size,
+    json_body,
     max_file_bytes,
     multipart_file,
     paginate,
@@ -17,6 +18,7 @@ from jobs.api.base import (
 from jobs.errors import ServiceError
 from jobs.models import File
 from jobs.services.files import create_input_file, delete_file, get_file_for_user
+from jobs.services.references import register_reference
 from jobs.web import download_response, uploaded_path
 
 
@@ -32,6 +34,8 @@ def _expires_after(request: HttpRequest) -> Any:
 
 
 def upload_file(request: HttpRequest, user: Any) -> HttpResponse:
+    if (request.content_type or "") == "application/json":
+        return register_file(request, user)
     check_upload_size(request, max_file_bytes())
     uploaded = multipart_file(request, "file")
     with uploaded_path(uploaded) as path:
@@ -41,13 +45,28 @@ def upload_file(request: HttpRequest, user: Any) -> HttpResponse:
     return JsonResponse(file.to_openai())
 
 
+def register_file(request: HttpRequest, user: Any) -> HttpResponse:
+    """An extension: `{"purpose": "batch", "source": "s3://bucket/key"}` as JSON registers
+    an object of a prefix granted to the user as an input file, read in place (the openai
+    client: `client.post("/files", body=..., cast_to=FileObject)`)."""
+    body = json_body(request)
+    if "source" not in body:
+        raise ServiceError("Send the file as multipart/form-data, or name an object as "
+                           "JSON {\"purpose\": \"batch\", \"source\": \"s3://bucket/key\"}.",
+                           param="source")
+    file = register_reference(owner=user, source=body["source"], purpose=body.get("purpose"),
+                              expires_after=body.get("expires_after"))
+    return JsonResponse(file.to_openai())
+
+
 def list_files(request: HttpRequest, user: Any) -> HttpResponse:
     files = File.objects.filter(owner=user)
     purpose = request.GET.get("purpose")
     if purpose:
         if purpose not in File.Purpose.values:
             raise ServiceError("Unknown purpose.", param="purpose")
-        files = files.filter(purpose=purpose)
+        # As the files are shown: batch_output lists the error files too.
+        files = files.filter(purpose__in=File.stored_purposes(purpose))
     return paginate(request, files, default_limit=10000, max_limit=10000, allow_order=True)
 
 

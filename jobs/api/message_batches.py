@@ -12,10 +12,10 @@ from django.http.response import HttpResponseBase
 from django.utils.cache import patch_cache_control
 
 from jobs import anthropic, heavy
-from jobs.api.base import ANTHROPIC, api_view, parse_limit
+from jobs.api.base import ANTHROPIC, api_view, json_body, parse_limit
 from jobs.errors import ServiceError, storable_id
 from jobs.models import Batch
-from jobs.services import stopping
+from jobs.services import rerun, stopping
 from jobs.services.batches import get_message_batch_for_user
 from jobs.services.message_batches import create_message_batch, delete_message_batch
 from jobs.web import declared_length
@@ -26,11 +26,14 @@ def _shown(request: HttpRequest, batch: Batch) -> dict[str, Any]:
     # under the per-user guard of the dashboard's heavy views, so that one user's requests
     # cannot keep every web process counting.
     try:
-        return anthropic.message_batch(batch, base_url=request.build_absolute_uri("/"),
-                                       guard=heavy.one_per_user(batch.owner_id))
+        shape = anthropic.message_batch(batch, base_url=request.build_absolute_uri("/"),
+                                        guard=heavy.one_per_user(batch.owner_id))
     except heavy.Busy:
         raise ServiceError("Another of your requests is counting a batch's results; retry "
                            "in a moment.", status=429, code="rate_limit_exceeded") from None
+    # An extension: the batch this one reruns (a Message Batch has no metadata to carry it,
+    # as an OpenAI batch's does).
+    return {**shape, "rerun_of": (batch.metadata or {}).get("rerun_of")}
 
 
 def create(request: HttpRequest, user: Any) -> HttpResponse:
@@ -92,12 +95,25 @@ def cancel(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
     return JsonResponse(_shown(request, stopping.cancel_batch(batch=batch)))
 
 
+def rerun_batch(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
+    """An extension: a new Message Batch of the ended batch's errored or expired requests
+    (the body's `requests`: errored, expired, both or canceled; errored when there is no
+    body), made as any batch is (jobs.services.rerun)."""
+    batch = get_message_batch_for_user(owner=user, batch_id=batch_id)
+    body = json_body(request) if request.body else {}
+    new = rerun.rerun_requests(
+        batch=batch, owner=user, kinds=rerun.parse_requests(body.get("requests"), api=batch.api),
+        api_key=getattr(request, "api_key", None))
+    return JsonResponse(_shown(request, new))
+
+
 def results(request: HttpRequest, user: Any, batch_id: str) -> HttpResponseBase:
     """The results file: one JSON line per request, once the batch has ended."""
     batch = get_message_batch_for_user(owner=user, batch_id=batch_id)
     if not batch.is_ended:
         raise ServiceError(f"The results of {batch_id} are available once it has ended; it "
                            f"is {anthropic.PROCESSING_STATUS[Batch.Status(batch.status)]}.")
+    anthropic.check_results_kept(batch)
     response = StreamingHttpResponse(anthropic.results(batch),
                                      content_type="application/x-jsonl")
     patch_cache_control(response, private=True, no_store=True)
@@ -108,3 +124,4 @@ batch_list = api_view({"GET": list_batches, "POST": create}, dialect=ANTHROPIC)
 batch_detail = api_view({"GET": retrieve, "DELETE": delete}, dialect=ANTHROPIC)
 batch_cancel = api_view({"POST": cancel}, dialect=ANTHROPIC)
 batch_results = api_view({"GET": results}, dialect=ANTHROPIC)
+batch_rerun = api_view({"POST": rerun_batch}, dialect=ANTHROPIC)

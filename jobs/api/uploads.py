@@ -16,7 +16,8 @@ def create(request: HttpRequest, user: Any) -> HttpResponse:
     body = json_body(request)
     upload = uploads.create_upload(owner=user, filename=body.get("filename"),
                                    purpose=body.get("purpose"), bytes=body.get("bytes"),
-                                   mime_type=body.get("mime_type"))
+                                   mime_type=body.get("mime_type"),
+                                   expires_after=body.get("expires_after"))
     return JsonResponse(upload.to_openai())
 
 

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from jobs.api import batches, files, message_batches, uploads, usage
+from jobs.api import batches, eval_sets, files, message_batches, uploads, usage
 
 urlpatterns = [
     path("files", files.files),
@@ -14,6 +14,7 @@ urlpatterns = [
     path("batches/<str:batch_id>", batches.batch_detail),
     path("batches/<str:batch_id>/cancel", batches.batch_cancel),
     path("batches/<str:batch_id>/results", batches.batch_results),
+    path("batches/<str:batch_id>/rerun", batches.batch_rerun),
     path("models", batches.models),
     # OpenAI's Usage and Costs API, over the usage ledger.
     path("organization/usage/completions", usage.usage_completions),
@@ -24,4 +25,8 @@ urlpatterns = [
     path("messages/batches/<str:batch_id>", message_batches.batch_detail),
     path("messages/batches/<str:batch_id>/cancel", message_batches.batch_cancel),
     path("messages/batches/<str:batch_id>/results", message_batches.batch_results),
+    path("messages/batches/<str:batch_id>/rerun", message_batches.batch_rerun),
+    # Users' own eval sets (an extension).
+    path("eval_sets", eval_sets.eval_set_list),
+    path("eval_sets/<str:set_id>", eval_sets.eval_set_detail),
 ]

@@ -11,7 +11,9 @@ always null, `project_ids` matches nothing but null), every request is a batch r
 key's and the user's numeric ids as strings), and a costs `line_item` is the model's name.
 Embeddings usage counts /v1/embeddings, /v1/score and /v1/rerank (input tokens only),
 completions the other endpoints. Usage is recorded when each shard of a batch finishes
-(`recorded_at`).
+(`recorded_at`). One extension: a completions result's `output_reasoning_tokens`, the
+reasoning tokens of its output tokens (OpenAI's results have no such field; clients
+ignore it).
 """
 
 from __future__ import annotations
@@ -184,9 +186,12 @@ def _usage(request: HttpRequest, user: Any, *, kind: str) -> JsonResponse:
             result: dict[str, Any] = {"object": f"organization.usage.{kind}.result",
                                       "input_tokens": row["input_tokens"] or 0}
             if kind == "completions":
+                cached = row["cached_tokens"] or 0
                 result |= {"output_tokens": row["output_tokens"] or 0,
-                           "input_cached_tokens": row["cached_tokens"] or 0,
-                           "input_audio_tokens": 0, "output_audio_tokens": 0}
+                           "input_cached_tokens": cached,
+                           "input_uncached_tokens": (row["input_tokens"] or 0) - cached,
+                           "input_audio_tokens": 0, "output_audio_tokens": 0,
+                           "output_reasoning_tokens": row["reasoning_tokens"] or 0}
             result["num_model_requests"] = row["requests_succeeded"] or 0
             result |= _grouped(row, query.group_by, groups)
             results.append(result)
@@ -218,9 +223,11 @@ def embeddings(request: HttpRequest, user: Any) -> JsonResponse:
 
 
 def costs(request: HttpRequest, user: Any) -> JsonResponse:
-    query = Query(request, user, widths=("1d",), groups=("project_id", "line_item"),
-                  limits=COSTS_LIMITS)
-    columns = ["currency"] + (["model"] if "line_item" in query.group_by else [])
+    groups = ("project_id", "line_item", "api_key_id", "user_id")
+    query = Query(request, user, widths=("1d",), groups=groups, limits=COSTS_LIMITS)
+    # A line item is a model; every result is one currency's.
+    grouped = {"line_item": "model", "api_key_id": "api_key_id", "user_id": "user_id"}
+    columns = ["currency", *(grouped[name] for name in query.group_by if name in grouped)]
     buckets, cursor = query.page(columns)
     data = []
     for start, end, rows in buckets:
@@ -228,7 +235,7 @@ def costs(request: HttpRequest, user: Any) -> JsonResponse:
                     "amount": {"value": float(row["cost_nanos"] or 0) / 10**9,
                                "currency": row["currency"]},
                     "line_item": row["model"] if "line_item" in query.group_by else None,
-                    "project_id": None}
+                    **_grouped(row, query.group_by, ("project_id", "api_key_id", "user_id"))}
                    for row in _merge(rows, [usage.GROUPS[c] for c in columns])]
         data.append(_bucket(start, end, results))
     return _page(data, cursor)

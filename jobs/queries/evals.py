@@ -1,14 +1,13 @@
 """What the batch page shows of what ran a batch and of its eval runs: each distinct engine
-record of its workers (provenance), and each run's score beside its baseline's, with the
-items whose answers changed side by side."""
+record of its workers (provenance, `engines_of`), and each run's score beside its
+baseline's, with the items whose answers changed side by side (`batch_record`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobs.models import Batch, EvalRun
-from jobs.services.provenance import without_hosts
+from jobs.models import Batch, EvalRun, without_hosts
 
 
 @dataclass
@@ -30,12 +29,26 @@ class RunView:
 
 @dataclass
 class BatchRecord:
-    provenance: list[dict[str, Any]]
     runs: list[RunView]
+
+
+@dataclass
+class Engines:
+    """What ran a batch, as its page shows it: each distinct engine record of its workers
+    (`consistent` when they agree). Part of the live block, which a worker's first claim
+    changes (the batch's version counts its provenance)."""
+
+    provenance: list[dict[str, Any]]
 
     @property
     def consistent(self) -> bool:
         return len(self.provenance) <= 1
+
+
+def engines_of(batch: Batch, *, user: Any) -> Engines:
+    # The workers' names and local paths are for staff: an owner sees the engine records.
+    entries = batch.provenance or []
+    return Engines(provenance=entries if user.is_staff else without_hosts(entries))
 
 
 def batch_record(batch: Batch, *, user: Any) -> BatchRecord:
@@ -51,7 +64,4 @@ def batch_record(batch: Batch, *, user: Any) -> BatchRecord:
                             may_accept=(run.status == EvalRun.Status.SCORED
                                         and run.accepted_at is None
                                         and run.may_be_accepted_by(user))))
-    # The workers' names and local paths are for staff: an owner sees the engine records.
-    entries = batch.provenance or []
-    return BatchRecord(provenance=entries if user.is_staff else without_hosts(entries),
-                       runs=runs)
+    return BatchRecord(runs=runs)

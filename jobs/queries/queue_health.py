@@ -21,6 +21,7 @@ from rq import Worker
 
 from engine.remote_limits import DEFAULT_CEILING, ServerState, server_state
 from jobs import queues
+from jobs.capacity import ModelPlan, plans
 from jobs.engines import model_names, model_spec, model_specs
 from jobs.models import Shard
 from jobs.worker.presence import standby_models
@@ -106,6 +107,8 @@ class ModelHealth:
     standby: list[WorkerInfo] = field(default_factory=list)
     running: list[RunningShard] = field(default_factory=list)
     waiting_in_db: int = 0  # queued shards without a job (fair share, backoff)
+    # The capacity plan of its running batches (None: none runs).
+    plan: ModelPlan | None = None
 
     @property
     def stuck(self) -> list[RunningShard]:
@@ -301,6 +304,8 @@ def queue_health(*, now: datetime | None = None) -> Health:
         for running_shard in model_health.running:
             held[running_shard.worker] = held.get(running_shard.worker, 0) + 1
     _hold(infos, held)
+    for plan in plans(now=now):
+        models.setdefault(plan.model, ModelHealth(model=plan.model, depth={})).plan = plan
     hosts: dict[str, HostHealth] = {}
     for info in sorted(infos, key=lambda w: w.name):
         hosts.setdefault(info.hostname, HostHealth(hostname=info.hostname)).workers.append(info)

@@ -23,7 +23,7 @@ from django.utils import timezone
 from jobs.models import EvalRun, UsageDay, UsageRecord
 
 SUMS = ("requests_succeeded", "requests_failed", "input_tokens", "cached_tokens",
-        "output_tokens", "cost_nanos", "engine_seconds")
+        "output_tokens", "reasoning_tokens", "cost_nanos", "engine_seconds")
 # What a usage sum may be grouped by, and the ledger's column for each.
 GROUPS = {"model": "model", "api_key_id": "api_key_id", "batch": "batch_id",
           "user_id": "owner_id", "endpoint": "endpoint", "currency": "currency",

@@ -28,6 +28,7 @@ from jobs.models import Batch, EvalSet, File, new_batch_id, new_message_batch_id
 from jobs.services import budgets, preflight
 from jobs.services.evals import eval_ceiling, find_set_for_user
 from jobs.services.files import get_file_for_user, parse_expires_after
+from jobs.services.grants import check_output_prefix, reach
 from jobs.services.quotas import check_quota
 
 WINDOW_PATTERN = re.compile(r"^([1-9][0-9]{0,3})h$")
@@ -76,13 +77,16 @@ def check_priority(value: Any) -> str:
 def create_batch(*, owner: Any, input_file_id: Any, endpoint: Any, completion_window: Any,
                  metadata: Any = None, priority: Any = None,
                  output_expires_after: Any = None, api: str = Batch.Api.OPENAI,
-                 api_key: Any = None, strict: Any = False, eval_set: Any = None) -> Batch:
+                 api_key: Any = None, strict: Any = False, eval_set: Any = None,
+                 output_prefix: Any = None) -> Batch:
     """Create a batch in `validating` and, after commit, enqueue its validation. `api` is
     the API it was created through: only its id and the shape it is shown in differ.
     `api_key`: the key it was created with (its usage is charged under it). `strict`: any
     problem of any line fails the batch before anything runs (else a request problem fails
     that request only). `eval_set`: the name of an eval set the owner may attach
-    (jobs.services.evals), run beside the batch and scored when it ends."""
+    (jobs.services.evals), run beside the batch and scored when it ends. `output_prefix`:
+    a granted s3://bucket/prefix/ its results are delivered to as well, once it ends
+    (jobs.services.delivery)."""
     if endpoint not in ENDPOINTS:
         raise ServiceError(f"endpoint must be one of {', '.join(ENDPOINTS)}.", param="endpoint")
     window = parse_completion_window(completion_window)
@@ -92,11 +96,17 @@ def create_batch(*, owner: Any, input_file_id: Any, endpoint: Any, completion_wi
         raise ServiceError("strict must be true or false.", param="strict")
     output_lifetime = parse_expires_after(output_expires_after)
     attached = find_set_for_user(owner=owner, value=eval_set)
+    output_prefix = check_output_prefix(owner=owner, value=output_prefix)
     if not isinstance(input_file_id, str) or not input_file_id:
         raise ServiceError("input_file_id is required.", param="input_file_id")
     input_file = get_file_for_user(owner=owner, file_id=input_file_id)
     if input_file.purpose != File.Purpose.BATCH:
         raise ServiceError("The input file must have purpose 'batch'.", param="input_file_id")
+    if input_file.source:
+        # Read in place with the service's credentials: only while a grant still lets
+        # its owner read there (an operator's revocation stops new batches on it).
+        reach(owner=owner, url=input_file.source, access="read", param="input_file_id",
+              folder=False)
     # The most it could cost, before the owner's lock is taken (a pass over the file,
     # cached): only where a budget applies.
     ceiling = (_ceiling(owner=owner, input_file=input_file, endpoint=endpoint,
@@ -113,7 +123,8 @@ def create_batch(*, owner: Any, input_file_id: Any, endpoint: Any, completion_wi
             id=new_message_batch_id() if api == Batch.Api.ANTHROPIC else new_batch_id(),
             api=api, owner=owner, api_key=api_key, endpoint=endpoint, input_file=input_file,
             completion_window=completion_window, metadata=metadata, priority=priority,
-            strict=strict, eval_set=attached,
+            strict=strict, eval_set=attached, output_prefix=output_prefix,
+            delivery_status=Batch.DeliveryStatus.PENDING if output_prefix else "",
             output_expires_after=(int(output_lifetime.total_seconds()) if output_lifetime
                                   else None),
             expires_at=now + window,

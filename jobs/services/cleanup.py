@@ -4,7 +4,9 @@ still needs.
 One pass (`run_cleanup`) does, in order:
 
 1. expired files: `File.expires_at` passed; row and content deleted through
-   `files.delete_file`, which refuses the input file of an active batch (kept, counted);
+   `files.delete_file`, which refuses the input file of an active batch (kept, counted).
+   A Message Batch whose results go with them is archived in the same transaction
+   (`message_batches.archive_results`: Anthropic's `archived_at`);
 2. expired uploads: pending uploads past `expires_at` become `expired`, and the parts of
    every upload that is no longer pending are deleted (rows and content);
 3. merged parts: the output and error parts of shards of batches that ended (finalized)
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
+from django.db import transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
@@ -62,6 +65,7 @@ class CleanupReport:
     dry_run: bool = False
     expired_files: list[str] = field(default_factory=list)  # File ids
     expired_bytes: int = 0
+    archived_batches: int = 0  # Message Batches whose results expired
     kept_in_use: list[str] = field(default_factory=list)  # expired, but an active batch reads it
     expired_uploads: list[str] = field(default_factory=list)
     upload_parts: list[str] = field(default_factory=list)  # storage names
@@ -71,6 +75,7 @@ class CleanupReport:
 
     def counts(self) -> dict[str, int]:
         return {"expired_files": len(self.expired_files), "expired_bytes": self.expired_bytes,
+                "archived_batches": self.archived_batches,
                 "kept_in_use": len(self.kept_in_use),
                 "expired_uploads": len(self.expired_uploads),
                 "upload_parts": len(self.upload_parts), "merged_parts": len(self.merged_parts),
@@ -101,6 +106,10 @@ def delete_expired_files(*, files: QuerySet[File], dry_run: bool = False,
                          report: CleanupReport | None = None) -> CleanupReport:
     """Delete those of `files` that have expired, except an active batch's input (the admin
     action calls this with the selected rows)."""
+    # Imported here: the worker imports this module (its scratch sweep), and the Message
+    # Batches service brings validation's imports (numpy among them) that it never needs.
+    from jobs.services.message_batches import archive_results
+
     now = now or timezone.now()
     report = report or CleanupReport(dry_run=dry_run)
     active_inputs = set(Batch.objects.exclude(status__in=Batch.ENDED).values_list(
@@ -112,8 +121,11 @@ def delete_expired_files(*, files: QuerySet[File], dry_run: bool = False,
             continue
         if not dry_run:
             try:
-                # Checks again under a transaction: a batch created meanwhile keeps it.
-                delete_file(file=file)
+                # Checks again under a transaction: a batch created meanwhile keeps it
+                # (and the archiving of a Message Batch that reads it is undone).
+                with transaction.atomic():
+                    report.archived_batches += archive_results(file_id=file_id, now=now)
+                    delete_file(file=file)
             except ServiceError:
                 report.kept_in_use.append(file_id)
                 continue

@@ -29,6 +29,9 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
+import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -38,17 +41,17 @@ from django.contrib.auth import get_user_model
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from django.db import IntegrityError, transaction
-from django.db.models import Q
+from django.db.models import F, Q
 from django.utils import timezone
 
 from engine.endpoints import CHAT, EMBEDDINGS, REGISTRY, check_body
 from jobs import evalrules, queues
-from jobs.errors import ServiceError, not_found
+from jobs.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.models import Batch, EvalRun, EvalSet, File
 from jobs.prompts import ceiling, room_for
 from jobs.quality import output_texts
 from jobs.services.budgets import Estimate, estimate
-from jobs.services.files import store_file
+from jobs.services.files import get_file_for_user, store_file
 from jobs.storage.lines import iter_lines
 from jobs.storage.objects import open_file, open_range, save_local
 from jobs.storage.temp import local_temp
@@ -74,6 +77,11 @@ RUN_FILES_SECONDS = 30 * 86400
 DRIFT_EVENT = "batchweb.eval.drift"
 # The model name the set's bodies are checked with (each run puts the batch's there).
 _PLACEHOLDER_MODEL = "model"
+# A set's id as the API shows it ("evalset_12"); the bare number is taken too, as the
+# `eval_set` field of a batch always has. A name cannot look like either.
+_SET_ID = re.compile(r"(?:evalset_)?([0-9]{1,18})")
+# Sets one user may own: each is a stored copy of its JSONL, outside the files quota.
+MAX_OWN_SETS = 50
 
 
 def eval_user() -> Any:
@@ -133,8 +141,11 @@ def create_eval_set(*, name: str, path: str | Path, rule: str, owner: Any = None
 
     if rule not in evalrules.RULES:
         raise ServiceError(f"rule must be one of {', '.join(evalrules.RULES)}.", param="rule")
-    if not name or len(name) > 100:
+    if not isinstance(name, str) or not name or len(name) > 100 or "\x00" in name:
         raise ServiceError("name must be 1 to 100 characters.", param="name")
+    if _SET_ID.fullmatch(name):
+        raise ServiceError("name must not look like a set's id (a number, or evalset_ and "
+                           "a number).", param="name")
     if rule == evalrules.EMBEDDING:
         spec = model_spec(embedding_model)
         if spec is None or EMBEDDINGS not in spec.endpoints:
@@ -148,11 +159,13 @@ def create_eval_set(*, name: str, path: str | Path, rule: str, owner: Any = None
         digest = hashlib.file_digest(stream, "sha256").hexdigest()
     storage_name = save_local(path, "evalsets")
     try:
-        return EvalSet.objects.create(
-            name=name, owner=owner, url=url, storage_name=storage_name,
-            bytes=Path(path).stat().st_size, item_count=count, sha256=digest, rule=rule,
-            tolerance=tolerance, embedding_model=embedding_model, similarity=similarity,
-            drift_threshold=drift_threshold, watch_models=list(watch_models or []))
+        # A savepoint: a caller's transaction (the admin's) goes on after a refusal.
+        with transaction.atomic():
+            return EvalSet.objects.create(
+                name=name, owner=owner, url=url, storage_name=storage_name,
+                bytes=Path(path).stat().st_size, item_count=count, sha256=digest, rule=rule,
+                tolerance=tolerance, embedding_model=embedding_model, similarity=similarity,
+                drift_threshold=drift_threshold, watch_models=list(watch_models or []))
     except IntegrityError:
         default_storage.delete(storage_name)
         raise ServiceError(f"An eval set named {name!r} exists already.", param="name") \
@@ -186,18 +199,110 @@ def sets_for(owner: Any) -> Any:
     return EvalSet.objects.filter(Q(owner__isnull=True) | Q(owner=owner))
 
 
+def public_id(eval_set: EvalSet) -> str:
+    return f"evalset_{eval_set.pk}"
+
+
 def find_set_for_user(*, owner: Any, value: Any) -> EvalSet | None:
     """The set `value` names (its name, or its id) among the user's; None for none given."""
     if value in (None, ""):
         return None
-    if not isinstance(value, str | int):
+    if not isinstance(value, str | int) or isinstance(value, bool):
         raise ServiceError("eval_set must be an eval set's name.", param="eval_set")
-    found = sets_for(owner).filter(name=str(value)).order_by("owner_id").first()
-    if found is None and str(value).isdigit():
-        found = sets_for(owner).filter(pk=int(value)).first()
+    return get_eval_set_for_user(owner=owner, id_or_name=str(value))
+
+
+def get_eval_set_for_user(*, owner: Any, id_or_name: str) -> EvalSet:
+    """One of the sets the user may see, by name (their own before the operator's of the
+    same name) or id; another user's is not found, as one that does not exist."""
+    found = None
+    if storable_id(id_or_name):
+        found = (sets_for(owner).filter(name=id_or_name)
+                 .order_by(F("owner_id").asc(nulls_last=True)).first())
+        if found is None and (match := _SET_ID.fullmatch(id_or_name)):
+            found = sets_for(owner).filter(pk=int(match.group(1))).first()
     if found is None:
-        raise not_found("eval set", str(value))
+        raise not_found("eval set", id_or_name)
     return found
+
+
+def _option(value: Any, *, param: str, default: float, low: float,
+            high: float | None) -> float:
+    if value is None:
+        return default
+    if not isinstance(value, int | float) or isinstance(value, bool) or not (
+            math.isfinite(value) and low <= value <= (math.inf if high is None else high)):
+        bounds = f"{low:g} or more" if high is None else f"from {low:g} to {high:g}"
+        raise ServiceError(f"{param} must be a number, {bounds}.", param=param)
+    return float(value)
+
+
+def create_own_eval_set(*, owner: Any, name: Any, path: str | Path, rule: Any,
+                        tolerance: Any = None, embedding_model: Any = None,
+                        similarity: Any = None, drift_threshold: Any = None) -> EvalSet:
+    """A user's own set (the API and the dashboard), from a local JSONL the caller owns:
+    the rule's options checked as a client may send them, at most MAX_OWN_SETS a user. Only
+    the operator's sets watch models (the admin)."""
+    if not isinstance(rule, str):
+        raise ServiceError(f"rule must be one of {', '.join(evalrules.RULES)}.", param="rule")
+    if embedding_model is not None and not isinstance(embedding_model, str):
+        raise ServiceError("embedding_model must be a served embeddings model's name.",
+                           param="embedding_model")
+    checked_tolerance = _option(tolerance, param="tolerance", default=0.0, low=0, high=None)
+    checked_similarity = _option(similarity, param="similarity", default=0.9, low=-1, high=1)
+    checked_threshold = _option(drift_threshold, param="drift_threshold", default=0.05, low=0,
+                                high=1)
+    limit = settings.BATCHWEB["MAX_FILE_BYTES"]
+    if Path(path).stat().st_size > limit:
+        raise ServiceError(f"The file is larger than {limit} bytes.", status=413,
+                           code="file_too_large", param="file")
+    if EvalSet.objects.filter(owner=owner).count() >= MAX_OWN_SETS:
+        raise ServiceError(f"You have {MAX_OWN_SETS} eval sets, the most one user may keep; "
+                           "delete one first.", code="too_many_eval_sets")
+    return create_eval_set(name=name, path=path, rule=rule, owner=owner,
+                           tolerance=checked_tolerance, embedding_model=embedding_model or "",
+                           similarity=checked_similarity, drift_threshold=checked_threshold)
+
+
+def create_eval_set_from_file(*, owner: Any, file_id: Any, **fields: Any) -> EvalSet:
+    """A user's own set from one of their uploaded files (purpose batch): its content is
+    copied into the set, which then lives on whether the file is deleted or expires."""
+    if not isinstance(file_id, str) or not file_id:
+        raise ServiceError("file_id is required: upload the set's JSONL with purpose "
+                           "'batch'.", param="file_id")
+    file = get_file_for_user(owner=owner, file_id=file_id)
+    if file.purpose != File.Purpose.BATCH:
+        raise ServiceError("The file must be one you uploaded (purpose 'batch').",
+                           param="file_id")
+    with local_temp(".evalset") as path:
+        with open(path, "wb") as target, open_file(file) as stream:
+            shutil.copyfileobj(stream, target)
+        return create_own_eval_set(owner=owner, path=path, **fields)
+
+
+def delete_eval_set(*, eval_set: EvalSet, user: Any) -> None:
+    """Delete one of the user's own sets; its runs go with it (a batch object keeps their
+    summaries), and its stored file and the runs' results are removed once the deletion
+    commits (jobs.signals, whoever deletes). Refused (409) while a batch that has not ended
+    has it attached, or a run of it is not scored yet: that run reads the set's file when
+    it starts and when it is scored."""
+    if eval_set.owner_id is None or eval_set.owner_id != user.pk:
+        raise ServiceError("Only the operator deletes the operator's eval sets.",
+                           status=403, code="permission_denied")
+    with transaction.atomic():
+        # Held until the deletion commits: a batch attaching the set waits for it.
+        locked = EvalSet.objects.select_for_update().filter(pk=eval_set.pk).first()
+        if locked is None:
+            return
+        busy = (Batch.objects.active().filter(eval_set=locked).values_list("pk", flat=True)
+                .first()) or (EvalRun.objects.filter(
+                    eval_set=locked, status__in=(EvalRun.Status.RUNNING,
+                                                 EvalRun.Status.SCORING))
+                    .values_list("batch_id", flat=True).first())
+        if busy:
+            raise wrong_state(f"The eval set {locked.name!r} runs beside {busy}, which has "
+                              "not ended: delete it once the batch ends.")
+        locked.delete()
 
 
 def eval_ceiling(*, eval_set: EvalSet, model: str, first_model: str | None) -> Estimate:

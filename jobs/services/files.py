@@ -195,22 +195,28 @@ def check_purpose(purpose: Any) -> str:
 
 
 def create_input_file(*, owner: Any, path: str | Path, filename: str, purpose: Any,
-                      expires_after: Any = None) -> File:
+                      expires_after: Any = None, limits_checked: bool = False) -> File:
     """Check an uploaded batch input file (UTF-8 JSONL, size limits) and store it.
 
     `path` is a local temporary file the caller owns. Nothing is stored when it is refused.
+    `limits_checked`: the caller held what it wrote to its own API's limits (a Message
+    Batch's body, jobs.services.message_batches), so the service's file size and request
+    limits are not applied again; the user's quotas are.
     """
     expires_at = _admit_input(owner=owner, purpose=purpose, expires_after=expires_after,
-                              size=os.path.getsize(path))
+                              size=os.path.getsize(path), check_size=not limits_checked)
     with open(path, "rb") as handle:
-        scan = _check_requests(scan_jsonl(handle))
+        scan = scan_jsonl(handle)
+    if not limits_checked:
+        _check_requests(scan)
     return store_file(owner=owner, source_path=path, filename=filename, purpose=purpose,
                       expires_at=expires_at, scan=scan)
 
 
 def create_input_file_from_parts(*, owner: Any, part_names: list[str], size: int,
                                  filename: str, purpose: Any, md5: str | None = None,
-                                 from_upload: str | None = None) -> File:
+                                 from_upload: str | None = None,
+                                 expires_after: Any = None) -> File:
     """The Uploads API's assembly: the stored parts (`size` bytes in all) are read once, in
     order, streamed (md5, the UTF-8 JSONL check, the hash), then joined inside the storage
     into the new file (on S3 by UploadPartCopy): never downloaded to a local copy.
@@ -231,8 +237,8 @@ def create_input_file_from_parts(*, owner: Any, part_names: list[str], size: int
                     pass
     if md5 and digest.hexdigest() != md5.lower():
         raise ServiceError("The md5 of the assembled file does not match.", param="md5")
-    expires_at = _admit_input(owner=owner, purpose=purpose, expires_after=None, size=size,
-                              from_upload=from_upload)
+    expires_at = _admit_input(owner=owner, purpose=purpose, expires_after=expires_after,
+                              size=size, from_upload=from_upload)
     if refusal is not None:
         raise refusal
     assert scan is not None
@@ -244,14 +250,17 @@ def create_input_file_from_parts(*, owner: Any, part_names: list[str], size: int
 
 
 def _admit_input(*, owner: Any, purpose: Any, expires_after: Any, size: int,
-                 from_upload: str | None = None) -> Any:
-    """Checks on a new input file before its content is read; returns its expiry."""
+                 from_upload: str | None = None, check_size: bool = True,
+                 stored: bool = True) -> Any:
+    """Checks on a new input file before its content is read; returns its expiry.
+    `stored`: False for a file read in place (registered by reference), which takes no
+    room in storage."""
     check_purpose(purpose)
     lifetime = parse_expires_after(expires_after)
-    if size > limits()["MAX_FILE_BYTES"]:
+    if check_size and size > limits()["MAX_FILE_BYTES"]:
         raise ServiceError(f"File is larger than {limits()['MAX_FILE_BYTES']} bytes.",
                            status=413, code="file_too_large", param="file")
-    check_quota(owner=owner, file_bytes=size, from_upload=from_upload)
+    check_quota(owner=owner, file_bytes=size, from_upload=from_upload, stored=stored)
     if lifetime is None:
         lifetime = timedelta(days=limits()["INPUT_FILE_TTL_DAYS"])
     return timezone.now() + lifetime
@@ -277,10 +286,12 @@ def file_in_use(file: File) -> bool:
 
 
 def delete_file(*, file: File) -> None:
-    """Delete a file's row and content. Refused (409) while an active batch reads it."""
+    """Delete a file's row and content. Refused (409) while an active batch reads it. A
+    file registered by reference loses its row only: the object is its owner's."""
     with transaction.atomic():
         if file_in_use(file):
             raise wrong_state("The file is the input of a batch that is still running.")
         storage_name = file.storage_name
         file.delete()
-        transaction.on_commit(lambda: default_storage.delete(storage_name), robust=True)
+        if storage_name:  # empty for a file registered by reference
+            transaction.on_commit(lambda: default_storage.delete(storage_name), robust=True)

@@ -1,6 +1,7 @@
 """Ending a batch: once nothing of it is left to run, merge its shards' parts into the
 output and error Files (the requests of shards that never finished become error lines),
-set its final status and record its webhook event."""
+set its final status, record its webhook event and, where its owner named an
+output_prefix, deliver the files there (jobs.services.delivery)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from jobs.models import Batch, File, Shard
+from jobs.services.delivery import deliver_results
 from jobs.services.files import delete_file, store_concatenated
 from jobs.services.progress import refresh_progress
 from jobs.services.stopping import UnstartedLines, drop_queued_shards, unrun_lines
@@ -64,6 +66,9 @@ def finalize_batch(*, batch_id: str) -> Batch | None:
         "": (Batch.Status.COMPLETED, "completed_at"),
         Code.BATCH_CANCELLED: (Batch.Status.CANCELLED, "cancelled_at"),
         Code.BATCH_EXPIRED: (Batch.Status.EXPIRED, "expired_at"),
+        # Its input changed in its owner's bucket (stopping.stop_changed_input, which
+        # wrote the reason to errors.data): the results computed before are kept.
+        Code.INPUT_CHANGED: (Batch.Status.FAILED, "failed_at"),
     }[batch.stop_code]
     status, stamp = ending
     ended = Batch.objects.filter(pk=batch_id, finalize_claimed_at=now).update(
@@ -76,6 +81,10 @@ def finalize_batch(*, batch_id: str) -> Batch | None:
                 delete_file(file=file)
         return Batch.objects.get(pk=batch_id)
     notify_ended(batch_id)
+    if batch.output_prefix:
+        # Its files to the owner's bucket too (a failure is recorded and retried; the
+        # Files API has them whatever happens).
+        deliver_results(batch_id=batch_id)
     return Batch.objects.get(pk=batch_id)
 
 

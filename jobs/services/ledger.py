@@ -50,7 +50,7 @@ def record_shard_usage(*, shard_id: str, progress: Any, usage: ShardUsage | None
         rows[model] = list(counts)
     # The batch's model takes the rest, failures included (a failure costs nothing).
     rest = [progress.completed, progress.input_tokens, progress.cached_tokens,
-            progress.output_tokens]
+            progress.output_tokens, progress.reasoning_tokens]
     for counts in adapters.values():
         rest = [max(0, a - b) for a, b in zip(rest, counts, strict=True)]
     if any(rest) or progress.failed or not rows:
@@ -59,7 +59,7 @@ def record_shard_usage(*, shard_id: str, progress: Any, usage: ShardUsage | None
     total_requests = sum(counts[0] for counts in rows.values()) or 1
     now = timezone.now()
     records = []
-    for model, (succeeded, tokens_in, cached, tokens_out) in rows.items():
+    for model, (succeeded, tokens_in, cached, tokens_out, reasoning) in rows.items():
         rate = rates[model]
         records.append(UsageRecord(
             owner_id=owner_id, api_key_id=api_key_id, eval_run=run is not None,
@@ -67,6 +67,8 @@ def record_shard_usage(*, shard_id: str, progress: Any, usage: ShardUsage | None
             endpoint=batch["batch__endpoint"], requests_succeeded=succeeded,
             requests_failed=progress.failed if model == base else 0,
             input_tokens=tokens_in, cached_tokens=cached, output_tokens=tokens_out,
+            reasoning_tokens=reasoning,
+            # Reasoning tokens are output tokens, priced as such (as OpenAI bills them).
             cost_nanos=rate.cost_nanos(input_tokens=tokens_in, cached_tokens=cached,
                                        output_tokens=tokens_out),
             currency=rate.currency, input_price=rate.input, cached_price=rate.cached,
@@ -80,7 +82,7 @@ def record_shard_usage(*, shard_id: str, progress: Any, usage: ShardUsage | None
 
 _DAY_KEY = ("day", "owner_id", "api_key_id", "model", "endpoint", "currency", "eval_run")
 _DAY_SUMS = ("requests_succeeded", "requests_failed", "input_tokens", "cached_tokens",
-             "output_tokens", "cost_nanos", "engine_seconds")
+             "output_tokens", "reasoning_tokens", "cost_nanos", "engine_seconds")
 
 
 def add_to_days(records: list[UsageRecord]) -> None:

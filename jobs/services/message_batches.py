@@ -5,9 +5,12 @@ once ended, as Anthropic allows.
 
 The create body, `{"requests": [{"custom_id", "params"}, ...]}`, is read as a stream: each
 request becomes one input line as soon as it is parsed, so memory holds one request at a
-time however large the batch (up to the input file limit). Reading stops at the request
-after BATCHWEB_MAX_REQUESTS_PER_BATCH: a body of millions of tiny requests is refused then,
-not parsed to its end.
+time however large the batch (up to MESSAGE_BATCH_MAX_BYTES, Anthropic's 256 MB by
+default). Reading stops at the request after MESSAGE_BATCH_MAX_REQUESTS (Anthropic's
+100,000): a body of millions of tiny requests is refused then, not parsed to its end.
+
+Results are kept MESSAGE_BATCH_RESULTS_DAYS (Anthropic's 29) after the batch ends: its
+output and error files expire then, and cleanup archives it (`archive_results`).
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ import codecs
 import json
 import re
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any, Protocol
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 
 from engine.endpoints import MESSAGES
+from jobs import anthropic
 from jobs.errors import ServiceError, wrong_state
 from jobs.models import Batch, File
 from jobs.services.batches import create_batch
@@ -184,8 +190,8 @@ def create_message_batch(*, owner: Any, body: Readable, declared_length: int,
     """A Message Batch from the create body: its requests written to an input file as they
     are read, then a batch of it as the OpenAI API would create. Refused whole (nothing
     stored) when the body is malformed or over the limit."""
-    limit = settings.BATCHWEB["MAX_FILE_BYTES"]
-    max_requests = settings.BATCHWEB["MAX_REQUESTS_PER_BATCH"]
+    limit = settings.BATCHWEB["MESSAGE_BATCH_MAX_BYTES"]
+    max_requests = Batch.request_limit(Batch.Api.ANTHROPIC)
     if declared_length > limit:
         raise too_large(limit)  # before reading any of it
     seen: set[str] = set()
@@ -209,19 +215,47 @@ def create_message_batch(*, owner: Any, body: Readable, declared_length: int,
                 out.write(line)
         if not seen:
             raise ServiceError("requests: must hold at least one request.", param="requests")
+        # Held to this API's limits as it was read: its lines, which name their method
+        # and url, may be a little larger than the body was.
         file = create_input_file(owner=owner, path=path, filename="message_batch.jsonl",
-                                 purpose=File.Purpose.BATCH)
+                                 purpose=File.Purpose.BATCH, limits_checked=True)
     try:
         with transaction.atomic():
             batch = create_batch(owner=owner, input_file_id=file.pk, endpoint=MESSAGES,
                                  api_key=api_key,
                                  completion_window=WINDOW, api=Batch.Api.ANTHROPIC)
-            # Anthropic counts every request as processing from the start.
-            Batch.objects.filter(pk=batch.pk).update(total=len(seen))
+            # Anthropic counts every request as processing from the start, and keeps the
+            # results MESSAGE_BATCH_RESULTS_DAYS after the batch ends.
+            Batch.objects.filter(pk=batch.pk).update(
+                total=len(seen), output_expires_after=results_seconds())
     except ServiceError:
         delete_file(file=file)  # a quota refused the batch: its input goes too
         raise
     return Batch.objects.get(pk=batch.pk)
+
+
+def results_seconds() -> int | None:
+    """How long a Message Batch's output and error files live after it ends (None:
+    until deleted)."""
+    days = settings.BATCHWEB["MESSAGE_BATCH_RESULTS_DAYS"]
+    return int(days) * 86400 if days else None
+
+
+def archive_results(*, file_id: str, now: datetime) -> int:
+    """Retention is deleting `file_id`: archive the Message Batches whose results it
+    holds (their output or error file, or the input a batch that failed validation answers
+    from), as Anthropic archives a batch once its results are gone. Their request counts
+    are kept first: a stopped batch's are counted in the error file. Returns how many
+    were archived."""
+    archived = 0
+    batches = Batch.objects.filter(api=Batch.Api.ANTHROPIC, archived_at__isnull=True,
+                                   status__in=Batch.ENDED).filter(
+        Q(output_file_id=file_id) | Q(error_file_id=file_id)
+        | Q(status=Batch.Status.FAILED, input_file_id=file_id))
+    for batch in batches:
+        archived += Batch.objects.filter(pk=batch.pk, archived_at__isnull=True).update(
+            archived_at=now, archived_counts=anthropic.request_counts(batch))
+    return archived
 
 
 def delete_message_batch(*, batch: Batch) -> None:

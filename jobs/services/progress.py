@@ -38,11 +38,14 @@ def refresh_progress(*, batch_id: str) -> None:
 
 # What a poll shows of the batch row that changes without a progress write: a status move
 # and its timestamp, the files the finalizer writes, a stop being asked, an eval run's
-# drift (scored once the batch has ended).
+# drift (scored once the batch has ended), the delivery of its results to its owner's
+# bucket (done or failed after it ended), what ran it (a worker's first claim), its
+# results archived.
 _SHOWN_WITHOUT_PROGRESS = (
     "status", "stop_code", "total", "dedup_saved", "model", "output_file_id", "error_file_id",
     "in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
-    "cancelling_at", "cancelled_at", "eval_drift")
+    "cancelling_at", "cancelled_at", "eval_drift", "delivery_status", "delivery_attempts",
+    "delivery_next_at", "provenance", "archived_at")
 
 
 def batch_version(batch: Batch, *extra: object) -> str:

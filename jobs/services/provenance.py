@@ -8,9 +8,10 @@ entry per distinct engine record among the workers that claimed its shards, with
 names and the adapters they loaded: more than one entry means they disagreed (the batch
 object's `provenance.consistent`).
 
-Owners see what ran their batches without what names the machines (`without_hosts`): a
-worker's name is its host, its PID and the models it serves, and a model or adapter
-folder is a path on a worker. Staff see everything (the admin, and the dashboard).
+Owners see what ran their batches without what names the machines
+(`jobs.models.without_hosts`): a worker's name is its host, its PID and the models it
+serves, and a model or adapter folder is a path on a worker. Staff see everything (the
+admin, and the dashboard).
 """
 
 from __future__ import annotations
@@ -76,42 +77,3 @@ def _add_to_batch(batch_id: str, engine: dict[str, Any], worker: str,
         if adapter is not None and adapter not in entry["adapters"]:
             entry["adapters"].append(adapter)
         Batch.objects.filter(pk=batch_id).update(provenance=entries)
-
-
-# Keys of a record (a batch's entries, a shard's record, an engine's) that name a machine:
-# the workers' names (batchworker: "<host>.<pid>.<models>") and what an engine may add (a
-# remote engine's server).
-HOST_KEYS = frozenset({"worker", "workers", "host", "hostname", "pid", "path", "url",
-                       "base_url", "metrics_url"})
-# Keys that say where the files came from: shown, unless a path or URL on the workers'
-# network (`pypi:...`, `pypi-package:...` and `echo` have no slash; a folder has one).
-SOURCE_KEYS = frozenset({"model_source", "source"})
-LOCAL_SOURCE = "local folder"
-
-
-def without_hosts(record: Any) -> Any:
-    """A provenance record (a batch's list of entries, or a shard's record) as any user may
-    see it: the engine records, the adapters and their hashes, without HOST_KEYS and with
-    a source that is a local path (or a URL) shown as LOCAL_SOURCE."""
-    if isinstance(record, list):
-        return [without_hosts(item) for item in record]
-    if not isinstance(record, dict):
-        return record
-    return {key: (LOCAL_SOURCE if key in SOURCE_KEYS and _local(value)
-                  else without_hosts(value))
-            for key, value in record.items() if key not in HOST_KEYS}
-
-
-def _local(source: Any) -> bool:
-    return isinstance(source, str) and ("/" in source or "\\" in source)
-
-
-def public_fields(batch: Batch) -> dict[str, Any]:
-    """The batch object's extension fields (Batch.extension_fields) as the API shows them
-    to every key: its provenance without_hosts."""
-    fields = batch.extension_fields()
-    if fields["provenance"]:
-        # The API calls the list of entries "workers" (one per engine record).
-        fields["provenance"] = {**fields["provenance"],
-                                "workers": without_hosts(batch.provenance)}
-    return fields

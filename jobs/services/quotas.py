@@ -7,7 +7,8 @@ row (see `Quota`). What counts:
 - max_file_bytes, max_requests_per_batch: the file or batch being submitted (400: a smaller
   one is needed, waiting does not help).
 - max_stored_bytes: the sum of `File.bytes` over all of the user's files (input, output and
-  error files), plus the declared size of each pending upload (its parts are on their way
+  error files; not those registered by reference, read in place from the user's own
+  bucket), plus the declared size of each pending upload (its parts are on their way
   to it, and completing it must not need more room), plus the parts left of uploads no
   longer pending until cleanup deletes them, plus the new file (429: delete files or wait
   for them to expire).
@@ -128,7 +129,9 @@ def stored_bytes(owner: Any, *, but_upload: str | None = None) -> int:
         upload__status=Upload.Status.PENDING, upload__expires_at__gt=now)
     if but_upload is not None:
         pending = pending.exclude(pk=but_upload)
-    return total(File.objects.filter(owner=owner)) + total(pending) + total(leftover_parts)
+    # A file registered by reference is read in place: it takes no room here.
+    return (total(File.objects.filter(owner=owner, source="")) + total(pending)
+            + total(leftover_parts))
 
 
 def _open_uploads(owner: Any, *, now: datetime) -> Any:
@@ -161,12 +164,13 @@ def _refuse(limit: str, message: str) -> ServiceError:
 
 def check_quota(*, owner: Any, file_bytes: int | None = None,
                 batch_requests: int | None = None, eval_requests: int = 0,
-                from_upload: str | None = None) -> None:
+                from_upload: str | None = None, stored: bool = True) -> None:
     """Refuse (ServiceError 400 or 429, saying which limit and the current usage) a new
     file of `file_bytes` or a new batch of `batch_requests` requests (and `eval_requests`
     of an eval set attached to it, run as a batch of their own) beyond the user's quota.
     Nothing else is checked: pass what is being submitted, and `from_upload` when the file
-    is a pending upload being assembled (its reservation is not counted twice)."""
+    is a pending upload being assembled (its reservation is not counted twice), and
+    `stored` False for a file read in place (registered by reference: no stored bytes)."""
     limits = limits_for(owner)
     if not any(v is not None for v in limits.values()):
         return
@@ -177,9 +181,9 @@ def check_quota(*, owner: Any, file_bytes: int | None = None,
             raise _refuse("max_file_bytes", f"this file is {file_bytes:,} bytes; files may "
                                             f"be at most {limit:,} bytes.")
         limit = limits["max_stored_bytes"]
-        stored = usage["max_stored_bytes"]
-        if limit is not None and stored + file_bytes > limit:
-            raise _refuse("max_stored_bytes", f"you store {stored:,} of {limit:,} bytes "
+        held = usage["max_stored_bytes"]
+        if limit is not None and stored and held + file_bytes > limit:
+            raise _refuse("max_stored_bytes", f"you store {held:,} of {limit:,} bytes "
                                               f"allowed; this file adds {file_bytes:,}. "
                                               "Delete files or wait for them to expire.")
     if batch_requests is not None:

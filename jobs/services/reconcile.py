@@ -11,6 +11,7 @@ from django.utils import timezone
 
 from jobs import queues
 from jobs.models import Batch, Shard
+from jobs.services import deadlines
 from jobs.services.evals import settle_due
 from jobs.services.finalize import FINALIZE_STALE_AFTER
 from jobs.services.scheduling import enqueue_next_shards, request_finalize
@@ -83,6 +84,11 @@ def reconcile() -> dict[str, int]:
             done["finalize"] += 1
     # Eval runs whose batch ended without them being settled (jobs.services.evals).
     done["evals"] = settle_due()
+    # The capacity plan: expected ends, batches at risk, which go first in line.
+    try:
+        deadlines.refresh(now=now)
+    except Exception:  # a plan is advice: never stop the repairs for it
+        log.exception("could not refresh the capacity plan")
     # Cleanup and webhook retries ride on this pass: no scheduler process is needed.
     done.update(periodic_operations())
     if any(done.values()):

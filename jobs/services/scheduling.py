@@ -1,5 +1,6 @@
 """What of a batch goes to RQ next: a couple of its shards at a time (fair share between
-batches), then its finalization once nothing of it is left to run.
+batches; at the front of the queue for a batch the capacity plan marked urgent), then its
+finalization once nothing of it is left to run.
 
 Jobs carry ids only and the database says what still has to run, so enqueuing twice is
 harmless and a job lost with Redis is re-created by the reconciler.
@@ -31,16 +32,19 @@ def enqueue_next_shards(*, batch_id: str) -> int:
                 .filter(Q(enqueued_at__isnull=False) | Q(not_before__isnull=True)
                         | Q(not_before__lte=now))
                 .order_by(F("enqueued_at").asc(nulls_last=True), "index")
-                .values_list("pk", "queue_name", "enqueued_at")[:2 * QUEUED_PER_BATCH])
-    waiting = sum(1 for *_, enqueued_at in line if enqueued_at is not None)
+                .values_list("pk", "queue_name", "enqueued_at", "batch__urgent")
+                [:2 * QUEUED_PER_BATCH])
+    waiting = sum(1 for _, _, enqueued_at, _ in line if enqueued_at is not None)
     room = QUEUED_PER_BATCH - waiting
     if room <= 0:
         return 0
     created = 0
-    for shard_id, queue_name, _ in [row for row in line if row[2] is None][:room]:
+    for shard_id, queue_name, _, urgent in [row for row in line if row[2] is None][:room]:
         if Shard.objects.filter(pk=shard_id, status=Shard.Status.QUEUED,
                                 enqueued_at__isnull=True).update(enqueued_at=now):
-            queues.enqueue_shard(shard_id, queue_name)
+            # A batch that would miss its window sharing the workers goes first in line
+            # (jobs.capacity): its shards are taken before the others'.
+            queues.enqueue_shard(shard_id, queue_name, at_front=urgent)
             created += 1
     return created
 

@@ -18,6 +18,7 @@ from django.db.models import Q
 
 from jobs.models import RequestCopy, Shard
 from jobs.storage.lines import open_range_lines
+from jobs.storage.objects import location
 
 # Line numbers per query of a grouped shard's lines (well under SQLite's variable limit).
 IN_CHUNK = 500
@@ -83,7 +84,9 @@ def shard_requests(shard: Shard, skip: set[int]) -> Iterator[Iterator[tuple[int,
     """(line number, request object) of each line the shard runs, in the order it runs
     them, streamed from the input: its byte range (a Range read on object storage), or the
     lines its records in the line index name."""
-    storage_name = shard.batch.input_file.storage_name
+    # A stored name, or a registered object pinned to its version (a replaced one raises
+    # ObjectChanged before a line is read).
+    storage_name = location(shard.batch.input_file)
     if shard.lines_from is not None:
         from jobs.storage.line_index import iter_indexed_lines
 

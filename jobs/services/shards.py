@@ -145,7 +145,7 @@ def fail_shard(*, shard_id: str, attempt: int, reason: str) -> None:
                 status=Shard.Status.ABANDONED, failures=failures, last_error=reason,
                 end_code=Code.SHARD_FAILED, finished_at=timezone.now(), completed=0,
                 failed=F("request_count"), input_tokens=0, output_tokens=0,
-                cached_tokens=0, cacheable_tokens=0)
+                cached_tokens=0, cacheable_tokens=0, reasoning_tokens=0)
             if abandoned:
                 refresh_progress(batch_id=shard.batch_id)
         if abandoned:

@@ -5,6 +5,7 @@ finalization keeps every finished result, and each request that never ran become
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 from django.conf import settings
@@ -17,9 +18,12 @@ from jobs.models import Batch, File, Shard
 from jobs.services.progress import refresh_progress
 from jobs.services.scheduling import request_finalize
 from jobs.services.shard_input import shard_custom_ids
+from jobs.storage.external import ObjectChanged
 from jobs.storage.lines import iter_lines
 from jobs.storage.objects import open_file
-from jobs.wire import Code, custom_id_of, failure_line, unrun_message
+from jobs.wire import MAX_MESSAGE_CHARS, Code, custom_id_of, failure_line, unrun_message
+
+log = logging.getLogger(__name__)
 
 
 def cancel_batch(*, batch: Batch) -> Batch:
@@ -60,6 +64,23 @@ def expire_due_batches() -> list[str]:
     return expired
 
 
+def stop_changed_input(*, batch_id: str, reason: str) -> bool:
+    """The batch's input file, read in place from its owner's bucket, is no longer the
+    version that was registered (a shard or validation found it replaced). The batch stops
+    as an expired one does (queued shards dropped, running ones aborted, finished results
+    kept, all of them computed on the registered version) and ends `failed`, the reason in
+    `errors.data`: nothing runs on other data. False when it was stopping already."""
+    entry = {"code": Code.INPUT_CHANGED, "line": None, "param": None,
+             "message": reason[:MAX_MESSAGE_CHARS]}
+    with transaction.atomic():
+        if not Batch.objects.accepting_work().filter(pk=batch_id).update(
+                stop_code=Code.INPUT_CHANGED, errors=[entry]):
+            return False
+        drop_queued_shards(batch_id, Code.INPUT_CHANGED)
+    request_finalize(batch_id=batch_id)
+    return True
+
+
 def drop_queued_shards(batch_id: str, code: str) -> None:
     """End the batch's queued shards with `code`, all their requests counted failed."""
     # Their jobs may still sit in Redis: a worker that pops one finds the shard abandoned
@@ -67,16 +88,21 @@ def drop_queued_shards(batch_id: str, code: str) -> None:
     Shard.objects.filter(batch_id=batch_id, status=Shard.Status.QUEUED).update(
         status=Shard.Status.ABANDONED, end_code=code, finished_at=timezone.now(),
         completed=0, failed=F("request_count"), input_tokens=0, output_tokens=0,
-        cached_tokens=0, cacheable_tokens=0)
+        cached_tokens=0, cacheable_tokens=0, reasoning_tokens=0)
     refresh_progress(batch_id=batch_id)
 
 
 def unrun_lines(shard: Shard, *, code: str, reason: str = "") -> Iterator[bytes]:
     """Error lines for every request a shard is responsible for, streamed from its input
-    range: for shards that never finished (dropped on cancel or expiry, or out of retries)."""
+    range: for shards that never finished (dropped on cancel or expiry, or out of retries).
+    None when the input, read in place from its owner's bucket, has changed since: its
+    requests can no longer be named (the batch's request_counts still count them)."""
     message = unrun_message(code, reason)
-    for custom_id in shard_custom_ids(shard):
-        yield failure_line(custom_id, code, message)
+    try:
+        for custom_id in shard_custom_ids(shard):
+            yield failure_line(custom_id, code, message)
+    except ObjectChanged:  # raised when the input is opened, before any line
+        log.warning("shard %s: its input changed; its unrun requests get no lines", shard.pk)
 
 
 class UnstartedLines:
@@ -100,7 +126,11 @@ class UnstartedLines:
 
         seen = DigestSet()
         self.count = 0
-        with open_file(file) as stream:
+        try:
+            stream = open_file(file)
+        except ObjectChanged:  # read in place and replaced since: nothing to name
+            return
+        with stream:
             for line in iter_lines(stream, max_line_bytes=settings.BATCHWEB["MAX_LINE_BYTES"]):
                 custom_id = custom_id_of(line.content)
                 if custom_id is None or not seen.add_new(custom_id):

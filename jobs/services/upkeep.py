@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from jobs.models import Batch, Shard
-from jobs.services import cleanup, webhooks
+from jobs.services import cleanup, delivery, webhooks
 from jobs.services.progress import refresh_progress
 from jobs.services.scheduling import enqueue_next_shards
 from jobs.services.shards import fail_shard
@@ -47,13 +47,18 @@ def requeue_shards(*, batch: Batch) -> int:
 def periodic_operations() -> dict[str, int]:
     """The operations' share of the reconciler's pass (every worker, every few seconds):
     enqueue webhook deliveries that are due (retries after backoff, or events whose job was
-    lost) and the cleanup job once per interval. Both only enqueue control jobs, so the
-    pass stays short; a failure here never stops the reconciler's own repairs."""
-    done = {"webhooks": 0, "cleanup": 0}
+    lost), result deliveries to an output_prefix that are due, and the cleanup job once per
+    interval. They only enqueue control jobs, so the pass stays short; a failure here never
+    stops the reconciler's own repairs."""
+    done = {"webhooks": 0, "deliveries": 0, "cleanup": 0}
     try:
         done["webhooks"] = webhooks.enqueue_due()
     except Exception:
         log.exception("could not enqueue due webhook deliveries")
+    try:
+        done["deliveries"] = delivery.enqueue_due()
+    except Exception:
+        log.exception("could not enqueue due result deliveries")
     try:
         done["cleanup"] = int(cleanup.enqueue_if_due())
     except Exception:

@@ -25,6 +25,7 @@ from jobs.services.files import (
     clean_filename,
     create_input_file_from_parts,
     delete_file,
+    parse_expires_after,
 )
 from jobs.services.quotas import check_open_uploads, check_quota
 from jobs.storage.backends import backend
@@ -35,8 +36,12 @@ JSONL_MIME_TYPES = {"application/jsonl", "application/x-ndjson", "application/js
 
 
 def create_upload(*, owner: Any, filename: Any, purpose: Any, bytes: Any,
-                  mime_type: Any) -> Upload:
+                  mime_type: Any, expires_after: Any = None) -> Upload:
+    """A pending upload. `expires_after` (OpenAI's {"anchor": "created_at", "seconds"})
+    is the lifetime of the file it completes into, from that file's creation; the upload
+    itself, pending, never outlives it either."""
     check_purpose(purpose)
+    file_lifetime = parse_expires_after(expires_after)
     if not isinstance(filename, str) or not filename.strip():
         raise ServiceError("filename is required.", param="filename")
     if not isinstance(bytes, int) or isinstance(bytes, bool) or bytes <= 0:
@@ -51,10 +56,14 @@ def create_upload(*, owner: Any, filename: Any, purpose: Any, bytes: Any,
     if mime_type not in JSONL_MIME_TYPES:
         raise ServiceError("mime_type must be a JSONL type such as application/jsonl.",
                            param="mime_type")
+    lifetime = timedelta(hours=settings.BATCHWEB["UPLOAD_TTL_HOURS"])
+    if file_lifetime is not None:
+        lifetime = min(lifetime, file_lifetime)
     return Upload.objects.create(
         owner=owner, filename=clean_filename(filename), purpose=purpose, bytes=bytes,
-        mime_type=mime_type,
-        expires_at=timezone.now() + timedelta(hours=settings.BATCHWEB["UPLOAD_TTL_HOURS"]))
+        mime_type=mime_type, expires_at=timezone.now() + lifetime,
+        file_expires_after=(int(file_lifetime.total_seconds()) if file_lifetime is not None
+                            else None))
 
 
 def get_upload_for_user(*, owner: Any, upload_id: str) -> Upload:
@@ -131,7 +140,9 @@ def complete_upload(*, upload: Upload, part_ids: Any, md5: Any = None) -> Upload
     file = create_input_file_from_parts(
         owner=upload.owner, part_names=[parts[p].storage_name for p in part_ids], size=total,
         filename=upload.filename, purpose=upload.purpose, md5=md5 or None,
-        from_upload=upload.pk)
+        from_upload=upload.pk,
+        expires_after=({"anchor": "created_at", "seconds": upload.file_expires_after}
+                       if upload.file_expires_after else None))
     with transaction.atomic():
         if not Upload.objects.filter(pk=upload.pk, status=Upload.Status.PENDING).update(
                 status=Upload.Status.COMPLETED, file=file):

@@ -36,6 +36,7 @@ from redis import RedisError
 from jobs import queues
 from jobs.digestset import DigestSet
 from jobs.engines import served_endpoints
+from jobs.fleet import kv_cache_tokens
 from jobs.models import Batch, LoraAdapter, RequestCopy, ScreenedLine, Shard
 from jobs.policy import VIOLATION, Screener, ScreeningChunker, Violation
 from jobs.prefix import prefix_key
@@ -46,6 +47,8 @@ from jobs.services.finalize import notify_ended
 from jobs.services.planning import CopySink, ShardPlan, ShardPlanner
 from jobs.services.prefix_plan import GroupedShard, PrefixPlan, PrefixPlanner
 from jobs.services.scheduling import enqueue_next_shards
+from jobs.services.stopping import stop_changed_input
+from jobs.storage.external import ObjectChanged
 from jobs.storage.line_index import write_line_index
 from jobs.storage.lines import Line, iter_lines
 from jobs.storage.objects import open_file
@@ -57,7 +60,6 @@ from jobs.wire import (
     parse_line,
     quoted,
 )
-from jobs.worker.presence import kv_cache_tokens
 
 
 @dataclass
@@ -82,6 +84,9 @@ class InputReport:
     # The most the requests that run can use, by the model each names (an adapter is
     # priced as itself): [input tokens, output tokens] (jobs.prompts.ceiling).
     ceilings: dict[str, list[int]] = field(default_factory=dict)
+    # The prompts' tokens as estimated for planning (~4 characters a token) of the
+    # requests that run: with their output limits, the work the capacity plan prices.
+    prompt_tokens: int = 0
 
     @property
     def input_tokens_ceiling(self) -> int:
@@ -119,16 +124,17 @@ ScreenSink = Callable[[int, str, "str | LineError"], object]
 class LineChecker:
     """The rules of each input line, alone (its size, its JSON, the request's shape) and
     against the lines before it (one endpoint, a model served for it and the same on every
-    line, unique custom_ids, at most MAX_REQUESTS_PER_BATCH requests). A body the endpoint
+    line, unique custom_ids, at most `Batch.request_limit` requests). A body the endpoint
     refuses is the line's request problem (`RequestLine.refused`), or, if `strict`, its
     line error."""
 
-    def __init__(self, *, endpoint: str | None, strict: bool = False) -> None:
+    def __init__(self, *, endpoint: str | None, strict: bool = False,
+                 api: str = Batch.Api.OPENAI) -> None:
         conf = settings.BATCHWEB
         self.max_line_bytes: int = conf["MAX_LINE_BYTES"]
         self.max_tokens_cap: int = conf["MAX_TOKENS_CAP"]
         self.media_domains: list[str] = conf["MEDIA_ALLOWED_DOMAINS"]
-        self.max_requests: int = conf["MAX_REQUESTS_PER_BATCH"]
+        self.max_requests: int = Batch.request_limit(api)
         self.models = served_endpoints()
         # Registered LoRA adapters whose base model loads them (read from the database the
         # first time a line names no served model): a line naming one runs on its base
@@ -143,7 +149,7 @@ class LineChecker:
 
     @property
     def full(self) -> bool:
-        """Whether a line went over MAX_REQUESTS_PER_BATCH: the rest is not read."""
+        """Whether a line went over the request limit: the rest is not read."""
         return self.requests > self.max_requests
 
     def check(self, line: Line) -> RequestLine | LineError | None:
@@ -211,11 +217,13 @@ class LineChecker:
 
 def check_input(stream: IO[bytes], *, endpoint: str | None, strict: bool = False,
                 on_copy: CopySink | None = None, screener: Screener | None = None,
-                on_screened: ScreenSink | None = None) -> InputReport:
+                on_screened: ScreenSink | None = None,
+                api: str = Batch.Api.OPENAI) -> InputReport:
     """Check every line of a batch input file (`LineChecker`) and plan its shards
     (`ShardPlanner`, which reports duplicate bodies to `on_copy`).
 
     `endpoint` is the batch's; None (the dashboard's preflight) takes the first line's.
+    `api`, the one the batch was created through, sets how many requests it may hold.
 
     A request problem (see the module docstring) goes to `on_screened` with its LineError
     and the line stays in the batch (its shard writes the error line); if `strict`, it is a
@@ -226,7 +234,7 @@ def check_input(stream: IO[bytes], *, endpoint: str | None, strict: bool = False
     """
     conf = settings.BATCHWEB
     report = InputReport(endpoint=endpoint)
-    checker = LineChecker(endpoint=endpoint, strict=strict)
+    checker = LineChecker(endpoint=endpoint, strict=strict, api=api)
     planner = ShardPlanner(shard_size=conf["SHARD_SIZE"], max_bodies=conf["DEDUP_MAX_BODIES"],
                            on_copy=on_copy)
     prefixes = PrefixPlanner(shard_size=conf["SHARD_SIZE"],
@@ -278,6 +286,7 @@ def check_input(stream: IO[bytes], *, endpoint: str | None, strict: bool = False
         if chunker is not None and request.refused is None:
             chunker.add(line.number, request, tokens_in, text)
         if request.refused is None:
+            report.prompt_tokens += tokens_in
             room = room or room_for(checker.model)
             most = report.ceilings.setdefault(request.model, [0, 0])
             most[0], most[1] = (a + b for a, b in zip(most, ceiling(request, room),
@@ -326,12 +335,13 @@ def planning_cache_tokens(model: str | None) -> int:
 
 def check_batch_input(stream: IO[bytes], *, endpoint: str | None, strict: bool = False,
                       on_copy: CopySink | None = None,
-                      on_screened: ScreenSink | None = None) -> InputReport:
+                      on_screened: ScreenSink | None = None,
+                      api: str = Batch.Api.OPENAI) -> InputReport:
     """What validation decides about a batch input file: `check_input` with the enabled
     content rules. The validation task and the dashboard's preflight both call it, so the
     preflight shows exactly what validation would decide."""
     return check_input(stream, endpoint=endpoint, strict=strict, on_copy=on_copy,
-                       screener=Screener.load(), on_screened=on_screened)
+                       screener=Screener.load(), on_screened=on_screened, api=api)
 
 
 # --- the validation task ---
@@ -340,6 +350,15 @@ def check_batch_input(stream: IO[bytes], *, endpoint: str | None, strict: bool =
 def run_validation(*, batch_id: str) -> None:
     """Stream the input once; fail the batch with every bad line, or plan its shards and
     start it. Does nothing unless the batch is still validating."""
+    try:
+        _validate(batch_id)
+    except ObjectChanged as exc:
+        # Its input, read in place from its owner's bucket, is not the registered version:
+        # it fails naming why, rather than being checked (and run) on other data.
+        stop_changed_input(batch_id=batch_id, reason=str(exc))
+
+
+def _validate(batch_id: str) -> None:
     batch = Batch.objects.select_related("input_file").filter(pk=batch_id).first()
     if batch is None or batch.status != Batch.Status.VALIDATING or batch.stop_code:
         return
@@ -347,7 +366,7 @@ def run_validation(*, batch_id: str) -> None:
         with open(copies_path, "w") as copies, open(screened_path, "w") as screened, \
                 open_file(batch.input_file) as stream:
             report = check_batch_input(
-                stream, endpoint=batch.endpoint, strict=batch.strict,
+                stream, endpoint=batch.endpoint, strict=batch.strict, api=batch.api,
                 on_copy=lambda p, line, cid: copies.write(json.dumps([p, line, cid]) + "\n"),
                 on_screened=lambda line, cid, why: screened.write(
                     json.dumps([line, cid, why if isinstance(why, str) else why.entry(line)])
@@ -375,7 +394,9 @@ def run_validation(*, batch_id: str) -> None:
                 status=Batch.Status.IN_PROGRESS, in_progress_at=timezone.now(),
                 total=report.requests, model=report.model or "",
                 dedup_saved=report.dedup_saved, plan=report.plan.to_json(),
-                line_index=line_index, cost_ceiling_nanos=_ceiling(batch, report))
+                line_index=line_index, cost_ceiling_nanos=_ceiling(batch, report),
+                work_input_tokens=report.prompt_tokens,
+                work_output_tokens=report.output_tokens_ceiling)
             if not started:
                 return
             Shard.objects.bulk_create(_shard_rows(batch_id, report, queues.shard_queue_name(

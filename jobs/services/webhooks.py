@@ -3,9 +3,10 @@
 The event, as OpenAI's batch webhooks:
     {"id": "evt_...", "object": "event", "type": "batch.completed", "created_at": 1700000000,
      "data": {"id": "batch_..."}}
-with type batch.completed, batch.failed, batch.expired or batch.cancelled; and, an
-extension, batchweb.eval.drift when an eval run of the batch scored below its baseline by
-more than its set's threshold (docs/eval-sets.md).
+with type batch.completed, batch.failed, batch.expired or batch.cancelled; and, as
+extensions, batchweb.eval.drift when an eval run of the batch scored below its baseline by
+more than its set's threshold (docs/eval-sets.md), and batchweb.batch.at_risk when the
+capacity plan first projects the batch past its window (jobs.capacity).
 
 Signed the Standard Webhooks way (as OpenAI's own webhooks, so `openai`'s
 `client.webhooks.unwrap(body, headers, secret=...)` verifies it):
@@ -116,7 +117,7 @@ def batch_event(*, batch_id: str, type: str) -> str | None:
     """Record one event of a batch (at most one of each type) and enqueue its delivery;
     None when its owner has no webhook or it was recorded already. Besides OpenAI's end
     events: `batchweb.eval.drift`, an eval run of the batch scored below its baseline
-    (jobs.services.evals)."""
+    (jobs.services.evals), and `batchweb.batch.at_risk` (jobs.services.deadlines)."""
     owner_id = Batch.objects.filter(pk=batch_id).values_list("owner_id", flat=True).first()
     if owner_id is None:
         return None

@@ -6,4 +6,6 @@
 - `lines`: stored bytes read line by line, streamed, never a whole file in memory.
 - `line_index`: a grouped batch's index of where each line it runs sits in its input.
 - `temp`: local temporary files.
+- `external`: objects of users' own buckets (data by reference): the rule of their
+  `s3://` names, reads pinned to a registered version, streamed writes.
 """

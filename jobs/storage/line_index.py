@@ -25,7 +25,7 @@ import numpy as np
 
 from jobs.storage.backends import backend
 from jobs.storage.lines import UTF8_BOM
-from jobs.storage.objects import new_storage_name, open_range
+from jobs.storage.objects import Location, new_storage_name, open_range
 
 # One record per line a grouped shard runs, in run order.
 RECORD = np.dtype([("start", "<u8"), ("length", "<u4"), ("line", "<u4")])
@@ -91,7 +91,7 @@ def _chunks(records: np.ndarray) -> Iterator[np.ndarray]:
         start = end
 
 
-def _read(storage_name: str, span: tuple[int, int]) -> bytes:
+def _read(storage_name: Location, span: tuple[int, int]) -> bytes:
     """Exactly bytes [start, end) of a stored object (a local file's stream reads on past
     `end`, a network stream may return less per read)."""
     wanted = span[1] - span[0]
@@ -106,7 +106,8 @@ def _read(storage_name: str, span: tuple[int, int]) -> bytes:
     return b"".join(chunks)
 
 
-def iter_indexed_lines(storage_name: str, records: np.ndarray) -> Iterator[tuple[int, bytes]]:
+def iter_indexed_lines(storage_name: Location, records: np.ndarray
+                       ) -> Iterator[tuple[int, bytes]]:
     """(line number, content without line ending) of each record's line, in record order."""
     pool = ThreadPoolExecutor(READERS)
     try:

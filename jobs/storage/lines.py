@@ -12,7 +12,7 @@ from typing import IO, Any, Protocol
 from django.conf import settings
 
 from jobs.storage.backends import CHUNK, backend
-from jobs.storage.objects import open_range
+from jobs.storage.objects import Location, open_range
 
 UTF8_BOM = b"\xef\xbb\xbf"
 
@@ -61,7 +61,7 @@ def iter_lines(stream: Lines, *, max_line_bytes: int, start: int = 0,
 
 
 @contextmanager
-def open_range_lines(storage_name: str, *, start: int, end: int,
+def open_range_lines(storage_name: Location, *, start: int, end: int,
                      first_number: int) -> Iterator[Iterator[Line]]:
     """The lines of bytes [start, end) of a stored file (a shard's part of its input),
     numbered from `first_number`, streamed."""

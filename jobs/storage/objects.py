@@ -1,6 +1,10 @@
 """One stored object by name: a new name for it, a local file saved under it, its bytes
 (all, or a range: on S3 a Range GET of exactly those), and where a download of it may be
-redirected."""
+redirected.
+
+A file registered by reference (jobs.storage.external) has no name in the service's
+storage: its `Location` is an ObjectRef, which every reader here takes as it takes a name,
+so validation, shards and downloads read it by the same ranges."""
 
 from __future__ import annotations
 
@@ -15,6 +19,11 @@ from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 
 from jobs.storage.backends import CHUNK, backend
+from jobs.storage.external import ObjectRef, open_reference
+
+# Where bytes to read are: a name in the service's storage, or a registered object of a
+# user's bucket.
+Location = str | ObjectRef
 
 
 class Stored(Protocol):
@@ -22,6 +31,21 @@ class Stored(Protocol):
 
     storage_name: str
     filename: str
+    bytes: int
+    # A file registered by reference: its s3:// URL, the registered version's ETag and
+    # the credential set it is read with ("" for the others).
+    source: str
+    source_etag: str
+    source_credentials: str
+
+
+def location(file: Stored) -> Location:
+    """Where a file's bytes are read from."""
+    if not file.source:
+        return file.storage_name
+    bucket, _, key = file.source.removeprefix("s3://").partition("/")
+    return ObjectRef(bucket=bucket, key=key, etag=file.source_etag, size=file.bytes,
+                     credentials=file.source_credentials)
 
 
 def new_storage_name(prefix: str) -> str:
@@ -45,14 +69,21 @@ def save_local(path: str | Path, prefix: str) -> str:
 def open_file(file: Stored) -> IO[bytes]:
     """A file's whole content, streamed (on S3 one GET read as it goes, never a local
     copy)."""
-    return backend().open_range(file.storage_name)
+    return _open(location(file), 0, None)
+
+
+def _open(where: Location, start: int, end: int | None) -> IO[bytes]:
+    if isinstance(where, ObjectRef):
+        return open_reference(where, start, end)
+    return backend().open_range(where, start, end)
 
 
 @contextmanager
-def open_range(storage_name: str, start: int, end: int | None = None) -> Iterator[IO[bytes]]:
+def open_range(storage_name: Location, start: int, end: int | None = None
+               ) -> Iterator[IO[bytes]]:
     """Bytes [start, end) of a stored file (to its end when `end` is None), streamed: on S3
     a Range GET of exactly those bytes."""
-    stream = backend().open_range(storage_name, start, end)
+    stream = _open(storage_name, start, end)
     try:
         yield stream
     finally:
@@ -64,7 +95,8 @@ def download_url(file: Stored) -> str | None:
     presigned URL valid DOWNLOAD_URL_SECONDS when DOWNLOAD_REDIRECT is on and the storage
     has such URLs (object storage); None otherwise. Only for a file whose owner has been
     checked."""
-    if not settings.DOWNLOAD_REDIRECT:
+    # A registered object is streamed: a presigned URL could not pin its version.
+    if not settings.DOWNLOAD_REDIRECT or file.source:
         return None
     return backend().download_url(file.storage_name, filename=file.filename,
                                   seconds=settings.DOWNLOAD_URL_SECONDS)

@@ -37,8 +37,8 @@ from jobs.forms import NewBatchForm, ResultFilterForm, SpotCheckForm
 from jobs.models import Batch, File
 from jobs.quality import FLAG_LABELS, FLAGS
 from jobs.queries import dashboard, flags, queue_health, results, spot_samples, usage
-from jobs.queries.evals import batch_record
-from jobs.services import preflight, spotcheck
+from jobs.queries.evals import batch_record, engines_of
+from jobs.services import preflight, rerun, spotcheck
 from jobs.services.batches import (
     LIST_PAGE_SIZE,
     count_batches,
@@ -50,7 +50,7 @@ from jobs.services.budgets import budget_for
 from jobs.services.files import create_input_file, get_file_for_user
 from jobs.services.pricing import format_cost, rates_for
 from jobs.services.progress import batch_version
-from jobs.services.rerun import rerun_failed
+from jobs.services.references import register_reference
 from jobs.services.stopping import cancel_batch
 from jobs.web import SignedInRequest, download_response, uploaded_path
 
@@ -211,11 +211,18 @@ def _check(request: SignedInRequest, data: dict[str, Any]) -> tuple[File | None,
             file = create_input_file(owner=request.user, path=path,
                                      filename=upload.name or "", purpose="batch")
         return file, result
+    if data.get("source"):
+        # Registered (read once, in place) before the check; the check then reads it by
+        # range as it reads a stored file.
+        file = register_reference(owner=request.user, source=data["source"], purpose="batch")
+        return file, preflight.check_file(file, endpoint=endpoint, strict=strict,
+                                          guard=_guard(request))
     if data.get("file_id"):
         file = get_file_for_user(owner=request.user, file_id=data["file_id"])
         return file, preflight.check_file(file, endpoint=endpoint, strict=strict,
                                           guard=_guard(request))
-    raise ServiceError("Upload a JSONL file or choose one you uploaded before.")
+    raise ServiceError("Upload a JSONL file, choose one you uploaded before, or name an "
+                       "object you may read (s3://bucket/key).")
 
 
 def _submit(request: SignedInRequest, data: dict[str, Any]) -> tuple[Batch | None,
@@ -236,7 +243,8 @@ def _submit(request: SignedInRequest, data: dict[str, Any]) -> tuple[Batch | Non
                          endpoint=endpoint or result.report.endpoint,
                          completion_window=data["completion_window"],
                          metadata=data["metadata"], priority=data["priority"],
-                         strict=bool(data.get("strict")), eval_set=data.get("eval_set"))
+                         strict=bool(data.get("strict")), eval_set=data.get("eval_set"),
+                         output_prefix=data.get("output_prefix"))
     return batch, result
 
 
@@ -268,7 +276,7 @@ def batch_new(request: SignedInRequest) -> HttpResponse:
                 form = NewBatchForm(owner=request.user, initial={
                     **{k: request.POST.get(k) for k in
                        ("completion_window", "priority", "metadata", "strict",
-                        "eval_set")},
+                        "eval_set", "output_prefix")},
                     "file_id": checked.pk,
                     "endpoint": data.get("endpoint") or result.report.endpoint,
                     "model": data.get("model") or result.report.model})
@@ -288,8 +296,16 @@ def batch_new(request: SignedInRequest) -> HttpResponse:
 # --- the batch page ---
 
 
+# A batch id as the services make them: only such a `rerun_of` is linked (the metadata is
+# the user's to write, and anything else could not be a URL's path segment).
+_BATCH_ID = re.compile(r"(?:batch|msgbatch)_[0-9a-f]{24}")
+
+
 def _detail_context(batch: Batch, tab: str) -> dict[str, Any]:
-    return {"batch": batch, "tab": tab, "spot": spot_samples.summary(batch)}
+    rerun_of = (batch.metadata or {}).get("rerun_of")
+    return {"batch": batch, "tab": tab, "spot": spot_samples.summary(batch),
+            "rerun_of": rerun_of if isinstance(rerun_of, str) and _BATCH_ID.fullmatch(rerun_of)
+            else None}
 
 
 def _blocker(batch: Batch) -> str:
@@ -299,11 +315,13 @@ def _blocker(batch: Batch) -> str:
     return ""
 
 
-def _live_head(batch: Batch) -> dict[str, Any]:
+def _live_head(batch: Batch, user: Any) -> dict[str, Any]:
     """What the live block shows beside the batch row that is cheap to read: the spot-check
-    summary and why the batch cannot progress. With the row they make its version."""
+    summary, why the batch cannot progress, and what ran it (as `user` may see it: the
+    owner, whose staff right is theirs alone). With the row they make its version."""
     blocker = _blocker(batch)
-    context = {**_detail_context(batch, "overview"), "blocker": blocker}
+    context = {**_detail_context(batch, "overview"), "blocker": blocker,
+               "engines": engines_of(batch, user=user)}
     spot = context["spot"]
     context["version"] = batch_version(batch, blocker, spot.marked, spot.good)
     return context
@@ -311,17 +329,50 @@ def _live_head(batch: Batch) -> dict[str, Any]:
 
 def _overview_context(batch: Batch, head: dict[str, Any]) -> dict[str, Any]:
     return {**head, "stats": dashboard.batch_stats(batch), "flag_counts": flags.flag_counts(batch),
-            "cost": _cost(batch)}
+            "cost": _cost(batch), "rerun_offers": _rerun_offers(batch)}
+
+
+def _rerun_offers(batch: Batch) -> list[dict[str, Any]]:
+    """The rerun buttons of an ended batch: one per kind of request it holds (failed, and
+    expired or cancelled: a batch is stopped one way), and both when it holds two. The split
+    of a stopped batch's failures is a pass over its error file, cached, made under the
+    owner's guard (without counts while another of their passes runs)."""
+    if not batch.is_ended or batch.status == Batch.Status.FAILED or not batch.failed:
+        return []  # a batch that failed validation ran nothing: its file is to be fixed
+    counts: dict[str, int | None] = {rerun.FAILED: batch.failed}
+    if batch.stop_code:
+        stopped_kind = rerun.kind_of(batch.stop_code)
+        try:
+            stopped = dict(results.error_counts(
+                batch, guard=heavy.one_per_user(batch.owner_id))).get(batch.stop_code, 0)
+            counts = {rerun.FAILED: batch.failed - stopped, stopped_kind: stopped}
+        except heavy.Busy:
+            counts = {rerun.FAILED: None, stopped_kind: None}
+    offers = [{"value": kind, "label": f"{kind} requests", "count": count,
+               "id": "rerun" if kind == rerun.FAILED else f"rerun-{kind}"}
+              for kind, count in counts.items() if count != 0]
+    if len(offers) == 2:
+        together = [str(offer["value"]) for offer in offers]
+        offers.append({"value": ",".join(together), "label": f"{' and '.join(together)} requests",
+                       "count": None if None in counts.values() else sum(
+                           c or 0 for c in counts.values()), "id": "rerun-all"})
+    return offers
 
 
 def _cost(batch: Batch) -> dict[str, Any]:
     """The estimate validation priced, then what the ledger has charged so far (it follows
-    the shards as they finish, in the transaction that moves the progress version)."""
+    the shards as they finish, in the transaction that moves the progress version).
+    `priced` is false where no price applies to the batch (nothing charged, nothing
+    estimated, no price for its model): a cost of zero says nothing, the tokens do."""
     charged = usage.batch_cost(batch.pk)
-    # Before the first charge, the currency of the batch's price (one query).
-    currency = charged["currency"] or rates_for({batch.model}, base_model=batch.model)[
-        batch.model].currency
-    return {"charged": format_cost(charged["cost_nanos"], currency),
+    currency = charged["currency"]
+    priced = bool(charged["cost_nanos"] or batch.cost_ceiling_nanos)
+    if not currency or not priced:
+        # Before the first charge, the currency of the batch's price (one query).
+        rate = rates_for({batch.model}, base_model=batch.model)[batch.model]
+        currency = currency or rate.currency
+        priced = priced or any((rate.input, rate.cached, rate.output))
+    return {"priced": priced, "charged": format_cost(charged["cost_nanos"], currency),
             "ceiling": (format_cost(batch.cost_ceiling_nanos, currency)
                         if batch.cost_ceiling_nanos is not None else None),
             "engine_seconds": charged["engine_seconds"]}
@@ -331,11 +382,11 @@ def _cost(batch: Batch) -> dict[str, Any]:
 @require_GET
 def batch_detail(request: SignedInRequest, batch_id: str) -> HttpResponse:
     batch = _get_batch_for_user(request, batch_id)
-    head = _live_head(batch)
+    head = _live_head(batch, request.user)
     return render(request, "jobs/batch_detail.html", {
         **_overview_context(batch, head),
         "poll": _poll(batch, "batch_live", head["version"]),
-        "record": batch_record(batch, user=request.user)})
+        "record": batch_record(batch, user=request.user), "reruns": rerun.reruns_of(batch)})
 
 
 @login_required
@@ -349,7 +400,7 @@ def batch_live(request: SignedInRequest, batch_id: str) -> HttpResponse:
     browser shows the copy it has) without the block being computed; a changed batch's block
     is rendered once per version and CSRF secret and then served from the cache."""
     batch = _get_batch_for_user(request, batch_id)
-    head = _live_head(batch)
+    head = _live_head(batch, request.user)
     if batch.is_ended:
         return HttpResponseStopPolling(render_to_string(
             "jobs/batch_detail.html#live", {**_overview_context(batch, head), "poll": {}},
@@ -399,13 +450,18 @@ def batch_cancel(request: SignedInRequest, batch_id: str) -> HttpResponse:
 @login_required
 @require_POST
 def batch_rerun(request: SignedInRequest, batch_id: str) -> HttpResponse:
+    """A new batch of the ended batch's failed, expired or cancelled requests (`requests`:
+    one kind, or several joined by commas; failed when not given)."""
     batch = _get_batch_for_user(request, batch_id)
+    asked = [kind for kind in request.POST.get("requests", rerun.FAILED).split(",") if kind]
     try:
-        new = rerun_failed(batch=batch, owner=request.user)
+        kinds = rerun.parse_requests(asked, api=Batch.Api.OPENAI)
+        new = rerun.rerun_requests(batch=batch, owner=request.user, kinds=kinds)
     except ServiceError as exc:
         messages.error(request, exc.message)
         return redirect("batch_detail", batch_id=batch.pk)
-    messages.success(request, f"Rerunning the failed requests of {batch.pk}.")
+    said = " and ".join(kind for kind in rerun.KINDS if kind in kinds)
+    messages.success(request, f"Rerunning the {said} requests of {batch.pk}.")
     return redirect("batch_detail", batch_id=new.pk)
 
 

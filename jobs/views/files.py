@@ -42,7 +42,11 @@ def file_list(request: SignedInRequest) -> HttpResponse:
 @login_required
 @require_GET
 def file_download(request: SignedInRequest, file_id: str) -> HttpResponseBase:
-    return download_response(_get_file_for_user(request, file_id))
+    try:
+        return download_response(_get_file_for_user(request, file_id))
+    except ServiceError as exc:  # a file read in place whose object was replaced
+        messages.error(request, exc.message)
+        return redirect("file_list")
 
 
 @login_required

@@ -23,6 +23,8 @@ urlpatterns = [
          name="batch_spot_check"),
     path("batches/<str:batch_id>/evals/<str:run_id>/accept", evals.eval_run_accept,
          name="eval_run_accept"),
+    path("eval-sets/", evals.eval_set_list, name="eval_set_list"),
+    path("eval-sets/<int:set_id>/delete", evals.eval_set_delete, name="eval_set_delete"),
     path("files/", files.file_list, name="file_list"),
     path("files/<str:file_id>/download", files.file_download, name="file_download"),
     path("files/<str:file_id>/delete", files.file_delete, name="file_delete"),

@@ -10,6 +10,7 @@ import queue
 from collections.abc import Callable, Iterator
 
 from engine.base import EngineRequest, EngineResult
+from engine.endpoints import usage_of
 from jobs.prompts import output_room, room_for
 from jobs.services import shards as shard_service
 from jobs.wire import Code
@@ -132,6 +133,9 @@ class Dispatcher(Loop):
                 self._add_retry(retry)
             else:
                 work.write_result(request, line, result)
+                if result.status_code == 200:
+                    prompt, output, _ = usage_of(request.url, result.body)
+                    state.idle.count_tokens(prompt, output)
             if is_retry(result.request_id):
                 work.retries_answered += 1
             self.notice_unsaved(work.unsaved_results())

@@ -32,11 +32,28 @@ class IdleMeter:
         self.clock = 0.0
         self.clock_at = time.monotonic()
         self.shares: dict[str, list[float]] = {}
+        # The worker's throughput (jobs.fleet.WorkerRate, reported with its presence): the
+        # seconds the engine had requests in flight, and the tokens of the answers it gave.
+        self.busy_total = 0.0
+        self.prompt_tokens = 0
+        self.output_tokens = 0
 
     def _advance(self, now: float) -> None:
         if self.in_flight > 0:
             self.clock += (now - self.clock_at) / self.in_flight
+            self.busy_total += now - self.clock_at
         self.clock_at = now
+
+    def count_tokens(self, prompt: int, output: int) -> None:
+        with self.lock:
+            self.prompt_tokens += prompt
+            self.output_tokens += output
+
+    def totals(self) -> tuple[float, int, int]:
+        """(busy seconds, prompt tokens, output tokens) since the worker started."""
+        with self.lock:
+            self._advance(time.monotonic())
+            return self.busy_total, self.prompt_tokens, self.output_tokens
 
     def _count(self, request_id: str, step: int) -> None:
         if not request_id:

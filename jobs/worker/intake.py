@@ -16,7 +16,9 @@ from jobs.models import Shard
 from jobs.prefix import prefix_key
 from jobs.prompts import output_room, room_for
 from jobs.services import shards as shard_service
+from jobs.services import stopping
 from jobs.services.shard_input import shard_requests
+from jobs.storage.external import ObjectChanged
 from jobs.wire import Code, RequestLine
 from jobs.worker.adapters import AdapterFolders
 from jobs.worker.db import with_db_retry
@@ -84,6 +86,13 @@ class Intake:
                 reason = f"{type(exc).__name__}: {exc}"
                 with_db_retry(lambda: shard_service.fail_shard(
                     shard_id=shard_id, attempt=work.attempt, reason=reason))
+                if isinstance(exc, ObjectChanged):
+                    # Its input, read in place, was replaced: no retry can run it on the
+                    # registered data. After the failure above, so that the stop drops
+                    # this shard with the others.
+                    changed = str(exc)
+                    with_db_retry(lambda: stopping.stop_changed_input(
+                        batch_id=shard.batch_id, reason=changed))
             raise
         with work.lock:
             work.all_submitted = True

@@ -21,7 +21,7 @@ from django.core.files.storage import default_storage
 from django.utils.crypto import salted_hmac
 
 from engine.base import EngineResult
-from engine.endpoints import usage_of
+from engine.endpoints import reasoning_of, usage_of
 from engine.prefix_limit import PrefixLimit
 from jobs.checkpoint import PART_KINDS, Checkpoint, Progress, ShardUsage
 from jobs.models import ContentRule, ScreenedLine, Shard
@@ -190,15 +190,17 @@ class ShardWork:
                     self.flag_counts[flag] = self.flag_counts.get(flag, 0) + 1
         if ok:
             tokens_in, tokens_out, cached = usage_of(request.url, result.body)
+            reasoning = reasoning_of(request.url, result.body)
             self.progress.input_tokens += tokens_in
             self.progress.output_tokens += tokens_out
             self.progress.cached_tokens += cached
+            self.progress.reasoning_tokens += reasoning
             self.progress.cacheable_tokens += self.prefix_limit.add(tokens_in,
                                                                     result.prompt_blocks)
             if request.model != self.model:
                 self.usage.add(request.model, requests=1 + len(self.copies.get(line, ())),
                                input_tokens=tokens_in, cached_tokens=cached,
-                               output_tokens=tokens_out)
+                               output_tokens=tokens_out, reasoning_tokens=reasoning)
 
     def write_screened(self, custom_id: str, line: int) -> None:
         for cid in [custom_id, *self.copies.get(line, ())]:

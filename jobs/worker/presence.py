@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import redis
@@ -25,10 +26,16 @@ from rq import SimpleWorker
 from rq.utils import now, utcformat
 from rq.worker import BaseWorker
 
-from jobs import queues
+from jobs import fleet, queues
+from jobs.worker.idle import IdleMeter
 from jobs.worker.loop import Loop
 
 log = logging.getLogger(__name__)
+
+# The throughput a worker reports is measured over this many recent seconds, once the
+# engine was busy for at least MIN_BUSY_SECONDS of them.
+RATE_WINDOW = 60.0
+MIN_BUSY_SECONDS = 1.0
 
 # The field of an RQ worker's registration listing the models it can switch to.
 STANDBY_FIELD = "batchweb_standby"
@@ -46,22 +53,23 @@ return 0
 """
 
 
-# Per model, a Redis hash of its workers' engine KV caches: worker name -> "tokens stamp".
-KV_CACHE_KEY = "batchweb:kv-cache:{model}"
-
-
 class Presence(Loop):
     name = "presence"
 
     def __init__(self, closing: threading.Event, *, every: float,
                  standby: tuple[str, ...] = (), model: str = "",
-                 kv_cache_tokens: int = 0) -> None:
+                 kv_cache_tokens: int = 0, meter: IdleMeter | None = None) -> None:
         self.closing = closing
         self.every = every
         self.standby = standby  # models this worker switches to when they wait
         # The loaded model's KV cache in tokens (0: none), reported for prefix planning.
         self.model = model
         self.kv_cache_tokens = kv_cache_tokens
+        # The pipeline's meter: the worker's throughput, reported for the capacity plan.
+        self.meter = meter
+        # (monotonic time, busy seconds, prompt tokens, output tokens) of recent beats.
+        self.samples: deque[tuple[float, float, int, int]] = deque()
+        self.rate = (0.0, 0.0)  # prompt, output tokens per busy second, once measured
         # The RQ worker taking jobs now (batchworker starts a new one after a Redis outage).
         self.worker: BaseWorker | None = None
         super().__init__()
@@ -80,9 +88,32 @@ class Presence(Loop):
 
     def report(self, worker: BaseWorker) -> None:
         """Report the loaded engine's KV cache (at start too: a batch validated then plans
-        with it)."""
+        with it) and the worker's throughput (jobs.fleet)."""
         if self.kv_cache_tokens:
-            report_kv_cache(worker, self.model, self.kv_cache_tokens, self.every)
+            fleet.report_kv_cache(worker.connection, worker.name, self.model,
+                                  self.kv_cache_tokens, self.every)
+        if self.model:
+            fleet.report_rate(worker.connection, self.model, self.measure(worker.name),
+                              self.every)
+
+    def measure(self, name: str) -> fleet.WorkerRate:
+        """The throughput over the last RATE_WINDOW seconds: tokens per busy second (kept
+        from before while the worker idles: its speed when busy is what the plan needs)
+        and the share of the window it was busy."""
+        now = time.monotonic()
+        busy, prompt, output = self.meter.totals() if self.meter else (0.0, 0, 0)
+        self.samples.append((now, busy, prompt, output))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= RATE_WINDOW:
+            self.samples.popleft()
+        start = self.samples[0]
+        busy_seconds = busy - start[1]
+        if busy_seconds >= MIN_BUSY_SECONDS:
+            self.rate = ((prompt - start[2]) / busy_seconds, (output - start[3]) / busy_seconds)
+        wall = now - start[0]
+        return fleet.WorkerRate(name=name, prompt_tokens_per_second=self.rate[0],
+                                output_tokens_per_second=self.rate[1],
+                                busy=min(1.0, busy_seconds / wall) if wall > 0 else 0.0,
+                                stamp=time.time())
 
     @staticmethod
     def beat(worker: BaseWorker, standby: tuple[str, ...] = ()) -> bool:
@@ -97,30 +128,6 @@ def standby_models(worker: BaseWorker) -> list[str]:
     """The models `worker` switches to when they wait (none for a one-model worker)."""
     value = worker.connection.hget(worker.key, STANDBY_FIELD)
     return [name for name in (value or b"").decode().split(",") if name]
-
-
-def report_kv_cache(worker: BaseWorker, model: str, tokens: int, every: float) -> None:
-    """Say that `worker`'s engine of `model` keeps `tokens` tokens of KV cache (and so of
-    prompt prefix); the entry counts for a few beats (`kv_cache_tokens`)."""
-    key = KV_CACHE_KEY.format(model=model)
-    pipe = worker.connection.pipeline()
-    pipe.hset(key, worker.name, f"{tokens} {time.time():.0f}")
-    pipe.expire(key, int(max(60, 10 * every)))
-    pipe.execute()
-
-
-def kv_cache_tokens(connection: redis.Redis, model: str, *, max_age: float) -> int | None:
-    """The KV cache the live workers of `model` report, in tokens: the smallest, since a
-    shard may run on any of them; None when none reported within `max_age` seconds."""
-    key = KV_CACHE_KEY.format(model=model)
-    fresh = []
-    for name, value in connection.hgetall(key).items():
-        tokens, stamp = value.decode().split()
-        if time.time() - float(stamp) <= max_age:
-            fresh.append(int(tokens))
-        else:
-            connection.hdel(key, name)  # a worker gone: forget it
-    return min(fresh) if fresh else None
 
 
 def registered(name: str) -> bool:

@@ -10,7 +10,7 @@ import requests
 from django.core.files.storage import default_storage
 
 from jobs.models import File, Upload
-from tests.factories import chat_line, jsonl, lazy_import
+from tests.factories import chat_line, chat_lines, jsonl, lazy_import, make_batch, run_batch
 
 openai = lazy_import("openai")
 
@@ -64,6 +64,21 @@ def test_list_files_paginates_and_filters(openai_client):
     assert openai_client.files.list(purpose="batch_output").data == []
 
 
+def test_an_error_file_is_shown_as_a_batch_output_file(openai_client, user, tmp_path):
+    batch = run_batch(make_batch(user, chat_lines(4), tmp_path), fails=lambda c: c == "r1")
+    output, error = (openai_client.files.retrieve(batch.output_file_id),
+                     openai_client.files.retrieve(batch.error_file_id))
+    # OpenAI's file objects know batch_output for both: a strictly typed client reads them.
+    assert output.purpose == error.purpose == "batch_output"
+    listed = {f.id: f.purpose for f in openai_client.files.list(purpose="batch_output")}
+    assert listed == {batch.output_file_id: "batch_output", batch.error_file_id: "batch_output"}
+    assert [f.id for f in openai_client.files.list(purpose="batch_error")] == \
+        [batch.error_file_id]  # the narrower filter still finds it
+    assert openai_client.files.content(batch.error_file_id).read().count(b"\n") == 1
+    # The row keeps what the file is: the dashboard and cleanup tell the two apart by it.
+    assert File.objects.get(pk=batch.error_file_id).purpose == File.Purpose.BATCH_ERROR
+
+
 @pytest.mark.parametrize("content, fragment", [
     (b"", "no requests"),
     (b"\n\n  \n", "no requests"),
@@ -112,6 +127,47 @@ def test_uploads_api_assembles_parts_in_the_given_order(openai_client):
         default_storage.listdir(f"uploads/{upload.id}")[1] == []
     with pytest.raises(openai.ConflictError):
         openai_client.uploads.complete(upload.id, part_ids=[part1.id, part2.id])
+
+
+def test_uploads_create_honours_expires_after_for_the_upload_and_its_file(openai_client,
+                                                                         settings):
+    settings.BATCHWEB = {**settings.BATCHWEB, "UPLOAD_TTL_HOURS": 5}
+    upload = openai_client.uploads.create(
+        bytes=len(GOOD), filename="big.jsonl", mime_type="application/jsonl", purpose="batch",
+        expires_after={"anchor": "created_at", "seconds": 7200})
+    # Pending, it never outlives the file it is for (two hours, not the five allowed).
+    assert upload.expires_at - upload.created_at == 7200
+    part = openai_client.uploads.parts.create(upload.id, data=GOOD)
+    done = openai_client.uploads.complete(upload.id, part_ids=[part.id])
+    # The file lives two hours from its own creation (anchor created_at), not 30 days.
+    assert done.file.expires_at - done.file.created_at == 7200
+    assert openai_client.files.retrieve(done.file.id).expires_at == done.file.expires_at
+
+    # Without it: the upload's own hours, the input files' 30 days.
+    plain = openai_client.uploads.create(bytes=len(GOOD), filename="big.jsonl",
+                                         mime_type="application/jsonl", purpose="batch")
+    assert plain.expires_at - plain.created_at == 5 * 3600
+    part = openai_client.uploads.parts.create(plain.id, data=GOOD)
+    file = openai_client.uploads.complete(plain.id, part_ids=[part.id]).file
+    assert file.expires_at - file.created_at == 30 * 86400
+
+
+@pytest.mark.parametrize(("expires_after", "param"), [
+    ({"anchor": "last_active_at", "seconds": 3600}, "expires_after.anchor"),
+    ({"anchor": "created_at", "seconds": 3599}, "expires_after.seconds"),
+    ({"anchor": "created_at", "seconds": 2592001}, "expires_after.seconds"),
+    ({"anchor": "created_at"}, "expires_after.seconds"),
+    ("never", "expires_after"),
+])
+def test_uploads_create_refuses_a_bad_expires_after(openai_client, expires_after, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.uploads.create(bytes=len(GOOD), filename="big.jsonl",
+                                     mime_type="application/jsonl", purpose="batch",
+                                     expires_after=expires_after)
+    assert caught.value.status_code == 400
+    assert caught.value.body["type"] == "invalid_request_error"
+    assert caught.value.body["param"] == param
+    assert not Upload.objects.exists()
 
 
 def test_uploads_api_refuses_wrong_total_md5_and_cancel(openai_client):

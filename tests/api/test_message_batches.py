@@ -264,7 +264,7 @@ def test_another_users_batch_is_404(anthropic_client, other_anthropic_client, op
 
 
 def test_a_body_over_the_size_limit_is_413(anthropic_client, settings):
-    settings.BATCHWEB = {**settings.BATCHWEB, "MAX_FILE_BYTES": 4096}
+    settings.BATCHWEB = {**settings.BATCHWEB, "MESSAGE_BATCH_MAX_BYTES": 4096}
     with pytest.raises(anthropic.APIStatusError) as caught:
         create(anthropic_client, 100)
     assert caught.value.status_code == 413
@@ -275,7 +275,7 @@ def test_a_body_over_the_size_limit_is_413(anthropic_client, settings):
 
 def test_a_body_over_the_request_limit_is_refused_before_its_end(live_server, api_key,
                                                                   settings):
-    settings.BATCHWEB = {**settings.BATCHWEB, "MAX_REQUESTS_PER_BATCH": 3}
+    settings.BATCHWEB = {**settings.BATCHWEB, "MESSAGE_BATCH_MAX_REQUESTS": 3}
     requests_ = [{"custom_id": f"r{i}", "params": params("x")} for i in range(4)]
     # What follows the request over the limit is not JSON: the refusal comes before it is
     # read, so millions of tiny requests are never parsed (nor their custom_ids held).
@@ -288,6 +288,90 @@ def test_a_body_over_the_request_limit_is_refused_before_its_end(live_server, ap
         "type": "invalid_request_error",
         "message": "requests: a batch takes at most 3 requests."}}
     assert not Batch.objects.exists() and not File.objects.exists()
+
+
+def test_a_message_batch_has_anthropics_request_limit_not_openais(anthropic_client,
+                                                                   openai_client, settings):
+    settings.BATCHWEB = {**settings.BATCHWEB, "MAX_REQUESTS_PER_BATCH": 3,
+                         "MESSAGE_BATCH_MAX_REQUESTS": 5}
+    # At create and again at validation, the Message Batch is held to its own limit.
+    batch = create(anthropic_client, 4)
+    validate_batch(batch.id)
+    assert Batch.objects.get(pk=batch.id).status == Batch.Status.IN_PROGRESS
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        create(anthropic_client, 6)
+    assert "at most 5 requests" in caught.value.body["error"]["message"]
+    # An OpenAI batch of the same size is held to OpenAI's.
+    with pytest.raises(openai.BadRequestError) as refused:
+        submit(openai_client, [chat_line(f"o{i}", "x") for i in range(4)])
+    assert "at most 3" in refused.value.body["message"]
+
+
+def test_a_message_batch_body_may_exceed_openais_file_limit(anthropic_client, settings):
+    settings.BATCHWEB = {**settings.BATCHWEB, "MAX_FILE_BYTES": 1000}
+    batch = create(anthropic_client, 20)  # ~2.5 kB of body: within Anthropic's 256 MB
+    assert File.objects.get(pk=Batch.objects.get(pk=batch.id).input_file_id).bytes > 1000
+
+
+def _cleanup_after(days: float) -> Any:
+    from jobs.services.cleanup import run_cleanup
+
+    return run_cleanup(now=timezone.now() + timedelta(days=days))
+
+
+def test_results_are_archived_29_days_after_the_batch_ended(anthropic_client, live_server,
+                                                            api_key):
+    batch = create(anthropic_client, 3)
+    validate_batch(batch.id)
+    anthropic_client.messages.batches.cancel(batch.id)
+    finalize_batch(batch_id=batch.id)
+    row = Batch.objects.get(pk=batch.id)
+    error_file = File.objects.get(pk=row.error_file_id)
+    # Kept Anthropic's 29 days from the end.
+    assert abs(error_file.expires_at - row.cancelled_at - timedelta(days=29)) < \
+        timedelta(seconds=5)
+    assert _cleanup_after(28).archived_batches == 0
+    assert anthropic_client.messages.batches.retrieve(batch.id).archived_at is None
+    assert len(results_of(anthropic_client, batch.id)) == 3
+
+    assert _cleanup_after(29.01).archived_batches == 1
+    assert not File.objects.filter(pk=error_file.pk).exists()
+    archived = anthropic_client.messages.batches.retrieve(batch.id)
+    assert archived.archived_at is not None and archived.processing_status == "ended"
+    # Its counts outlive the error file they were counted from.
+    assert archived.request_counts.canceled == 3 and archived.request_counts.errored == 0
+    with pytest.raises(anthropic.NotFoundError) as caught:
+        list(anthropic_client.messages.batches.results(batch.id))
+    assert caught.value.body["type"] == "error"
+    assert caught.value.body["error"]["type"] == "not_found_error"
+    assert "no longer available" in caught.value.body["error"]["message"]
+    # Listed the same way; deleted as any ended batch.
+    assert anthropic_client.messages.batches.list().data[0].archived_at == archived.archived_at
+    anthropic_client.messages.batches.delete(batch.id)
+    assert not Batch.objects.filter(pk=batch.id).exists()
+
+
+def test_a_batch_that_failed_validation_is_archived_with_its_input(anthropic_client):
+    batch = anthropic_client.messages.batches.create(requests=[
+        {"custom_id": "a", "params": params("x", model="claude-nope")}])
+    validate_batch(batch.id)
+    assert len(results_of(anthropic_client, batch.id)) == 1  # answered from its input
+    assert _cleanup_after(31).archived_batches == 1
+    archived = anthropic_client.messages.batches.retrieve(batch.id)
+    assert archived.archived_at is not None and archived.request_counts.errored == 1
+    with pytest.raises(anthropic.NotFoundError):
+        list(anthropic_client.messages.batches.results(batch.id))
+
+
+def test_results_kept_until_deleted_when_the_operator_says_so(anthropic_client, settings):
+    settings.BATCHWEB = {**settings.BATCHWEB, "MESSAGE_BATCH_RESULTS_DAYS": 0}
+    batch = create(anthropic_client, 1)
+    validate_batch(batch.id)
+    anthropic_client.messages.batches.cancel(batch.id)
+    finalize_batch(batch_id=batch.id)
+    assert File.objects.get(pk=Batch.objects.get(pk=batch.id).error_file_id).expires_at is None
+    assert _cleanup_after(365).archived_batches == 0
+    assert len(results_of(anthropic_client, batch.id)) == 1
 
 
 def test_list_pages_with_anthropic_cursors(anthropic_client):

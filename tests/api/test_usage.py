@@ -13,6 +13,9 @@ from django.contrib.auth.models import Permission
 from jobs.models import ApiKey, Price, UsageRecord
 from jobs.services.keys import create_api_key
 from jobs.services.ledger import add_to_days
+from tests.factories import TLS_CONTEXT, lazy_import
+
+openai = lazy_import("openai")
 
 pytestmark = pytest.mark.django_db
 
@@ -62,9 +65,10 @@ def test_completions_usage_by_day_and_model_for_the_keys_owner(client, api_key, 
     # The other user's 7 requests are not this key's to see.
     assert first["results"] == [{
         "object": "organization.usage.completions.result", "input_tokens": 200,
-        "output_tokens": 100, "input_cached_tokens": 20, "input_audio_tokens": 0,
-        "output_audio_tokens": 0, "num_model_requests": 5, "project_id": None,
-        "user_id": None, "api_key_id": None, "model": "echo-test", "batch": None}]
+        "output_tokens": 100, "input_cached_tokens": 20, "input_uncached_tokens": 180,
+        "input_audio_tokens": 0, "output_audio_tokens": 0, "output_reasoning_tokens": 0,
+        "num_model_requests": 5, "project_id": None, "user_id": None, "api_key_id": None,
+        "model": "echo-test", "batch": None}]
     assert [r["model"] for r in second["results"]] == ["small"]
     assert third["results"] == []  # the embeddings batch is not a completion
 
@@ -104,7 +108,7 @@ def test_costs_by_day_and_line_item_with_paging(client, api_key, ledger):
     assert page["has_more"] is True and len(page["data"]) == 2
     assert page["data"][0]["results"] == [{
         "object": "organization.costs.result", "amount": {"value": 0.002, "currency": "usd"},
-        "line_item": "echo-test", "project_id": None}]
+        "line_item": "echo-test", "project_id": None, "api_key_id": None, "user_id": None}]
     assert page["data"][1]["results"][0]["amount"]["value"] == 0.0025
     _, rest = get(client, api_key, "costs", start_time=ledger["start"],
                   end_time=ledger["start"] + 3 * DAY, limit=2, group_by="line_item",
@@ -112,6 +116,40 @@ def test_costs_by_day_and_line_item_with_paging(client, api_key, ledger):
     assert rest["has_more"] is False and rest["next_page"] is None
     assert [b["start_time"] for b in rest["data"]] == [ledger["start"] + 2 * DAY]
     assert rest["data"][0]["results"][0]["amount"]["value"] == 0.00004
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_openai_client_reads_uncached_tokens_and_costs_by_key(live_server, api_key,
+                                                                 ledger, user):
+    # A shard that reasoned: counted apart from the output tokens it is part of.
+    add_to_days([UsageRecord.objects.create(
+        owner=user, batch_id="batch_think", shard_id="shard_think", model="echo-test",
+        base_model="echo-test", endpoint="/v1/chat/completions", requests_succeeded=1,
+        input_tokens=30, cached_tokens=0, output_tokens=20, reasoning_tokens=12,
+        cost_nanos=500_000, recorded_at=datetime.fromtimestamp(ledger["start"] + 7200,
+                                                               tz=UTC))])
+    client = openai.OpenAI(base_url=live_server.url + "/v1", api_key=api_key,
+                           admin_api_key=api_key, max_retries=0,
+                           http_client=openai.DefaultHttpxClient(verify=TLS_CONTEXT))
+    usage = client.admin.organization.usage
+    page = usage.completions(start_time=ledger["start"], end_time=ledger["start"] + DAY,
+                             group_by=["model"])
+    (result,) = page.data[0].results
+    assert (result.input_tokens, result.input_cached_tokens, result.input_uncached_tokens,
+            result.output_tokens) == (230, 20, 210, 120)
+    assert result.model_extra == {"output_reasoning_tokens": 12}  # the one extension
+    key_id = str(ledger["key"].pk)
+    costs = usage.costs(start_time=ledger["start"], end_time=ledger["start"] + 2 * DAY,
+                        group_by=["api_key_id"])
+    by_key = [[(r.api_key_id, r.amount.value) for r in bucket.results]
+              for bucket in costs.data]
+    # The dashboard's charges (no key) apart from the key's.
+    assert [sorted(day, key=str) for day in by_key] == [
+        sorted([(key_id, 0.001), (None, 0.0015)], key=str), [(key_id, 0.0025)]]
+    only_key = usage.costs(start_time=ledger["start"], end_time=ledger["start"] + 2 * DAY,
+                           group_by=["api_key_id", "line_item"], api_key_ids=[key_id])
+    assert [(r.api_key_id, r.line_item) for b in only_key.data for r in b.results] == [
+        (key_id, "echo-test"), (key_id, "small")]
 
 
 def _staff(django_user_model, name: str, *, permission: bool = False):

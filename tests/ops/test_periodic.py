@@ -19,10 +19,10 @@ def test_periodic_operations_enqueue_due_webhooks_and_cleanup(user, settings):
                                       next_attempt_at=timezone.now())
     WebhookEvent.objects.create(owner=user, type="batch.failed", batch_id="batch_b",
                                 next_attempt_at=timezone.now() + timedelta(minutes=5))
-    assert periodic_operations() == {"webhooks": 1, "cleanup": 1}
+    assert periodic_operations() == {"webhooks": 1, "deliveries": 0, "cleanup": 1}
     assert queues.queue(queues.CONTROL_QUEUE).job_ids == ["batchweb-cleanup"]
     assert queues.queue(queues.WEBHOOK_QUEUE).job_ids == [f"{due.pk}-webhook"]
-    assert periodic_operations() == {"webhooks": 1, "cleanup": 0}
+    assert periodic_operations() == {"webhooks": 1, "deliveries": 0, "cleanup": 0}
 
 
 @pytest.mark.django_db

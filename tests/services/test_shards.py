@@ -160,9 +160,11 @@ def test_batch_row_keeps_the_shards_sums_through_every_transition(batch):
     shard_service.claim_shard(shard_id=first.pk, worker="w1")
     shard_service.heartbeat(shard_id=first.pk, attempt=1,
                             progress=Progress(completed=1, input_tokens=7, output_tokens=3,
-                                              cached_tokens=5, cacheable_tokens=6))
+                                              cached_tokens=5, cacheable_tokens=6,
+                                              reasoning_tokens=2))
     assert sums_agree() == {"completed": 1, "failed": 0, "input_tokens": 7,
-                            "output_tokens": 3, "cached_tokens": 5, "cacheable_tokens": 6}
+                            "output_tokens": 3, "cached_tokens": 5, "cacheable_tokens": 6,
+                            "reasoning_tokens": 2}
     shard_service.fail_shard(shard_id=first.pk, attempt=1, reason="lost")  # retried: reset
     assert sums_agree()["completed"] == 0
     Shard.objects.filter(pk=first.pk).update(not_before=None)
@@ -184,7 +186,8 @@ def test_batch_row_keeps_the_shards_sums_through_every_transition(batch):
                                 progress=Progress(completed=1))
         shard_service.fail_shard(shard_id=second.pk, attempt=attempt, reason="boom")
     assert sums_agree() == {"completed": 1, "failed": 3, "input_tokens": 9,
-                            "output_tokens": 4, "cached_tokens": 6, "cacheable_tokens": 0}
+                            "output_tokens": 4, "cached_tokens": 6, "cacheable_tokens": 0,
+                            "reasoning_tokens": 0}
 
 
 @pytest.mark.django_db(transaction=True)  # the retry closes the connection

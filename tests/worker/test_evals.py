@@ -408,12 +408,13 @@ def test_the_new_batch_form_offers_the_users_sets(site, eval_set, tmp_path, user
     path.write_bytes(jsonl(eval_items()))
     evals.create_eval_set(name="not-yours", path=path, rule="exact", owner=other_user)
     page = site.get("/batches/new").content.decode()
-    assert 'value="capitals"' in page and "not-yours" not in page
+    assert f'value="evalset_{eval_set.pk}"' in page and "not-yours" not in page
     upload = tmp_path / "in.jsonl"
     upload.write_bytes(jsonl([chat_line("u0", "hello")]))
     with upload.open("rb") as handle:
         answer = site.post("/batches/new", {"upload": handle, "completion_window": "24h",
-                                            "priority": "default", "eval_set": "capitals",
+                                            "priority": "default",
+                                            "eval_set": f"evalset_{eval_set.pk}",
                                             "action": "submit"})
     assert answer.status_code == 302
     assert Batch.objects.get(owner=user).eval_set == eval_set

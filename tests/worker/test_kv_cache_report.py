@@ -1,15 +1,13 @@
 """Workers report their engine's KV cache; prefix planning assumes what the model's live
-workers have (jobs.worker.presence, jobs.services.validation.planning_cache_tokens)."""
+workers have (jobs.fleet, jobs.services.validation.planning_cache_tokens)."""
 
 from __future__ import annotations
 
 import time
 
-from rq import Worker
-
 from jobs import queues
+from jobs.fleet import KV_CACHE_KEY, report_kv_cache
 from jobs.services.validation import planning_cache_tokens
-from jobs.worker.presence import KV_CACHE_KEY, report_kv_cache
 
 
 def test_planning_assumes_the_smallest_cache_the_live_workers_report(settings) -> None:
@@ -19,7 +17,7 @@ def test_planning_assumes_the_smallest_cache_the_live_workers_report(settings) -
     connection = queues.connection()
     for name, model, tokens in (("w1", "smol", 93_184), ("w2", "smol", 46_592),
                                 ("w3", "other", 1_000)):
-        report_kv_cache(Worker([], connection=connection, name=name), model, tokens, 5)
+        report_kv_cache(connection, name, model, tokens, 5)
     # A shard may run on any worker of the model: the smallest cache of its own workers.
     assert planning_cache_tokens("smol") == 46_592
     assert planning_cache_tokens("other") == 1_000

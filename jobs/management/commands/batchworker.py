@@ -109,7 +109,8 @@ class Command(BaseCommand):
         pipeline.start()
         presence = Presence(pipeline.state.closing, every=settings.BATCHWEB["HEARTBEAT_SECONDS"],
                             standby=tuple(other.name for other in others), model=spec.name,
-                            kv_cache_tokens=engine.prefix_cache_tokens)
+                            kv_cache_tokens=engine.prefix_cache_tokens,
+                            meter=pipeline.state.idle)
         presence.start()
         if engine.prefix_cache_tokens:
             override = settings.BATCHWEB["PREFIX_CACHE_TOKENS"]

@@ -36,6 +36,9 @@ class Command(BaseCommand):
         if report.expired_uploads:
             self.stdout.write(f"{'would expire' if report.dry_run else 'expired'} "
                               f"{len(report.expired_uploads)} pending uploads")
+        if report.archived_batches:
+            self.stdout.write(f"archived {report.archived_batches} message batches whose "
+                              "results expired")
         if report.kept_in_use:
             self.stdout.write(f"kept {len(report.kept_in_use)} expired files still read by "
                               f"active batches: {', '.join(report.kept_in_use)}")

@@ -340,8 +340,9 @@ BATCH_CASES = [
     ApiCase("PUT on batches", "PUT", "/v1/batches", {}, status=405),
     ApiCase("cancel an unknown batch", "POST", "/v1/batches/batch_nope/cancel", {},
             status=404, code="not_found"),
+    # JSON is how an object is named in place (`source`): one without it is refused so.
     ApiCase("files upload as JSON", "POST", "/v1/files", {"file": "x", "purpose": "batch"},
-            param="file"),
+            param="source"),
     ApiCase("files upload as text", "POST", "/v1/files", b"hello", content_type="text/plain",
             param="file"),
     ApiCase("files upload without a file field", "POST", "/v1/files", b"--x--\r\n",

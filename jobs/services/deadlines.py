@@ -1,0 +1,60 @@
+"""The capacity plan's writes (the plan itself is jobs.capacity): on the reconciler's pass,
+each running batch's expected end, whether it is at risk and whether its shards go first
+in line are written on its row; a batch whose shards become urgent has those already
+waiting moved to the front of its queue, and a batch newly at risk gets its owner's
+webhook event, once. docs/operations.md, "Capacity and deadlines"."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+
+from django.db.models import F
+from django.utils import timezone
+
+from jobs import queues
+from jobs.capacity import plans
+from jobs.models import Batch, Shard
+
+log = logging.getLogger(__name__)
+
+AT_RISK_EVENT = "batchweb.batch.at_risk"
+
+
+def refresh(*, now: datetime | None = None) -> int:
+    """Write what the plan says on the running batches' rows (expected end, at risk,
+    urgent) and send each batch newly at risk its owner's webhook event. Returns how many
+    rows changed."""
+    from jobs.services.webhooks import batch_event
+
+    now = now or timezone.now()
+    changed = 0
+    for model_plan in plans(now=now):
+        for item in model_plan.batches:
+            batch = item.batch
+            finish = item.finish.replace(microsecond=0) if item.finish else None
+            answered = batch.completed + batch.failed
+            if batch.pace_at is None and answered:
+                # Its pace is counted from here (jobs.capacity._own_pace).
+                Batch.objects.filter(pk=batch.pk, pace_at__isnull=True).update(
+                    pace_at=now, pace_answered=answered)
+            if (finish, item.at_risk, item.urgent) == (
+                    batch.expected_completion_at, batch.at_risk, batch.urgent):
+                continue
+            # A new version: open pages and polls show it (jobs.services.progress).
+            changed += Batch.objects.filter(pk=batch.pk, status=Batch.Status.IN_PROGRESS
+                                            ).update(expected_completion_at=finish,
+                                                     at_risk=item.at_risk, urgent=item.urgent,
+                                                     progress_version=F("progress_version")
+                                                     + 1)
+            if item.urgent and not batch.urgent:
+                # Its shards already waiting in the queue go first as well.
+                for shard_id, queue_name in Shard.objects.filter(
+                        batch_id=batch.pk, status=Shard.Status.QUEUED,
+                        enqueued_at__isnull=False).values_list("pk", "queue_name"):
+                    queues.move_to_front(shard_id, queue_name)
+            if item.at_risk and not batch.at_risk:
+                log.info("batch %s at risk: expected %s, its window ends %s", batch.pk,
+                         finish, batch.expires_at)
+                batch_event(batch_id=batch.pk, type=AT_RISK_EVENT)
+    return changed
