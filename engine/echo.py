@@ -24,9 +24,8 @@ on a million requests without loading a model.
 - messages (Anthropic): a Message whose one text block is "echo: " + the last user
   message's text, stop_reason "max_tokens" when cut, else "end_turn"; errors in
   Anthropic's shape.
-- prompt words >= options["max_model_len"] (default 2048) -> 400 like vLLM; an output
-  limit over it is lowered to it (as the in-process engine does), and the output to what
-  the prompt leaves (as vLLM does).
+- prompt words >= options["max_model_len"] (default 2048), or an output limit over it ->
+  400 like vLLM; the output is cut to what the prompt leaves (as vLLM does).
 - bodies arrive validated (their endpoint's `check` runs before any engine); a body it
   still cannot read is one plain 400 (its endpoint's error shape).
 - options["seconds_per_request"] (default 0) sleeps that long per request (slow shards);
@@ -72,7 +71,7 @@ from engine.base import (
     ModelSpec,
 )
 from engine.endpoints import REGISTRY, Endpoint, text_parts
-from engine.endpoints.base import Generation, Pooled, openai_error, within_context
+from engine.endpoints.base import Generation, Pooled, openai_error
 
 
 def _error(message: str, param: str | None = None) -> tuple[int, dict[str, Any]]:
@@ -169,12 +168,11 @@ class EchoEngine(Engine):
             if adapter_path:
                 words.insert(0, lead)
             prompt_tokens = len(words)
-        body = within_context(endpoint, body, self.max_model_len)
         max_tokens = endpoint.named_limit(body) or self.sampling_defaults.get("max_tokens")
         if self.version != "1":
             words = [word.lower() for word in words]
         n = body.get("n") or 1
-        if prompt_tokens >= self.max_model_len:
+        if prompt_tokens >= self.max_model_len or (max_tokens or 0) > self.max_model_len:
             return _context_error(prompt_tokens + (max_tokens or 0), self.max_model_len)
         max_tokens = min(max_tokens or self.max_model_len, self.max_model_len - prompt_tokens)
         # The thought comes first and takes its share of the limit, as a reasoning model's
@@ -326,7 +324,8 @@ class EchoEngine(Engine):
         endpoint = REGISTRY.get(req.url)
         # As the in-process engine: the output limit the budget counted, named.
         request = endpoint.limited(req.body, room=req.output_room,
-                                   default=self.sampling_defaults.get("max_tokens")) \
+                                   default=self.sampling_defaults.get("max_tokens"),
+                                   context=self.max_model_len) \
             if endpoint is not None else req.body
         status, body = self.handle(req.url, request, req.adapter_path)
         with self._lock:

@@ -79,7 +79,7 @@ from engine.base import (
     ModelSpec,
 )
 from engine.endpoints import REGISTRY
-from engine.endpoints.base import openai_error, within_context
+from engine.endpoints.base import openai_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -397,9 +397,9 @@ class RemoteEngine(LoopEngine):
         served = [m.get("id") for m in cards]
         if served and self.model not in served:
             raise EngineError(f"{self.base_url} serves {served[:20]}, not {self.model!r}")
-        # vLLM's model card says its context: an output limit over it is lowered to it
-        # (where the registry does not give max_model_len, a request naming no limit comes
-        # with the service's cap, which the server would refuse).
+        # vLLM's model card says its context: the output limit named for a request that
+        # names none stays within it (where the registry does not give max_model_len, its
+        # room is the service's cap, which the server would refuse).
         context = next((m.get("max_model_len") for m in cards if m.get("id") == self.model),
                        None)
         if isinstance(context, int) and context > 0:
@@ -576,9 +576,8 @@ class RemoteEngine(LoopEngine):
             body["cache_salt"] = req.cache_salt
         # The output limit the budget counted, named; as in process (what a batch cannot
         # ask for set: the server keeps nothing of it).
-        body = endpoint.limited(endpoint.engine_body(body), room=req.output_room)
-        return within_context(endpoint, body, self.max_model_len) if self.max_model_len \
-            else body
+        return endpoint.limited(endpoint.engine_body(body), room=req.output_room,
+                                context=self.max_model_len)
 
     def _error(self, url: str, status: int, message: str) -> tuple[int, dict[str, Any]]:
         return status, REGISTRY[url].error_body(status, openai_error(

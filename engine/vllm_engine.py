@@ -51,7 +51,6 @@ from engine.base import (
     ModelSpec,
 )
 from engine.endpoints import REGISTRY
-from engine.endpoints.base import within_context
 from engine.prefix_limit import PromptBlocks, block_keys
 
 T = TypeVar("T")
@@ -430,10 +429,9 @@ class VllmEngine(LoopEngine):
         # their requests go unsalted, as vLLM's pooling path was not checked with one.
         body = endpoint.engine_body({**req.body, "cache_salt": req.cache_salt}
                                     if req.cache_salt and not endpoint.pooling else req.body)
-        # The output limit the budget counted, named (or the model's own default where
-        # lower); any limit over the whole context lowered to it.
-        body = within_context(endpoint, endpoint.limited(
-            body, room=req.output_room, default=self._default_max_tokens), self._max_model_len)
+        # The output limit the budget counted, named where the line names none.
+        body = endpoint.limited(body, room=req.output_room, default=self._default_max_tokens,
+                                context=self._max_model_len)
         try:
             ignored = next((name for name in (serving.dropped if serving else ())
                             if _changes_the_answer(name, body.get(name), body)), None)

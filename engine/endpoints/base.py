@@ -320,16 +320,20 @@ class Endpoint:
         """The most output tokens the request may generate, all answers together."""
         return self.output_limit(body, room=room) * self.answers(body)
 
-    def limited(self, body: dict[str, Any], *, room: int,
-                default: int | None = None) -> dict[str, Any]:
-        """The body with its output limit named (`output_limit`, or the model's own
-        `default` limit where lower: its generation config's, which an engine applies to
-        a request naming none): what an engine sends on, so that a request never generates
-        more than the budget counted. `room` 0: the body as it is."""
+    def limited(self, body: dict[str, Any], *, room: int, default: int | None = None,
+                context: int | None = None) -> dict[str, Any]:
+        """A body that names no output limit, with the one the budget counted for it named
+        (`output_limit` of `room`), lowered to the model's own `default` (its generation
+        config's, which an engine applies to a request naming none) and to its whole
+        `context` (vLLM refuses a limit past it: where the registry does not say the
+        model's max_model_len, the room is the service's cap): what an engine sends on,
+        so that no request generates more than the budget counted. A limit the body
+        names is the user's, sent as it is; `room` 0: the body as it is."""
         if not room or self.named_limit(body) is not None:
             return body
-        limit = self.output_limit(body, room=room)
-        return {**body, self.limit_field: min(limit, default) if default else limit}
+        limit = min(value for value in (self.output_limit(body, room=room), default, context)
+                    if value)
+        return {**body, self.limit_field: limit}
 
     def deterministic(self, body: dict[str, Any]) -> bool:
         """Whether the answer is fully determined by the body (greedy sampling, or a fixed
@@ -397,17 +401,6 @@ class Endpoint:
         return None
 
 
-def within_context(endpoint: Endpoint, body: dict[str, Any], context: int) -> dict[str, Any]:
-    """The body with an output limit over the model's whole context lowered to it: vLLM
-    refuses such a limit (where the registry did not give the model's max_model_len, a
-    request naming none is sent with the service's cap), and lowers any other to what the
-    prompt leaves; the request can only use less than the budget counted."""
-    named = endpoint.named_limit(body)
-    if named is None or not is_int(named) or named <= context:
-        return body
-    return {**body, **{name: context for name in MAX_TOKENS_FIELDS if name in body}}
-
-
 class Pooling(Endpoint):
     """An endpoint of pooling models: nothing generated, the same body the same answer."""
 
@@ -416,8 +409,8 @@ class Pooling(Endpoint):
     def output_ceiling(self, body: dict[str, Any], *, room: int) -> int:
         return 0
 
-    def limited(self, body: dict[str, Any], *, room: int,
-                default: int | None = None) -> dict[str, Any]:
+    def limited(self, body: dict[str, Any], *, room: int, default: int | None = None,
+                context: int | None = None) -> dict[str, Any]:
         return body
 
     def deterministic(self, body: dict[str, Any]) -> bool:
