@@ -163,7 +163,7 @@ class Planned:
 @dataclass
 class ModelPlan:
     model: str
-    workers: int
+    workers: list[fleet.WorkerRate]  # its live workers
     rates: Rates
     batches: list[Planned] = field(default_factory=list)
 
@@ -191,7 +191,7 @@ def plan_model(model: str, batches: list[Batch], *, workers: list[fleet.WorkerRa
                now: datetime) -> ModelPlan:
     rates = model_rates(model, workers=workers, now=now)
     capacity = float(max(len(workers), 1))
-    result = ModelPlan(model=model, workers=len(workers), rates=rates,
+    result = ModelPlan(model=model, workers=workers, rates=rates,
                        batches=[Planned(b, remaining_seconds(b, rates)) for b in batches])
     offset = 0.0  # seconds of capacity the higher priorities and urgent batches take
     for priority in queues.PRIORITIES:

@@ -37,18 +37,32 @@ def report_kv_cache(connection: redis.Redis, name: str, model: str, tokens: int,
     pipe.execute()
 
 
+def _fresh(connection: redis.Redis, key: str, *, max_age: float) -> dict[str, bytes]:
+    """A per-model hash's fields written within `max_age` seconds (each value ends with the
+    time it was written, or holds it as "stamp"); the older ones are workers gone, and are
+    forgotten."""
+    fresh = {}
+    for raw_name, value in connection.hgetall(key).items():
+        if time.time() - _stamp(value) <= max_age:
+            fresh[raw_name.decode()] = value
+        else:
+            connection.hdel(key, raw_name)
+    return fresh
+
+
+def _stamp(value: bytes) -> float:
+    try:
+        text = value.decode()
+        return float(json.loads(text)["stamp"] if text.startswith("{") else text.split()[1])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return 0.0  # unreadable: as old as can be
+
+
 def kv_cache_tokens(connection: redis.Redis, model: str, *, max_age: float) -> int | None:
     """The KV cache the live workers of `model` report, in tokens: the smallest, since a
     shard may run on any of them; None when none reported within `max_age` seconds."""
-    key = KV_CACHE_KEY.format(model=model)
-    fresh = []
-    for name, value in connection.hgetall(key).items():
-        tokens, stamp = value.decode().split()
-        if time.time() - float(stamp) <= max_age:
-            fresh.append(int(tokens))
-        else:
-            connection.hdel(key, name)  # a worker gone: forget it
-    return min(fresh) if fresh else None
+    fresh = _fresh(connection, KV_CACHE_KEY.format(model=model), max_age=max_age)
+    return min((int(value.split()[0]) for value in fresh.values()), default=None)
 
 
 @dataclass(frozen=True)
@@ -88,16 +102,5 @@ def report_rate(connection: redis.Redis, model: str, rate: WorkerRate, every: fl
 def worker_rates(connection: redis.Redis, model: str, *, max_age: float) -> list[WorkerRate]:
     """The live workers of `model` (each reported within `max_age` seconds), with their
     throughput; those gone are forgotten."""
-    key = RATES_KEY.format(model=model)
-    fresh = []
-    for raw_name, value in connection.hgetall(key).items():
-        name = raw_name.decode()
-        try:
-            rate = WorkerRate.from_json(name, value)
-        except (ValueError, KeyError, TypeError):
-            rate = WorkerRate(name=name)
-        if time.time() - rate.stamp <= max_age:
-            fresh.append(rate)
-        else:
-            connection.hdel(key, raw_name)
-    return sorted(fresh, key=lambda r: r.name)
+    fresh = _fresh(connection, RATES_KEY.format(model=model), max_age=max_age)
+    return [WorkerRate.from_json(name, value) for name, value in sorted(fresh.items())]

@@ -299,7 +299,7 @@ def capacity_metrics(health: Health) -> Iterator[Metric]:
         plan = planned.get(model)
         needed.add_metric([model], plan.workers_needed if plan else 0)
         at_risk.add_metric([model], sum(p.at_risk for p in plan.batches) if plan else 0)
-        for worker in capacity.live_workers(model):
+        for worker in plan.workers if plan else capacity.live_workers(model):
             rates.add_metric([model, worker.name, "prompt"], worker.prompt_tokens_per_second)
             rates.add_metric([model, worker.name, "output"], worker.output_tokens_per_second)
     yield from (needed, at_risk, rates)
