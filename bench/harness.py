@@ -363,8 +363,9 @@ def _history(count: str, per_batch: str, password: str) -> dict[str, str]:
     from django.core.files.base import ContentFile
     from django.core.files.storage import default_storage
 
-    from jobs import queues
-    from jobs.checkpoint import Progress
+    from jobs.formats.checkpoint import Progress
+    from jobs.formats.wire import response_line
+    from jobs.lib import queues
     from jobs.models import Shard
     from jobs.services.batches import create_batch
     from jobs.services.files import create_input_file
@@ -374,7 +375,6 @@ def _history(count: str, per_batch: str, password: str) -> dict[str, str]:
     from jobs.services.shards import claim_shard, finish_shard
     from jobs.services.validation import run_validation
     from jobs.storage.objects import new_storage_name
-    from jobs.wire import response_line
 
     user = get_user_model().objects.create_user("dash", password=password)
     key = create_api_key(owner=user, name="bench")[1]

@@ -3,7 +3,7 @@
 A batch's answers depend on more than its model's name: the weights and tokenizer files,
 the adapter's, the engine and its version, the dtype, the parallelism and the sampling
 defaults the engine fills in for what a request leaves unset. `Provenance` holds them; the
-worker records it on each shard it claims (jobs.services.provenance), so two batches a month
+worker records it on each shard it claims (jobs.services.what_ran), so two batches a month
 apart on the "same" model can be told apart.
 
 Content hashes are computed once per folder and kept beside it (`HASH_CACHE`, inside the
@@ -87,7 +87,8 @@ def batchweb_version() -> str:
 @dataclass(frozen=True)
 class Provenance:
     """What one engine is: the model's files and where they came from, the engine, how it
-    computes, and the sampling defaults it applies to what a request leaves unset."""
+    computes (dtype, parallelism, eager or compiled), and the sampling defaults it applies
+    to what a request leaves unset."""
 
     model: str
     model_source: str
@@ -96,6 +97,9 @@ class Provenance:
     engine_version: str
     dtype: str
     parallelism: dict[str, int] = field(default_factory=dict)
+    # How the engine ran the model: "eager" or "compiled" (vLLM's torch.compile: the same
+    # greedy float32 outputs, other speed); empty for an engine without the choice.
+    engine_mode: str = ""
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     batchweb_version: str = field(default_factory=batchweb_version)
 

@@ -13,6 +13,13 @@ runs unpatched.
   answer with no error (the GPU kernels skip -1). vLLM's open fix is
   vllm-project/vllm#48421. The fix here leaves the base tokens' rows of the output as the
   op found them, which is what the GPU kernels do.
+- The compile cache on CPU: vLLM saves a compiled model (its AOT artifact) and, at the next
+  start, loads it and calls `finalize_loading` on the compiled function, a method of vLLM's
+  own backend's function only. On CPU vLLM compiles with torch's plain inductor backend
+  (mode DYNAMO_TRACE_ONCE), whose function has no such method: every load failed
+  ("'function' object has no attribute 'finalize_loading'") and every start compiled again
+  (70-170 s). There is nothing to finalize for it; the fix gives it a method that does
+  nothing (engine/compile_cache.py).
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ def register() -> None:
     # A vLLM without these modules has nothing to fix.
     with contextlib.suppress(ImportError):
         _fix_lora_base_tokens()
+    with contextlib.suppress(ImportError):
+        _fix_compile_cache_load()
 
 
 def _fix_lora_base_tokens() -> None:
@@ -81,3 +90,28 @@ def _skipping_base_tokens(op: Callable[..., None]) -> Callable[..., None]:
         output[base] = kept
 
     return fixed
+
+
+def _fix_compile_cache_load() -> None:
+    import inspect
+
+    import torch.compiler
+    from vllm.compilation import decorators
+
+    load = torch.compiler.load_compiled_function
+    if getattr(load, "_batchweb_fixed", False) or ".compiled_fn.finalize_loading(" not in (
+            inspect.getsource(decorators._try_load_aot_compiled_fn)):
+        return
+
+    @functools.wraps(load)
+    def loading(*args: Any, **kwargs: Any) -> Any:
+        loaded = load(*args, **kwargs)
+        compiled = loaded._artifacts.compiled_fn
+        if not hasattr(compiled, "finalize_loading"):
+            compiled.finalize_loading = lambda vllm_config: None
+        return loaded
+
+    loading._batchweb_fixed = True  # type: ignore[attr-defined]
+    # vLLM's decorators look it up on torch.compiler at each load.
+    torch.compiler.load_compiled_function = loading
+    log.info("batchweb: vLLM's compile cache made loadable for torch's inductor backend")
