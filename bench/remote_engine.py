@@ -20,6 +20,16 @@ without it (the server's own count of generated tokens, less the client's). The 
 limit first finds its level in an unmeasured window, and each measured window starts once
 the batch flows (SETTLE). Rounds alternate the two server settings.
 
+--part interactive --slo-factors 2,1.25: the online latency SLO (engine/remote_slo.py), on
+a server with priority scheduling. Per round: the client alone (its p99 TTFT is the
+"alone" the SLO is a multiple of: ttft_slo_ms = factor x that, at p99); the batch with
+today's limit and no client (its tokens/s: the no-online-traffic baseline); the batch with
+the first factor's SLO and no client (does the controller hold it back?); then, per factor,
+the batch with that SLO started afresh beside the client, which runs through the settling
+time too (SLO_SETTLE: the limit finds its level) and is measured after it. Reported: the
+client's p99 TTFT against the SLO, and the batch's tokens/s beside the client as a share of
+the SLO batch's, and of today's, with no client.
+
 Every engine here holds /tmp/engine.lock: run as `flock /tmp/engine.lock .venv/bin/python
 bench/remote_engine.py ...`.
 """
@@ -55,6 +65,8 @@ MAX_MODEL_LEN = 2048
 KV_GIB = 2
 # interactive: seconds a drain runs before its window (and the client) starts.
 SETTLE = 10.0
+# interactive with an SLO: seconds the client and the batch run together before the window.
+SLO_SETTLE = 30.0
 
 
 def cpu_name() -> str:
@@ -102,8 +114,9 @@ def reset_limit(url: str) -> None:
     import redis
 
     from engine.remote_limits import keys
+    from engine.remote_slo import keys as slo_keys
 
-    redis.Redis.from_url(os.environ["REDIS_URL"]).delete(*keys(url))
+    redis.Redis.from_url(os.environ["REDIS_URL"]).delete(*keys(url), *slo_keys(url))
 
 
 # --- throughput -------------------------------------------------------------------------
@@ -183,11 +196,14 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
 # --- interactive protection -------------------------------------------------------------
 
 
-async def interactive_client(url: str, seconds: float, every: float) -> dict[str, Any]:
-    """Short streamed chats sent every `every` seconds for `seconds`: each one's (TTFT,
-    latency), and the output tokens they had (to tell the batch's from the server's count)."""
+async def interactive_client(url: str, seconds: float, every: float,
+                             skip: float = 0.0) -> dict[str, Any]:
+    """Short streamed chats sent every `every` seconds for `skip` + `seconds`: each one's
+    (TTFT, latency) of those sent after `skip`, and the output tokens they had (to tell the
+    batch's from the server's count)."""
     samples: list[tuple[float, float]] = []
     tokens = 0
+    begun = time.monotonic()
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
         nonlocal tokens
@@ -195,20 +211,23 @@ async def interactive_client(url: str, seconds: float, every: float) -> dict[str
                 "stream_options": {"include_usage": True},
                 "messages": [{"role": "user", "content": f"Say hello to user {i}."}]}
         started = time.monotonic()
+        counted = started - begun >= skip
         first = None
         async with client.stream("POST", url + "/chat/completions", json=body) as response:
             async for line in response.aiter_lines():
                 if first is None and line.startswith("data: {") and '"content"' in line:
                     first = time.monotonic() - started
-                if line.startswith("data: {") and '"usage":{' in line.replace(" ", ""):
+                if counted and line.startswith("data: {") and \
+                        '"usage":{' in line.replace(" ", ""):
                     usage = json.loads(line[len("data: "):]).get("usage") or {}
                     tokens += usage.get("completion_tokens") or 0
-        samples.append((first if first is not None else float("nan"),
-                        time.monotonic() - started))
+        if counted:
+            samples.append((first if first is not None else float("nan"),
+                            time.monotonic() - started))
 
     async with httpx.AsyncClient(timeout=120) as client:
         tasks = []
-        deadline = time.monotonic() + seconds
+        deadline = time.monotonic() + skip + seconds
         i = 0
         while time.monotonic() < deadline:
             tasks.append(asyncio.create_task(one(client, i)))
@@ -242,11 +261,13 @@ class BatchDrain:
     its end count for what they made; a request of 64-128 tokens outlasts a short window),
     and the batch's concurrency limit and requests in flight, sampled every second."""
 
-    def __init__(self, url: str, requests: list[EngineRequest], ceiling: int) -> None:
+    def __init__(self, url: str, requests: list[EngineRequest] | Any, ceiling: int,
+                 **options: Any) -> None:
         self.url = url
         self.ceiling = ceiling
-        self.engine = remote_engine(url, ceiling)
-        # One pass over the batch across windows: no window gets prompts already cached.
+        self.engine = remote_engine(url, ceiling, **options)
+        # One pass over the batch across windows (and drains, given the same iterator): no
+        # window gets prompts already cached.
         self.requests = iter(requests)
 
     def run(self, seconds: float, settle: float = 0.0) -> dict[str, Any]:
@@ -262,6 +283,8 @@ class BatchDrain:
         window: dict[str, float] = {}
         limits: list[float] = []
         in_flight: list[int] = []
+        reasons: dict[str, int] = {}
+        online_ms: list[float] = []
 
         def source() -> Any:
             for req in self.requests:
@@ -277,6 +300,9 @@ class BatchDrain:
                 state = server_state(client, self.url, ceiling=self.ceiling)
                 limits.append(state.limit)
                 in_flight.append(state.in_flight)
+                reasons[state.reason] = reasons.get(state.reason, 0) + 1
+                if state.online_ms is not None:
+                    online_ms.append(state.online_ms)
                 time.sleep(1.0)
             window["after"] = generated_tokens(self.url)
             self.engine.abort(list(pending))
@@ -292,7 +318,9 @@ class BatchDrain:
         return {"generated": window["after"] - window["before"], "seconds": seconds,
                 "finished": finished,
                 "limit_mean": statistics.fmean(limits) if limits else 0.0,
-                "in_flight_mean": statistics.fmean(in_flight) if in_flight else 0.0}
+                "in_flight_mean": statistics.fmean(in_flight) if in_flight else 0.0,
+                "reasons": reasons,
+                "probe_ms_median": statistics.median(online_ms) if online_ms else None}
 
     def close(self) -> None:
         self.engine.close()
@@ -336,7 +364,103 @@ def interactive_round(policy: str, args: argparse.Namespace, batch: list[EngineR
     return row
 
 
+def slo_round(args: argparse.Namespace, batch: list[EngineRequest], scratch: Path
+              ) -> dict[str, Any]:
+    """One round of the SLO measurement (the module's docstring)."""
+    seqs, batched = llm_class_batch_sizes(1)
+    factors = [float(f) for f in args.slo_factors.split(",")]
+    server = serve(args.dtype, "priority", seqs, batched, scratch / "serve-slo.log")
+    row: dict[str, Any] = {"policy": "priority", "max_num_seqs": seqs,
+                           "max_num_batched_tokens": batched}
+    source = iter(batch)
+    try:
+        reset_limit(server.url)
+        asyncio.run(interactive_client(server.url, 5, args.every))  # warm up
+        alone = percentiles(asyncio.run(interactive_client(server.url, args.seconds,
+                                                           args.every))["samples"])
+        row["alone"] = alone
+        today = BatchDrain(server.url, source, args.ceiling)
+        try:
+            today.run(min(20.0, args.seconds))  # the limit finds its level, unmeasured
+            row["today_idle"] = today.run(args.seconds, settle=SETTLE)
+        finally:
+            today.close()
+        for index, factor in enumerate(factors):
+            reset_limit(server.url)
+            slo_ms = factor * alone["ttft_p99"] * 1000
+            drain = BatchDrain(server.url, source, args.ceiling, ttft_slo_ms=slo_ms,
+                               ttft_slo_percentile=99, slo_probe_interval=args.probe_every)
+            mine: dict[str, Any] = {"factor": factor, "slo_ms": slo_ms}
+            try:
+                if index == 0:  # no online traffic: the controller should not hold it back
+                    mine["idle"] = drain.run(args.seconds, settle=SETTLE)
+                    # The client's phase starts afresh (a server with online traffic all
+                    # along); the way down from the ceiling when users arrive after a
+                    # quiet spell is another figure (docs/remote-engine.md).
+                    drain.close()
+                    reset_limit(server.url)
+                    drain = BatchDrain(server.url, source, args.ceiling, ttft_slo_ms=slo_ms,
+                                       ttft_slo_percentile=99,
+                                       slo_probe_interval=args.probe_every)
+                done: list[dict[str, Any]] = []
+                thread = threading.Thread(
+                    target=lambda d=drain, out=done: out.append(d.run(args.seconds,
+                                                                 settle=SLO_SETTLE)))
+                thread.start()
+                beside = asyncio.run(interactive_client(server.url, args.seconds, args.every,
+                                                        skip=SLO_SETTLE))
+                thread.join()
+            finally:
+                drain.close()
+            mine["with_batch"] = percentiles(beside["samples"])
+            mine["batch_busy"] = {**done[0], "generated": done[0]["generated"]
+                                  - beside["tokens"]}
+            mine["ttft_p99_ms"] = mine["with_batch"]["ttft_p99"] * 1000
+            mine["slo_met"] = mine["ttft_p99_ms"] <= slo_ms
+            row[f"slo_{factor:g}"] = mine
+            print(json.dumps(mine), flush=True)
+    finally:
+        server.stop()
+    today_tok_s = row["today_idle"]["generated"] / args.seconds
+    first = row[f"slo_{factors[0]:g}"]
+    slo_idle_tok_s = first["idle"]["generated"] / args.seconds
+    row["today_idle_tok_s"] = today_tok_s
+    row["slo_idle_tok_s"] = slo_idle_tok_s
+    row["no_online_ratio"] = slo_idle_tok_s / today_tok_s
+    for factor in factors:
+        mine = row[f"slo_{factor:g}"]
+        busy = mine["batch_busy"]["generated"] / args.seconds
+        mine["batch_busy_tok_s"] = busy
+        mine["share_of_slo_idle"] = busy / slo_idle_tok_s
+        mine["share_of_today_idle"] = busy / today_tok_s
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def slo_interactive(args: argparse.Namespace) -> dict[str, Any]:
+    batch = engine_requests(harness.make_requests(args.batch, 32, 64), "smol")
+    rows = []
+    for _ in range(args.rounds):
+        with tempfile.TemporaryDirectory(prefix="bench-remote-") as folder:
+            rows.append(slo_round(args, batch, Path(folder)))
+    summary: dict[str, Any] = {
+        "no_online_ratio": statistics.median(r["no_online_ratio"] for r in rows),
+        "alone_ttft_p99_ms": statistics.median(r["alone"]["ttft_p99"] * 1000 for r in rows)}
+    for factor in (float(f) for f in args.slo_factors.split(",")):
+        mine = [r[f"slo_{factor:g}"] for r in rows]
+        summary[f"slo_{factor:g}"] = {
+            key: statistics.median(m[key] for m in mine)
+            for key in ("slo_ms", "ttft_p99_ms", "share_of_slo_idle", "share_of_today_idle",
+                        "batch_busy_tok_s")}
+        summary[f"slo_{factor:g}"]["rounds_met"] = sum(m["slo_met"] for m in mine)
+    return {"rounds": rows, "summary": summary, "batch_requests": args.batch,
+            "seconds": args.seconds, "every": args.every, "ceiling": args.ceiling,
+            "probe_every": args.probe_every, "slo_settle": SLO_SETTLE}
+
+
 def interactive(args: argparse.Namespace) -> dict[str, Any]:
+    if args.slo_factors:
+        return slo_interactive(args)
     batch = engine_requests(harness.make_requests(args.batch, 32, 64), "smol")
     rows = []
     for index in range(args.rounds):
@@ -377,6 +501,11 @@ def main() -> None:
                         help="interactive: the batch's max_concurrency")
     parser.add_argument("--policies", default="priority,fcfs",
                         help="interactive: the server's --scheduling-policy values, in turn")
+    parser.add_argument("--slo-factors", default="",
+                        help="interactive: SLOs to hold, as multiples of the client's p99 "
+                        "TTFT alone (e.g. 2,1.25); empty: no SLO, as before")
+    parser.add_argument("--probe-every", type=float, default=1.0,
+                        help="interactive with an SLO: slo_probe_interval, seconds")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     # The same for every path and every engine process (run_batch's, the server's).

@@ -16,6 +16,10 @@ held in Redis, and the bound itself moves (AIMD) with what the server answers.
   COOLDOWN_SECONDS (a burst of 429s is one signal, not ten halvings).
 - The same hash counts backoffs and errors and remembers when the server was last busy or
   unreachable, for queue health, /metrics and the batch page (`server_state`).
+- With an SLO (engine/remote_slo.py) the limit is steered by the online latency measured
+  there instead of growing per request; the cuts above still apply. The hash then also
+  holds the SLO, the latency measured, the deadline floor (`set_floor`, written by the
+  reconciler's pass) and why the limit is where it is.
 
 Keys: batchweb:remote:<server id>:leases and :state; the server id is a digest of the base
 URL, so every worker that names the same URL shares them.
@@ -37,6 +41,10 @@ COOLDOWN_SECONDS = 2.0
 # How long after a throttle or a connection failure the server still shows as busy or
 # unreachable.
 RECENT_SECONDS = 30
+
+# Why a server's limit is where it is (ServerState.reason).
+REASONS = ("throttled", "slo", "deadline_floor", "ceiling", "no_online_traffic", "measuring",
+           "adaptive")
 
 # KEYS: leases, state. ARGV: lease id, lease ms, initial limit, ceiling.
 # 1 and the lease taken when in flight < the limit, else 0.
@@ -122,6 +130,24 @@ class ServerState:
     # last attempt to reach it failed, within RECENT_SECONDS).
     condition: str
     last_error: str
+    # Why the limit is where it is: "throttled" (cut on a 429, 503, timeout, reset or a
+    # queue lately), "slo" (held by the online latency), "deadline_floor" (kept above where
+    # the SLO would put it, for a batch's window), "ceiling", "no_online_traffic" (no
+    # online request to protect lately), "measuring" (no latency alone yet), "adaptive"
+    # (no SLO: AIMD on latency).
+    reason: str = "adaptive"
+    slo_ms: float | None = None  # the time to first token held (at slo_percentile)
+    slo_percentile: float | None = None
+    online_ms: float | None = None  # what probes measured lately, at that percentile
+    alone_ms: float | None = None  # the same with no batch request in flight
+    itl_slo_ms: float | None = None
+    online_itl_ms: float | None = None
+    floor: float = 0.0  # the deadline floor in force, requests in flight
+
+    @property
+    def slo_traded(self) -> bool:
+        """The SLO is being given up for a batch's window."""
+        return self.reason == "deadline_floor"
 
 
 def server_state(client: Any, base_url: str, *, ceiling: float) -> ServerState:
@@ -144,11 +170,45 @@ def server_state(client: Any, base_url: str, *, ceiling: float) -> ServerState:
         condition = "busy"
     else:
         condition = "ok"
-    return ServerState(base_url=base_url, in_flight=int(in_flight),
-                       limit=min(float(fields.get("limit") or ceiling), ceiling),
+    limit = min(float(fields.get("limit") or ceiling), ceiling)
+    # The prober writes its figures every few seconds: older ones are no one's now.
+    steering = now - float(fields.get("slo_seen_at") or 0) < RECENT_SECONDS
+    if now - float(fields.get("cut_at") or 0) / 1000 < RECENT_SECONDS:
+        reason = "throttled"
+    elif steering:
+        reason = fields.get("reason") or "slo"
+    else:
+        reason = "ceiling" if limit >= ceiling else "adaptive"
+    return ServerState(base_url=base_url, in_flight=int(in_flight), limit=limit,
                        backoffs=int(fields.get("backoffs") or 0),
                        errors=int(fields.get("errors") or 0), cuts=int(fields.get("cuts") or 0),
-                       condition=condition, last_error=fields.get("last_error", ""))
+                       condition=condition, last_error=fields.get("last_error", ""),
+                       reason=reason,
+                       slo_ms=_number(fields, "slo_ms", steering),
+                       slo_percentile=_number(fields, "slo_percentile", steering),
+                       online_ms=_number(fields, "online_ms", steering),
+                       alone_ms=_number(fields, "alone_ms", steering),
+                       itl_slo_ms=_number(fields, "itl_slo_ms", steering),
+                       online_itl_ms=_number(fields, "online_itl_ms", steering),
+                       floor=_number(fields, "floor_now", steering) or 0.0)
+
+
+def _number(fields: dict[str, str], name: str, fresh: bool) -> float | None:
+    value = fields.get(name, "")
+    return float(value) if fresh and value else None
+
+
+def token_seconds(client: Any, base_url: str) -> float:
+    """A batch request's seconds per output token there lately (0: none measured)."""
+    value = client.hget(keys(base_url)[1], "token_seconds")
+    return float(value) if value else 0.0
+
+
+def set_floor(client: Any, base_url: str, floor: float) -> None:
+    """The deadline floor of the server at `base_url`: the requests in flight its batches
+    need to meet their windows (the SLO steers no lower; engine/remote_slo.py)."""
+    client.hset(keys(base_url)[1], mapping={"floor": f"{floor:.3f}",
+                                            "floor_at": f"{time.time():.3f}"})
 
 
 def _text(value: Any) -> str:
