@@ -12,7 +12,8 @@ answered, the projected end is recorded and compared with when the batch really 
 
     error = (projected end - real end) / (real end - when the batch started running)
 
-(negative: projected too early). Target: within 20% at 10% done.
+(negative: projected too early). Target: within 20% at 10% done. `--json` also keeps every
+poll (seconds since the start, requests answered, projected end), to replay an estimate on.
 
     .venv/bin/python bench/projection.py                 # 2,000 requests
     .venv/bin/python bench/projection.py -n 500 --max-tokens 32
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace, scratch: Path) -> dict:
         batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
                                       completion_window="24h")
         projected: dict[float, tuple[float, float, float | None]] = {}
+        polls: list[tuple[float, int, float | None]] = []  # (when, answered, projected end)
         started: float | None = None
         while True:
             batch = client.batches.retrieve(batch.id)
@@ -77,6 +79,8 @@ def run(args: argparse.Namespace, scratch: Path) -> dict:
             done = (counts.completed + counts.failed) / args.n if counts else 0.0
             if started is None and batch.in_progress_at:
                 started = float(batch.in_progress_at)
+            polls.append((now, (counts.completed + counts.failed) if counts else 0,
+                          (batch.model_extra or {}).get("expected_completion_at")))
             for mark in MARKS:
                 if done >= mark and mark not in projected:
                     projected[mark] = (now, done, (batch.model_extra or {}).get(
@@ -94,7 +98,11 @@ def run(args: argparse.Namespace, scratch: Path) -> dict:
                          "projected_seconds": None if expected is None
                          else round(expected - start, 1),
                          "error": None if error is None else round(error, 3)})
-        return {"requests": args.n, "seconds": round(ended - start, 1), "marks": rows}
+        trace = [[round(at - start, 1), answered,
+                  None if expected is None else round(expected - start, 1)]
+                 for at, answered, expected in polls]
+        return {"requests": args.n, "seconds": round(ended - start, 1), "marks": rows,
+                "trace": trace}
     except Exception:
         print((scratch / "web.log").read_text()[-4000:])
         raise

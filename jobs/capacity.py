@@ -14,13 +14,19 @@ produced (the batch's own once it has answers), and its requests not yet answere
 
 Each batch has a target: its window's end less BATCHWEB_CAPACITY_MARGIN of the time left.
 - **Order.** Within a priority, batches share the workers (their shards interleave in the
-  queue); a batch that would miss its target so, k batches sharing with it, is *urgent*:
-  its shards are put at the front of its queue (jobs.services.scheduling) until it is not.
+  queue) while that meets every target. When sharing would make one late (k batches
+  sharing with it), the batches due no later than it run earliest deadline first: the
+  first of them is *urgent*, its shards put at the front of its queue
+  (jobs.services.scheduling) until it is not, then the next. One at a time: two urgent
+  batches would take turns at the front, each new shard of one put before the other's.
   Every batch's slack shrinks while it waits, so none waits for ever.
-- **Projection.** Priorities in the order workers take them; within one, urgent batches one
-  after another, least slack first, then the rest sharing what is left (processor
-  sharing). A running batch is projected at its own pace since its first answers, once
-  it has answered some requests.
+  BATCHWEB_DEADLINE_ORDER=0 is a comparison switch, not a setting to run with: no batch is
+  urgent, so batches share the workers as before deadlines (fair share within a
+  priority) and are projected so; bench/simulation.py runs one day both ways.
+- **Projection.** Priorities in the order workers take them; within one, the batches in
+  deadline order one after another, then the rest sharing what is left (processor
+  sharing). A running batch is projected at its own pace once it has answered some
+  requests (`_own_pace`).
 - **At risk**: projected past its target, on the workers alive now (one, when none is):
   flagged on its page, list, API object and /metrics, and its owner's webhook gets one
   `batchweb.batch.at_risk` event.
@@ -34,17 +40,19 @@ writes what it finds on the batches' rows (jobs.services.deadlines).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 import redis
 from django.conf import settings
-from django.db.models import Sum
+from django.db.models import F, Min, Q, Sum
 from django.utils import timezone
 
-from jobs import fleet, queues
-from jobs.models import Batch, UsageRecord
+from jobs import fleet
+from jobs.lib import queues
+from jobs.models import Batch, Shard, UsageRecord
 
 # The ledger rows a model's rates are fitted on: its newest within HISTORY.
 HISTORY = timedelta(hours=24)
@@ -187,26 +195,48 @@ def workers_needed(planned: Iterable[Planned], *, now: datetime) -> int:
     return max(needed, 1) if due else 0
 
 
+def deadline_order() -> bool:
+    """Whether urgent batches go first (BATCHWEB_DEADLINE_ORDER, the comparison switch:
+    read at every plan, so a comparison flips it without restarting the workers)."""
+    return os.environ.get("BATCHWEB_DEADLINE_ORDER", "1").strip() != "0"
+
+
 def plan_model(model: str, batches: list[Batch], *, workers: list[fleet.WorkerRate],
                now: datetime) -> ModelPlan:
     rates = model_rates(model, workers=workers, now=now)
+    ordered = deadline_order()
     capacity = float(max(len(workers), 1))
     result = ModelPlan(model=model, workers=workers, rates=rates,
                        batches=[Planned(b, remaining_seconds(b, rates)) for b in batches])
-    offset = 0.0  # seconds of capacity the higher priorities and urgent batches take
+    offset = 0.0  # seconds of capacity the higher priorities and the deadline order take
     for priority in queues.PRIORITIES:
         group = [p for p in result.batches if p.batch.priority == priority and p.remaining > 0]
+        late = []
         for item in group:
             time_to = target(item.batch, now)
             item.slack = time_to - item.remaining / capacity
-            item.urgent = len(group) * item.remaining / capacity > time_to
-        for item in sorted((p for p in group if p.urgent), key=lambda p: p.slack):
+            if len(group) * item.remaining / capacity > time_to:
+                late.append(item)
+        # Earliest deadline first, up to the last batch that sharing would make late: a
+        # batch due sooner than it goes before it too, or putting the late one first would
+        # make that one late instead.
+        horizon = max((target(p.batch, now) for p in late), default=-math.inf)
+        first = sorted((p for p in group if target(p.batch, now) <= horizon),
+                       key=lambda p: target(p.batch, now)) if ordered else []
+        if first:
+            # One batch at a time at the front of the queue: two would take turns there,
+            # each new shard of one put before the other's.
+            first[0].urgent = True
+        for item in first:
             offset += item.remaining / capacity
             item.finish = now + timedelta(seconds=offset)
-        offset = _share(sorted((p for p in group if not p.urgent), key=lambda p: p.remaining),
-                        capacity=capacity, offset=offset, now=now)
+        ahead = {id(p) for p in first}
+        offset = _share(sorted((p for p in group if id(p) not in ahead),
+                               key=lambda p: p.remaining), capacity=capacity, offset=offset,
+                        now=now)
+    started = _started([b.pk for b in batches])
     for item in result.batches:
-        own = _own_pace(item.batch, now)
+        own = _own_pace(item.batch, now, started=started.get(item.batch.pk))
         if own is not None:
             item.finish = own
         item.at_risk = item.remaining > 0 and item.finish is not None and (
@@ -226,12 +256,39 @@ def _share(group: list[Planned], *, capacity: float, offset: float, now: datetim
     return offset
 
 
-def _own_pace(batch: Batch, now: datetime) -> datetime | None:
-    """When the batch ends at the pace it has answered its requests since its first answers
-    (`Batch.pace_at`, written by the reconciler's pass: counted from its start, the pace
-    would include the wait of the first answers for a whole generation, and project a
-    young batch several times too late), once that says enough: OWN_PACE_SHARE of its
-    requests answered, and OWN_PACE_SECONDS since."""
+def _started(batch_ids: list[str]) -> dict[str, tuple[datetime, int]]:
+    """Per batch: when its first shard was claimed, and its requests claimed by a worker
+    and not answered yet (in an engine, or about to be)."""
+    if not batch_ids:
+        return {}
+    rows = Shard.objects.filter(batch_id__in=batch_ids, started_at__isnull=False).values(
+        "batch_id").order_by().annotate(
+        first=Min("started_at"),
+        claimed=Sum(F("request_count") - F("completed") - F("failed"),
+                    filter=Q(status=Shard.Status.RUNNING)))
+    return {row["batch_id"]: (row["first"], max(0, row["claimed"] or 0)) for row in rows}
+
+
+def _own_pace(batch: Batch, now: datetime, *,
+              started: tuple[datetime, int] | None = None) -> datetime | None:
+    """When the batch ends at its own pace, once that says enough: OWN_PACE_SHARE of its
+    requests answered, and OWN_PACE_SECONDS since its first answers the plan saw
+    (`Batch.pace_at`, written by the reconciler's pass).
+
+    Two paces, weighed by the share of the batch answered:
+    - its answers since `pace_at`. Early on this is the first wave of generations: an
+      engine takes in as many requests as it holds at once and answers none until their
+      prompts are computed and the first answers are written, so a young batch's answers
+      run at a fraction of the engine's pace (a 2,000-request batch at 10% was projected
+      70% late on it);
+    - its requests *started*, answered or in flight (`started`: claimed by a worker, not
+      answered), over the time since its first shard was claimed. An engine takes in a new
+      request for each one it answers, so this counts the work under way, not only the
+      work written: in a steady engine it is its pace exactly (Little's law: in flight =
+      pace x time in the engine), from the first wave on. It runs high by what waits in a
+      worker's intake, which matters less as the batch goes on.
+    The answers' own pace takes over as the batch goes: by then it is measured over most of
+    its run, and a fleet that changed size shows there first."""
     if batch.pace_at is None or batch.total <= 0:
         return None
     answered = batch.completed + batch.failed
@@ -239,8 +296,15 @@ def _own_pace(batch: Batch, now: datetime) -> datetime | None:
     since = answered - batch.pace_answered
     if elapsed < OWN_PACE_SECONDS or since <= 0 or answered < OWN_PACE_SHARE * batch.total:
         return None
+    pace = since / elapsed
+    if started is not None:
+        first, claimed = started
+        running = (now - first).total_seconds()
+        if running > 0:
+            done = min(1.0, answered / batch.total)
+            pace = (1 - done) * (answered + claimed) / running + done * pace
     left = max(0, batch.total - answered)
-    return now + timedelta(seconds=left * elapsed / since)
+    return now + timedelta(seconds=left / pace)
 
 
 def running_batches() -> dict[str, list[Batch]]:
@@ -270,3 +334,24 @@ def plans(*, now: datetime | None = None) -> list[ModelPlan]:
     now = now or timezone.now()
     return [plan_model(model, batches, workers=live_workers(model), now=now)
             for model, batches in sorted(running_batches().items())]
+
+
+def remote_floor(plan: ModelPlan, *, token_seconds: float, now: datetime) -> float:
+    """The requests in flight a remote model's batches need on its server to meet their
+    windows (the deadline floor of engine/remote_slo.py). The plan's work due by each
+    target over the time to it is engine seconds per second (workers_needed before
+    rounding); one engine second of a remote worker is 1 / output_seconds output tokens,
+    and a request in flight there yields 1 / token_seconds of them a second (Little's
+    law), so it takes rate x token_seconds / output_seconds requests. 0 when nothing is
+    due or no request's pace is known yet."""
+    if token_seconds <= 0 or plan.rates.output_seconds <= 0:
+        return 0.0
+    due = sorted((p for p in plan.batches if p.remaining > 0),
+                 key=lambda p: target(p.batch, now))
+    rate, work = 0.0, 0.0
+    for item in due:
+        work += item.remaining
+        seconds = target(item.batch, now)
+        if seconds > 0:  # past its target already: no concurrency brings that back
+            rate = max(rate, work / seconds)
+    return rate * token_seconds / plan.rates.output_seconds

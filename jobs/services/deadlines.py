@@ -9,11 +9,14 @@ from __future__ import annotations
 import logging
 from datetime import datetime
 
+import redis
 from django.db.models import F
 from django.utils import timezone
 
-from jobs import queues
-from jobs.capacity import plans
+from engine.remote_limits import set_floor, token_seconds
+from jobs.capacity import ModelPlan, plans, remote_floor
+from jobs.engines import model_specs
+from jobs.lib import queues
 from jobs.models import Batch, Shard
 
 log = logging.getLogger(__name__)
@@ -29,7 +32,9 @@ def refresh(*, now: datetime | None = None) -> int:
 
     now = now or timezone.now()
     changed = 0
-    for model_plan in plans(now=now):
+    model_plans = plans(now=now)
+    publish_remote_floors(model_plans, now=now)
+    for model_plan in model_plans:
         for item in model_plan.batches:
             batch = item.batch
             finish = item.finish.replace(microsecond=0) if item.finish else None
@@ -58,3 +63,23 @@ def refresh(*, now: datetime | None = None) -> int:
                          finish, batch.expires_at)
                 batch_event(batch_id=batch.pk, type=AT_RISK_EVENT)
     return changed
+
+
+def publish_remote_floors(model_plans: list[ModelPlan], *, now: datetime) -> None:
+    """Each remote server's deadline floor, summed over the models on it (0 with nothing
+    due): the SLO steering its limit stays above it (engine/remote_slo.py)."""
+    planned = {p.model: p for p in model_plans}
+    connection = queues.connection()
+    floors: dict[str, float] = {}
+    try:
+        for spec in model_specs():
+            if spec.backend != "remote":
+                continue
+            url = str(spec.options["base_url"]).rstrip("/")
+            plan = planned.get(spec.name)
+            floors[url] = floors.get(url, 0.0) + (remote_floor(
+                plan, token_seconds=token_seconds(connection, url), now=now) if plan else 0.0)
+        for url, floor in floors.items():
+            set_floor(connection, url, floor)
+    except redis.RedisError as e:  # the rows above still get written; floors lapse
+        log.warning("remote deadline floors not written (%s)", e)

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from jobs import capacity, fleet, queues
+from jobs import capacity, fleet
+from jobs.lib import queues
 from jobs.models import Batch, Shard, UsageRecord, WebhookEvent
 from jobs.services import deadlines, webhooks
 from jobs.services.scheduling import enqueue_next_shards
@@ -93,7 +94,7 @@ def test_workers_needed_is_0_with_nothing_and_rises_with_work(user, tmp_path, se
 
 
 def _metrics() -> str:
-    from jobs.metrics import render_metrics
+    from jobs.http.metrics import render_metrics
 
     return render_metrics().decode()
 
@@ -125,6 +126,58 @@ def test_a_short_window_behind_a_long_batch_goes_first(user, tmp_path, settings)
     enqueue_next_shards(batch_id=short.pk)
     assert Shard.objects.get(pk=queue.job_ids[0]).batch_id == short.pk
     assert [Shard.objects.get(pk=j).batch_id for j in queue.job_ids[2:]] == [long.pk] * 2
+
+
+def test_deadline_order_puts_one_batch_first_at_a_time(user, tmp_path, settings) -> None:
+    """Sharing one worker three ways, a 24h batch of ~30,000 engine seconds would be late
+    (~90,000 s > 69,120), and so would a 1h one of ~2,000 (~6,000 > 2,880): the batches due
+    no later than the 24h one run earliest deadline first, the 1h one, then the 2h one
+    (~1,000, fine sharing but due sooner), then the 24h one. Only the first is urgent: two
+    at the front would take turns there, and the 24h one's shards would keep the others
+    behind them."""
+    history()
+    workers(1)
+    big = running(user, tmp_path, settings, requests=3000, max_tokens=1000, hours=24,
+                  shard_size=100)
+    one = running(user, tmp_path, settings, requests=200, max_tokens=1000, hours=1,
+                  shard_size=100)
+    two = running(user, tmp_path, settings, requests=100, max_tokens=1000, hours=2,
+                  shard_size=100)
+    deadlines.refresh()
+    big, one, two = (Batch.objects.get(pk=b.pk) for b in (big, one, two))
+    assert one.urgent and not two.urgent and not big.urgent
+    assert one.expected_completion_at < two.expected_completion_at < big.expected_completion_at
+    assert not (one.at_risk or two.at_risk or big.at_risk)
+    # The first one done, the next in deadline order goes first.
+    Batch.objects.filter(pk=one.pk).update(status=Batch.Status.COMPLETED)
+    deadlines.refresh()
+    assert Batch.objects.get(pk=two.pk).urgent is False  # sharing two ways meets both now
+    Batch.objects.filter(pk=big.pk).update(expires_at=timezone.now() + timedelta(hours=10))
+    deadlines.refresh()
+    assert [Batch.objects.get(pk=b.pk).urgent for b in (two, big)] == [True, False]
+
+
+def test_the_comparison_switch_turns_the_order_off(user, tmp_path, settings,
+                                                  monkeypatch) -> None:
+    """BATCHWEB_DEADLINE_ORDER=0 (bench/simulation.py's order before deadlines): the same
+    plan and projection, but the short batch is not put first."""
+    monkeypatch.setenv("BATCHWEB_DEADLINE_ORDER", "0")
+    history()
+    workers(1)
+    long = running(user, tmp_path, settings, requests=2000, max_tokens=1000, hours=24,
+                   shard_size=100)
+    short = running(user, tmp_path, settings, requests=200, max_tokens=1000, hours=1)
+    deadlines.refresh()
+    assert not Batch.objects.filter(pk__in=[long.pk, short.pk], urgent=True).exists()
+    assert Batch.objects.get(pk=short.pk).expected_completion_at is not None
+    queue = queues.queue(queues.shard_queue_name("echo-test", "default"))
+    assert [Shard.objects.get(pk=j).batch_id for j in queue.job_ids] == [long.pk] * 2 + [
+        short.pk] * 2
+    # Turned back on, the next pass puts it first.
+    monkeypatch.setenv("BATCHWEB_DEADLINE_ORDER", "1")
+    deadlines.refresh()
+    assert Batch.objects.get(pk=short.pk).urgent
+    assert Shard.objects.get(pk=queue.job_ids[0]).batch_id == short.pk
 
 
 def test_equal_slack_keeps_fair_share(user, tmp_path, settings) -> None:
@@ -185,6 +238,38 @@ def test_a_running_batch_is_projected_at_its_own_pace(user, tmp_path, settings) 
     deadlines.refresh()
     expected = Batch.objects.get(pk=batch.pk).expected_completion_at
     assert abs((expected - timezone.now()).total_seconds() - 375) < 5
+
+
+def test_a_young_batch_counts_the_requests_its_engines_hold(user, tmp_path, settings) -> None:
+    """At 10% done its answers are still the first wave's (4 a second since the plan first
+    saw some); the requests it started, answered or held by a worker, say the engines' pace
+    (700 in the 100 s since its first shard was claimed: 7 a second). Weighed by the share
+    answered: 0.9 x 7 + 0.1 x 4 = 6.7 a second, 1,800 left, 269 s to go."""
+    batch = running(user, tmp_path, settings, requests=2000, max_tokens=10, hours=24,
+                    shard_size=100)
+    now = timezone.now()
+    shards = list(Shard.objects.filter(batch=batch).order_by("index"))
+    for shard in shards[:2]:  # answered
+        Shard.objects.filter(pk=shard.pk).update(
+            status=Shard.Status.DONE, completed=100, started_at=now - timedelta(seconds=100),
+            finished_at=now - timedelta(seconds=20))
+    for shard in shards[2:7]:  # claimed, in an engine, nothing answered yet
+        Shard.objects.filter(pk=shard.pk).update(
+            status=Shard.Status.RUNNING, started_at=now - timedelta(seconds=60))
+    Batch.objects.filter(pk=batch.pk).update(
+        completed=200, pace_at=now - timedelta(seconds=40), pace_answered=40)
+    (item,) = capacity.plan_model("echo-test", [Batch.objects.get(pk=batch.pk)], workers=[],
+                                  now=now).batches
+    assert (item.finish - now).total_seconds() == pytest.approx(1800 / 6.7, abs=0.5)
+    # Answered at the same pace with nothing in flight, it is its answers' pace alone.
+    Shard.objects.filter(batch=batch, status=Shard.Status.RUNNING).update(
+        status=Shard.Status.QUEUED, started_at=None)
+    Batch.objects.filter(pk=batch.pk).update(completed=200, pace_answered=40)
+    for shard in shards[:2]:
+        Shard.objects.filter(pk=shard.pk).update(started_at=now - timedelta(seconds=50))
+    (item,) = capacity.plan_model("echo-test", [Batch.objects.get(pk=batch.pk)], workers=[],
+                                  now=now).batches
+    assert (item.finish - now).total_seconds() == pytest.approx(1800 / 4, abs=0.5)
 
 
 def test_both_faces_show_the_projection(user, tmp_path, settings, openai_client,
