@@ -1,6 +1,6 @@
 """The authentication backend of passwords and sessions: Django's ModelBackend, whose
 lookup of a session's user (on every request of a signed-in page, each poll of the batch
-page among them) runs a query compiled once per process (jobs.compiled)."""
+page among them) runs a query compiled once per process (jobs.lib.compiled)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from django.contrib.auth import backends, get_user_model
 
-from jobs.compiled import Compiled
+from jobs.lib.compiled import Compiled
 
 _USER = Compiled(lambda user_id: get_user_model()._default_manager.filter(pk=user_id)[:1],
                  "user_id")

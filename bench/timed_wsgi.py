@@ -7,7 +7,7 @@ one header to every answer:
 
 WALL is the time in Django (ms), CPU the CPU time its thread spent meanwhile (ms), DB the time
 spent waiting on database queries (ms) and QUERIES their number; M is 1 when the answer was
-a remembered poll (jobs.polls), else 0. The difference WALL - CPU - DB
+a remembered poll (batchweb.polls), else 0. The difference WALL - CPU - DB
 is time the thread was ready but not running (the GIL held by another thread of the process,
 or the core taken by another process) or waiting on Redis. What gunicorn spends around the
 call (reading and parsing the request, writing the answer, its event loop) is not in these
@@ -22,8 +22,8 @@ from typing import Any
 
 from django.db import connection
 
+from batchweb.polls import REMEMBERED
 from batchweb.wsgi import application as _service
-from jobs.polls import REMEMBERED
 
 
 class _Queries:

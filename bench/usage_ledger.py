@@ -127,7 +127,7 @@ def measure(url: str, runs: int, now: datetime) -> dict[str, float]:
     from django.contrib.auth import get_user_model
 
     from jobs.api.usage import COMPLETIONS
-    from jobs.metrics import _usage_metrics
+    from jobs.http.metrics import _usage_metrics
     from jobs.queries import usage
     from jobs.services.quotas import cost_nanos_since, period_starts
 

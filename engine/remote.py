@@ -30,6 +30,10 @@ Options (the model's `options` in BATCHWEB_MODELS_FILE):
     max_response_bytes   a response body past this fails its request (default 64 MiB)
     max_in_flight        requests the worker hands in at once (default 2 x max_concurrency)
     redis_url            set by jobs/engines.py: the Redis holding the shared limit
+    ttft_slo_ms | ttft_slo_factor, ttft_slo_percentile, itl_slo_ms, slo_probe_interval,
+    slo_band, online_priority   the online latency to hold (engine/remote_slo.py); with
+                         one set, the limit is steered by it instead of by latency and
+                         vLLM's queue (429s, 503s, timeouts and resets still cut it)
 
 Every request: a slot of the shared limit (engine/remote_limits.py), one POST, the slot
 given back. 429 and 503 are retried after a full-jitter backoff of at least their
@@ -71,6 +75,7 @@ import httpx
 import redis.asyncio as aioredis
 
 from engine import remote_limits as limits
+from engine import remote_slo
 from engine.base import (
     EngineError,
     EngineRequest,
@@ -79,7 +84,7 @@ from engine.base import (
     ModelSpec,
 )
 from engine.endpoints import REGISTRY
-from engine.endpoints.base import openai_error
+from engine.endpoints.base import ModelOptionsError, openai_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -100,6 +105,7 @@ OPTIONS = {
     "max_in_flight": None, "metrics_interval": 2.0, "redis_url": None,
     # The served model's context (the server's --max-model-len); else its model card's.
     "max_model_len": None,
+    **remote_slo.OPTIONS,
 }
 # Options that were renamed: refused, with what to write instead (silently ignoring one
 # could quietly undo what it asked for).
@@ -268,6 +274,7 @@ class RemoteEngine(LoopEngine):
         if not options["redis_url"]:
             raise EngineError(f"model {spec.name!r}: no redis_url for the shared limit")
         self.spec = spec
+        self.slo = remote_slo.parse(spec.name, spec.options, spec.endpoints)
         self.base_url = str(options["base_url"]).rstrip("/")
         self.model = options["model"] or spec.name
         check_http_url(spec.name, "base_url", self.base_url)
@@ -300,6 +307,10 @@ class RemoteEngine(LoopEngine):
         self._waiters: deque[asyncio.Future[str]] = deque()
         self._floor = float("inf")
         self._floor_at = time.monotonic()
+        # Seconds per output token of one request, smoothed: the deadline floor's measure
+        # of what one slot yields (jobs/capacity.py).
+        self._token_seconds = 0.0
+        self._token_seconds_at = 0.0
         self._noted: dict[str, float] = {}
         self._logged: dict[str, float] = {}  # time.monotonic() of the last log line, by kind
         self._closed = False
@@ -369,11 +380,16 @@ class RemoteEngine(LoopEngine):
         self._acquire = self._redis.register_script(limits.ACQUIRE)
         self._renew = self._redis.register_script(limits.RENEW)
         self._adjust = self._redis.register_script(limits.ADJUST)
+        self._steer = self._redis.register_script(remote_slo.STEER)
         await self._redis.hset(self._state_key, mapping={"base_url": self.base_url})
         self._wanted = asyncio.Event()
+        self._steering = remote_slo.Steering(slo=self.slo, engine=self) if self.slo else None
         self._background = [self._loop.create_task(self._grant()),
                             self._loop.create_task(self._keep_leases())]
-        if self.metrics_url:
+        if self._steering is not None:
+            # The SLO steers the limit; vLLM's queue is no longer the signal.
+            self._background.append(self._loop.create_task(self._steering.run()))
+        elif self.metrics_url:
             self._background.append(self._loop.create_task(self._watch_metrics()))
         await self._check_model()
 
@@ -463,6 +479,9 @@ class RemoteEngine(LoopEngine):
         """Hands slots to the waiting requests in order, one lease at a time; polls while
         every slot is taken (a lease given back by another worker wakes no one here)."""
         pause = 0.01
+        if self._steering is not None:
+            # The time alone is measured before the first batch request goes.
+            await self._steering.ready.wait()
         while True:
             await self._wanted.wait()
             while self._waiters:
@@ -576,7 +595,8 @@ class RemoteEngine(LoopEngine):
             body["cache_salt"] = req.cache_salt
         # The output limit the budget counted, named; as in process (what a batch cannot
         # ask for set: the server keeps nothing of it).
-        return endpoint.limited(endpoint.engine_body(body), room=req.output_room,
+        return endpoint.limited(endpoint.engine_body(body, options=self.spec.options),
+                                room=req.output_room,
                                 context=self.max_model_len)
 
     def _error(self, url: str, status: int, message: str) -> tuple[int, dict[str, Any]]:
@@ -589,8 +609,12 @@ class RemoteEngine(LoopEngine):
         if req.adapter_path:
             return self._error(req.url, 400, f"model {self.spec.name!r} runs on a remote "
                                "server and loads no LoRA adapters")
-        body = self._body(req)
-        url = self.base_url + (req.url[3:] if req.url.startswith("/v1/") else req.url)
+        try:
+            body = self._body(req)
+        except ModelOptionsError as e:
+            return self._error(req.url, 400, str(e))
+        route = REGISTRY[req.url].serving_url
+        url = self.base_url + (route[3:] if route.startswith("/v1/") else route)
         retries = 0
         waits = 0
         while True:
@@ -611,7 +635,9 @@ class RemoteEngine(LoopEngine):
                 await asyncio.sleep(backoff_seconds(min(waits, 10), base=self.backoff_base,
                                                     cap=self.backoff_max))
                 continue
-            await self._note(reached_at=time.time())
+            answered = attempt.kind == "answer" and attempt.status == 200
+            # Our answers are counted: the server's count less ours is online traffic.
+            await self._note(count="answered" if answered else "", reached_at=time.time())
             throttled = attempt.kind != "answer" or attempt.status in THROTTLED
             if not throttled:
                 if attempt.status == 200:
@@ -634,10 +660,18 @@ class RemoteEngine(LoopEngine):
             retries += 1
 
     def _result(self, req: EngineRequest, attempt: _Attempt) -> tuple[int, dict[str, Any]]:
-        """The request's result; what went wrong, where its error line cannot say, is
-        logged here."""
+        """The request's result (its endpoint's answer, built from the serving route's);
+        what went wrong, where its error line cannot say, is logged here."""
         if attempt.detail:
             log.warning("remote request %s failed: %s", req.request_id, attempt.detail)
+        if attempt.status == 200:
+            try:
+                return 200, REGISTRY[req.url].from_serving(req.body, attempt.body,
+                                                           options=self.spec.options)
+            except (KeyError, TypeError, ValueError, StopIteration) as e:
+                log.warning("remote request %s: answer not readable: %r", req.request_id, e)
+                return self._error(req.url, 502, "the model's server answered a body this "
+                                   "endpoint cannot read")
         return attempt.status, attempt.body
 
     def _first_in(self, seconds: float, what: str) -> bool:
@@ -704,8 +738,23 @@ class RemoteEngine(LoopEngine):
             self._floor *= FLOOR_DRIFT
             self._floor_at = now
         self._floor = min(self._floor, per_token)
-        if per_token <= self._floor * self.tolerance:
+        await self._keep_token_seconds(per_token, now)
+        if self._steering is None and per_token <= self._floor * self.tolerance:
             await self._change_limit("grow")
+
+    async def _keep_token_seconds(self, per_token: float, now: float) -> None:
+        """A request's seconds per output token, smoothed, in the server's state at most
+        once a second: what the reconciler turns a deadline into slots with."""
+        self._token_seconds = per_token if not self._token_seconds else (
+            0.9 * self._token_seconds + 0.1 * per_token)
+        if now - self._token_seconds_at < 1.0:
+            return
+        self._token_seconds_at = now
+        try:
+            await self._redis.hset(self._state_key, "token_seconds",
+                                   f"{self._token_seconds:.6f}")
+        except Exception as e:
+            log.warning("remote %s: state not recorded (%s)", self.base_url, e)
 
     def _outcome(self, request_id: str, task: asyncio.Task[Any]) -> EngineResult:
         error = task.exception()

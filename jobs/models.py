@@ -15,7 +15,7 @@ from django.db.models.functions import Coalesce
 from django.utils import timezone
 
 from jobs.engines import adapter_problem, model_specs, serves_adapters
-from jobs.re2check import regex_problem
+from jobs.lib.re2check import regex_problem
 from jobs.storage.external import grant_problem
 
 PROGRESS_FIELDS = ("completed", "failed", "input_tokens", "output_tokens", "cached_tokens",
@@ -278,7 +278,7 @@ class Batch(models.Model):
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE)
     endpoint = models.CharField(max_length=40)
     # Everything runs the same way whichever API created the batch; only what its API
-    # shows differs (jobs/anthropic.py for the Anthropic one).
+    # shows differs (jobs/formats/anthropic.py for the Anthropic one).
     api = models.CharField(max_length=10, choices=Api.choices, default=Api.OPENAI)
     model = models.CharField(max_length=200, blank=True)
     # Batches keep the ids of their files after the files expire or are deleted, as OpenAI's
@@ -385,7 +385,7 @@ class Batch(models.Model):
     # its model and sampling, kept out of its files and counts, scored when it ends.
     eval_set = models.ForeignKey("EvalSet", null=True, blank=True, on_delete=models.SET_NULL,
                                  related_name="+")
-    # What ran it (jobs.services.provenance): one entry per distinct engine record of the
+    # What ran it (jobs.services.what_ran): one entry per distinct engine record of the
     # workers that claimed its shards, each with those workers' names.
     provenance = models.JSONField(default=list, blank=True)
     # Its eval runs' scores and drift (EvalRun.summary), and whether one drifted.
@@ -419,6 +419,12 @@ class Batch(models.Model):
     @property
     def is_ended(self) -> bool:
         return self.status in self.ENDED
+
+    @property
+    def ended_at(self) -> datetime | None:
+        """When it ended (completed, failed, expired or cancelled); None while it runs."""
+        return (self.completed_at or self.failed_at or self.expired_at or self.cancelled_at
+                if self.is_ended else None)
 
     @classmethod
     def request_limit(cls, api: str) -> int:
@@ -586,7 +592,7 @@ class Shard(models.Model):
     flag_counts = models.JSONField(default=dict, blank=True)
     # Requests run a second time because their JSON output did not parse or match.
     json_retries = models.PositiveIntegerField(default=0)
-    # The results a running attempt has saved so far (jobs.checkpoint.Checkpoint as
+    # The results a running attempt has saved so far (jobs.formats.checkpoint.Checkpoint as
     # JSON: stored segments of its part files, the input lines they answer, their counters),
     # written only under the attempt that saved them. It stays on the row when the attempt
     # ends unfinished, and the next attempt adopts it: only lines without a result run again.

@@ -15,7 +15,7 @@ from django.conf import settings
 
 from engine.endpoints import endpoint
 from jobs.engines import model_spec
-from jobs.wire import RequestLine
+from jobs.formats.wire import RequestLine
 
 
 def prompt_text(line: RequestLine) -> tuple[str, int]:

@@ -91,7 +91,7 @@ def _clean_redis() -> Iterator[None]:
     The web side keeps a model's progress blocker for a few seconds (jobs.queries.queue_health):
     left over from the test before (whose workers were alive), it would expire in the middle
     of this one, and a batch page would see its version change with nothing changed."""
-    from jobs import queues
+    from jobs.lib import queues
     from jobs.queries import queue_health
 
     queues.connection().flushdb()

@@ -37,6 +37,7 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
+from jobs.formats.wire import response_line
 from jobs.models import Batch, File, Quota, Shard, UsageRecord
 from jobs.services.batches import create_batch
 from jobs.services.files import create_input_file
@@ -45,7 +46,6 @@ from jobs.services.progress import refresh_progress
 from jobs.services.shard_input import shard_custom_ids
 from jobs.services.validation import run_validation
 from jobs.storage.objects import new_storage_name, open_file
-from jobs.wire import response_line
 from jobs.worker.pipeline import Pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -539,7 +539,11 @@ class Workers:
 
     def start(self, model: str = "echo-test", *, env: dict[str, str] | None = None,
               args: list[str] | None = None) -> subprocess.Popen:
-        full_env = {**os.environ, "DATABASE_URL": database_url(), **(env or {})}
+        # Eager unless the test (or the environment) asks for another mode: under the
+        # default `auto` a model's second start compiles (minutes on 2 cores), and tests
+        # start workers many times.
+        full_env = {"BATCHWEB_ENGINE_MODE": "eager", **os.environ,
+                    "DATABASE_URL": database_url(), **(env or {})}
         with open(self.log_dir / f"worker-{len(self.procs)}.log", "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, str(ROOT / "manage.py"), "batchworker", "--model", model,
@@ -716,7 +720,7 @@ def register_worker(name: str, host: str, *, heartbeat_age: float = 0.0,
     its host), its last heartbeat `heartbeat_age` seconds ago."""
     from rq.utils import utcformat
 
-    from jobs import queues
+    from jobs.lib import queues
     from jobs.worker.rq_worker import BatchWorker
 
     worker = BatchWorker([queues.queue(q) for q in queues.model_queue_names(model)],

@@ -7,12 +7,15 @@ An endpoint object is stateless: one instance per url, in the registry
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Sequence
+import math
+import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-# The `code` of a body's refusal (jobs/wire.py's Code names them for the line format).
+# The `code` of a body's refusal (jobs/formats/wire.py's Code names them for the line format).
 MISSING_PARAMETER = "missing_required_parameter"
 INVALID_BODY = "invalid_body"
 INVALID_PARAMETER = "invalid_parameter"
@@ -138,6 +141,61 @@ class Pooled:
 
 
 @dataclass(frozen=True)
+class EchoModel:
+    """The test-only echo engine's model (engine/echo.py), as an endpoint's `echo` answers
+    for it: no weights, words for tokens."""
+
+    name: str
+    # Its context, in words.
+    max_model_len: int
+    # What its answers start with: "echo:", or "echo+<adapter>:" for an adapter's request.
+    lead: str = "echo:"
+    adapter: bool = False
+    # Another version of its "weights" answers in lower case.
+    lower: bool = False
+    # It thinks before it answers, as a model served with a reasoning parser.
+    reasons: bool = False
+    # The output limit it applies to a request naming none (its generation config's).
+    default_max_tokens: int | None = None
+    # The model's options (what an endpoint reads of them: moderation's categories).
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+class ModelOptionsError(ValueError):
+    """A model's options that an endpoint cannot run with (its answer is a 400 naming
+    them, for every request of that endpoint, until the operator fixes them)."""
+
+
+class EchoRefusal(Exception):
+    """What the echo model answers instead of a result: (status, OpenAI error body)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = openai_error(status, message, param)
+
+
+def context_refusal(tokens: int, limit: int) -> EchoRefusal:
+    """The one echo refusal that depends on the model, not the body: vLLM's own wording."""
+    return EchoRefusal(400, f"This model's maximum context length is {limit} tokens. However, "
+                       f"you requested {tokens} tokens. Please reduce the length of the input.",
+                       "input_tokens")
+
+
+def echo_vector(text: str) -> list[float]:
+    """An input's echo embedding: 8 floats in [-1, 1) from the 32 bytes of its sha256,
+    deterministic and input-specific."""
+    digest = hashlib.sha256(text.encode()).digest()
+    return [(v / 32768.0) for v in struct.unpack("<16h", digest)[:8]]
+
+
+def cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    norms = math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+    return dot / norms if norms else 0.0
+
+
+@dataclass(frozen=True)
 class VllmServing:
     """How vLLM's in-process serving layer answers an endpoint (engine/vllm_engine.py):
     the serving object's name on vLLM's app state, its request model (module.Name, imported
@@ -167,7 +225,7 @@ class Endpoint:
     # A pooling model's endpoint: no output tokens and no sampling (the same request gets
     # the same answer), no generated text to check, retry or prefix-group.
     pooling = False
-    # Whether validation groups its requests by prompt prefix (jobs/prefix.py).
+    # Whether validation groups its requests by prompt prefix (jobs/prefix_keys.py).
     prefix_grouped = False
     # The body field an engine cannot answer without.
     prompt_field: str
@@ -340,9 +398,25 @@ class Endpoint:
         seed): identical requests are then computed once."""
         return body.get("temperature", 1) == 0 or body.get("seed") is not None
 
-    def engine_body(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The body as an engine sends it on (what a batch cannot ask for, set)."""
+    # The url whose serving layer an engine calls for this endpoint (a remote server's
+    # route; in process, `vllm` names the serving object): its own, unless it runs as
+    # another endpoint's call and builds its answer from that one's (`from_serving`).
+    @property
+    def serving_url(self) -> str:
+        return self.url
+
+    def engine_body(self, body: dict[str, Any], *,
+                    options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The body as an engine sends it on (what a batch cannot ask for, set); `options`
+        are the model's."""
         return body
+
+    def from_serving(self, body: dict[str, Any], answer: dict[str, Any], *,
+                     options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The endpoint's wire response from the serving layer's successful `answer` to
+        `engine_body(body)`: the answer itself, unless the endpoint runs as another's
+        call."""
+        return answer
 
     def calls_functions(self, body: dict[str, Any]) -> bool:
         """Whether the body offers function tools that vLLM answers as calls only with a
@@ -399,6 +473,47 @@ class Endpoint:
         """The human part of a response body, None when the body is not this endpoint's
         answer."""
         return None
+
+    # -- the echo model (engine/echo.py, test-only) --------------------------------------
+
+    def echo(self, body: dict[str, Any], model: EchoModel) -> dict[str, Any]:
+        """The echo model's answer to a generating request: its words, cut at the output
+        limit (finish "length") and at what the prompt leaves of the context. Raises
+        EchoRefusal for what the model refuses, KeyError and the like for a body it cannot
+        read."""
+        if not body.get(self.prompt_field):  # a body without its prompt
+            raise KeyError(self.prompt_field)
+        prompt_tokens, words, thought = self.echo_words(body, model)
+        max_tokens = self.named_limit(body) or model.default_max_tokens
+        if model.lower:
+            words = [word.lower() for word in words]
+        if prompt_tokens >= model.max_model_len or (max_tokens or 0) > model.max_model_len:
+            raise context_refusal(prompt_tokens + (max_tokens or 0), model.max_model_len)
+        max_tokens = min(max_tokens or model.max_model_len, model.max_model_len - prompt_tokens)
+        # The thought comes first and takes its share of the limit, as a reasoning model's
+        # does: a limit it reaches leaves no answer.
+        thinking = (thought or [])[:max_tokens]
+        answer = words[:max_tokens - len(thinking)]
+        return self.respond(body, Generation(
+            model=body.get("model") or model.name, text=" ".join(answer),
+            cut=len(thought or []) + len(words) > max_tokens,
+            prompt_tokens=prompt_tokens, output_tokens=len(thinking) + len(answer),
+            n=body.get("n") or 1,
+            reasoning=" ".join(thinking) if thought is not None else None,
+            reasoning_tokens=len(thinking)))
+
+    def echo_words(self, body: dict[str, Any],
+                   model: EchoModel) -> tuple[int, list[str], list[str] | None]:
+        """(prompt tokens, answer words, thought words or None: no reasoning) of a request
+        on the echo model; here the chat kind's: it answers the last user message, after
+        the model's lead."""
+        messages = self.messages(body)
+        prompt_tokens = sum(len(" ".join(text_parts(m.get("content"))).split())
+                            for m in messages)
+        last_user = next((" ".join(text_parts(m.get("content")))
+                          for m in reversed(messages) if m.get("role") == "user"), "")
+        thought = ["think:", *last_user.split()] if model.reasons else None
+        return prompt_tokens, [model.lead, *last_user.split()], thought
 
 
 class Pooling(Endpoint):

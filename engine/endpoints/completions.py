@@ -9,10 +9,12 @@ from typing import Any
 from engine.endpoints.base import (
     INVALID_BODY,
     VLLM_SAMPLING_FIELDS,
+    EchoModel,
     Endpoint,
     Generation,
     Refusal,
     VllmServing,
+    text_parts,
 )
 from engine.endpoints.chat import openai_common
 
@@ -42,6 +44,14 @@ class PlainPrompts(Endpoint):
 
     def prompt_values(self, body: dict[str, Any]) -> list[Any]:
         return [body.get(self.prompt_field)]
+
+    def echo_words(self, body: dict[str, Any],
+                   model: EchoModel) -> tuple[int, list[str], list[str] | None]:
+        """The prompt's own words (an adapter's lead in front), never a thought."""
+        words = " ".join(text_parts(body[self.prompt_field])).split()
+        if model.adapter:
+            words.insert(0, model.lead)
+        return len(words), words, None
 
 
 class Completions(PlainPrompts):

@@ -6,7 +6,14 @@ import time
 import uuid
 from typing import Any
 
-from engine.endpoints.base import Pooled, Pooling, VllmServing
+from engine.endpoints.base import (
+    EchoModel,
+    Pooled,
+    Pooling,
+    VllmServing,
+    context_refusal,
+    echo_vector,
+)
 from engine.endpoints.completions import PlainPrompts
 
 
@@ -38,3 +45,19 @@ class Embeddings(PlainPrompts, Pooling):
             if isinstance(embedding, list):
                 return f"embedding of {len(embedding)} dimensions ({len(data)} inputs)"
         return None
+
+    def echo(self, body: dict[str, Any], model: EchoModel) -> dict[str, Any]:
+        """An echo embedding (`echo_vector`) per input; its words are its tokens."""
+        inputs = body["input"]
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        vectors = []
+        prompt_tokens = 0
+        for text in inputs:
+            tokens = len(text.split())
+            if tokens > model.max_model_len:
+                raise context_refusal(tokens, model.max_model_len)
+            prompt_tokens += tokens
+            vectors.append(echo_vector(text))
+        return self.respond(body, Pooled(model=body.get("model") or model.name,
+                                         prompt_tokens=prompt_tokens, embeddings=vectors))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from engine.endpoints.base import (
@@ -192,7 +192,8 @@ class Responses(Endpoint):
                     found.append({"role": "tool", "content": item.get("output")})
         return found
 
-    def engine_body(self, body: dict[str, Any]) -> dict[str, Any]:
+    def engine_body(self, body: dict[str, Any], *,
+                    options: Mapping[str, Any] | None = None) -> dict[str, Any]:
         # The batch line's body is the whole request: no stored response, no background run
         # (validation refuses both), so the engine answers the Response object itself,
         # never a stream or a queued stub. `store` is OpenAI's default (true) on vLLM's

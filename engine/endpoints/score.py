@@ -14,10 +14,14 @@ from typing import Any
 from engine.endpoints.base import (
     INVALID_BODY,
     MISSING_PARAMETER,
+    EchoModel,
     Pooled,
     Pooling,
     Refusal,
     VllmServing,
+    context_refusal,
+    cosine,
+    echo_vector,
     text_parts,
 )
 from engine.endpoints.media import check_parts
@@ -122,6 +126,25 @@ class Scoring(Pooling):
 
     def prompt_values(self, body: dict[str, Any]) -> list[Any]:
         return [content for _, inputs in self.sides(body) for content in inputs]
+
+    def echo(self, body: dict[str, Any], model: EchoModel) -> dict[str, Any]:
+        """One score per pair, a single first input paired with each second one: the
+        cosine similarity of their echo embeddings. Each input counts its words once, as
+        vLLM embeds each input once."""
+        (_, first), (_, second) = self.sides(body)
+        texts = [" ".join(text_parts(content)) for content in first + second]
+        for text in texts:
+            if len(text.split()) > model.max_model_len:
+                raise context_refusal(len(text.split()), model.max_model_len)
+        prompt_tokens = sum(len(text.split()) for text in texts)
+        queries, documents = texts[:len(first)], texts[len(first):]
+        if len(queries) == 1:  # 1:N, as vLLM pairs them (else N:N)
+            queries *= len(documents)
+        scores = [cosine(echo_vector(q), echo_vector(d))
+                  for q, d in zip(queries, documents, strict=True)]
+        return self.respond(body, Pooled(model=body.get("model") or model.name,
+                                         prompt_tokens=prompt_tokens, scores=scores,
+                                         documents=second))
 
     def show_request(self, body: dict[str, Any]) -> str:
         """Each input of its two sides, one a line."""

@@ -19,9 +19,9 @@ from django.views import defaults
 from django.views.decorators.csrf import csrf_exempt
 
 from engine.endpoints import anthropic_error
-from jobs.errors import ServiceError
+from jobs.http.web import declared_length
+from jobs.lib.errors import ServiceError
 from jobs.services.keys import authenticate_key
-from jobs.web import declared_length
 
 log = logging.getLogger(__name__)
 

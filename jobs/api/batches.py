@@ -12,10 +12,10 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.http.response import HttpResponseBase
 from django.utils.cache import get_conditional_response, patch_cache_control, set_response_etag
 
-from jobs import polls
 from jobs.api.base import api_view, json_body, paginate, parse_limit
 from jobs.engines import model_names
-from jobs.errors import ServiceError
+from jobs.http.web import LIST_LIMIT, LIST_MAX_LIMIT, remember
+from jobs.lib.errors import ServiceError
 from jobs.models import Batch, LoraAdapter
 from jobs.queries import results as result_pages
 from jobs.services import batches, rerun, stopping
@@ -47,11 +47,11 @@ def list_batches(request: HttpRequest, user: Any) -> HttpResponse:
     filtered = any(k == "status" or k.startswith("metadata[") for k in request.GET)
     newest = None if filtered else (
         lambda count: batches.newest_batches(owner=user, count=count, api=Batch.Api.OPENAI))
-    response = paginate(request, objects, default_limit=batches.LIST_LIMIT,
-                        max_limit=batches.LIST_MAX_LIMIT, newest=newest, shown=shown)
+    response = paginate(request, objects, default_limit=LIST_LIMIT,
+                        max_limit=LIST_MAX_LIMIT, newest=newest, shown=shown)
     # The first page is replayed, while its batches are unchanged, to this client's next
-    # polls (jobs.polls takes only that page).
-    polls.remember(response)
+    # polls (batchweb.polls takes only that page).
+    remember(response)
     return response
 
 
@@ -81,8 +81,8 @@ def retrieve(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
     # Revalidated on every use (a shared cache must never keep one owner's batch).
     patch_cache_control(response, private=True, no_cache=True)
     answer = get_conditional_response(request, etag=response["ETag"], response=response)
-    # Replayed, while the batch row is unchanged, to this client's next polls (jobs.polls).
-    polls.remember(answer or response)
+    # Replayed, while the batch row is unchanged, to this client's next polls (batchweb.polls).
+    remember(answer or response)
     return answer or response
 
 

@@ -15,11 +15,11 @@ from jobs.api.base import (
     multipart_file,
     paginate,
 )
-from jobs.errors import ServiceError
+from jobs.http.web import download_response, uploaded_path
+from jobs.lib.errors import ServiceError
 from jobs.models import File
 from jobs.services.files import create_input_file, delete_file, get_file_for_user
 from jobs.services.references import register_reference
-from jobs.web import download_response, uploaded_path
 
 
 def _expires_after(request: HttpRequest) -> Any:

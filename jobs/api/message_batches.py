@@ -1,6 +1,6 @@
 """/v1/messages/batches: Anthropic's Message Batches API, with its keys (x-api-key) and
 error objects. The batches are ours (jobs/services/message_batches.py); what they look
-like here is jobs/anthropic.py."""
+like here is jobs/formats/anthropic.py."""
 
 from __future__ import annotations
 
@@ -11,14 +11,15 @@ from django.http import HttpRequest, HttpResponse, JsonResponse, StreamingHttpRe
 from django.http.response import HttpResponseBase
 from django.utils.cache import patch_cache_control
 
-from jobs import anthropic, heavy
 from jobs.api.base import ANTHROPIC, api_view, json_body, parse_limit
-from jobs.errors import ServiceError, storable_id
+from jobs.formats import anthropic
+from jobs.http.web import declared_length
+from jobs.lib import heavy
+from jobs.lib.errors import ServiceError, storable_id
 from jobs.models import Batch
 from jobs.services import rerun, stopping
 from jobs.services.batches import get_message_batch_for_user
 from jobs.services.message_batches import create_message_batch, delete_message_batch
-from jobs.web import declared_length
 
 
 def _shown(request: HttpRequest, batch: Batch) -> dict[str, Any]:

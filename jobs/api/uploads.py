@@ -8,8 +8,8 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from jobs.api.base import api_view, check_upload_size, json_body, multipart_file
+from jobs.http.web import uploaded_path
 from jobs.services import uploads
-from jobs.web import uploaded_path
 
 
 def create(request: HttpRequest, user: Any) -> HttpResponse:

@@ -27,7 +27,7 @@ from django.utils import timezone
 
 from engine.endpoints import ENDPOINTS, POOLING_ENDPOINTS
 from jobs.api.base import api_view
-from jobs.errors import ServiceError
+from jobs.lib.errors import ServiceError
 from jobs.queries import usage
 
 # Per bucket width: (default, maximum) buckets a page, as OpenAI's.

@@ -10,7 +10,7 @@ input line while a batch validates.
 - `moderation`: the moderation rule, an embeddings model and example texts.
 - `screener`: all of them on a chunk of lines; `chunker`: how validation cuts the chunks.
 - `violation`: what a rule says about a line it refuses.
-The admin's check of a regex rule is `jobs.re2check` (the models use it).
+The admin's check of a regex rule is `jobs.lib.re2check` (the models use it).
 """
 
 from jobs.policy.chunker import CHUNK_TOKENS, LINE_TOKENS, ScreeningChunker

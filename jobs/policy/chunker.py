@@ -3,9 +3,9 @@ covers many lines."""
 
 from __future__ import annotations
 
+from jobs.formats.wire import RequestLine
 from jobs.policy.screener import Screener
 from jobs.policy.violation import ViolationSink
-from jobs.wire import RequestLine
 
 # A chunk ends when its lines' prompt-size estimates, each line counting LINE_TOKENS more,
 # reach CHUNK_TOKENS (one sum per line). So a chunk is at most CHUNK_TOKENS / LINE_TOKENS

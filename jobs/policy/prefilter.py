@@ -29,8 +29,8 @@ from typing import Any
 
 import re2
 
+from jobs.lib.re2check import options
 from jobs.policy.texts import ChunkText, TextRule
-from jobs.re2check import options
 
 hyperscan: Any
 try:

@@ -28,9 +28,9 @@ from typing import Any
 
 import re2
 
+from jobs.lib.re2check import error_text, options
 from jobs.policy.prefilter import Prefilter
 from jobs.policy.texts import ChunkText, TextRule
-from jobs.re2check import error_text, options
 
 logger = logging.getLogger(__name__)
 

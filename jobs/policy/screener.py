@@ -6,12 +6,12 @@ from __future__ import annotations
 from operator import itemgetter
 from typing import Any
 
+from jobs.formats.wire import RequestLine
 from jobs.models import ContentRule
 from jobs.policy.moderation import Moderation
 from jobs.policy.re2rules import text_rules
 from jobs.policy.size import PromptSizeRules
 from jobs.policy.violation import Violation, ViolationSink
-from jobs.wire import RequestLine
 
 # Of a chunk's (line number, custom_id, tokens, text).
 _TEXT = itemgetter(3)

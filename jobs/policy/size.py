@@ -10,8 +10,8 @@ from typing import Any
 
 from engine.endpoints import request_messages
 from engine.tokens import PromptCounter
+from jobs.formats.wire import RequestLine
 from jobs.policy.violation import Violation, ViolationSink
-from jobs.wire import RequestLine
 
 # Of a chunk's (line number, custom_id, tokens, text).
 _TOKENS = itemgetter(2)

@@ -11,7 +11,7 @@ from typing import Any
 
 import re2
 
-from jobs.re2check import options
+from jobs.lib.re2check import options
 
 
 @dataclass

@@ -17,7 +17,7 @@ from datetime import datetime, timedelta
 
 from django.utils import timezone
 
-from jobs.compiled import Compiled
+from jobs.lib.compiled import Compiled
 from jobs.models import Batch, Shard
 
 # "Now" is the last two minutes: long enough to smooth shard boundaries, short enough to
@@ -186,17 +186,12 @@ def timeline(batch: Batch) -> list[tuple[str, datetime]]:
     return sorted(stamps, key=lambda item: item[1])
 
 
-def ended_at(batch: Batch) -> datetime | None:
-    return (batch.completed_at or batch.failed_at or batch.expired_at or batch.cancelled_at
-            if batch.is_ended else None)
-
-
 def _rates(batch: Batch, rows: list[ShardRow], now: datetime) -> tuple[
         float | None, float | None, float | None]:
     """(rate now, average rate, elapsed seconds) in requests per second."""
     if batch.in_progress_at is None:
         return None, None, None
-    end = ended_at(batch) or now
+    end = batch.ended_at or now
     elapsed = max((end - batch.in_progress_at).total_seconds(), 0.001)
     ran = sum(r.completed + r.failed for r in rows if r.ran)
     rate_avg = ran / elapsed if ran else 0.0
@@ -291,7 +286,7 @@ def throughput_series(batch: Batch, rows: list[ShardRow], now: datetime,
     if batch.in_progress_at is None:
         return []
     start = batch.in_progress_at
-    span = ((ended_at(batch) or now) - start).total_seconds()
+    span = ((batch.ended_at or now) - start).total_seconds()
     if span <= 0:
         return []
     step = span / buckets

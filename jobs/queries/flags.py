@@ -14,11 +14,17 @@ from dataclasses import dataclass
 
 from django.core.files.storage import default_storage
 
-from jobs.compiled import Compiled
+from jobs.formats.result_lines import (
+    ResultRow,
+    Segment,
+    iter_input_matches,
+    parse_result_line,
+    scan,
+)
+from jobs.lib.compiled import Compiled
 from jobs.models import Batch, File, Shard
 from jobs.quality import FLAG_LABELS, FLAGS
 from jobs.queries.results import PAGE_SIZE, PREVIEW_LINE_BYTES, parse_cursor
-from jobs.result_lines import ResultRow, Segment, iter_input_matches, parse_result_line, scan
 from jobs.storage.objects import open_range
 
 # Read by the live block of a running batch on every poll of a change: compiled once.

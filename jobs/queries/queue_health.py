@@ -20,11 +20,11 @@ from django.utils import timezone
 from rq import Worker
 
 from engine.remote_limits import DEFAULT_CEILING, ServerState, server_state
-from jobs import queues
 from jobs.capacity import ModelPlan, plans
 from jobs.engines import model_names, model_spec, model_specs
+from jobs.fleet import standby_models
+from jobs.lib import queues
 from jobs.models import Shard
-from jobs.worker.presence import standby_models
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Reading a batch's results for people: pages of output or error lines (paged by byte
 offset, never by reading a whole file), error counts by code, the input line behind a
 custom_id, and the API's pages of results, while the batch still runs and after. Where
-the results are, and how they are read line by line, is `jobs.result_lines`."""
+the results are, and how they are read line by line, is `jobs.formats.result_lines`."""
 
 from __future__ import annotations
 
@@ -14,16 +14,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.conf import settings
 from django.core.files.storage import default_storage
 
-from jobs.errors import ServiceError
-from jobs.heavy import Guard, cached, version
-from jobs.models import Batch, File, Shard
-from jobs.result_lines import (
+from jobs.formats.result_lines import (
     Kind,
     ResultRow,
-    Segment,
     ShardResults,
     iter_input_matches,
     parse_result_line,
@@ -31,9 +26,11 @@ from jobs.result_lines import (
     segments,
     shard_results,
 )
+from jobs.formats.wire import read_result_line
+from jobs.lib.errors import ServiceError
+from jobs.models import Batch, File, Shard
 from jobs.storage.lines import iter_lines
 from jobs.storage.objects import open_file, open_range
-from jobs.wire import read_result_line
 
 PAGE_SIZE = 25
 # Lines longer than this are listed but not shown (a result line may be megabytes).
@@ -88,25 +85,6 @@ def read_page(batch: Batch, kind: Kind, *, cursor: str | None = None,
             continue
         rows.append(row)
     return Page(rows, None)
-
-
-def error_counts(batch: Batch, *, guard: Guard | None = None) -> list[tuple[str, int]]:
-    """(code, lines) over the whole error file (the finished shards' parts while the batch
-    runs), most frequent first. One streaming pass, cached by progress: the key names the
-    parts read, so a finished shard counts again and repeated views are a cache read
-    (`guard` is entered only to count)."""
-    segs = segments(batch, "error")
-    return cached(f"errcounts:{batch.pk}:{version(segs)}", lambda: _count_errors(segs),
-                  guard=guard)
-
-
-def _count_errors(segs: list[Segment]) -> list[tuple[str, int]]:
-    counts: dict[str, int] = {}
-    for here, content, length in scan(
-            segs, None, max_line_bytes=settings.BATCHWEB["MAX_LINE_BYTES"]):
-        code = parse_result_line(here, content, length).code or "unknown"
-        counts[code] = counts.get(code, 0) + 1
-    return sorted(counts.items(), key=lambda item: (-item[1], item[0]))
 
 
 # --- the input side ---

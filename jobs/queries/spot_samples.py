@@ -11,12 +11,12 @@ from typing import Any
 
 from django.db.models import Count, Q
 
-from jobs.compiled import Compiled
-from jobs.heavy import Guard, cached, version
+from jobs.formats.result_lines import Segment, parse_result_line, scan, segments
+from jobs.lib.compiled import Compiled
+from jobs.lib.heavy import Guard, cached, version
 from jobs.models import Batch, SpotCheck
 from jobs.queries.flags import FlagRow, find_outputs, flag_labels, flag_segments, iter_flagged
 from jobs.queries.results import PREVIEW_LINE_BYTES
-from jobs.result_lines import Segment, parse_result_line, scan, segments
 
 SPOT_SHARE = 0.05
 SPOT_MIN = 10

@@ -21,9 +21,9 @@ from django.db.models import Count
 from django.utils import timezone
 
 from engine.endpoints import ENDPOINTS
-from jobs import heavy, queues
-from jobs.compiled import Compiled
-from jobs.errors import ServiceError, not_found, storable_id
+from jobs.lib import heavy, queues
+from jobs.lib.compiled import Compiled
+from jobs.lib.errors import ServiceError, not_found, storable_id
 from jobs.models import Batch, EvalSet, File, new_batch_id, new_message_batch_id
 from jobs.services import budgets, preflight
 from jobs.services.evals import eval_ceiling, find_set_for_user
@@ -162,11 +162,6 @@ _BATCH_OF_OWNER = Compiled(lambda owner_id, batch_id: Batch.objects.filter(
     owner_id=owner_id, pk=batch_id)[:1], "owner_id", "batch_id")
 
 
-# The first page of GET /v1/batches: its default size, and the largest a client may ask for.
-LIST_LIMIT = 20
-LIST_MAX_LIMIT = 100
-# Batches a page of the dashboard's list shows.
-LIST_PAGE_SIZE = 20
 
 # The newest batches of an owner (the first page of both lists, which clients and open
 # dashboards poll), compiled once for each page size (the size is part of the SQL), and

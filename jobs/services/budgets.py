@@ -31,7 +31,7 @@ from typing import Any
 from django.contrib.auth import get_user_model
 from django.db.models import Q, Sum
 
-from jobs.errors import ServiceError
+from jobs.lib.errors import ServiceError
 from jobs.models import Batch, EvalRun, UsageRecord
 from jobs.services.pricing import NANOS, Rate, format_cost, rate_for, rates_for
 from jobs.services.quotas import cost_nanos_since, limits_for, period_starts

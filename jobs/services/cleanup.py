@@ -46,8 +46,8 @@ from django.db import transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
-from jobs import queues
-from jobs.errors import ServiceError
+from jobs.lib import queues
+from jobs.lib.errors import ServiceError
 from jobs.models import Batch, File, Shard, Upload, UploadPart
 from jobs.services.files import delete_file
 from jobs.storage.backends import StoredObject, backend

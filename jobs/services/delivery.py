@@ -22,8 +22,8 @@ from django.conf import settings
 from django.db.models import F, Q
 from django.utils import timezone
 
-from jobs import queues
-from jobs.errors import ServiceError
+from jobs.lib import queues
+from jobs.lib.errors import ServiceError
 from jobs.models import Batch, File
 from jobs.services.grants import reach
 from jobs.storage.backends import CHUNK

@@ -45,8 +45,10 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from engine.endpoints import CHAT, EMBEDDINGS, REGISTRY, check_body
-from jobs import evalrules, queues
-from jobs.errors import ServiceError, not_found, storable_id, wrong_state
+from jobs import evalrules
+from jobs.formats.wire import RequestLine
+from jobs.lib import queues
+from jobs.lib.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.models import Batch, EvalRun, EvalSet, File
 from jobs.prompts import ceiling, room_for
 from jobs.quality import output_texts
@@ -55,7 +57,6 @@ from jobs.services.files import get_file_for_user, store_file
 from jobs.storage.lines import iter_lines
 from jobs.storage.objects import open_file, open_range, save_local
 from jobs.storage.temp import local_temp
-from jobs.wire import RequestLine
 
 log = logging.getLogger(__name__)
 

@@ -23,13 +23,13 @@ from django.core.files.storage import default_storage
 from django.db import transaction
 from django.utils import timezone
 
-from jobs.errors import ServiceError, not_found, storable_id, wrong_state
+from jobs.formats.wire import loads_strict
+from jobs.lib.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.models import Batch, File
 from jobs.services.quotas import check_quota
 from jobs.storage.backends import CHUNK, Source, backend
 from jobs.storage.lines import Concatenated, Lines, iter_lines
 from jobs.storage.objects import new_storage_name, open_range, save_local
-from jobs.wire import loads_strict
 
 
 def limits() -> dict[str, int]:

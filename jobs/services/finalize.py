@@ -11,13 +11,13 @@ from datetime import datetime, timedelta
 from django.db.models import Q
 from django.utils import timezone
 
+from jobs.formats.wire import Code
 from jobs.models import Batch, File, Shard
 from jobs.services.delivery import deliver_results
 from jobs.services.files import delete_file, store_concatenated
 from jobs.services.progress import refresh_progress
 from jobs.services.stopping import UnstartedLines, drop_queued_shards, unrun_lines
 from jobs.storage.backends import Source
-from jobs.wire import Code
 
 log = logging.getLogger(__name__)
 

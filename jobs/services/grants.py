@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from django.db.models import Q
 
-from jobs.errors import ServiceError
+from jobs.lib.errors import ServiceError
 from jobs.models import StorageGrant
 from jobs.storage.external import S3Location, inside_own_storage, parse_s3_url
 

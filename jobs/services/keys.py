@@ -26,7 +26,8 @@ _OWNER_FIELDS = ("owner__id", "owner__username", "owner__is_active", "owner__is_
                  "owner__is_superuser")
 
 
-def _hash(secret: str) -> str:
+def secret_hash(secret: str) -> str:
+    """What a key's row keeps of its secret (and what a poll's is looked up by)."""
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
@@ -34,7 +35,7 @@ def create_api_key(*, owner: Any, name: str) -> tuple[ApiKey, str]:
     """Create a key; returns the row and the secret, which is never retrievable again."""
     secret = KEY_PREFIX + secrets.token_urlsafe(32)
     key = ApiKey.objects.create(owner=owner, name=name.strip()[:100] or "default",
-                                prefix=secret[:PREFIX_CHARS], secret_hash=_hash(secret))
+                                prefix=secret[:PREFIX_CHARS], secret_hash=secret_hash(secret))
     return key, secret
 
 
@@ -43,7 +44,7 @@ def authenticate_key(secret: str) -> ApiKey | None:
     compares hashes in constant time."""
     if not secret.startswith(KEY_PREFIX) or len(secret) > 200 or not secret.isprintable():
         return None
-    digest = _hash(secret)
+    digest = secret_hash(secret)
     key = _cached(digest)
     if key is None:
         key = _lookup(secret, digest)

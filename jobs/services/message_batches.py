@@ -27,13 +27,13 @@ from django.db import transaction
 from django.db.models import Q
 
 from engine.endpoints import MESSAGES
-from jobs import anthropic
-from jobs.errors import ServiceError, wrong_state
+from jobs.formats import anthropic
+from jobs.formats.wire import raw_decode_strict
+from jobs.lib.errors import ServiceError, wrong_state
 from jobs.models import Batch, File
 from jobs.services.batches import create_batch
 from jobs.services.files import create_input_file, delete_file
 from jobs.storage.temp import local_temp
-from jobs.wire import raw_decode_strict
 
 # Anthropic's rule for a request's custom_id.
 CUSTOM_ID = re.compile(r"[a-zA-Z0-9_-]{1,64}")

@@ -1,7 +1,7 @@
 """Prefix planning: whether a batch's shards run its lines grouped by prompt prefix, and if
 so, which lines each shard runs.
 
-Validation hands every line that runs (`add`) with its prefix key (jobs.prefix). At the end
+Validation hands every line that runs (`add`) with its prefix key (jobs.prefix_keys). At the end
 (`finish`) the file's own statistics decide:
 
 - grouped, every request after the first of its group can find the shared prefix in the
@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from jobs.prefix import PrefixKey
+from jobs.prefix_keys import PrefixKey
 from jobs.storage.line_index import RECORD
 from jobs.storage.lines import Line
 

@@ -16,7 +16,7 @@ from django.db.models import Max, Min, Sum
 from django.utils import timezone
 
 from jobs.engines import served_endpoints
-from jobs.heavy import Guard, cached, version
+from jobs.lib.heavy import Guard, cached, version
 from jobs.models import ContentRule, File, LoraAdapter, Shard
 from jobs.services.budgets import Estimate
 from jobs.services.files import create_input_file

@@ -42,7 +42,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import F, Q, Sum
 from django.utils import timezone
 
-from jobs.errors import ServiceError
+from jobs.lib.errors import ServiceError
 from jobs.models import Batch, EvalRun, File, Quota, Shard, Upload, UploadPart, UsageRecord
 
 LABELS = {

@@ -9,7 +9,7 @@ from datetime import timedelta
 from django.db.models import Q
 from django.utils import timezone
 
-from jobs import queues
+from jobs.lib import queues
 from jobs.models import Batch, Shard
 from jobs.services import deadlines
 from jobs.services.evals import settle_due

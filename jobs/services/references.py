@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.errors import ServiceError
+from jobs.lib.errors import ServiceError
 from jobs.models import File
 from jobs.services.files import (
     _admit_input,

@@ -19,15 +19,15 @@ from typing import Any
 
 from django.db import transaction
 
-from jobs.errors import ServiceError, wrong_state
+from jobs.formats.result_lines import failed_custom_ids, iter_input_matches
+from jobs.formats.wire import Code
+from jobs.lib.errors import ServiceError, wrong_state
 from jobs.models import Batch, File
-from jobs.result_lines import failed_custom_ids, iter_input_matches
 from jobs.services.batches import MAX_METADATA_PAIRS, create_batch
 from jobs.services.files import create_input_file, delete_file
 from jobs.storage.external import ObjectChanged
 from jobs.storage.objects import open_file
 from jobs.storage.temp import local_temp
-from jobs.wire import Code
 
 FAILED = "failed"
 EXPIRED = "expired"

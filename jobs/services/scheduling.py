@@ -11,7 +11,7 @@ from __future__ import annotations
 from django.db.models import F, Q
 from django.utils import timezone
 
-from jobs import queues
+from jobs.lib import queues
 from jobs.models import Batch, Shard
 
 # Shards of one batch waiting in Redis at a time. The rest wait in the database, so a small

@@ -1,5 +1,6 @@
 """What a shard answers for, in one place: the input lines that it runs (not blank, not a
-copy of an earlier identical request), the copies its lines answer for (dedup), and the
+copy of an earlier identical request), the copies its lines answer for (dedup), the lines
+validation kept from running with the error line each gets (`screened_lines`), and the
 custom_ids all of that makes. The worker runs a shard from these; the finalizer writes
 error lines for an unfinished shard from them.
 
@@ -16,7 +17,9 @@ from typing import Any
 
 from django.db.models import Q
 
-from jobs.models import RequestCopy, Shard
+from jobs.formats.wire import LineError, failure_line, refused_line
+from jobs.models import ContentRule, RequestCopy, ScreenedLine, Shard
+from jobs.policy import VIOLATION, Violation
 from jobs.storage.lines import open_range_lines
 from jobs.storage.objects import location
 
@@ -70,6 +73,39 @@ def shard_lines(shard: Shard) -> ShardLines:
     return lines
 
 
+@dataclass(frozen=True)
+class Screened:
+    """Why validation kept a line from running (a ScreenedLine row), and its error line."""
+
+    error: LineError
+    # A request problem: the endpoint's 400 answer. Else a `skip` content rule's line.
+    refused: bool
+
+    def error_line(self, custom_id: str) -> bytes:
+        if self.refused:
+            return refused_line(custom_id, code=self.error.code, message=self.error.message,
+                                param=self.error.param)
+        return failure_line(custom_id, self.error.code, self.error.message)
+
+
+def screened_lines(shard: Shard, lines: ShardLines) -> dict[int, Screened]:
+    """The shard's lines that validation kept from running -> the error line each gets. A
+    `skip` rule's line reads the rule's reason as the rule says it now."""
+    rows = [row for where in lines.where("line")
+            for row in ScreenedLine.objects.filter(where, batch_id=shard.batch_id)
+            .values_list("line", "rule", "code", "param", "message")]
+    reasons = (dict(ContentRule.objects.values_list("name", "reason"))
+               if any(rule for _, rule, *_ in rows) else {})
+    screened = {}
+    for line, rule, code, param, message in rows:
+        if rule:
+            message = Violation(rule=rule, action="skip", reason=reasons.get(rule, "")).message
+            screened[line] = Screened(LineError(VIOLATION, message), refused=False)
+        else:
+            screened[line] = Screened(LineError(code, message, param or None), refused=True)
+    return screened
+
+
 def _records(shard: Shard) -> Any:
     # The line index (and numpy with it) is imported by the workers that run a grouped
     # shard only: ~0.1 s of each worker's start otherwise.
@@ -84,13 +120,14 @@ def shard_requests(shard: Shard, skip: set[int]) -> Iterator[Iterator[tuple[int,
     """(line number, request object) of each line the shard runs, in the order it runs
     them, streamed from the input: its byte range (a Range read on object storage), or the
     lines its records in the line index name."""
+    records = _records(shard) if shard.lines_from is not None else None
     # A stored name, or a registered object pinned to its version (a replaced one raises
     # ObjectChanged before a line is read).
     storage_name = location(shard.batch.input_file)
-    if shard.lines_from is not None:
+    if records is not None:
         from jobs.storage.line_index import iter_indexed_lines
 
-        lines = iter_indexed_lines(storage_name, _records(shard))
+        lines = iter_indexed_lines(storage_name, records)
         yield ((number, json.loads(content)) for number, content in lines
                if number not in skip)
         return

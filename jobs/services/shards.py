@@ -21,12 +21,12 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from jobs.checkpoint import Checkpoint, Progress, ShardUsage
+from jobs.formats.checkpoint import Checkpoint, Progress, ShardUsage
+from jobs.formats.wire import Code
 from jobs.models import Batch, Shard
 from jobs.services.ledger import record_shard_usage
 from jobs.services.progress import refresh_progress
 from jobs.services.scheduling import enqueue_next_shards, request_finalize
-from jobs.wire import Code
 
 log = logging.getLogger(__name__)
 

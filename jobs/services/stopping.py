@@ -13,7 +13,8 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from jobs.errors import wrong_state
+from jobs.formats.wire import MAX_MESSAGE_CHARS, Code, custom_id_of, failure_line, unrun_message
+from jobs.lib.errors import wrong_state
 from jobs.models import Batch, File, Shard
 from jobs.services.progress import refresh_progress
 from jobs.services.scheduling import request_finalize
@@ -21,7 +22,6 @@ from jobs.services.shard_input import shard_custom_ids
 from jobs.storage.external import ObjectChanged
 from jobs.storage.lines import iter_lines
 from jobs.storage.objects import open_file
-from jobs.wire import MAX_MESSAGE_CHARS, Code, custom_id_of, failure_line, unrun_message
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class UnstartedLines:
         if file is None:
             return
         # Imported here: numpy is not loaded by a worker's start (tests/ops/test_startup.py).
-        from jobs.digestset import DigestSet
+        from jobs.lib.digestset import DigestSet
 
         seen = DigestSet()
         self.count = 0

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import logging
 
+from jobs.formats.wire import Code
 from jobs.models import Batch, Shard
 from jobs.services import cleanup, delivery, webhooks
 from jobs.services.progress import refresh_progress
 from jobs.services.scheduling import enqueue_next_shards
 from jobs.services.shards import fail_shard
-from jobs.wire import Code
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from django.db import transaction
 from django.db.models import Sum
 from django.utils import timezone
 
-from jobs.errors import ServiceError, not_found, storable_id, wrong_state
+from jobs.lib.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.models import Upload, UploadPart
 from jobs.services.files import (
     check_purpose,

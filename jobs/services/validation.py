@@ -33,13 +33,20 @@ from django.db import transaction
 from django.utils import timezone
 from redis import RedisError
 
-from jobs import queues
-from jobs.digestset import DigestSet
 from jobs.engines import served_endpoints
 from jobs.fleet import kv_cache_tokens
+from jobs.formats.wire import (
+    Code,
+    LineError,
+    RequestLine,
+    parse_line,
+    quoted,
+)
+from jobs.lib import queues
+from jobs.lib.digestset import DigestSet
 from jobs.models import Batch, LoraAdapter, RequestCopy, ScreenedLine, Shard
 from jobs.policy import VIOLATION, Screener, ScreeningChunker, Violation
-from jobs.prefix import prefix_key
+from jobs.prefix_keys import prefix_key
 from jobs.prompts import Room, ceiling, estimate_tokens, prompt_text, room_for
 from jobs.services.budgets import Estimate, estimate
 from jobs.services.evals import eval_ceiling
@@ -53,13 +60,6 @@ from jobs.storage.line_index import write_line_index
 from jobs.storage.lines import Line, iter_lines
 from jobs.storage.objects import open_file
 from jobs.storage.temp import local_temp
-from jobs.wire import (
-    Code,
-    LineError,
-    RequestLine,
-    parse_line,
-    quoted,
-)
 
 
 @dataclass

@@ -30,7 +30,7 @@ reconciler's next pass enqueues it again. So one user's slow receiver ties up th
 workers at most, not every worker taking the webhook queue.
 
 Only allowed addresses are called (settings WEBHOOK_ALLOWED_HOSTS / _NETWORKS), through the
-SSRF-safe client in `jobs.safehttp`.
+SSRF-safe client in `jobs.lib.safehttp`.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.utils import timezone
 
-from jobs import queues
+from jobs.lib import queues
+from jobs.lib.safehttp import EXCERPT, Outcome, check_url, post
 from jobs.models import Batch, UserSettings, WebhookDelivery, WebhookEvent, new_webhook_secret
-from jobs.safehttp import EXCERPT, Outcome, check_url, post
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ from django.shortcuts import redirect, render
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_POST
 
-from jobs.errors import ServiceError
+from jobs.http.web import SignedInRequest
+from jobs.lib.errors import ServiceError
 from jobs.models import WebhookEvent
 from jobs.services import quotas, webhooks
-from jobs.web import SignedInRequest
 
 
 class WebhookForm(forms.Form):

@@ -31,16 +31,22 @@ from django.utils.text import slugify
 from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import HttpResponseClientRedirect, HttpResponseStopPolling
 
-from jobs import heavy, polls, result_lines
-from jobs.errors import ServiceError
-from jobs.forms import NewBatchForm, ResultFilterForm, SpotCheckForm
+from jobs.formats import result_lines
+from jobs.http.web import (
+    LIST_PAGE_SIZE,
+    SignedInRequest,
+    download_response,
+    remember,
+    uploaded_path,
+)
+from jobs.lib import heavy
+from jobs.lib.errors import ServiceError
 from jobs.models import Batch, File
 from jobs.quality import FLAG_LABELS, FLAGS
 from jobs.queries import dashboard, flags, queue_health, results, spot_samples, usage
 from jobs.queries.evals import batch_record, engines_of
 from jobs.services import preflight, rerun, spotcheck
 from jobs.services.batches import (
-    LIST_PAGE_SIZE,
     count_batches,
     create_batch,
     get_batch_for_user,
@@ -52,14 +58,14 @@ from jobs.services.pricing import format_cost, rates_for
 from jobs.services.progress import batch_version
 from jobs.services.references import register_reference
 from jobs.services.stopping import cancel_batch
-from jobs.web import SignedInRequest, download_response, uploaded_path
+from jobs.views.forms import NewBatchForm, ResultFilterForm, SpotCheckForm
 
 BUSY_RETRY_SECONDS = 2
 # Polling of a running batch (its page's live block, its row in the list): every 2 s, each
 # page's period spread by +-15% so that many open pages do not all ask at the same instant.
 # While the batch does not change the page lets polls pass, up to 30 s apart (static/js/
 # app.js): the polling URL stays the same, so each such poll is the browser revalidating
-# its copy, which the poll memo (jobs.polls) answers without Django.
+# its copy, which the poll memo (batchweb.polls) answers without Django.
 POLL_MIN_SECONDS = 2
 POLL_MAX_SECONDS = 30
 POLL_JITTER = 0.15
@@ -89,7 +95,7 @@ def _get_batch_for_user(request: SignedInRequest, batch_id: str) -> Batch:
 
 def _busy(request: SignedInRequest) -> HttpResponse:
     """429 for a heavy view while the same user's previous one still computes (see
-    jobs.heavy): said plainly, with when to try again."""
+    jobs.lib.heavy): said plainly, with when to try again."""
     response = render(request, "jobs/busy.html", status=429)
     response["Retry-After"] = str(BUSY_RETRY_SECONDS)
     return response
@@ -175,8 +181,8 @@ def batch_list(request: SignedInRequest) -> HttpResponse:
     response = render(request, template, context)
     if first:
         # The table is replayed to this browser's next requests while its batches are
-        # unchanged (jobs.polls), until the running ones' ETAs are due again.
-        polls.remember(response, seconds=LIST_STALE_SECONDS)
+        # unchanged (batchweb.polls), until the running ones' ETAs are due again.
+        remember(response, seconds=LIST_STALE_SECONDS)
     return response
 
 
@@ -343,7 +349,7 @@ def _rerun_offers(batch: Batch) -> list[dict[str, Any]]:
     if batch.stop_code:
         stopped_kind = rerun.kind_of(batch.stop_code)
         try:
-            stopped = dict(results.error_counts(
+            stopped = dict(result_lines.error_counts(
                 batch, guard=heavy.one_per_user(batch.owner_id))).get(batch.stop_code, 0)
             counts = {rerun.FAILED: batch.failed - stopped, stopped_kind: stopped}
         except heavy.Busy:
@@ -428,7 +434,7 @@ def batch_live(request: SignedInRequest, batch_id: str) -> HttpResponse:
     patch_cache_control(response, private=True, no_cache=True)
     # The same answer while the row is unchanged, until the time-derived figures are due,
     # and while the queue's verdict on the batch stands.
-    polls.remember(response, seconds=LIVE_STALE_SECONDS - now % LIVE_STALE_SECONDS,
+    remember(response, seconds=LIVE_STALE_SECONDS - now % LIVE_STALE_SECONDS,
                    checks=((functools.partial(_blocker, batch), head["blocker"]),))
     return response
 
@@ -520,7 +526,7 @@ def _tab(request: SignedInRequest, batch_id: str, kind: result_lines.Kind, tab: 
     })
     if kind == "error":
         try:
-            context["counts"] = results.error_counts(batch, guard=_guard(request))
+            context["counts"] = result_lines.error_counts(batch, guard=_guard(request))
         except heavy.Busy:
             return _busy(request)
         # A batch that failed validation has no error file: its problems are errors.data.

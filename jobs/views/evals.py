@@ -10,12 +10,12 @@ from django.http import Http404, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
-from jobs.errors import ServiceError
-from jobs.forms import EvalSetForm
+from jobs.http.web import SignedInRequest, uploaded_path
+from jobs.lib.errors import ServiceError
 from jobs.models import EvalRun, EvalSet
 from jobs.services import evals
 from jobs.services.batches import get_batch_for_user
-from jobs.web import SignedInRequest, uploaded_path
+from jobs.views.forms import EvalSetForm
 
 
 def _get_eval_set_for_user(request: SignedInRequest, set_id: int) -> EvalSet:

@@ -10,10 +10,10 @@ from django.http.response import HttpResponseBase
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_POST
 
-from jobs.errors import ServiceError
+from jobs.http.web import SignedInRequest, download_response
+from jobs.lib.errors import ServiceError
 from jobs.models import File
 from jobs.services.files import delete_file, get_file_for_user
-from jobs.web import SignedInRequest, download_response
 
 PAGE_SIZE = 25
 

@@ -9,10 +9,10 @@ from django.shortcuts import redirect, render
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_POST
 
-from jobs.forms import ApiKeyForm
+from jobs.http.web import SignedInRequest
 from jobs.models import ApiKey
 from jobs.services.keys import create_api_key, revoke_api_key
-from jobs.web import SignedInRequest
+from jobs.views.forms import ApiKeyForm
 
 
 def _get_key_for_user(request: SignedInRequest, key_id: int) -> ApiKey:

@@ -3,7 +3,7 @@ webhook)."""
 
 from django.urls import path
 
-from jobs.metrics import metrics_view
+from jobs.http.metrics import metrics_view
 from jobs.views import account
 
 urlpatterns = [

@@ -1,16 +1,21 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
+from jobs.http import poll_rows
+from jobs.http.web import polled
 from jobs.views import batches, evals, files, keys, usage
 
 urlpatterns = [
     path("accounts/login/", auth_views.LoginView.as_view(redirect_authenticated_user=True),
          name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
-    path("", batches.batch_list, name="batch_list"),
+    # Polled (the table and the live block): a GET may be answered from Django's last
+    # answer (batchweb/polls.py).
+    path("", polled(batches.batch_list, poll_rows.batch_table), name="batch_list"),
     path("batches/new", batches.batch_new, name="batch_new"),
     path("batches/<str:batch_id>/", batches.batch_detail, name="batch_detail"),
-    path("batches/<str:batch_id>/live", batches.batch_live, name="batch_live"),
+    path("batches/<str:batch_id>/live", polled(batches.batch_live, poll_rows.live_block),
+         name="batch_live"),
     path("batches/<str:batch_id>/row", batches.batch_row, name="batch_row"),
     path("batches/<str:batch_id>/cancel", batches.batch_cancel, name="batch_cancel"),
     path("batches/<str:batch_id>/rerun", batches.batch_rerun, name="batch_rerun"),

@@ -13,12 +13,12 @@ from django.http import HttpResponse, StreamingHttpResponse
 from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
-from jobs.forms import UsageFilterForm
+from jobs.http.web import SignedInRequest
 from jobs.models import ApiKey, UsageRecord
 from jobs.queries import usage
 from jobs.services.budgets import budget_for
 from jobs.services.pricing import format_cost
-from jobs.web import SignedInRequest
+from jobs.views.forms import UsageFilterForm
 
 CHART_WIDTH = 600
 CHART_HEIGHT = 160

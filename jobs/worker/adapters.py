@@ -11,6 +11,7 @@ from django.conf import settings
 
 from engine.prepare import prepare_adapter
 from jobs.models import LoraAdapter
+from jobs.worker.db import with_db_retry
 
 
 class AdapterFolders:
@@ -26,12 +27,14 @@ class AdapterFolders:
 
     def folder(self, name: str, *, base_model: str) -> str | None:
         """The local folder of the adapter `name` of `base_model`; None when no such
-        adapter is registered (any longer). Preparing it may raise (a download failed):
-        the shard's attempt fails and is retried, as for any failure of its inputs."""
+        adapter is registered (any longer). The registry is read across a dropped
+        connection. Preparing it may raise (a download failed): the shard's attempt fails
+        and is retried, as for any failure of its inputs."""
         with self._lock:
             if name in self._folders:
                 return self._folders[name]
-            adapter = LoraAdapter.objects.filter(name=name, base_model=base_model).first()
+            adapter = with_db_retry(lambda: LoraAdapter.objects.filter(
+                name=name, base_model=base_model).first())
             if adapter is None:
                 return None
             folder = str(prepare_adapter(name, adapter.source, settings.MODELS_DIR))

@@ -4,18 +4,16 @@ result to its shard's parts, and finishes a shard when its last result is writte
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import queue
 from collections.abc import Callable, Iterator
 
 from engine.base import EngineRequest, EngineResult
 from engine.endpoints import usage_of
-from jobs.prompts import output_room, room_for
-from jobs.services import shards as shard_service
-from jobs.wire import Code
+from jobs.formats.wire import Code
+from jobs.prompts import output_room
 from jobs.worker.adapters import AdapterFolders
-from jobs.worker.db import with_db_retry
+from jobs.worker.db import ShardStore
 from jobs.worker.finish import finish
 from jobs.worker.loop import Loop
 from jobs.worker.retry import RETRY_SUFFIX, is_retry, needs_json_retry, retry_request
@@ -38,9 +36,10 @@ def parse_request_id(request_id: str) -> tuple[str, int, int]:
 class Dispatcher(Loop):
     name = "dispatch"
 
-    def __init__(self, state: WorkerState, *, adapters: AdapterFolders,
+    def __init__(self, state: WorkerState, *, store: ShardStore, adapters: AdapterFolders,
                  notice_unsaved: Callable[[int], None]) -> None:
         self.state = state
+        self.store = store
         self.adapters = adapters
         # Told each shard's unsaved result count after each result (the checkpointer's).
         self.notice_unsaved = notice_unsaved
@@ -102,8 +101,7 @@ class Dispatcher(Loop):
         for work in self.state.current_works():
             self.state.drop(work)
             try:
-                with_db_retry(functools.partial(shard_service.fail_shard, shard_id=work.shard_id,
-                                                attempt=work.attempt, reason=reason))
+                self.store.fail(work, reason)
             except Exception:
                 log.exception("could not record failure of shard %s", work.shard_id)
 
@@ -126,7 +124,7 @@ class Dispatcher(Loop):
                 retry = retry_request(result.request_id, request,
                                       self.adapters.known(request.model),
                                       cache_salt=work.cache_salt,
-                                      output_room=output_room(request, room_for(work.model)))
+                                      output_room=output_room(request, work.room))
                 work.pending[retry.request_id] = request
                 work.json_retries += 1
                 state.idle.request_started(retry.request_id)
@@ -141,4 +139,4 @@ class Dispatcher(Loop):
             self.notice_unsaved(work.unsaved_results())
             finish_now = work.claim_finish()
         if finish_now:
-            finish(self.state, work)
+            finish(self.state, work, store=self.store)

@@ -8,7 +8,7 @@ import logging
 
 from django.db import InterfaceError, OperationalError, connection
 
-from jobs.checkpoint import Progress
+from jobs.formats.checkpoint import Progress
 from jobs.services import shards as shard_service
 from jobs.worker.loop import Loop
 from jobs.worker.state import WorkerState

@@ -7,26 +7,24 @@ from __future__ import annotations
 import logging
 import queue
 from collections.abc import Callable
+from typing import Any
 
 from django.db import close_old_connections
 
 from engine.base import EngineRequest
-from jobs.checkpoint import Checkpoint
+from jobs.formats.wire import Code, RequestLine
 from jobs.models import Shard
-from jobs.prefix import prefix_key
-from jobs.prompts import output_room, room_for
-from jobs.services import shards as shard_service
-from jobs.services import stopping
+from jobs.prefix_keys import prefix_key
+from jobs.prompts import output_room
 from jobs.services.shard_input import shard_requests
 from jobs.storage.external import ObjectChanged
-from jobs.wire import Code, RequestLine
 from jobs.worker.adapters import AdapterFolders
-from jobs.worker.db import with_db_retry
+from jobs.worker.db import ShardStore
 from jobs.worker.finish import finish
-from jobs.worker.parts import ShardWork, adopt_checkpoint, open_work
+from jobs.worker.part_storage import stored_checkpoint
 from jobs.worker.served import Served
 from jobs.worker.state import WorkerState
-from jobs.worker.timings import timed
+from jobs.worker.work import ShardWork
 
 log = logging.getLogger(__name__)
 # The intake of this process's running pipeline: where the RQ job hands its shard.
@@ -40,10 +38,10 @@ def current_intake() -> Intake:
 
 
 class Intake:
-    def __init__(self, state: WorkerState, *, worker_name: str, served: Served,
+    def __init__(self, state: WorkerState, *, store: ShardStore, served: Served,
                  adapters: AdapterFolders, top_up: Callable[[str], None]) -> None:
         self.state = state
-        self.worker_name = worker_name
+        self.store = store
         self.served = served
         self.adapters = adapters
         # Called with the batch of each claimed shard: its next shards go to Redis.
@@ -65,17 +63,15 @@ class Intake:
         if state.broken is not None:
             raise RuntimeError(f"engine failed: {state.broken}")
         close_old_connections()
-        with timed("claim"):
-            shard = with_db_retry(lambda: shard_service.claim_shard(
-                shard_id=shard_id, worker=self.worker_name, top_up=False))
+        shard = self.store.claim(shard_id)
         if shard is None:
             return
         self.top_up(shard.batch_id)
-        work = with_db_retry(lambda: open_work(shard))
+        work = self.store.open(shard)
         state.register(work)
         try:
             self.served.claimed(shard)  # provenance, and the eval runs it starts
-            work = self._adopt(shard, work)
+            self._adopt(work, shard.checkpoint)
             self._submit_lines(shard, work)
         except BaseException as exc:
             # Reading the input or the database failed, or a cold shutdown: the attempt is
@@ -83,41 +79,34 @@ class Intake:
             state.drop(work)
             if not isinstance(exc, SystemExit | KeyboardInterrupt):
                 log.exception("shard %s failed while submitting", shard_id)
-                reason = f"{type(exc).__name__}: {exc}"
-                with_db_retry(lambda: shard_service.fail_shard(
-                    shard_id=shard_id, attempt=work.attempt, reason=reason))
+                self.store.fail(work, f"{type(exc).__name__}: {exc}")
                 if isinstance(exc, ObjectChanged):
-                    # Its input, read in place, was replaced: no retry can run it on the
-                    # registered data. After the failure above, so that the stop drops
-                    # this shard with the others.
-                    changed = str(exc)
-                    with_db_retry(lambda: stopping.stop_changed_input(
-                        batch_id=shard.batch_id, reason=changed))
+                    # After the failure above, so that the stop drops this shard with the
+                    # others.
+                    self.store.stop_changed_input(work, str(exc))
             raise
         with work.lock:
             work.all_submitted = True
             finish_now = work.claim_finish()
         if finish_now:
-            finish(state, work)
+            finish(state, work, store=self.store)
         self._wait_for_room()
 
-    def _adopt(self, shard: Shard, work: ShardWork) -> ShardWork:
+    def _adopt(self, work: ShardWork, checkpoint: dict[str, Any]) -> None:
         """Start from the checkpoint the claim handed on. One that cannot be read (a segment
         lost from storage) is dropped from the row and the shard runs whole: retrying it
-        would only fail the same way until the shard is abandoned."""
-        if not shard.checkpoint:
-            return work
+        would only fail the same way until the shard is abandoned. It is checked before
+        the work takes any of it, so the work is then as it was opened."""
         try:
-            adopt_checkpoint(work, shard.checkpoint)
-            return work
+            adopted = work.adopt(stored_checkpoint(checkpoint))
         except Exception:
-            log.exception("shard %s: cannot adopt its checkpoint; running it whole", shard.pk)
-        self.state.drop(work)
-        fresh = with_db_retry(lambda: open_work(shard))
-        self.state.register(fresh)
-        with_db_retry(lambda: shard_service.record_checkpoint(
-            shard_id=shard.pk, attempt=shard.attempt, checkpoint=Checkpoint()))
-        return fresh
+            log.exception("shard %s: cannot adopt its checkpoint; running it whole",
+                          work.shard_id)
+            self.store.drop_checkpoint(work)
+            return
+        if adopted:
+            log.info("shard %s attempt %d adopts %d results of attempt %d", work.shard_id,
+                     work.attempt, len(work.adopted), work.saved.attempt)
 
     def _wait_for_room(self) -> None:
         # The RQ job returns, and this worker takes its next shard, only once the engine's
@@ -135,19 +124,13 @@ class Intake:
         # compute the prefix before the rest, which then find it in its prefix cache.
         grouped = shard.lines_from is not None
         missing: set[str] = set()  # adapters found unregistered during this shard
-        room = room_for(shard.batch.model)
         with shard_requests(shard, work.skip | work.adopted) as requests:
             for number, request in requests:
                 if work.dead or work.handing_back:
                     return
-                if work.stop_code:
-                    with work.lock:
-                        work.write_unrun(request["custom_id"], number, work.stop_code)
-                    continue
-                if number in work.screened:  # validation kept it from running
-                    with work.lock:
-                        work.write_screened(request["custom_id"], number)
-                    continue
+                with work.lock:
+                    if work.write_unrunnable(request["custom_id"], number):
+                        continue
                 line = RequestLine(request["custom_id"], request["url"], request["body"])
                 adapter_path = ""
                 if line.model != shard.batch.model:  # validation let only its adapters by
@@ -168,7 +151,7 @@ class Intake:
                                                cache_salt=work.cache_salt,
                                                prefix=(key.digest or 1) if key else 0,
                                                # The output limit the budget counted.
-                                               output_room=output_room(line, room))
+                                               output_room=output_room(line, work.room))
                 with work.lock:
                     work.pending[engine_request.request_id] = line
                 self._put(engine_request)
@@ -178,8 +161,7 @@ class Intake:
         (asked once per shard, not once per line)."""
         if name in missing:
             return ""
-        folder = with_db_retry(lambda: self.adapters.folder(
-            name, base_model=base_model))
+        folder = self.adapters.folder(name, base_model=base_model)
         if folder is None:
             missing.add(name)
         return folder or ""

@@ -3,17 +3,15 @@ lifecycle: start, drain on SIGTERM, hand shards back, close."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 
 from django.conf import settings
 
 from engine.base import Engine
-from jobs.services import shards as shard_service
 from jobs.worker.adapters import AdapterFolders
-from jobs.worker.checkpoint import Checkpointer
-from jobs.worker.db import with_db_retry
+from jobs.worker.checkpointer import Checkpointer
+from jobs.worker.db import ShardStore
 from jobs.worker.dispatch import Dispatcher
 from jobs.worker.heartbeat import Heartbeat
 from jobs.worker.intake import Intake
@@ -32,13 +30,15 @@ class Pipeline:
                  reconcile_every: float | None = None) -> None:
         conf = settings.BATCHWEB
         self.state = state = WorkerState(engine, inbox_size=inbox_size)
+        self.store = store = ShardStore(worker=worker_name)
         adapters = AdapterFolders()
         self.top_up = TopUp()
-        self.checkpointer = Checkpointer(state, every_seconds=conf["CHECKPOINT_SECONDS"],
+        self.checkpointer = Checkpointer(state, store=store,
+                                         every_seconds=conf["CHECKPOINT_SECONDS"],
                                          every_requests=conf["CHECKPOINT_REQUESTS"])
-        self.dispatcher = Dispatcher(state, adapters=adapters,
+        self.dispatcher = Dispatcher(state, store=store, adapters=adapters,
                                      notice_unsaved=self.checkpointer.notice)
-        self.intake = Intake(state, worker_name=worker_name,
+        self.intake = Intake(state, store=store,
                              served=Served(engine, worker_name=worker_name),
                              adapters=adapters, top_up=self.top_up.request)
         self.heartbeat = Heartbeat(state, every=conf["HEARTBEAT_SECONDS"])
@@ -90,8 +90,7 @@ class Pipeline:
             with work.lock:
                 unsaved = work.computed - work.saved_computed
             state.drop(work)
-            with_db_retry(functools.partial(shard_service.release_shard, shard_id=work.shard_id,
-                                            attempt=work.attempt, unsaved=unsaved))
+            self.store.release(work, unsaved=unsaved)
             log.info("handed back shard %s (%d results kept)", work.shard_id,
                      len(work.saved.lines))
 

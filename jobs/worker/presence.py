@@ -10,7 +10,7 @@ worker's registration stays listed until its key expires, minutes later, so the 
 sees the lost host rather than a host that quietly vanished.
 
 A worker given several models (`batchworker --model A --model B`) takes only the queues of
-the one loaded; the beat also writes the others into its registration (STANDBY_FIELD), so
+the one loaded; the beat also writes the others into its registration (fleet.STANDBY_FIELD), so
 queue health and the batch page know a worker will switch to them."""
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from rq import SimpleWorker
 from rq.utils import now, utcformat
 from rq.worker import BaseWorker
 
-from jobs import fleet, queues
+from jobs import fleet
+from jobs.lib import queues
 from jobs.worker.idle import IdleMeter
 from jobs.worker.loop import Loop
 
@@ -37,8 +38,6 @@ log = logging.getLogger(__name__)
 RATE_WINDOW = 60.0
 MIN_BUSY_SECONDS = 1.0
 
-# The field of an RQ worker's registration listing the models it can switch to.
-STANDBY_FIELD = "batchweb_standby"
 
 # Refresh only a registration that is alive: never create the key before RQ registers the
 # worker (RQ would then refuse to start it: "an active worker ... already"), nor revive
@@ -121,13 +120,7 @@ class Presence(Loop):
         script = worker.connection.register_script(_BEAT)
         # The key outlives a heartbeat by as long as RQ's own heartbeats make it.
         return bool(script(keys=[worker.key], args=[
-            utcformat(now()), worker.worker_ttl + 60, STANDBY_FIELD, ",".join(standby)]))
-
-
-def standby_models(worker: BaseWorker) -> list[str]:
-    """The models `worker` switches to when they wait (none for a one-model worker)."""
-    value = worker.connection.hget(worker.key, STANDBY_FIELD)
-    return [name for name in (value or b"").decode().split(",") if name]
+            utcformat(now()), worker.worker_ttl + 60, fleet.STANDBY_FIELD, ",".join(standby)]))
 
 
 def registered(name: str) -> bool:

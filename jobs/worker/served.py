@@ -13,8 +13,7 @@ from typing import Any
 
 from engine.provenance import adapter_record, serving_key
 from jobs.models import LoraAdapter, Shard
-from jobs.services import evals
-from jobs.services import provenance as provenance_service
+from jobs.services import evals, what_ran
 from jobs.worker.db import with_db_retry
 
 log = logging.getLogger(__name__)
@@ -45,7 +44,7 @@ class Served:
         attempt), then start the eval runs the claim is the first to need. A run that
         cannot start never fails the shard."""
         record = self.record()
-        with_db_retry(functools.partial(provenance_service.record_claim, shard=shard,
+        with_db_retry(functools.partial(what_ran.record_claim, shard=shard,
                                         worker=self.worker_name, engine=record))
         with self._lock:
             # An engine that cannot say what it is (no record) has no serving key to watch.
@@ -74,7 +73,7 @@ class Served:
             source = with_db_retry(lambda: LoraAdapter.objects.filter(name=name).values_list(
                 "source", flat=True).first()) or ""
             adapter = self._adapters[name] = adapter_record(name, source, folder)
-        with_db_retry(functools.partial(provenance_service.record_adapter, shard=shard,
+        with_db_retry(functools.partial(what_ran.record_adapter, shard=shard,
                                         worker=self.worker_name, engine=self.record(),
                                         adapter=adapter))
         with self._lock:

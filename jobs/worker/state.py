@@ -11,7 +11,7 @@ from typing import Any
 
 from engine.base import Engine
 from jobs.worker.idle import IdleMeter
-from jobs.worker.parts import ShardWork
+from jobs.worker.work import ShardWork
 
 
 class WorkerState:

@@ -15,7 +15,7 @@ from django.db.models import Min
 from django.utils import timezone
 
 from engine.base import ModelSpec
-from jobs import queues
+from jobs.lib import queues
 from jobs.models import Shard
 
 

@@ -11,7 +11,7 @@ import pytest
 from django.core.files.storage import default_storage
 from django.utils import timezone
 
-from jobs import queues
+from jobs.lib import queues
 from jobs.models import ApiKey, ContentRule, File, Quota, Shard, WebhookEvent
 from tests.factories import chat_lines, make_batch, make_file
 

@@ -10,7 +10,7 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from jobs import queues
+from jobs.lib import queues
 from jobs.models import Shard
 from jobs.queries import queue_health
 from jobs.services.stopping import cancel_batch

@@ -12,7 +12,7 @@ import pytest
 import requests
 from django.utils import timezone
 
-from jobs import heavy
+from jobs.lib import heavy
 from jobs.models import Batch, File
 from jobs.services.finalize import finalize_batch
 from jobs.services.stopping import expire_due_batches

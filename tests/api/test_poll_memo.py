@@ -1,4 +1,4 @@
-"""Polls of an unchanged batch answered before Django (jobs.polls): the remembered answer is
+"""Polls of an unchanged batch answered before Django (batchweb.polls): the remembered answer is
 Django's own, byte for byte, and it is never given once anything it shows has changed or
 the client may no longer see the batch."""
 
@@ -14,10 +14,11 @@ import pytest
 from django.contrib.sessions.models import Session
 from django.core.handlers.wsgi import WSGIHandler
 
+from batchweb import polls
 from batchweb.wsgi import application
-from jobs import polls
-from jobs.checkpoint import Progress
-from jobs.compiled import Compiled
+from jobs.formats.checkpoint import Progress
+from jobs.http import web
+from jobs.lib.compiled import Compiled
 from jobs.models import Batch, SpotCheck
 from jobs.queries import queue_health
 from jobs.services import batches
@@ -28,6 +29,13 @@ from jobs.views import batches as views
 from tests.factories import claimed_batch, wsgi_call
 
 pytestmark = pytest.mark.django_db
+
+
+def _stop_the_clock(monkeypatch: Any, now: list[float]) -> None:
+    """time.monotonic() as `now[0]`, for the memo and for the views' `remember`."""
+    clock = types.SimpleNamespace(monotonic=lambda: now[0])
+    monkeypatch.setattr(polls, "time", clock)
+    monkeypatch.setattr(web, "time", clock)
 
 
 @pytest.fixture(autouse=True)
@@ -177,9 +185,9 @@ def test_an_answer_is_kept_for_a_minute_at_most(running, api_key, memo, monkeypa
     auth = {"Authorization": f"Bearer {api_key}"}
     path = f"/v1/batches/{batch.pk}"
     now = [time.monotonic()]
-    monkeypatch.setattr(polls, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    _stop_the_clock(monkeypatch, now)
     _poll(path, auth, memo)
-    now[0] += polls.REMEMBER_SECONDS - 1
+    now[0] += web.REMEMBER_SECONDS - 1
     assert _poll(path, auth, memo)[1]
     now[0] += 2
     assert not _poll(path, auth, memo)[1]
@@ -240,10 +248,10 @@ def test_expired_answers_leave_the_memo(running, api_key, memo, monkeypatch):
     batch, _ = running
     path = f"/v1/batches/{batch.pk}"
     now = [time.monotonic()]
-    monkeypatch.setattr(polls, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    _stop_the_clock(monkeypatch, now)
     for query in ("a=1", "a=2"):
         _poll(f"{path}?{query}", {"Authorization": f"Bearer {api_key}"}, memo)
-    now[0] += polls.REMEMBER_SECONDS + 1
+    now[0] += web.REMEMBER_SECONDS + 1
     # Filing any answer lets the expired ones go, though nobody polls them again.
     _poll("/v1/batches", {"Authorization": f"Bearer {api_key}"}, memo)
     assert [key[0] for key in memo.answers] == ["/v1/batches"]
@@ -399,7 +407,7 @@ def test_the_batch_table_is_remembered_until_a_batch_on_it_changes(site, running
 def test_the_batch_table_changes_with_a_batch_beyond_its_first_page(site, running, memo):
     batch, _ = running
     older = Batch.objects.get(pk=batch.pk)
-    for i in range(batches.LIST_PAGE_SIZE):  # older batches: the first page is full
+    for i in range(web.LIST_PAGE_SIZE):  # older batches: the first page is full
         older.pk = f"batch_older{i:02d}"
         older.save(force_insert=True)
         Batch.objects.filter(pk=older.pk).update(
@@ -418,7 +426,7 @@ def test_the_batch_table_shows_its_running_batches_etas_within_seconds(
     cookie = f"sessionid={site.cookies['sessionid'].value}"
     browser = {"Cookie": cookie, "HX-Request": "true"}
     now = [time.monotonic()]
-    monkeypatch.setattr(polls, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    _stop_the_clock(monkeypatch, now)
     _poll("/", browser, memo)
     assert _poll("/", browser, memo)[1]
     now[0] += views.LIST_STALE_SECONDS + 1

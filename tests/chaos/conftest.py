@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
 
 @pytest.fixture
 def private_redis(tmp_path: Path, monkeypatch: Any) -> Iterator[PrivateRedis]:
-    from jobs import queues
+    from jobs.lib import queues
 
     server = PrivateRedis(tmp_path)
     server.start()

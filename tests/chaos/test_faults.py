@@ -86,7 +86,7 @@ class Supervisor:
         only interrupt an import, never a shard."""
         from rq import Worker
 
-        from jobs import queues
+        from jobs.lib import queues
 
         pids = {w.pid for w in Worker.all(connection=queues.connection())}
         return [p for p in self.procs if p.poll() is None and p.pid in pids]

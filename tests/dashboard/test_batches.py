@@ -387,7 +387,7 @@ def test_throughput_series_matches_its_definition_bucket_by_bucket():
                 began, None if running else finished, rng.randrange(50), rng.randrange(5),
                 1, 0, 0, 0))
         buckets = 7
-        end = dashboard.ended_at(batch) or now
+        end = batch.ended_at or now
         step = (end - start) / buckets
         expected = []
         for i in range(buckets):

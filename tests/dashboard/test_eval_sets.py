@@ -13,9 +13,9 @@ from django.core.files.storage import default_storage
 from django.test import Client
 from django.urls import reverse
 
-from jobs.forms import NewBatchForm
 from jobs.models import EvalSet
 from jobs.services import evals
+from jobs.views.forms import NewBatchForm
 from tests.factories import chat_line, jsonl, make_batch
 
 pytestmark = pytest.mark.django_db

@@ -9,7 +9,7 @@ import pytest
 from django.urls import reverse
 
 from jobs.models import Batch, Price, Shard
-from jobs.services import provenance
+from jobs.services import what_ran
 from tests.factories import HTMX, chat_lines, make_batch, poll_of, run_batch
 
 pytestmark = pytest.mark.django_db
@@ -33,7 +33,7 @@ def test_what_ran_it_follows_the_first_claim_and_the_end(site, user, tmp_path, s
     # the section alike.
     shard = Shard.objects.filter(batch=batch).order_by("index").first()
     shard.batch = Batch.objects.get(pk=batch.pk)
-    assert provenance.record_claim(shard=shard, worker="gpu-1.7.echo-test", engine=ENGINE)
+    assert what_ran.record_claim(shard=shard, worker="gpu-1.7.echo-test", engine=ENGINE)
     again = site.get(url, HTTP_IF_NONE_MATCH=first["ETag"], **HTMX)
     assert again.status_code == 200 and again["ETag"] != first["ETag"]
     live = again.content.decode()

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobs import queues
+from jobs.lib import queues
 from jobs.queries import queue_health
 from tests.factories import Workers, chat_line, make_batch, register_worker, wait_for
 

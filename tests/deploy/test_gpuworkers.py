@@ -154,7 +154,7 @@ def test_a_name_rq_still_holds_is_not_reused() -> None:
 
 
 def test_registered_reads_rqs_worker_registration() -> None:
-    from jobs import queues
+    from jobs.lib import queues
 
     conn = queues.connection()
     assert not registered("h.gpu0.m")
@@ -395,7 +395,7 @@ class GpuWorkers:
 def rq_workers() -> set[str]:
     from rq import Worker
 
-    from jobs import queues
+    from jobs.lib import queues
 
     return {w.name for w in Worker.all(connection=queues.connection())}
 

@@ -618,7 +618,7 @@ def test_the_service_and_budgets_select_the_pods_they_mean() -> None:
 
 
 def test_the_metric_the_autoscalers_read_is_one_metrics_exports() -> None:
-    source = (ROOT / "jobs" / "metrics.py").read_text()
+    source = (ROOT / "jobs" / "http" / "metrics.py").read_text()
     assert re.search(r'GaugeMetricFamily\(\s*"batchweb_workers_needed".*?labels=\["model"\]',
                      source, re.S)
 

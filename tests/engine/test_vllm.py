@@ -24,10 +24,11 @@ from engine import (
     EngineResult,
     load_engine,
 )
+from engine.catalog import DEFAULT_MODELS
 from engine.endpoints import REGISTRY, usage_of
 from engine.endpoints.responses import output_text as response_output_text
 from engine.prefix_limit import PrefixLimit
-from engine.prepare import DEFAULT_MODELS, prepare_model
+from engine.prepare import prepare_model
 from engine.vllm_engine import VllmEngine
 from jobs.quality import flags_for
 from tests.engine import needs_vllm

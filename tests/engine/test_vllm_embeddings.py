@@ -19,7 +19,8 @@ from engine import (
     ModelSpec,
     load_engine,
 )
-from engine.prepare import DEFAULT_MODELS, prepare_model
+from engine.catalog import DEFAULT_MODELS
+from engine.prepare import prepare_model
 from engine.vllm_engine import VllmEngine
 from tests.engine import needs_vllm
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from engine import CHAT, COMPLETIONS, EngineRequest, ModelSpec, load_engine
-from engine.prepare import DEFAULT_MODELS, prepare_model
+from engine.catalog import DEFAULT_MODELS
+from engine.prepare import prepare_model
 from engine.vllm_engine import VllmEngine
 from tests.engine import needs_vllm
 from tests.lora import write_adapter, write_adapter_config

@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from jobs import queues
+from jobs.lib import queues
 from jobs.models import Batch, Shard, WebhookEvent
 from tests.factories import chat_lines, make_batch, prometheus_values, register_worker, run_batch
 
@@ -103,7 +103,7 @@ def test_metrics_workers_per_host(admin_client, user, tmp_path, settings):
 
 
 def test_metrics_usage_ledger(admin_client, user, tmp_path, settings):
-    from jobs.checkpoint import Progress
+    from jobs.formats.checkpoint import Progress
     from jobs.models import Price
     from jobs.services import shards as shard_service
 

@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from jobs import queues
+from jobs.lib import queues
 from jobs.models import WebhookEvent
 from jobs.services.upkeep import periodic_operations
 

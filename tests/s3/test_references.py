@@ -16,7 +16,7 @@ import pytest
 import requests
 from django.contrib.auth.models import Group
 
-from jobs.errors import ServiceError
+from jobs.lib.errors import ServiceError
 from jobs.models import Batch, File, Shard, StorageGrant
 from jobs.services import delivery, references
 from jobs.services.batches import create_batch
@@ -207,7 +207,7 @@ def test_an_object_changed_before_validation_fails_the_batch(store, user):
     with pytest.raises(ObjectChanged, match="replaced"), shard_requests(shard, set()) as rows:
         next(rows)
     # Downloads of it are refused rather than serving other bytes.
-    from jobs.web import download_response
+    from jobs.http.web import download_response
 
     with pytest.raises(ServiceError, match="replaced") as refused:
         download_response(file)

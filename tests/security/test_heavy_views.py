@@ -19,9 +19,10 @@ from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from django.urls import reverse
 
-from jobs import heavy, result_lines
+from jobs.formats import result_lines
+from jobs.lib import heavy
 from jobs.models import Batch, ContentRule, Shard
-from jobs.queries import results, spot_samples
+from jobs.queries import spot_samples
 from jobs.services import preflight
 from jobs.services.shard_input import shard_custom_ids
 from jobs.storage.objects import new_storage_name
@@ -78,16 +79,15 @@ def test_the_cache_is_shared_by_every_web_process() -> None:
 def test_error_counts_of_a_running_batch_are_counted_once_per_progress(
         user: Any, tmp_path: Path, settings: Any) -> None:
     batch = running_batch(user, tmp_path, settings, run=1)
-    with counting(results, "_count_errors" if hasattr(results, "_count_errors")
-                  else "scan") as passes:
-        first = results.error_counts(batch)
+    with counting(result_lines, "_count_errors") as passes:
+        first = result_lines.error_counts(batch)
         for _ in range(3):
-            assert results.error_counts(Batch.objects.get(pk=batch.pk)) == first
+            assert result_lines.error_counts(Batch.objects.get(pk=batch.pk)) == first
     assert len(passes) == 1
     assert first == [("http_400", 5)]
     # A finished shard is new progress: counted again, with its errors.
     batch = run_next_shard(batch, fails=lambda c: int(c[1:]) % 4 == 0)
-    assert results.error_counts(batch) == [("http_400", 10)]
+    assert result_lines.error_counts(batch) == [("http_400", 10)]
 
 
 def drawn_once(batch: Batch, draw: Callable[[Batch], list[spot_samples.SampleItem]],
@@ -142,8 +142,8 @@ def test_an_ended_batch_keeps_its_cached_results(user: Any, tmp_path: Path,
     with counting(spot_samples, "scan") as passes:
         for _ in range(3):
             spot_samples.spot_sample(Batch.objects.get(pk=batch.pk))
-            results.error_counts(Batch.objects.get(pk=batch.pk))
-    assert results.error_counts(batch) == [("http_400", 15)]
+            result_lines.error_counts(Batch.objects.get(pk=batch.pk))
+    assert result_lines.error_counts(batch) == [("http_400", 15)]
     assert len(passes) == 1
 
 
@@ -239,7 +239,7 @@ def test_a_second_heavy_computation_of_a_user_gets_a_readable_429(
 
 
 def test_the_lock_of_a_killed_computation_expires() -> None:
-    from jobs import queues
+    from jobs.lib import queues
 
     with heavy.one_per_user("u1"):
         ttl = queues.connection().pttl("batchweb:heavy:u1")

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jobs.formats.wire import MAX_CUSTOM_ID_CHARS, Code, LineError, RequestLine, parse_line
 from jobs.services.files import clean_filename
 from jobs.services.validation import check_input
 from jobs.storage.lines import iter_lines
-from jobs.wire import MAX_CUSTOM_ID_CHARS, Code, LineError, RequestLine, parse_line
 
 CAP = 32_768
 CODES = {v for k, v in vars(Code).items() if not k.startswith("_")}

@@ -51,7 +51,7 @@ def _wait(port: int, server: subprocess.Popen[bytes]) -> None:
 def _use_queues(url: str) -> subprocess.CompletedProcess[str]:
     """Start the service's settings on REDIS_URL=url and put a job on the control queue."""
     code = ("import django; django.setup()\n"
-            "from jobs import queues\n"
+            "from jobs.lib import queues\n"
             "job = queues.queue(queues.CONTROL_QUEUE).enqueue('os.getpid')\n"
             "print(queues.connection().ping(), queues.queue(queues.CONTROL_QUEUE).count)\n")
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True,

@@ -12,7 +12,7 @@ import pytest
 
 from engine.endpoints import CHAT, COMPLETIONS, EMBEDDINGS, REGISTRY, check_body
 from engine.endpoints.base import Refusal
-from jobs.wire import (
+from jobs.formats.wire import (
     Code,
     LineError,
     RequestLine,

@@ -545,7 +545,7 @@ def test_oversized_uploads_are_refused_before_the_body_is_read(live_server: Any,
 def test_rq_jobs_carry_ids_only(settings: Any, tmp_path: Path, django_user_model: Any) -> None:
     from rq.job import Job
 
-    from jobs import queues
+    from jobs.lib import queues
     from jobs.tasks import validate_batch
 
     settings.BATCHWEB = {**settings.BATCHWEB, "SHARD_SIZE": 2}

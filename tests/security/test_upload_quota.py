@@ -15,7 +15,7 @@ from django.core.files.storage import default_storage
 from django.db import connection
 from django.utils import timezone
 
-from jobs.errors import ServiceError
+from jobs.lib.errors import ServiceError
 from jobs.models import File, Quota, Upload, UploadPart
 from jobs.services import quotas
 from jobs.services import uploads as upload_service

@@ -1,4 +1,4 @@
-"""Webhook address checks (`jobs.safehttp.check_url`): a refusal does not say where a name
+"""Webhook address checks (`jobs.lib.safehttp.check_url`): a refusal does not say where a name
 points, a listed host name does not admit private addresses behind it, and IPv6 forms that
 carry an IPv4 address (NAT64, 6to4, IPv4-compatible) are refused unless their network is
 listed."""
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from jobs import safehttp
+from jobs.lib import safehttp
 
 # Addresses whose embedded IPv4 address is loopback or private: a gateway may deliver
 # them there, although `ipaddress` calls them global.

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from jobs import queues, safehttp
+from jobs.lib import queues, safehttp
 from jobs.models import Batch, WebhookEvent
 from jobs.services import webhooks
 from tests.factories import chat_line, jsonl, make_batch, run_batch, wait_for

@@ -15,7 +15,8 @@ from django.core.files.storage import default_storage
 from django.core.management import call_command
 from django.utils import timezone
 
-from jobs import queues, tasks
+from jobs import tasks
+from jobs.lib import queues
 from jobs.models import Batch, File, Shard, Upload, UploadPart
 from jobs.services import cleanup
 from jobs.services.uploads import add_upload_part, create_upload

@@ -1,4 +1,4 @@
-"""Queries compiled once (jobs.compiled) answer exactly as the ORM does: the same
+"""Queries compiled once (jobs.lib.compiled) answer exactly as the ORM does: the same
 models with the same field values, the same tuples, one query each; and what is built on
 them (the owner's batch, the spot-check summary, a session and its user) keeps its rules."""
 
@@ -19,8 +19,8 @@ from django.utils import timezone
 
 from batchweb.auth import ModelBackend
 from batchweb.sessions import SessionStore
-from jobs.compiled import Compiled
-from jobs.errors import ServiceError
+from jobs.lib.compiled import Compiled
+from jobs.lib.errors import ServiceError
 from jobs.models import Batch, SpotCheck
 from jobs.queries.spot_samples import summary
 from jobs.services.batches import get_batch_for_user
@@ -225,7 +225,7 @@ def test_the_first_page_of_batches_is_the_orms(user, other_user, tmp_path, setti
 def test_the_dashboards_first_page_is_the_orms(client, user, other_user, tmp_path, settings):
     import re
 
-    from jobs.services.batches import LIST_PAGE_SIZE
+    from jobs.http.web import LIST_PAGE_SIZE
     from tests.factories import chat_lines, make_batch
 
     client.force_login(user)

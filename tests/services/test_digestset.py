@@ -2,8 +2,8 @@
 
 import random
 
-from jobs import digestset
-from jobs.digestset import DigestSet
+from jobs.lib import digestset
+from jobs.lib.digestset import DigestSet
 
 
 def test_membership_matches_a_python_set_across_folds(monkeypatch) -> None:

@@ -17,14 +17,8 @@ from hypothesis import strategies as st
 from engine.base import ModelSpec
 from engine.echo import EchoEngine
 from engine.endpoints import MESSAGES, anthropic_error, check_body, usage_of
-from jobs import anthropic
-from jobs.errors import ServiceError
-from jobs.models import Batch
-from jobs.prompts import dedup_key, prompt_text
-from jobs.quality import LENGTH, flags_for
-from jobs.services.message_batches import iter_requests
-from jobs.templatetags.dashboard import request_text, response_text
-from jobs.wire import (
+from jobs.formats import anthropic
+from jobs.formats.wire import (
     Code,
     LineError,
     RequestLine,
@@ -32,6 +26,12 @@ from jobs.wire import (
     parse_line,
     response_line,
 )
+from jobs.lib.errors import ServiceError
+from jobs.models import Batch
+from jobs.prompts import dedup_key, prompt_text
+from jobs.quality import LENGTH, flags_for
+from jobs.services.message_batches import iter_requests
+from jobs.templatetags.dashboard import request_text, response_text
 
 CAP = 1000
 BASE = {"model": "echo-test", "max_tokens": 10,

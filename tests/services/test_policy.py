@@ -12,6 +12,7 @@ import pytest
 import re2
 from django.core.exceptions import ValidationError
 
+from jobs.formats.wire import RequestLine
 from jobs.models import Batch, ContentRule, ScreenedLine
 from jobs.policy import CHUNK_TOKENS, LINE_TOKENS, Screener, Violation
 from jobs.policy.prefilter import Prefilter
@@ -20,7 +21,6 @@ from jobs.policy.texts import ChunkText
 from jobs.prompts import estimate_tokens, prompt_text
 from jobs.services import preflight
 from jobs.services.files import create_input_file
-from jobs.wire import RequestLine
 from tests.factories import chat_line, jsonl, make_batch, responses_line, wait_for
 
 LINES = [

@@ -11,7 +11,7 @@ from django.core.files.uploadedfile import SimpleUploadedFile
 from django.urls import reverse
 from django.utils import timezone
 
-from jobs.errors import ServiceError
+from jobs.lib.errors import ServiceError
 from jobs.models import Batch, File, Quota, Shard
 from jobs.services import quotas
 from tests.factories import (

@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from jobs import queues, safehttp
+from jobs.lib import queues, safehttp
 from jobs.models import Batch, UserSettings, WebhookDelivery, WebhookEvent
 from jobs.services import webhooks
 from jobs.services.batches import create_batch

@@ -18,7 +18,8 @@ from django.db import connection
 from engine.base import EngineRequest, ModelSpec
 from engine.echo import EchoEngine
 from engine.endpoints import CHAT, COMPLETIONS, RESPONSES, endpoint
-from jobs.errors import ServiceError
+from jobs.formats.wire import RequestLine
+from jobs.lib.errors import ServiceError
 from jobs.models import Batch, EvalRun, LoraAdapter, Price, Quota, UsageRecord
 from jobs.prompts import ceiling, output_room, room_for
 from jobs.services import evals, preflight
@@ -27,7 +28,6 @@ from jobs.services.budgets import reserved_nanos
 from jobs.services.files import create_input_file
 from jobs.services.finalize import finalize_batch
 from jobs.services.validation import run_validation
-from jobs.wire import RequestLine
 from tests.factories import chat_line, finalized, jsonl, run_all_shards
 from tests.lora import write_adapter_config
 
@@ -278,7 +278,7 @@ def test_the_budgets_read_of_a_file_runs_under_the_per_user_guard(submit, user,
                                                                  prices) -> None:
     """Another heavy read of the same user (a preflight, a count) meanwhile: the create
     answers 429 at once rather than read the file beside it."""
-    from jobs import heavy
+    from jobs.lib import heavy
 
     set_budget(user, "10")
     with heavy.one_per_user(user.pk):

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from jobs.errors import ServiceError
+from jobs.lib.errors import ServiceError
 from jobs.models import Batch, EvalRun, EvalSet, Shard, UsageRecord, WebhookEvent
 from jobs.services import evals
 from jobs.services.batches import create_batch
@@ -242,7 +242,7 @@ def test_scoring_rules(rule, answer, expected, passed):
 def test_drift_shows_on_the_page_the_list_the_api_and_metrics(make_pipeline, run_with_eval,
                                                               eval_set, site, api_key,
                                                               settings):
-    from jobs.anthropic import message_batch
+    from jobs.formats.anthropic import message_batch
 
     run_with_eval(make_pipeline(), eval_set)
     batch, _, _, run = run_with_eval(make_pipeline(version="2"), eval_set)

@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from jobs import queues
+from jobs.lib import queues
 from jobs.models import Batch, Shard
 from tests.factories import (
     SHAPES,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from jobs import queues
 from jobs.fleet import KV_CACHE_KEY, report_kv_cache
+from jobs.lib import queues
 from jobs.services.validation import planning_cache_tokens
 
 

@@ -16,7 +16,7 @@ from engine.prefix_limit import PromptBlocks
 from jobs.models import Batch, Shard
 from jobs.services.stopping import cancel_batch
 from jobs.tasks import validate_batch
-from jobs.worker import parts
+from jobs.worker import part_storage
 from jobs.worker.idle import IdleMeter
 from tests.factories import (
     chat_line,
@@ -210,7 +210,7 @@ def test_a_part_that_cannot_be_stored_fails_only_that_attempt(
     lines = [chat_line(f"w{i}", f"disk {i}") for i in range(6)]
     batch = make_batch(lines, shard_size=3)
     first, second = Shard.objects.filter(batch=batch).order_by("index")
-    storage = parts.backend()
+    storage = part_storage.backend()
     real_concatenate = storage.concatenate
     failed: list[str] = []
 
@@ -221,7 +221,7 @@ def test_a_part_that_cannot_be_stored_fails_only_that_attempt(
         return real_concatenate(target, sources)
 
     monkeypatch.setattr(storage, "concatenate", disk_full_once)
-    monkeypatch.setattr(parts, "backend", lambda: storage)
+    monkeypatch.setattr(part_storage, "backend", lambda: storage)
     pipeline = make_pipeline()
     pipeline.intake.run_shard(first.pk)
     pipeline.intake.run_shard(second.pk)

@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Any
 
-from jobs import queues
+from jobs.lib import queues
 from jobs.worker.rq_worker import BatchWorker
 from tests.factories import wait_for
 

@@ -28,8 +28,8 @@ from django.core.management.base import BaseCommand, CommandError
 
 from engine import load_engine
 from engine.base import ModelSpec
-from jobs import queues
 from jobs.engines import model_spec
+from jobs.lib import queues
 from jobs.policy import close_engines
 from jobs.services.cleanup import sweep_temp_dir
 from jobs.worker.db import with_db_retry

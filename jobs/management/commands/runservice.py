@@ -5,7 +5,7 @@ per model. It supervises what it started: a worker, the web server or the privat
 dies is started again (the reconciler puts back the queue entries a new Redis lacks); one
 that keeps dying stops everything with a message naming it, so the service is never left up
 and unable to make progress. Ctrl-C stops everything it started. On real infrastructure run
-these pieces separately instead (see README).
+these pieces separately instead (docs/deployment.md).
 
 What each process prints goes to its own file under var/log/ (`--verbose`: to this
 terminal); the terminal shows the steps a newcomer needs: the address, each worker loading

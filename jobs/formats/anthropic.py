@@ -36,15 +36,13 @@ from typing import Any
 from django.conf import settings
 
 from engine.endpoints import anthropic_error
-from jobs.errors import ServiceError
-from jobs.heavy import Guard
+from jobs.formats.result_lines import Kind, error_counts, segments
+from jobs.formats.wire import Code, custom_id_of, read_result_line
+from jobs.lib.errors import ServiceError
+from jobs.lib.heavy import Guard
 from jobs.models import Batch, File
-from jobs.queries.dashboard import ended_at
-from jobs.queries.results import error_counts
-from jobs.result_lines import Kind, segments
 from jobs.storage.lines import iter_lines
 from jobs.storage.objects import open_file, open_range
-from jobs.wire import Code, custom_id_of, read_result_line
 
 # A result line is read whole however long (a Message of a long answer).
 _MAX_RESULT_LINE = 256 * 1024 * 1024
@@ -72,7 +70,7 @@ def rfc3339(value: datetime | None) -> str | None:
 def request_counts(batch: Batch, *, guard: Guard | None = None) -> dict[str, int]:
     """Anthropic's tallies: all processing until the batch ends, then by outcome. The
     cancelled and expired requests of a stopped batch are counted in its error file (one
-    pass, cached, see jobs.queries.results.error_counts; under `guard` when it counts)."""
+    pass, cached, see jobs.formats.result_lines.error_counts; under `guard` when it counts)."""
     counts = {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
     if batch.archived_counts:  # its error file is gone: as counted when it was archived
         return {**counts, **batch.archived_counts}
@@ -100,7 +98,7 @@ def message_batch(batch: Batch, *, base_url: str, guard: Guard | None = None
         "type": "message_batch",
         "processing_status": PROCESSING_STATUS[Batch.Status(batch.status)],
         "request_counts": request_counts(batch, guard=guard),
-        "ended_at": rfc3339(ended_at(batch)),
+        "ended_at": rfc3339(batch.ended_at),
         "created_at": rfc3339(batch.created_at),
         "expires_at": rfc3339(batch.expires_at),
         "archived_at": rfc3339(batch.archived_at),

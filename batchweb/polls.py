@@ -24,6 +24,9 @@ once per polled URL pattern and shape of answer, how Django's 304 is made from i
 (which headers it keeps, which it sets to a value of its own), and files a new version's
 304 as soon as Django has given that version's 200.
 
+Which routes are polled is said beside their paths in urls.py (`jobs.http.web.polled`, naming
+the reader of their rows in jobs/http/poll_rows.py); a request is matched to its route by
+Django's own resolver, and its credential read as the API and the session engine read them.
 Only answers a view marks with `remember` are kept, with what else they depend on: how long
 they stay good (the live block's time-derived figures) and checks of inputs that are not in
 the row (why a batch cannot progress, from the queue).
@@ -36,36 +39,27 @@ chooses never multiply what a web process holds.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from django.conf import settings
-from django.contrib.auth import SESSION_KEY
-from django.contrib.sessions.models import Session
 from django.db import connection
-from django.db.models import Count, Exists, IntegerField, OuterRef, QuerySet, Subquery
-from django.db.models.functions import Coalesce, Now
 from django.http import HttpResponseBase
 from django.http.cookie import parse_cookie
+from django.urls import Resolver404, resolve
 
-from batchweb.sessions import SessionStore
-from jobs.compiled import Compiled
-from jobs.models import Batch, SpotCheck
-from jobs.services.batches import LIST_LIMIT, LIST_MAX_LIMIT, LIST_PAGE_SIZE
+from batchweb.sessions import session_user
+from jobs.http.poll_rows import PolledRequest, Rows
+from jobs.http.web import Validity
+from jobs.services.keys import secret_hash
 
 log = logging.getLogger(__name__)
 
-# A remembered answer is dropped after this long even if nothing changed, so a client's
-# first poll after it goes through Django again (the API key's last-used time, a revoked
-# staff right). Polls come every 2-30 s.
-REMEMBER_SECONDS = 60.0
 # Answers kept per web process (a few kB each): one per credential and URL being polled.
 MAX_ANSWERS = 10_000
 # What the answers kept per web process may hold in all (bodies, headers and the rows they
@@ -90,162 +84,19 @@ _NOT_A_POLL = ("HTTP_IF_MODIFIED_SINCE", "HTTP_IF_MATCH", "HTTP_IF_UNMODIFIED_SI
 # Set in the WSGI environ of a request answered from the memo (for bench/timed_wsgi.py).
 REMEMBERED = "batchweb.poll_remembered"
 
-_COLUMNS = [f.attname for f in Batch._meta.concrete_fields]
 
-
-def _api_batch(batch_id: str, secret_hash: str) -> QuerySet[Any, Any]:
-    # The batch, while this key is live and its owner's (jobs.services.keys.authenticate_key).
-    return Batch.objects.filter(
-        pk=batch_id, api=Batch.Api.OPENAI, owner__is_active=True,
-        owner__apikey__secret_hash=secret_hash, owner__apikey__revoked_at__isnull=True
-    ).values_list(*_COLUMNS)
-
-
-_API_BATCH = Compiled(_api_batch, "batch_id", "secret_hash")
-# The first page of GET /v1/batches (jobs.api.batches.list_batches), one query for each
-# page size (it is part of the SQL): the page's batches and the one after, while the key
-# is live.
-_API_LISTS: dict[int, Compiled] = {}
-
-
-def _api_list(limit: int) -> Compiled:
-    compiled = _API_LISTS.get(limit)
-    if compiled is None:
-        compiled = _API_LISTS[limit] = Compiled(lambda secret_hash: Batch.objects.filter(
-            api=Batch.Api.OPENAI, owner__is_active=True, owner__apikey__secret_hash=secret_hash,
-            owner__apikey__revoked_at__isnull=True).order_by("-created_at", "-pk")
-            .values_list(*_COLUMNS)[:limit + 1], "secret_hash")
-    return compiled
-
-
-def _spot_count(**verdict: Any) -> Coalesce:
-    marks = (SpotCheck.objects.filter(batch=OuterRef("pk"), **verdict).order_by()
-             .values("batch").annotate(n=Count("pk")).values("n"))
-    return Coalesce(Subquery(marks, output_field=IntegerField()), 0)
-
-
-def _live_block(batch_id: str, session_key: str) -> QuerySet[Any, Any]:
-    # The batch, while this session is signed in (its row exists and has not expired: a
-    # session belongs to one user, sign-in gives a new key) and the owner is active; with
-    # the spot-check counts the live block shows.
-    signed_in = Session.objects.filter(session_key=session_key, expire_date__gt=Now())
-    return (Batch.objects.filter(Exists(signed_in), pk=batch_id, owner__is_active=True)
-            .annotate(spot_marked=_spot_count(), spot_good=_spot_count(verdict="good"))
-            .values_list(*_COLUMNS, "spot_marked", "spot_good"))
-
-
-_LIVE_BLOCK = Compiled(_live_block, "batch_id", "session_key")
-
-
-def _bearer_hash(environ: dict[str, Any]) -> str | None:
+def _polled(environ: dict[str, Any]) -> PolledRequest:
     scheme, _, secret = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
-    if scheme.lower() != "bearer" or not secret.strip():
-        return None
-    return hashlib.sha256(secret.strip().encode()).hexdigest()
-
-
-# The rows that decide the answer to a polled URL, read while the request's credential lets
-# the client see them; None where the memo does not take the request (no credential, a
-# query it does not know).
-Rows = Callable[[str, dict[str, Any]], list[Any] | None]
-
-
-def _batch_rows(batch_id: str, environ: dict[str, Any]) -> list[Any] | None:
-    secret_hash = _bearer_hash(environ)
-    if secret_hash is None:
-        return None
-    return _API_BATCH.raw_rows(batch_id=batch_id, secret_hash=secret_hash)
-
-
-def _list_rows(_: str, environ: dict[str, Any]) -> list[Any] | None:
-    # Only the unfiltered first page, newest first: what clients poll.
-    query = environ.get("QUERY_STRING", "")
-    given = re.fullmatch(r"limit=([1-9][0-9]{0,2})", query)
-    limit = int(given[1]) if given else LIST_LIMIT if not query else 0
-    secret_hash = _bearer_hash(environ)
-    if not 1 <= limit <= LIST_MAX_LIMIT or secret_hash is None:
-        return None
-    return _api_list(limit).raw_rows(secret_hash=secret_hash)
-
-
-def _live_rows(batch_id: str, environ: dict[str, Any]) -> list[Any] | None:
-    session_key = parse_cookie(environ.get("HTTP_COOKIE", "")).get(
-        settings.SESSION_COOKIE_NAME)
-    if not session_key:
-        return None
-    return _LIVE_BLOCK.raw_rows(batch_id=batch_id, session_key=session_key)
-
-
-def _batch_table(owner_id: int, session_key: str) -> QuerySet[Any, Any]:
-    # The first page of the owner's batches, newest first (jobs.views.batches.batch_list),
-    # each with the owner's count of batches (the pages the table offers), while this
-    # session is signed in. The count names the owner rather than each row's, so that the
-    # database counts once per poll, not once for each of the 20 rows (1-4 ms of a poll
-    # on PostgreSQL on the Zen 3 of bench/RESULTS.md).
-    signed_in = Session.objects.filter(session_key=session_key, expire_date__gt=Now())
-    count = (Batch.objects.filter(owner_id=owner_id).order_by()
-             .values("owner_id").annotate(n=Count("pk")).values("n"))
-    return (Batch.objects.filter(Exists(signed_in), owner_id=owner_id, owner__is_active=True)
-            .annotate(owner_batches=Subquery(count, output_field=IntegerField()))
-            .order_by("-created_at", "-pk").values_list(*_COLUMNS, "owner_batches")
-            [:LIST_PAGE_SIZE])
-
-
-_BATCH_TABLE = Compiled(_batch_table, "owner_id", "session_key")
-# Each session's user, as Django's session engine read it once (a session key belongs to
-# one user: signing in gives a new key), so that a poll of the table needs no session read
-# of its own; the state query still checks that the session is signed in.
-_SESSION_USERS: OrderedDict[str, int] = OrderedDict()
-
-
-def _session_user(session_key: str) -> int | None:
-    user_id = _SESSION_USERS.get(session_key)
-    if user_id is None:
-        found = SessionStore(session_key).get(SESSION_KEY)
-        if found is None:
-            return None
-        user_id = _SESSION_USERS[session_key] = int(found)
-        while len(_SESSION_USERS) > MAX_ANSWERS:
-            _SESSION_USERS.popitem(last=False)
-    return user_id
-
-
-def _table_rows(_: str, environ: dict[str, Any]) -> list[Any] | None:
-    # Only the table partial (htmx, not boosted) of the first page of all batches.
-    if (environ.get("HTTP_HX_REQUEST") != "true" or "HTTP_HX_BOOSTED" in environ
-            or environ.get("QUERY_STRING")):
-        return None
-    session_key = parse_cookie(environ.get("HTTP_COOKIE", "")).get(
-        settings.SESSION_COOKIE_NAME)
-    owner_id = _session_user(session_key) if session_key else None
-    if owner_id is None:
-        return None
-    return _BATCH_TABLE.raw_rows(owner_id=owner_id, session_key=session_key)
-
-
-ROUTES: tuple[tuple[re.Pattern[str], Rows], ...] = (
-    (re.compile(r"/v1/batches/([^/\x00]+)"), _batch_rows),
-    (re.compile(r"/v1/batches()"), _list_rows),
-    (re.compile(r"/batches/([^/\x00]+)/live"), _live_rows),
-    (re.compile(r"/()"), _table_rows),
-)
-
-
-@dataclass(frozen=True)
-class Validity:
-    """What a view says of an answer it lets be remembered: until when it is good
-    (time.monotonic()), and checks (a function, the value it gave) of inputs other than
-    the batch row, each called again before the answer is replayed."""
-
-    until: float
-    checks: tuple[tuple[Callable[[], object], object], ...] = ()
-
-
-def remember(response: HttpResponseBase, *, seconds: float = REMEMBER_SECONDS,
-             checks: tuple[tuple[Callable[[], object], object], ...] = ()) -> None:
-    """Let this answer to a poll be replayed while the batch row is unchanged (see above)."""
-    response.poll_validity = Validity(  # type: ignore[attr-defined]
-        time.monotonic() + min(seconds, REMEMBER_SECONDS), checks)
+    bearer = secret.strip() if scheme.lower() == "bearer" else ""
+    cookie = environ.get("HTTP_COOKIE")
+    session_key = parse_cookie(cookie).get(settings.SESSION_COOKIE_NAME) if cookie else None
+    return PolledRequest(
+        query=environ.get("QUERY_STRING", ""),
+        htmx=environ.get("HTTP_HX_REQUEST") == "true",
+        boosted="HTTP_HX_BOOSTED" in environ,
+        secret_hash=secret_hash(bearer) if bearer else None,
+        session_key=session_key or None,
+        session_user=partial(session_user, session_key) if session_key else lambda: None)
 
 
 @dataclass
@@ -258,7 +109,7 @@ class Poll:
     state: tuple[Any, ...] | None
     rows: Rows
     name: str
-    environ: dict[str, Any]
+    request: PolledRequest
 
 
 Headers = list[tuple[str, str]]
@@ -328,21 +179,23 @@ class PollMemo:
     bytes: int = 0
     sizes: dict[tuple[Any, ...], int] = field(default_factory=dict)
 
-    def _match(self, environ: dict[str, Any]) -> tuple[Rows, str, tuple[Any, ...]] | None:
+    def _match(self, environ: dict[str, Any]
+               ) -> tuple[Rows, str, tuple[Any, ...], PolledRequest] | None:
         if environ.get("REQUEST_METHOD") != "GET" or environ.get("CONTENT_LENGTH") not in (
                 None, "", "0") or any(name in environ for name in _NOT_A_POLL):
             return None
         path = environ.get("PATH_INFO", "")
-        for pattern, rows in ROUTES:
-            found = pattern.fullmatch(path)
-            if found:
-                cookie = environ.get("HTTP_COOKIE")
-                session = (parse_cookie(cookie).get(settings.SESSION_COOKIE_NAME)
-                           if cookie else None)
-                key = (path, environ.get("QUERY_STRING", ""),
-                       *(environ.get(name) for name in _CREDENTIALS), session)
-                return rows, found[1], key
-        return None
+        try:
+            route = resolve(path)
+        except Resolver404:
+            return None
+        rows = getattr(route.func, "poll_rows", None)
+        if rows is None:
+            return None
+        request = _polled(environ)
+        key = (path, request.query, *(environ.get(name) for name in _CREDENTIALS),
+               request.session_key)
+        return rows, next(iter(route.kwargs.values()), ""), key, request
 
     @staticmethod
     def _client(environ: dict[str, Any]) -> tuple[Any, ...]:
@@ -354,8 +207,8 @@ class PollMemo:
         self.bytes -= self.sizes.pop(key, 0)
 
     @staticmethod
-    def _state(rows: Rows, name: str, environ: dict[str, Any]) -> tuple[Any, ...] | None:
-        found = rows(name, environ)
+    def _state(rows: Rows, name: str, request: PolledRequest) -> tuple[Any, ...] | None:
+        found = rows(name, request)
         return tuple(tuple(row) for row in found) if found else None
 
     def answer(self, environ: dict[str, Any]) -> Replay | None:
@@ -364,7 +217,7 @@ class PollMemo:
         matched = self._match(environ)
         if matched is None:
             return None
-        rows, name, key = matched
+        rows, name, key, request = matched
         remembered = self.answers.get(key)
         if remembered is None:
             return None
@@ -379,7 +232,7 @@ class PollMemo:
         if replay is None or remembered.client != self._client(environ):
             return None
         try:
-            state = self._state(rows, name, environ)
+            state = self._state(rows, name, request)
         except Exception:  # the database: Django's path reports it
             log.warning("poll state unavailable", exc_info=True)
             if not connection.is_usable():
@@ -399,10 +252,10 @@ class PollMemo:
         matched = self._match(environ)
         if matched is None:
             return None
-        rows, name, key = matched
+        rows, name, key, request = matched
         try:
-            return Poll(key, self._client(environ), self._state(rows, name, environ), rows,
-                        name, environ)
+            return Poll(key, self._client(environ), self._state(rows, name, request), rows,
+                        name, request)
         except Exception:
             log.warning("poll state unavailable", exc_info=True)
             return None
@@ -422,7 +275,7 @@ class PollMemo:
                 or (response.cookies and response.status_code != 200)):
             return
         try:
-            if self._state(poll.rows, poll.name, poll.environ) != poll.state:
+            if self._state(poll.rows, poll.name, poll.request) != poll.state:
                 return
         except Exception:
             log.warning("poll state unavailable", exc_info=True)

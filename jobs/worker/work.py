@@ -1,60 +1,33 @@
-"""A claimed shard while its requests are in the engine (`ShardWork`), and its parts: output
-lines, error lines and quality flags. Nothing of a shard goes to local disk: each part is
-held in memory only from one checkpoint to the next (`PartBuffer`); a checkpoint stores what
-was written since the last one as a segment (jobs.worker.checkpoint) and lets it go, so a
-worker holds at most one checkpoint interval of results, and a host needs no scratch space
-for them. When the shard finishes, each part is its segments joined inside the storage
-(server-side copies on S3) with the last unsaved bytes. The next attempt of an unfinished
-shard adopts its segments as they are."""
+"""A claimed shard while its requests are in the engine (`ShardWork`): what it answers for,
+the requests it has in the engine, and its parts (output lines, error lines and quality
+flags) with their counters. Nothing of a shard goes to local disk: each part is held in
+memory only from one checkpoint to the next (`PartBuffer`); a checkpoint stores what was
+written since the last one as a segment (jobs.worker.part_storage) and lets it go, so a
+worker holds at most one checkpoint interval of results. The next attempt of an unfinished
+shard adopts the segments its claim hands on (`ShardWork.adopt`).
+
+Its state is memory only: `open_work` reads what a claimed shard answers for
+(jobs.services.shard_input), its row is written by jobs.worker.db and its parts are stored
+by jobs.worker.part_storage."""
 
 from __future__ import annotations
 
 import json
-import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from django.core.files.base import ContentFile
-from django.core.files.storage import default_storage
 from django.utils.crypto import salted_hmac
 
 from engine.base import EngineResult
 from engine.endpoints import reasoning_of, usage_of
 from engine.prefix_limit import PrefixLimit
-from jobs.checkpoint import PART_KINDS, Checkpoint, Progress, ShardUsage
-from jobs.models import ContentRule, ScreenedLine, Shard
-from jobs.policy import VIOLATION, Violation
+from jobs.formats.checkpoint import Checkpoint, Progress, ShardUsage
+from jobs.formats.wire import RequestLine, failure_line, response_line, unrun_message
+from jobs.models import Shard
+from jobs.prompts import Room, room_for
 from jobs.quality import flags_for
-from jobs.services.shard_input import shard_lines
-from jobs.storage.backends import Source, backend
-from jobs.wire import (
-    LineError,
-    RequestLine,
-    failure_line,
-    refused_line,
-    response_line,
-    unrun_message,
-)
-
-log = logging.getLogger(__name__)
-
-
-
-@dataclass(frozen=True)
-class Screened:
-    """Why validation kept a line from running (a ScreenedLine row), and its error line."""
-
-    error: LineError
-    # A request problem: the endpoint's 400 answer. Else a `skip` content rule's line.
-    refused: bool
-
-    def error_line(self, custom_id: str) -> bytes:
-        if self.refused:
-            return refused_line(custom_id, code=self.error.code, message=self.error.message,
-                                param=self.error.param)
-        return failure_line(custom_id, self.error.code, self.error.message)
+from jobs.services.shard_input import Screened, screened_lines, shard_lines
 
 
 class PartBuffer:
@@ -98,6 +71,9 @@ class ShardWork:
     skip: set[int]
     # Lines validation kept from running -> the error line they get.
     screened: dict[int, Screened]
+    # What the batch's model leaves each request's output: the limit the budget counted,
+    # handed to the engine with the request (and with its JSON retry).
+    room: Room
     # The batch's model: requests naming another (a LoRA adapter) are counted apart, for
     # the ledger.
     model: str = ""
@@ -202,6 +178,18 @@ class ShardWork:
                                input_tokens=tokens_in, cached_tokens=cached,
                                output_tokens=tokens_out, reasoning_tokens=reasoning)
 
+    def write_unrunnable(self, custom_id: str, line: int) -> bool:
+        """With the lock held: write the error lines of a line this attempt will not run
+        (its batch is stopping, or validation kept it from running). False for a line to
+        run."""
+        if self.stop_code:
+            self.write_unrun(custom_id, line, self.stop_code)
+        elif line in self.screened:
+            self.write_screened(custom_id, line)
+        else:
+            return False
+        return True
+
     def write_screened(self, custom_id: str, line: int) -> None:
         for cid in [custom_id, *self.copies.get(line, ())]:
             self.err.write(self.screened[line].error_line(cid))
@@ -250,27 +238,34 @@ class ShardWork:
         for part in self.parts():
             part.discard()
 
+    def adopt(self, checkpoint: Checkpoint) -> bool:
+        """Start from the checkpoint the claim handed on (its segments checked in storage):
+        they begin this attempt's parts, its lines are not run again, and its counters are
+        where this attempt's start. False when it holds no result (nothing adopted)."""
+        if not checkpoint.lines:
+            return False
+        with self.lock:
+            self.saved = checkpoint
+            self.adopted = set(checkpoint.lines)
+            self.answered = set(checkpoint.lines)
+            self.progress = Progress(**checkpoint.progress.as_fields())
+            self.flag_counts = dict(checkpoint.flag_counts)
+            self.json_retries = self.adopted_json_retries = checkpoint.json_retries
+            self.usage = checkpoint.usage.copy()
+        return True
+
 
 def open_work(shard: Shard) -> ShardWork:
-    """Read what the shard's lines need besides their text (dedup copies, copies to skip,
-    screened lines). Only reads: safe to repeat on a dropped connection."""
+    """A claimed shard's work state, with what its lines need besides their text (dedup
+    copies, copies to skip, screened lines). Only reads: safe to repeat on a dropped
+    connection."""
+    cache_salt = prefix_cache_salt(shard.batch.owner_id)
     lines = shard_lines(shard)
-    rows = [row for where in lines.where("line")
-            for row in ScreenedLine.objects.filter(where, batch_id=shard.batch_id)
-            .values_list("line", "rule", "code", "param", "message")]
-    reasons = (dict(ContentRule.objects.values_list("name", "reason"))
-               if any(rule for _, rule, *_ in rows) else {})
-    screened = {}
-    for line, rule, code, param, message in rows:
-        if rule:  # a `skip` rule: its reason as the rule says it now
-            message = Violation(rule=rule, action="skip", reason=reasons.get(rule, "")).message
-            screened[line] = Screened(LineError(VIOLATION, message), refused=False)
-        else:
-            screened[line] = Screened(LineError(code, message, param or None), refused=True)
     return ShardWork(shard_id=shard.id, attempt=shard.attempt, batch_id=shard.batch_id,
-                     copies=lines.copies, skip=lines.skip, screened=screened,
-                     model=shard.batch.model,
-                     cache_salt=prefix_cache_salt(shard.batch.owner_id))
+                     copies=lines.copies, skip=lines.skip,
+                     screened=screened_lines(shard, lines),
+                     room=room_for(shard.batch.model), model=shard.batch.model,
+                     cache_salt=cache_salt)
 
 
 def prefix_cache_salt(owner_id: int) -> str:
@@ -280,67 +275,3 @@ def prefix_cache_salt(owner_id: int) -> str:
     key: no user can compute another's salt (validation refuses the field anyway)."""
     return salted_hmac("batchweb.prefix-cache-salt", str(owner_id),
                        algorithm="sha256").hexdigest()
-
-
-def adopt_checkpoint(work: ShardWork, value: dict[str, Any]) -> None:
-    """Start the attempt from the checkpoint the claim handed on: its segments stay where
-    they are and begin this attempt's parts, its lines are not run again, and its counters
-    are where this attempt's start."""
-    checkpoint = Checkpoint.from_json(value)
-    if not checkpoint.lines:
-        return
-    # Read only when the shard finishes: one lost now would fail every later attempt.
-    for name in checkpoint.storage_names():
-        if not default_storage.exists(name):
-            raise FileNotFoundError(f"checkpoint segment {name} is not in storage")
-    with work.lock:
-        work.saved = checkpoint
-        work.adopted = set(checkpoint.lines)
-        work.answered = set(checkpoint.lines)
-        work.progress = Progress(**checkpoint.progress.as_fields())
-        work.flag_counts = dict(checkpoint.flag_counts)
-        work.json_retries = work.adopted_json_retries = checkpoint.json_retries
-        work.usage = checkpoint.usage.copy()
-    log.info("shard %s attempt %d adopts %d results of attempt %d", work.shard_id,
-             work.attempt, len(checkpoint.lines), checkpoint.attempt)
-
-
-def store_segment(work: ShardWork, start: tuple[int, int, int],
-                  end: tuple[int, int, int]) -> tuple[str, str, str]:
-    """Save what each part got between two offsets (whole lines) as the next checkpoint
-    segment; "" for a kind with nothing new."""
-    names = []
-    number = len(work.saved.segments)
-    for part, kind, first, last in zip(work.parts(), PART_KINDS, start, end, strict=True):
-        if last <= first:
-            names.append("")
-            continue
-        names.append(default_storage.save(
-            f"parts/{work.batch_id}/{work.shard_id}-{work.attempt}.ckpt{number}.{kind}.jsonl",
-            ContentFile(part.between(first, last))))
-    return names[0], names[1], names[2]
-
-
-def store_parts(work: ShardWork, stored: list[str]) -> None:
-    """Save the finished attempt's parts, each its checkpoint segments joined inside the
-    storage with the bytes written since, appending each storage name ("" for an empty part)
-    to `stored` as it goes, so the caller can delete what was saved if a later step fails.
-    Called once the results have stopped coming in."""
-    storage = backend()
-    for index, (part, kind) in enumerate(zip(work.parts(), PART_KINDS, strict=True)):
-        sources: list[Source] = [segment[index] for segment in work.saved.segments
-                                 if segment[index]]
-        rest = part.between(part.saved, part.tell())
-        if rest:
-            sources.append([rest])
-        name = f"parts/{work.batch_id}/{work.shard_id}-{work.attempt}.{kind}.jsonl"
-        stored.append(name if sources and storage.concatenate(name, sources) else "")
-
-
-def delete_stored(names: list[str]) -> None:
-    for name in names:
-        if name:
-            try:
-                default_storage.delete(name)
-            except Exception:
-                log.exception("could not delete %s", name)

@@ -61,6 +61,15 @@ setting), or a signed-in staff user.
                                                     unreachable
     batchweb_remote_backoffs_total{server}          retries waited for
     batchweb_remote_errors_total{server}            requests failed with its error
+    batchweb_remote_limit_reason{server,reason}     1 for why the limit is where it is
+                                                    (slo, deadline_floor, ceiling, ...)
+    batchweb_remote_ttft_slo_seconds{server}        its online TTFT SLO, at
+                                                    batchweb_remote_ttft_slo_percentile
+    batchweb_remote_online_ttft_seconds{server}     what probes measure now (at that
+                                                    percentile), ..._alone_ttft_seconds
+                                                    with no batch request in flight
+    batchweb_remote_deadline_floor{server}          requests in flight its batches' windows
+                                                    need (the SLO steers no lower)
 """
 
 from __future__ import annotations
@@ -78,8 +87,10 @@ from django.views.decorators.http import require_GET
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from jobs import capacity, queues
+from engine.remote_limits import REASONS
+from jobs import capacity
 from jobs.engines import model_names
+from jobs.lib import queues
 from jobs.models import Batch, Shard, UsageDay, WebhookEvent
 from jobs.queries.queue_health import Health, queue_health, shard_counts_by_model
 
@@ -270,8 +281,34 @@ def remote_metrics(health: Health) -> Iterator[Metric]:
     errors = CounterMetricFamily("batchweb_remote_errors",
                                  "Requests that ended failed with a remote server's error.",
                                  labels=labels)
+    reason = GaugeMetricFamily("batchweb_remote_limit_reason",
+                               "1 for why a remote server's limit is where it is "
+                               "(deadline_floor: its SLO traded for a batch's window).",
+                               labels=["server", "reason"])
+    slo = GaugeMetricFamily("batchweb_remote_ttft_slo_seconds",
+                            "The online time to first token a remote server's limit holds.",
+                            labels=labels)
+    slo_percentile = GaugeMetricFamily("batchweb_remote_ttft_slo_percentile",
+                                       "The percentile the SLO is held at.", labels=labels)
+    online = GaugeMetricFamily("batchweb_remote_online_ttft_seconds",
+                               "Time to first token of online-priority probes lately, at "
+                               "the SLO's percentile.", labels=labels)
+    alone = GaugeMetricFamily("batchweb_remote_alone_ttft_seconds",
+                              "The same with no batch request in flight.", labels=labels)
+    floor = GaugeMetricFamily("batchweb_remote_deadline_floor",
+                              "Requests in flight a remote server's batches need for their "
+                              "windows.", labels=labels)
     for server in health.servers:
         state = server.state
+        for name in REASONS:
+            reason.add_metric([state.base_url, name], 1 if state.reason == name else 0)
+        floor.add_metric([state.base_url], state.floor)
+        for family, value in ((slo, state.slo_ms), (online, state.online_ms),
+                              (alone, state.alone_ms)):
+            if value is not None:
+                family.add_metric([state.base_url], value / 1000)
+        if state.slo_percentile is not None:
+            slo_percentile.add_metric([state.base_url], state.slo_percentile)
         in_flight.add_metric([state.base_url], state.in_flight)
         limit.add_metric([state.base_url], state.limit)
         ceiling.add_metric([state.base_url], server.ceiling)
@@ -279,7 +316,8 @@ def remote_metrics(health: Health) -> Iterator[Metric]:
             condition.add_metric([state.base_url, name], 1 if state.condition == name else 0)
         backoffs.add_metric([state.base_url], state.backoffs)
         errors.add_metric([state.base_url], state.errors)
-    yield from (in_flight, limit, ceiling, condition, backoffs, errors)
+    yield from (in_flight, limit, ceiling, condition, backoffs, errors, reason, slo,
+                slo_percentile, online, alone, floor)
 
 
 def capacity_metrics(health: Health) -> Iterator[Metric]:

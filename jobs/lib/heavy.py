@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from django.core.cache import cache
 from redis.exceptions import LockError
 
-from jobs import queues
+from jobs.lib import queues
 
 T = TypeVar("T")
 

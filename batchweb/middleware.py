@@ -10,8 +10,8 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 
 from jobs.api.base import dialect_of
-from jobs.errors import ServiceError
-from jobs.web import declared_length
+from jobs.http.web import declared_length
+from jobs.lib.errors import ServiceError
 
 # Multipart framing and form fields around the file.
 SLACK = 1024 * 1024

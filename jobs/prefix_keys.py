@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass
 
 from engine.endpoints import endpoint, text_parts
-from jobs.wire import RequestLine
+from jobs.formats.wire import RequestLine
 
 # A context shorter than this (~64 tokens) is not worth grouping for.
 PREFIX_MIN_CHARS = 256

@@ -1,4 +1,4 @@
-"""Checkpoints: a running shard's finished results saved to storage every
+"""The checkpointer thread: a running shard's finished results saved to storage every
 CHECKPOINT_SECONDS or CHECKPOINT_REQUESTS new results, so the attempt that follows an
 unfinished one (worker killed, handed back on SIGTERM, failed) computes only what was not
 saved. Each checkpoint stores what the parts got since the last one as a segment
@@ -13,11 +13,11 @@ import time
 
 from django.db import InterfaceError, OperationalError, connection
 
-from jobs.services import shards as shard_service
-from jobs.worker.db import with_db_retry
+from jobs.worker.db import ShardStore
 from jobs.worker.loop import Loop
-from jobs.worker.parts import ShardWork, delete_stored, store_segment
+from jobs.worker.part_storage import delete_stored, store_segment
 from jobs.worker.state import WorkerState
+from jobs.worker.work import ShardWork
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +25,10 @@ log = logging.getLogger(__name__)
 class Checkpointer(Loop):
     name = "checkpoint"
 
-    def __init__(self, state: WorkerState, *, every_seconds: float,
+    def __init__(self, state: WorkerState, *, store: ShardStore, every_seconds: float,
                  every_requests: int) -> None:
         self.state = state
+        self.store = store
         self.every_seconds = every_seconds
         self.every_requests = max(1, every_requests)
         # Set by the dispatcher when a shard has CHECKPOINT_REQUESTS unsaved results.
@@ -89,9 +90,7 @@ class Checkpointer(Loop):
                 unsaved = work.computed - computed
             # Should this raise, the UPDATE may still have committed: what was stored stays
             # (an orphan, if unrecorded, for the cleanup's sweep once the batch ends).
-            recorded = with_db_retry(lambda: shard_service.record_checkpoint(
-                shard_id=work.shard_id, attempt=work.attempt, checkpoint=checkpoint,
-                unsaved=unsaved))
+            recorded = self.store.checkpoint(work, checkpoint, unsaved=unsaved)
             if not recorded:
                 log.warning("shard %s attempt %d is no longer running; checkpoint dropped",
                             work.shard_id, work.attempt)

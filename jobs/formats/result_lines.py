@@ -19,12 +19,13 @@ from typing import IO, Any, Literal
 from django.conf import settings
 from django.core.files.storage import default_storage
 
-from jobs.checkpoint import Checkpoint
+from jobs.formats.checkpoint import Checkpoint
+from jobs.formats.wire import read_result_line
+from jobs.lib.heavy import Guard, cached, version
 from jobs.models import Batch, File, Shard
 from jobs.storage.backends import CHUNK
 from jobs.storage.lines import iter_lines
 from jobs.storage.objects import open_range
-from jobs.wire import read_result_line
 
 Kind = Literal["output", "error"]
 
@@ -190,3 +191,22 @@ def shard_results(batch: Batch, kind: Kind, skip: set[int]) -> list[ShardResults
         if names or status == Shard.Status.DONE:
             found.append(ShardResults(index, status == Shard.Status.DONE, names))
     return found
+
+
+def error_counts(batch: Batch, *, guard: Guard | None = None) -> list[tuple[str, int]]:
+    """(code, lines) over the whole error file (the finished shards' parts while the batch
+    runs), most frequent first. One streaming pass, cached by progress: the key names the
+    parts read, so a finished shard counts again and repeated views are a cache read
+    (`guard` is entered only to count)."""
+    segs = segments(batch, "error")
+    return cached(f"errcounts:{batch.pk}:{version(segs)}", lambda: _count_errors(segs),
+                  guard=guard)
+
+
+def _count_errors(segs: list[Segment]) -> list[tuple[str, int]]:
+    counts: dict[str, int] = {}
+    for here, content, length in scan(
+            segs, None, max_line_bytes=settings.BATCHWEB["MAX_LINE_BYTES"]):
+        code = parse_result_line(here, content, length).code or "unknown"
+        counts[code] = counts.get(code, 0) + 1
+    return sorted(counts.items(), key=lambda item: (-item[1], item[0]))

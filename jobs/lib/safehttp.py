@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 from django.conf import settings
 
 from engine.endpoints.media import host_listed
-from jobs.errors import ServiceError
+from jobs.lib.errors import ServiceError
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The HTTP layer both faces share: helpers, the polled routes' rows, /metrics."""
