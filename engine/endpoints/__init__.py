@@ -24,12 +24,14 @@ from engine.endpoints.chat import Chat
 from engine.endpoints.completions import Completions
 from engine.endpoints.embeddings import Embeddings
 from engine.endpoints.messages import Messages, anthropic_error
+from engine.endpoints.moderations import Moderations
 from engine.endpoints.rerank import Rerank
 from engine.endpoints.responses import Responses
 from engine.endpoints.score import Score
 
 REGISTRY: dict[str, Endpoint] = {endpoint.url: endpoint for endpoint in (
-    Chat(), Completions(), Embeddings(), Responses(), Messages(), Score(), Rerank())}
+    Chat(), Completions(), Embeddings(), Responses(), Messages(), Score(), Rerank(),
+    Moderations())}
 
 # The urls, for code that names one (a model's defaults, a Message Batch's lines).
 CHAT = Chat.url

@@ -19,7 +19,10 @@ pytestmark = [pytest.mark.engine, pytest.mark.django_db(transaction=True)]
 CHAT_MODEL = "SmolLM2-135M-Instruct"
 EMBED_MODEL = "all-MiniLM-L6-v2"
 # float32: greedy output is then identical run to run (bf16 changes with batching).
-ENGINE_ENV = {"BATCHWEB_DTYPE": "float32", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# Eager: the default (auto) compiles from a model's second start, a mode change between
+# starts (engine/compile_cache.py) and minutes of compilation per key.
+ENGINE_ENV = {"BATCHWEB_DTYPE": "float32", "VLLM_CPU_KVCACHE_SPACE": "1",
+              "BATCHWEB_ENGINE_MODE": "eager"}
 
 
 def run_batch(client, workers, model, endpoint, lines, timeout=600):
@@ -167,6 +170,30 @@ def test_embeddings_batch_through_vllm(openai_client, workers):
     assert cosine(vectors[0], vectors[1]) > cosine(vectors[0], vectors[2])
     assert batch.usage.input_tokens == sum(
         out[f"e{i}"]["response"]["body"]["usage"]["prompt_tokens"] for i in range(3))
+
+
+def test_moderations_batch_through_vllm(openai_client, workers):
+    """/v1/moderations on the embeddings model, with the default categories: one
+    embeddings call per request (the input, then the examples), scored in OpenAI's shape."""
+    texts = ["I am going to beat him up and hurt him badly",
+             "Here is a recipe for a lemon cake with sugar and butter"]
+    lines = [{"custom_id": f"m{i}", "method": "POST", "url": "/v1/moderations",
+              "body": {"model": EMBED_MODEL, "input": text}} for i, text in enumerate(texts)]
+    lines.append({"custom_id": "both", "method": "POST", "url": "/v1/moderations",
+                  "body": {"model": EMBED_MODEL, "input": texts}})
+    batch = run_batch(openai_client, workers, EMBED_MODEL, "/v1/moderations", lines)
+    assert batch.status == "completed" and batch.request_counts.completed == 3
+    out = lines_of(openai_client, batch.output_file_id)
+    [violent] = out["m0"]["response"]["body"]["results"]
+    [cake] = out["m1"]["response"]["body"]["results"]
+    scores = violent["category_scores"]
+    assert max(scores, key=scores.get) == "violence"
+    assert scores["violence"] > cake["category_scores"]["violence"]
+    for alone, together in zip((violent, cake), out["both"]["response"]["body"]["results"],
+                               strict=True):
+        assert together["categories"] == alone["categories"]
+        assert together["category_scores"] == pytest.approx(alone["category_scores"], abs=1e-3)
+    assert batch.usage.input_tokens == 0
 
 
 def test_score_and_rerank_batches_through_vllm(openai_client, workers):

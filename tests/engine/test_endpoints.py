@@ -16,7 +16,8 @@ from engine.endpoints.base import INVALID_PARAMETER, Refusal
 
 def test_one_object_per_url_each_complete() -> None:
     assert ENDPOINTS == ("/v1/chat/completions", "/v1/completions", "/v1/embeddings",
-                         "/v1/responses", "/v1/messages", "/v1/score", "/v1/rerank")
+                         "/v1/responses", "/v1/messages", "/v1/score", "/v1/rerank",
+                         "/v1/moderations")
     for url, endpoint in REGISTRY.items():
         assert endpoint.url == url
         assert {"model"} <= endpoint.fields
@@ -55,4 +56,5 @@ def test_a_chat_model_serves_messages_without_saying_so() -> None:
 
     assert served((CHAT,)) == (CHAT, MESSAGES)
     assert served((CHAT, MESSAGES)) == (CHAT, MESSAGES)
-    assert served((EMBEDDINGS,)) == (EMBEDDINGS,)
+    # And every embeddings model, moderations (as its embeddings).
+    assert served((EMBEDDINGS,)) == (EMBEDDINGS, "/v1/moderations")

@@ -13,12 +13,12 @@ import pytest
 from engine.endpoints import POOLING_ENDPOINTS, REGISTRY, RERANK, SCORE, check_body, usage_of
 from engine.endpoints.base import Refusal
 from engine.endpoints.score import SCORE_SIDES
-from jobs.prompts import dedup_key, estimate_tokens, prompt_text
-from jobs.wire import (
+from jobs.formats.wire import (
     Code,
     RequestLine,
     parse_line,
 )
+from jobs.prompts import dedup_key, estimate_tokens, prompt_text
 
 MODEL = "echo-test"
 CAP = 1000
@@ -143,7 +143,7 @@ def test_the_sides_and_texts_of_score_and_rerank_requests() -> None:
 
 
 def test_score_and_rerank_requests_are_deduplicated_as_embeddings() -> None:
-    assert set(POOLING_ENDPOINTS) == {"/v1/embeddings", SCORE, RERANK}
+    assert set(POOLING_ENDPOINTS) == {"/v1/embeddings", SCORE, RERANK, "/v1/moderations"}
     for url, body in ((SCORE, SCORE_BODY), (RERANK, RERANK_BODY)):
         # No sampling: the same body always gets the same answer.
         key = dedup_key(RequestLine("a", url, body))
@@ -164,15 +164,17 @@ def test_usage_of_score_and_rerank_responses() -> None:
 
 @pytest.mark.django_db
 def test_the_default_embeddings_model_serves_score_and_rerank(settings: Any) -> None:
-    from batchweb.settings import DEFAULT_MODELS, ECHO_MODEL
-    from engine.prepare import DEFAULT_MODELS as PREPARED
+    from batchweb.settings import DEFAULT_MODELS
+    from engine.catalog import DEFAULT_MODELS as PREPARED
+    from jobs.engines import model_spec
     from jobs.services.validation import check_input
 
     embeddings = next(m for m in DEFAULT_MODELS if m["name"] == "all-MiniLM-L6-v2")
     assert {SCORE, RERANK} <= set(embeddings["endpoints"])
     assert {SCORE, RERANK} <= set(next(s for s in PREPARED
                                        if s.name == "all-MiniLM-L6-v2").endpoints)
-    assert {SCORE, RERANK} <= set(ECHO_MODEL["endpoints"])
+    echo = model_spec("echo-test")
+    assert echo is not None and set(echo.endpoints) == set(REGISTRY)
     settings.BATCHWEB_MODELS = [
         {"name": "embed-only", "backend": "echo", "endpoints": ["/v1/embeddings"]},
         {"name": MODEL, "backend": "echo", "endpoints": [SCORE, RERANK]}]
