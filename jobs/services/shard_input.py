@@ -1,8 +1,9 @@
 """What a shard answers for, in one place: the input lines that it runs (not blank, not a
 copy of an earlier identical request), the copies its lines answer for (dedup), the lines
 validation kept from running with the error line each gets (`screened_lines`), and the
-custom_ids all of that makes. The worker runs a shard from these; the finalizer writes
-error lines for an unfinished shard from them.
+custom_ids all of that makes. The worker opens a shard's work from these (`open_input`)
+and streams its requests (`shard_requests`); the finalizer writes error lines for an
+unfinished shard from them.
 
 A shard's lines are a byte range of the input in file order, or, for a batch grouped by
 prompt prefix, its records of the batch's line index (jobs.storage.line_index)."""
@@ -16,10 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db.models import Q
+from django.utils.crypto import salted_hmac
 
+from jobs.formats.checkpoint import Checkpoint
 from jobs.formats.wire import LineError, failure_line, refused_line
 from jobs.models import ContentRule, RequestCopy, ScreenedLine, Shard
 from jobs.policy import VIOLATION, Violation
+from jobs.prompts import Room, room_for
 from jobs.storage.lines import open_range_lines
 from jobs.storage.objects import location
 
@@ -104,6 +108,42 @@ def screened_lines(shard: Shard, lines: ShardLines) -> dict[int, Screened]:
         else:
             screened[line] = Screened(LineError(code, message, param or None), refused=True)
     return screened
+
+
+@dataclass
+class ShardInput:
+    """What a claimed shard's attempt needs besides its lines' text, read once at its start."""
+
+    # Primary line -> the custom_ids of its copies (dedup); lines that are such copies.
+    copies: dict[int, list[str]]
+    skip: set[int]
+    # Lines validation kept from running -> the error line they get.
+    screened: dict[int, Screened]
+    # What the batch's model leaves each request's output: the limit the budget counted.
+    room: Room
+    # The prefix cache salt of the batch owner's requests (`prefix_cache_salt`).
+    cache_salt: str
+    # The checkpoint the claim handed on (its segments found in storage).
+    checkpoint: Checkpoint
+
+
+def open_input(shard: Shard) -> ShardInput:
+    """A claimed shard's input as its attempt runs it. Only reads: safe to repeat on a
+    dropped connection."""
+    cache_salt = prefix_cache_salt(shard.batch.owner_id)
+    lines = shard_lines(shard)
+    return ShardInput(copies=lines.copies, skip=lines.skip,
+                      screened=screened_lines(shard, lines), room=room_for(shard.batch.model),
+                      cache_salt=cache_salt, checkpoint=Checkpoint.from_json(shard.checkpoint))
+
+
+def prefix_cache_salt(owner_id: int) -> str:
+    """The engine's prefix cache salt (vLLM's cache_salt) for one owner's requests. Prompts
+    of different owners never share cache entries, so `cached_tokens` tells no user how
+    another's prompts begin; one owner's batches still share theirs. Keyed with the secret
+    key: no user can compute another's salt (validation refuses the field anyway)."""
+    return salted_hmac("batchweb.prefix-cache-salt", str(owner_id),
+                       algorithm="sha256").hexdigest()
 
 
 def _records(shard: Shard) -> Any:

@@ -17,6 +17,7 @@ from contextlib import nullcontext
 from datetime import timedelta
 
 from django.conf import settings
+from django.core.files.storage import default_storage
 from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
@@ -44,15 +45,25 @@ def claim_shard(*, shard_id: str, worker: str, top_up: bool = True) -> Shard | N
     if batch.status != Batch.Status.IN_PROGRESS or batch.stop_code:
         return None
     now = timezone.now()
-    # The new attempt starts from the counters of the checkpoint it adopts. Only a running
-    # attempt writes a checkpoint, so while the shard is queued under this attempt number
-    # (what the UPDATE checks) the checkpoint read here is the one the row holds.
-    adopted = Checkpoint.from_json(shard.checkpoint).progress
+    # The new attempt starts from the checkpoint the row holds, and from its counters. Only
+    # a running attempt writes a checkpoint, so while the shard is queued under this attempt
+    # number (what the UPDATE checks) the checkpoint read here is the one the row holds.
+    checkpoint = Checkpoint.from_json(shard.checkpoint)
+    lost = _lost_segments(checkpoint)
+    if lost:
+        # Its segments are read only when the shard finishes, so a lost one would fail
+        # every later attempt: the row forgets the checkpoint and the attempt runs whole.
+        log.warning("shard %s: checkpoint segment %s is not in storage; running it whole",
+                    shard_id, lost[0])
+        checkpoint = Checkpoint()
+    adopted = checkpoint.progress
     counters_change = adopted != Progress(**{k: getattr(shard, k) for k in adopted.as_fields()})
-    claimed_fields = {"status": Shard.Status.RUNNING, "attempt": shard.attempt + 1,
-                      "worker": worker, "heartbeat_at": now, "started_at": now,
-                      "finished_at": None, "enqueued_at": None, "computed_unsaved": 0,
-                      **adopted.as_fields()}
+    claimed_fields: dict[str, object] = {
+        "status": Shard.Status.RUNNING, "attempt": shard.attempt + 1, "worker": worker,
+        "heartbeat_at": now, "started_at": now, "finished_at": None, "enqueued_at": None,
+        "computed_unsaved": 0, **adopted.as_fields()}
+    if lost:
+        claimed_fields["checkpoint"] = {}
     # The claim is this one UPDATE, in one transaction with the batch's counters when they
     # change: a connection dropped before it commits undoes all of it, and the caller's
     # retry claims again instead of finding the shard already running.
@@ -71,6 +82,10 @@ def claim_shard(*, shard_id: str, worker: str, top_up: bool = True) -> Shard | N
     for name, value in claimed_fields.items():
         setattr(shard, name, value)
     return shard
+
+
+def _lost_segments(checkpoint: Checkpoint) -> list[str]:
+    return [name for name in checkpoint.storage_names() if not default_storage.exists(name)]
 
 
 def heartbeat(*, shard_id: str, attempt: int, progress: Progress, unsaved: int | None = 0,

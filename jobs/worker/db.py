@@ -16,9 +16,9 @@ from django.db import InterfaceError, OperationalError, connection
 
 from jobs.formats.checkpoint import Checkpoint
 from jobs.models import Shard
-from jobs.services import shards, stopping
+from jobs.services import shard_input, shards, stopping
 from jobs.worker.timings import timed
-from jobs.worker.work import ShardWork, open_work
+from jobs.worker.work import ShardWork
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -65,8 +65,9 @@ class ShardStore:
 
     @_retried
     def open(self, shard: Shard) -> ShardWork:
-        """The claimed shard's work state (jobs.worker.work.open_work: reads only)."""
-        return open_work(shard)
+        """The claimed shard's work state, started from the checkpoint its claim handed on
+        (reads only)."""
+        return ShardWork.opened(shard, shard_input.open_input(shard))
 
     @_retried
     def checkpoint(self, work: ShardWork, checkpoint: Checkpoint, *, unsaved: int = 0
@@ -75,13 +76,6 @@ class ShardStore:
         longer the running one (the caller deletes what it stored for it)."""
         return shards.record_checkpoint(shard_id=work.shard_id, attempt=work.attempt,
                                         checkpoint=checkpoint, unsaved=unsaved)
-
-    @_retried
-    def drop_checkpoint(self, work: ShardWork) -> None:
-        """The checkpoint the claim handed on cannot be adopted: the row forgets it and the
-        attempt runs the shard whole."""
-        shards.record_checkpoint(shard_id=work.shard_id, attempt=work.attempt,
-                                 checkpoint=Checkpoint())
 
     @timed("finish")
     @_retried
@@ -95,18 +89,17 @@ class ShardStore:
                                    json_retries=work.json_retries, usage=work.usage)
 
     @_retried
-    def fail(self, work: ShardWork, reason: str) -> None:
-        """The attempt failed: the shard is retried with backoff, or abandoned."""
+    def fail(self, work: ShardWork, reason: str, *, input_changed: str = "") -> None:
+        """The attempt failed: the shard is retried with backoff, or abandoned. When the
+        batch's input, read in place, was replaced (`input_changed` says how), no attempt
+        can run it on the registered data: the batch stops too, after the failure, so that
+        the stop drops this shard with the others."""
         shards.fail_shard(shard_id=work.shard_id, attempt=work.attempt, reason=reason)
+        if input_changed:
+            stopping.stop_changed_input(batch_id=work.batch_id, reason=input_changed)
 
     @_retried
     def release(self, work: ShardWork, *, unsaved: int) -> None:
         """Hand the shard back (the worker stops) with its checkpoint; `unsaved`: the
         requests it computed that the checkpoint does not hold."""
         shards.release_shard(shard_id=work.shard_id, attempt=work.attempt, unsaved=unsaved)
-
-    @_retried
-    def stop_changed_input(self, work: ShardWork, reason: str) -> None:
-        """The batch's input, read in place, was replaced: no attempt can run it on the
-        registered data, so the batch stops."""
-        stopping.stop_changed_input(batch_id=work.batch_id, reason=reason)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import queue
 from collections.abc import Callable
-from typing import Any
 
 from django.db import close_old_connections
 
@@ -21,7 +20,6 @@ from jobs.storage.external import ObjectChanged
 from jobs.worker.adapters import AdapterFolders
 from jobs.worker.db import ShardStore
 from jobs.worker.finish import finish
-from jobs.worker.part_storage import stored_checkpoint
 from jobs.worker.served import Served
 from jobs.worker.state import WorkerState
 from jobs.worker.work import ShardWork
@@ -68,10 +66,12 @@ class Intake:
             return
         self.top_up(shard.batch_id)
         work = self.store.open(shard)
+        if work.adopted:
+            log.info("shard %s attempt %d adopts %d results of attempt %d", shard_id,
+                     work.attempt, len(work.adopted), work.saved.attempt)
         state.register(work)
         try:
             self.served.claimed(shard)  # provenance, and the eval runs it starts
-            self._adopt(work, shard.checkpoint)
             self._submit_lines(shard, work)
         except BaseException as exc:
             # Reading the input or the database failed, or a cold shutdown: the attempt is
@@ -79,11 +79,9 @@ class Intake:
             state.drop(work)
             if not isinstance(exc, SystemExit | KeyboardInterrupt):
                 log.exception("shard %s failed while submitting", shard_id)
-                self.store.fail(work, f"{type(exc).__name__}: {exc}")
-                if isinstance(exc, ObjectChanged):
-                    # After the failure above, so that the stop drops this shard with the
-                    # others.
-                    self.store.stop_changed_input(work, str(exc))
+                self.store.fail(work, f"{type(exc).__name__}: {exc}",
+                                input_changed=str(exc) if isinstance(exc, ObjectChanged)
+                                else "")
             raise
         with work.lock:
             work.all_submitted = True
@@ -91,22 +89,6 @@ class Intake:
         if finish_now:
             finish(state, work, store=self.store)
         self._wait_for_room()
-
-    def _adopt(self, work: ShardWork, checkpoint: dict[str, Any]) -> None:
-        """Start from the checkpoint the claim handed on. One that cannot be read (a segment
-        lost from storage) is dropped from the row and the shard runs whole: retrying it
-        would only fail the same way until the shard is abandoned. It is checked before
-        the work takes any of it, so the work is then as it was opened."""
-        try:
-            adopted = work.adopt(stored_checkpoint(checkpoint))
-        except Exception:
-            log.exception("shard %s: cannot adopt its checkpoint; running it whole",
-                          work.shard_id)
-            self.store.drop_checkpoint(work)
-            return
-        if adopted:
-            log.info("shard %s attempt %d adopts %d results of attempt %d", work.shard_id,
-                     work.attempt, len(work.adopted), work.saved.attempt)
 
     def _wait_for_room(self) -> None:
         # The RQ job returns, and this worker takes its next shard, only once the engine's

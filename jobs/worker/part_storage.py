@@ -1,33 +1,21 @@
 """A shard's parts in storage, in one place: each checkpoint's segment (what the parts got
 since the last one), the finished attempt's parts (its segments joined inside the storage,
-server-side copies on S3, with the last unsaved bytes), the check that an adopted
-checkpoint's segments are all there, and the deletion of what is no longer wanted. The
+server-side copies on S3, with the last unsaved bytes), and the deletion of what is no
+longer wanted. The
 storage is shared: any machine's worker can adopt another's segments."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 
-from jobs.formats.checkpoint import PART_KINDS, Checkpoint
+from jobs.formats.checkpoint import PART_KINDS
 from jobs.storage.backends import Source, backend
 from jobs.worker.work import ShardWork
 
 log = logging.getLogger(__name__)
-
-
-def stored_checkpoint(value: dict[str, Any]) -> Checkpoint:
-    """The checkpoint a claim handed on (as the row holds it), once each of its segments is
-    found in storage. They are read only when the shard finishes: one lost now would fail
-    every later attempt, so it raises instead."""
-    checkpoint = Checkpoint.from_json(value)
-    for name in checkpoint.storage_names():
-        if not default_storage.exists(name):
-            raise FileNotFoundError(f"checkpoint segment {name} is not in storage")
-    return checkpoint
 
 
 def store_segment(work: ShardWork, start: tuple[int, int, int],

@@ -6,9 +6,9 @@ written since the last one as a segment (jobs.worker.part_storage) and lets it g
 worker holds at most one checkpoint interval of results. The next attempt of an unfinished
 shard adopts the segments its claim hands on (`ShardWork.adopt`).
 
-Its state is memory only: `open_work` reads what a claimed shard answers for
-(jobs.services.shard_input), its row is written by jobs.worker.db and its parts are stored
-by jobs.worker.part_storage."""
+Its state is memory only: it opens from what a claimed shard answers for
+(jobs.services.shard_input.open_input), its row is written by jobs.worker.db and its parts
+are stored by jobs.worker.part_storage."""
 
 from __future__ import annotations
 
@@ -17,17 +17,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from django.utils.crypto import salted_hmac
-
 from engine.base import EngineResult
 from engine.endpoints import reasoning_of, usage_of
 from engine.prefix_limit import PrefixLimit
 from jobs.formats.checkpoint import Checkpoint, Progress, ShardUsage
 from jobs.formats.wire import RequestLine, failure_line, response_line, unrun_message
 from jobs.models import Shard
-from jobs.prompts import Room, room_for
+from jobs.prompts import Room
 from jobs.quality import flags_for
-from jobs.services.shard_input import Screened, screened_lines, shard_lines
+from jobs.services.shard_input import Screened, ShardInput
 
 
 class PartBuffer:
@@ -77,7 +75,7 @@ class ShardWork:
     # The batch's model: requests naming another (a LoRA adapter) are counted apart, for
     # the ledger.
     model: str = ""
-    # The prefix cache salt of the batch owner's requests (`prefix_cache_salt`).
+    # The prefix cache salt of the batch owner's requests (shard_input.prefix_cache_salt).
     cache_salt: str = ""
     out: PartBuffer = field(default_factory=PartBuffer)
     err: PartBuffer = field(default_factory=PartBuffer)
@@ -120,6 +118,15 @@ class ShardWork:
     saved_at: float = field(default_factory=time.monotonic)
     # Held while a checkpoint is taken and while the shard finishes: never both at once.
     checkpoint_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def opened(cls, shard: Shard, opened: ShardInput) -> ShardWork:
+        """A claimed shard's work, from its input and the checkpoint its claim handed on."""
+        work = cls(shard_id=shard.id, attempt=shard.attempt, batch_id=shard.batch_id,
+                   copies=opened.copies, skip=opened.skip, screened=opened.screened,
+                   room=opened.room, model=shard.batch.model, cache_salt=opened.cache_salt)
+        work.adopt(opened.checkpoint)
+        return work
 
     def request_id(self, line: int) -> str:
         return f"{self.shard_id}:{self.attempt}:{line}"
@@ -253,25 +260,3 @@ class ShardWork:
             self.json_retries = self.adopted_json_retries = checkpoint.json_retries
             self.usage = checkpoint.usage.copy()
         return True
-
-
-def open_work(shard: Shard) -> ShardWork:
-    """A claimed shard's work state, with what its lines need besides their text (dedup
-    copies, copies to skip, screened lines). Only reads: safe to repeat on a dropped
-    connection."""
-    cache_salt = prefix_cache_salt(shard.batch.owner_id)
-    lines = shard_lines(shard)
-    return ShardWork(shard_id=shard.id, attempt=shard.attempt, batch_id=shard.batch_id,
-                     copies=lines.copies, skip=lines.skip,
-                     screened=screened_lines(shard, lines),
-                     room=room_for(shard.batch.model), model=shard.batch.model,
-                     cache_salt=cache_salt)
-
-
-def prefix_cache_salt(owner_id: int) -> str:
-    """The engine's prefix cache salt (vLLM's cache_salt) for one owner's requests. Prompts
-    of different owners never share cache entries, so `cached_tokens` tells no user how
-    another's prompts begin; one owner's batches still share theirs. Keyed with the secret
-    key: no user can compute another's salt (validation refuses the field anyway)."""
-    return salted_hmac("batchweb.prefix-cache-salt", str(owner_id),
-                       algorithm="sha256").hexdigest()

@@ -9,6 +9,7 @@ import json
 import signal
 
 import pytest
+from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from django.utils import timezone
 
@@ -242,7 +243,8 @@ def test_a_claim_cut_off_at_any_statement_is_undone_and_retried(batch, monkeypat
 def test_checkpoints_are_fenced_and_handed_on_by_the_claim(batch):
     shard = first_shard(batch)
     shard_service.claim_shard(shard_id=shard.pk, worker="w1")
-    saved = Checkpoint(attempt=1, segments=[("parts/x.out", "", "")], lines={1},
+    segment = default_storage.save("parts/x.out", ContentFile(b"{}\n"))
+    saved = Checkpoint(attempt=1, segments=[(segment, "", "")], lines={1},
                        progress=Progress(completed=1, input_tokens=5, output_tokens=2),
                        flag_counts={"length_limit": 1}, json_retries=0)
     assert shard_service.record_checkpoint(shard_id=shard.pk, attempt=1, checkpoint=saved,
@@ -330,6 +332,25 @@ def _finish_and_check(openai_client, workers, created, expected, env) -> list[Sh
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_claim_drops_a_checkpoint_whose_segment_is_lost(batch):
+    # Its segments are read only when the shard finishes: handed on, a lost one would fail
+    # every later attempt. The row forgets it and the attempt runs the shard whole.
+    shard = first_shard(batch)
+    shard_service.claim_shard(shard_id=shard.pk, worker="w1")
+    segment = default_storage.save("parts/lost.out", ContentFile(b"{}\n"))
+    saved = Checkpoint(attempt=1, segments=[(segment, "", "")], lines={1},
+                       progress=Progress(completed=1, input_tokens=5, output_tokens=2))
+    assert shard_service.record_checkpoint(shard_id=shard.pk, attempt=1, checkpoint=saved)
+    shard_service.release_shard(shard_id=shard.pk, attempt=1)
+    default_storage.delete(segment)
+    claimed = shard_service.claim_shard(shard_id=shard.pk, worker="w2")
+    assert claimed.attempt == 2 and claimed.checkpoint == {}
+    assert (claimed.completed, claimed.input_tokens) == (0, 0)
+    shard.refresh_from_db()
+    assert shard.checkpoint == {} and shard.completed == 0
+    assert Batch.objects.get(pk=batch.pk).completed == 0
+
+
 def test_sigkill_at_half_a_shard_recomputes_at_most_one_checkpoint_interval(
         openai_client, workers, tmp_path):
     created, expected = _resume_batch(openai_client)

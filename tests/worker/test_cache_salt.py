@@ -11,8 +11,8 @@ import pytest
 
 from engine.base import EngineRequest, EngineResult, ModelSpec
 from engine.echo import EchoEngine
+from jobs.services.shard_input import prefix_cache_salt
 from jobs.worker.pipeline import Pipeline
-from jobs.worker.work import prefix_cache_salt
 from tests.factories import chat_line, finalized, make_batch, run_all_shards, use_private_storage
 
 pytestmark = pytest.mark.django_db(transaction=True)
