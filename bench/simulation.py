@@ -6,10 +6,10 @@ Everything that decides is real: the API, validation, the scheduler, the reconci
 (every `--reconcile-seconds`) and `batchworker` processes; only the engine is the echo
 engine, made an engine of a known speed at no CPU cost: each request takes `--echo-seconds`,
 `--in-flight` at once per worker, so a worker with a full engine answers
-in-flight / echo-seconds requests a second. One more `batchworker`, of a model nothing is
-sent to, runs validation, finalization and the reconciler whatever the fleet's size (what
-must stay up when the fleet is scaled to zero); the fleet's workers take those jobs too, as
-deployed. Its time is not counted.
+in-flight / echo-seconds requests a second. A `controlworker` (no engine) runs validation,
+finalization and the reconciler whatever the fleet's size, as deploy/k8s/control-
+deployment.yaml does where the workers scale to zero; the fleet's workers take those jobs
+too, as deployed. Its time is not counted.
 
 The day, compressed: `--day-seconds` of wall time stand for 24 hours, a factor
 C = 86,400 / day-seconds. Every duration shrinks by C: arrivals, windows (each batch is
@@ -70,7 +70,6 @@ except ImportError:  # run as `python bench/simulation.py`: bench/ itself is on 
     import harness  # type: ignore[no-redef]
 
 MODEL = "echo-sim"
-CONTROL_MODEL = "echo-control"
 DAY = 86_400.0
 HOUR = 3_600.0
 TERMINAL = ("completed", "failed", "expired", "cancelled")
@@ -201,16 +200,15 @@ def _edf_meets(plan: list[Planned], speed: float, workers: Any, tick: float
 
 
 def write_models(env: dict[str, str], scratch: Path, args: argparse.Namespace) -> None:
-    """The simulated model (the echo engine of the known speed) and the control tier's."""
+    """The simulated model: the echo engine of the known speed."""
     models = [m for m in harness.in_deployment({**env, "BATCHWEB_ECHO_MODEL": "1"}, "models")
               if m["name"] == "echo-test"]
     (echo,) = models
     sim = {**echo, "name": MODEL, "endpoints": ["/v1/chat/completions"],
            "options": {**echo["options"], "seconds_per_request": args.echo_seconds,
                        "max_in_flight": args.in_flight, "request_log": ""}}
-    control = {**sim, "name": CONTROL_MODEL}
     path = scratch / "models.json"
-    path.write_text(json.dumps([sim, control]))
+    path.write_text(json.dumps([sim]))
     env.update(BATCHWEB_MODELS_FILE=str(path), BATCHWEB_ECHO_MODEL="0")
 
 
@@ -346,8 +344,10 @@ def run_order(order: str, plan: list[Planned], args: argparse.Namespace) -> dict
             procs.append(harness.granian(port, env, "--workers", "1", "--blocking-threads",
                                          "4", stdout=web_log, stderr=subprocess.STDOUT))
             harness.wait_http(f"http://127.0.0.1:{port}/v1/models")
-            procs.append(harness.batchworker(CONTROL_MODEL, env, scratch / "control.log",
-                                             "--name", "control"))
+            with open(scratch / "control.log", "wb") as control_log:
+                procs.append(subprocess.Popen(
+                    [harness.PY, "manage.py", "controlworker", "--name", "control"],
+                    cwd=harness.ROOT, env=env, stdout=control_log, stderr=subprocess.STDOUT))
             clients = [httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120,
                                     headers={"Authorization": f"Bearer {key}"})
                        for key in keys]

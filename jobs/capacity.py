@@ -31,7 +31,13 @@ Each batch has a target: its window's end less BATCHWEB_CAPACITY_MARGIN of the t
   flagged on its page, list, API object and /metrics, and its owner's webhook gets one
   `batchweb.batch.at_risk` event.
 - **Workers needed**: the fewest workers that meet every target, earliest deadline first:
-  the largest, over the deadlines, of the work due by each over the time to it.
+  the largest, over the deadlines, of the work due by each over the time to it. It counts
+  validated batches only: a batch still `validating` has no known work, and may yet fail
+  without running anything. So a model's workers can be scaled to zero only beside
+  something that validates without them, `manage.py controlworker` (no engine, no GPU):
+  there a new batch becomes `in_progress` in seconds, and then asks for its first worker.
+  Counting validating batches instead would start a GPU to check a file, and wait minutes
+  of a model's cold start to reject a bad one.
 
 Here, below the services and the read models, which both read it; the reconciler's pass
 writes what it finds on the batches' rows (jobs.services.deadlines).

@@ -666,6 +666,27 @@ def test_keda_scales_the_same_deployment_to_zero_on_the_same_number() -> None:
         spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"], target)
 
 
+def test_scaled_to_zero_a_control_worker_still_validates_new_batches() -> None:
+    # The signal counts validated batches only; with a model's workers at zero, the
+    # control Deployment is what validates a new batch, so that it can ask for a worker
+    # (tests/services/test_scale_to_zero.py runs that).
+    control = named("Deployment", "batchweb-control")
+    spec = control["spec"]
+    (container,) = pod_spec(control)["containers"]
+    assert argv(container)[:3] == ["python", "manage.py", "controlworker"]
+    assert "nvidia.com/gpu" not in container["resources"]["limits"]
+    # Never scaled by an autoscaler, never to zero; through drains one stays.
+    assert spec["replicas"] >= 2
+    targets = {d["spec"]["scaleTargetRef"]["name"] for d in of_kind("ScaledObject")
+               + of_kind("HorizontalPodAutoscaler")}
+    assert control["metadata"]["name"] not in targets
+    (budget,) = [d for d in of_kind("PodDisruptionBudget")
+                 if d["metadata"]["name"] == control["metadata"]["name"]]
+    assert budget["spec"]["minAvailable"] == 1
+    readme = (K8S / "README.md").read_text()
+    assert "control-deployment.yaml" in readme.split("## Apply", 1)[1]
+
+
 def test_the_hpa_and_the_scaled_object_are_never_applied_together() -> None:
     places = {p.parent for p, doc in DOCS if doc["kind"] == "HorizontalPodAutoscaler"}
     keda = {p.parent for p, doc in DOCS if doc["kind"] == "ScaledObject"}
@@ -734,7 +755,22 @@ class Services:
 
 
 @pytest.fixture(scope="module")
-def services(request: pytest.FixtureRequest) -> Iterator[Services]:
+def engine_lock() -> Iterator[None]:
+    """This machine's engine lock, held for the whole Docker run (dockerd, the image build,
+    the pods): the build and the CPU worker's engine take the cores that benchmarks beside
+    it measure with. Taken here, so the run must not be wrapped in `flock` on the same file
+    (a second lock of the file by this process would wait for the first)."""
+    from tests.deploy.test_stack import ENGINE_LOCK, log
+
+    with ENGINE_LOCK.open("a") as lock:
+        log("waiting for the engine lock")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        log("engine lock held")
+        yield
+
+
+@pytest.fixture(scope="module")
+def services(engine_lock: None, request: pytest.FixtureRequest) -> Iterator[Services]:
     from tests.deploy.test_stack import COMPOSE_ENV, env_file_text
 
     # test_stack's fixtures: dockerd up, the stand-in bases and the CPU image built.
@@ -848,6 +884,15 @@ class Pods:
         out = run("docker", "logs", name, check=False)
         return out.stdout + out.stderr
 
+    def wait_log(self, name: str, text: str, *, timeout: float) -> None:
+        """Until the container's log shows `text`; fails if it stops first."""
+        deadline = time.monotonic() + timeout
+        while text not in self.logs(name):
+            state = run("docker", "inspect", "-f", "{{.State.Running}}", name).stdout
+            assert state.strip() == "true", self.logs(name)[-4000:]
+            assert time.monotonic() < deadline, self.logs(name)[-4000:]
+            time.sleep(2)
+
     def wait_probe(self, name: str, probe: dict[str, Any]) -> None:
         """As the kubelet runs an exec probe: every periodSeconds, each try cut at
         timeoutSeconds, failed after failureThreshold tries in a row."""
@@ -890,8 +935,6 @@ class Pods:
 @pytest.mark.deploy
 def test_each_pods_containers_start_from_the_manifests_through_docker(
         services: Services) -> None:
-    from tests.deploy.test_stack import ENGINE_LOCK
-
     assert (ROOT / "var" / "models" / CPU_MODEL).is_dir(), "run `make models` first"
     pods = Pods(services)
     try:
@@ -902,27 +945,96 @@ def test_each_pods_containers_start_from_the_manifests_through_docker(
         assert code == "0", pods.logs(name)[-4000:]
 
         # The web server: its startup probe, then its readiness and liveness probes pass;
-        # it runs as the manifest's user; it stops within its grace period.
+        # it runs as the manifest's user.
         web = named("Deployment", "batchweb-web")
-        name, container = pods.start(web)
+        web_name, web_container = pods.start(web)
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-            pods.wait_probe(name, container[kind])
-        uid = run("docker", "exec", name, "id", "-u").stdout.strip()
+            pods.wait_probe(web_name, web_container[kind])
+        uid = run("docker", "exec", web_name, "id", "-u").stdout.strip()
         assert uid == str(pod_spec(web)["securityContext"]["runAsUser"])
-        pods.stop(name, web, container)
 
-        # The CPU worker loads its engine, takes its queues, and drains on SIGTERM within
-        # its grace period. (The GPU worker needs a GPU and the CUDA image: not here.)
+        # The control tier, with the model's workers at zero (KEDA's minReplicaCount 0): a
+        # new batch is validated there, and only then asks for a worker.
+        control = named("Deployment", "batchweb-control")
+        control_name, control_container = pods.start(control)
+        pods.wait_log(control_name, ": ready on ", timeout=300)
+        api = Api(pods, web_name)
+        batch_id = api.submit(requests=12)
+        api.wait_status(batch_id, {"in_progress"}, timeout=300)
+        assert api.workers_needed() >= 1
+
+        # The autoscaler's answer: a worker pod. It loads its engine, takes its queues,
+        # runs the batch, and drains on SIGTERM within its grace period. (The GPU worker
+        # needs a GPU and the CUDA image: not here.) The engine lock is held for the whole
+        # run (`engine_lock`).
         worker = named("Deployment", "batchweb-worker-smollm2")
-        with ENGINE_LOCK.open("a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # no two vLLM engines on this machine at once
-            name, container = pods.start(worker)
-            deadline = time.monotonic() + 900
-            while ": ready on " not in pods.logs(name):
-                state = run("docker", "inspect", "-f", "{{.State.Running}}", name).stdout
-                assert state.strip() == "true", pods.logs(name)[-4000:]
-                assert time.monotonic() < deadline, pods.logs(name)[-4000:]
-                time.sleep(2)
-            pods.stop(name, worker, container)
+        name, container = pods.start(worker)
+        pods.wait_log(name, ": ready on ", timeout=900)
+        batch = api.wait_status(batch_id, {"completed"}, timeout=600)
+        assert batch["request_counts"]["completed"] == 12, batch
+        assert api.workers_needed() == 0
+        pods.stop(name, worker, container)
+        pods.stop(control_name, control, control_container)
+        pods.stop(web_name, web, web_container)
     finally:
         pods.remove_all()
+
+
+class Api:
+    """The web pod's API as the Ingress passes requests on: its address on the network,
+    a Host ALLOWED_HOSTS lists, X-Forwarded-Proto https."""
+
+    def __init__(self, pods: Pods, web: str) -> None:
+        import httpx
+
+        address = run("docker", "inspect", "-f",
+                      "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", web
+                      ).stdout.strip()
+        password = secrets.token_urlsafe(16)
+        run("docker", "exec", "-e", f"DJANGO_SUPERUSER_PASSWORD={password}", web, "python",
+            "manage.py", "createsuperuser", "--noinput", "--username", "admin",
+            "--email", "admin@example.com", timeout=120)
+        key = run("docker", "exec", web, "python", "manage.py", "createapikey", "admin",
+                  timeout=120).stdout.strip().splitlines()[-1].strip()
+        assert key.startswith("sk-bw-"), key
+        host = configmap_data("batchweb-env")["ALLOWED_HOSTS"].split(",")[0]
+        self.metrics_token = pods.services.secret["BATCHWEB_METRICS_TOKEN"]
+        self.client = httpx.Client(
+            base_url=f"http://{address}:{WEB_PORT}", timeout=60, trust_env=False,
+            headers={"Host": host, "X-Forwarded-Proto": "https",
+                     "X-Forwarded-For": "198.51.100.7", "Authorization": f"Bearer {key}"})
+
+    def submit(self, *, requests: int) -> str:
+        lines = [json.dumps({"custom_id": f"r{i}", "method": "POST",
+                             "url": "/v1/chat/completions",
+                             "body": {"model": CPU_MODEL, "max_tokens": 8, "temperature": 0,
+                                      "messages": [{"role": "user", "content": f"Count to {i}"}]}})
+                 for i in range(requests)]
+        uploaded = self.client.post("/v1/files", data={"purpose": "batch"}, files={
+            "file": ("in.jsonl", "\n".join(lines).encode(), "application/jsonl")})
+        assert uploaded.status_code == 200, uploaded.text
+        created = self.client.post("/v1/batches", json={
+            "input_file_id": uploaded.json()["id"], "endpoint": "/v1/chat/completions",
+            "completion_window": "24h"})
+        assert created.status_code == 200, created.text
+        return str(created.json()["id"])
+
+    def wait_status(self, batch_id: str, statuses: set[str], *, timeout: float
+                    ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            batch = self.client.get(f"/v1/batches/{batch_id}").json()
+            if batch["status"] in statuses:
+                return dict(batch)
+            assert batch["status"] not in ("failed", "expired", "cancelled"), batch
+            assert time.monotonic() < deadline, batch
+            time.sleep(2)
+
+    def workers_needed(self) -> float:
+        from tests.factories import prometheus_values
+
+        page = self.client.get("/metrics",
+                               headers={"Authorization": f"Bearer {self.metrics_token}"})
+        assert page.status_code == 200, page.text[:500]
+        values = prometheus_values(page.text)
+        return values[("batchweb_workers_needed", (("model", CPU_MODEL),))]

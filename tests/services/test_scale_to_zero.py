@@ -1,0 +1,102 @@
+"""Scaled to zero: with no worker of a model, a new batch must still be validated, or it
+never asks for a worker (`batchweb_workers_needed` counts running batches only) and none
+comes. `manage.py controlworker` validates it without an engine; only then does the
+signal ask for a worker, and the worker that comes runs it."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jobs.lib import queues
+from jobs.models import Batch, Shard
+from tests.factories import ROOT, chat_line, database_url, jsonl, prometheus_values, wait_for
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+NEEDED = ("batchweb_workers_needed", (("model", "echo-test"),))
+
+
+def workers_needed() -> float:
+    from jobs.http.metrics import render_metrics
+
+    return prometheus_values(render_metrics().decode())[NEEDED]
+
+
+@pytest.fixture
+def control(tmp_path: Path) -> Iterator[list[subprocess.Popen]]:
+    """`manage.py controlworker` processes on the test database, stopped at the end."""
+    procs: list[subprocess.Popen] = []
+    yield procs
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    print("--- controlworker log ---\n" + "\n".join(
+        p.read_text(errors="replace")[-4000:] for p in tmp_path.glob("control-*.log")))
+
+
+def start_control(procs: list[subprocess.Popen], tmp_path: Path) -> subprocess.Popen:
+    env = {**os.environ, "DATABASE_URL": database_url(), "BATCHWEB_RECONCILE_SECONDS": "1",
+           "BATCHWEB_HEARTBEAT_SECONDS": "1"}
+    with open(tmp_path / f"control-{len(procs)}.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), "controlworker"],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    procs.append(proc)
+    return proc
+
+
+def test_a_batch_at_zero_workers_is_validated_then_asks_for_a_worker_that_runs_it(
+        openai_client, workers, control, tmp_path, settings) -> None:
+    from jobs.queries.queue_health import queue_health
+
+    settings.BATCHWEB = {**settings.BATCHWEB, "HEARTBEAT_TIMEOUT_SECONDS": 3}
+    assert workers_needed() == 0
+    file_id = openai_client.files.create(
+        file=("in.jsonl", io.BytesIO(jsonl([chat_line(f"r{i}", f"q {i}") for i in range(30)]))),
+        purpose="batch").id
+    created = openai_client.batches.create(input_file_id=file_id,
+                                           endpoint="/v1/chat/completions",
+                                           completion_window="24h")
+    # No process takes the control queue: the batch waits in validation, and the signal
+    # cannot ask for a worker for it. This is the deadlock the control worker breaks.
+    time.sleep(2)
+    assert Batch.objects.get(pk=created.id).status == Batch.Status.VALIDATING
+    assert workers_needed() == 0
+
+    proc = start_control(control, tmp_path)
+    wait_for(lambda: Batch.objects.get(pk=created.id).status == Batch.Status.IN_PROGRESS,
+             timeout=60, message="validation by the control worker")
+    # Queue health counts it as a worker of the control queue, of no model, and alive
+    # while idle past the heartbeat timeout.
+    time.sleep(4)
+    health = queue_health()
+    assert health.control_workers == 1
+    assert not [w for m in health.models for w in m.workers + m.lost_workers]
+    # Validated on the control tier: its shards wait in the model's queue, none ran (the
+    # control worker has no engine and takes no shard queue), and the model now needs a
+    # worker.
+    shards = Shard.objects.filter(batch_id=created.id)
+    assert shards.exists() and not shards.exclude(status=Shard.Status.QUEUED).exists()
+    assert queues.queue(queues.shard_queue_name("echo-test", "default")).count >= 1
+    assert workers_needed() >= 1
+
+    # The autoscaler's answer: a worker of the model comes and runs the batch; the
+    # finalization and the plan's 0 follow.
+    workers.start()
+    batch = wait_for(lambda: (b := openai_client.batches.retrieve(created.id)).status
+                     == "completed" and b, timeout=90, message="completion")
+    assert batch.request_counts.completed == 30
+    assert workers_needed() == 0
+
+    # SIGTERM stops it promptly and cleanly (a Deployment's rollout, a scale-down).
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
