@@ -28,7 +28,11 @@ the first factor's SLO and no client (does the controller hold it back?); then, 
 the batch with that SLO started afresh beside the client, which runs through the settling
 time too (SLO_SETTLE: the limit finds its level) and is measured after it. Reported: the
 client's p99 TTFT against the SLO, and the batch's tokens/s beside the client as a share of
-the SLO batch's, and of today's, with no client.
+the SLO batch's, and of today's, with no client. Here the client runs in a process of its
+own, as online users do (in the batch worker's process it would wait on that interpreter's
+lock too). `--pin`: the engine's compute on core 1, the server's front end and this
+process on core 0 (pin_apart); `--server-flags`: more `vllm serve` flags (e.g.
+`--long-prefill-token-threshold 48`).
 
 Every engine here holds /tmp/engine.lock: run as `flock /tmp/engine.lock .venv/bin/python
 bench/remote_engine.py ...`.
@@ -93,13 +97,28 @@ def drive(engine: Any, requests: list[EngineRequest]) -> dict[str, Any]:
     return {"tokens": tokens, "failed": failed, "seconds": seconds, "tok_s": tokens / seconds}
 
 
-def serve(dtype: str, policy: str, seqs: int, batched: int, log: Path) -> VllmServe:
+def serve(dtype: str, policy: str, seqs: int, batched: int, log: Path, *extra: str
+          ) -> VllmServe:
     server = VllmServe(harness.MODEL, "smol", "--dtype", dtype, "--max-model-len",
                        str(MAX_MODEL_LEN), "--max-num-seqs", str(seqs),
                        "--max-num-batched-tokens", str(batched), "--scheduling-policy",
-                       policy, "--enable-prompt-tokens-details", log=log, kv_cache_gib=KV_GIB)
+                       policy, "--enable-prompt-tokens-details", *extra, log=log,
+                       kv_cache_gib=KV_GIB)
     server.wait_ready()
     return server
+
+
+def pin_apart(server: VllmServe) -> None:
+    """The engine's compute on core 1 alone (VLLM_CPU_OMP_THREADS_BIND=1, set before the
+    server started), everything else on core 0: the server's front end (its HTTP and
+    detokenizing process) and this process with its threads and the clients it starts.
+    On 2 cores an engine whose OpenMP threads share both with the front end waits at each
+    parallel region for a thread the front end displaced, so a step's time follows every
+    other process's load."""
+    for task in Path(f"/proc/{server.proc.pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), {0})
+    for task in Path("/proc/self/task").iterdir():
+        os.sched_setaffinity(int(task.name), {0})
 
 
 def remote_engine(url: str, ceiling: int, **options: Any) -> Any:
@@ -237,6 +256,19 @@ async def interactive_client(url: str, seconds: float, every: float,
     return {"samples": samples, "tokens": tokens}
 
 
+def online_client(url: str, seconds: float, every: float, skip: float = 0.0
+                  ) -> dict[str, Any]:
+    """interactive_client in a process of its own: online users do not share the batch
+    worker's interpreter, so its lock and event loop are no part of their time to first
+    token."""
+    code = ("import asyncio, json, sys; from bench.remote_engine import interactive_client; "
+            "print(json.dumps(asyncio.run(interactive_client(*json.loads(sys.argv[1])))))")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps([url, seconds, every, skip])],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def generated_tokens(url: str) -> float:
     """vLLM's own count of output tokens generated so far (every request, finished or not)."""
     text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=10).text
@@ -369,15 +401,18 @@ def slo_round(args: argparse.Namespace, batch: list[EngineRequest], scratch: Pat
     """One round of the SLO measurement (the module's docstring)."""
     seqs, batched = llm_class_batch_sizes(1)
     factors = [float(f) for f in args.slo_factors.split(",")]
-    server = serve(args.dtype, "priority", seqs, batched, scratch / "serve-slo.log")
+    server = serve(args.dtype, "priority", seqs, batched, scratch / "serve-slo.log",
+                   *args.server_flags.split())
+    if args.pin:
+        pin_apart(server)
     row: dict[str, Any] = {"policy": "priority", "max_num_seqs": seqs,
-                           "max_num_batched_tokens": batched}
+                           "max_num_batched_tokens": batched, "pinned": args.pin,
+                           "server_flags": args.server_flags}
     source = iter(batch)
     try:
         reset_limit(server.url)
         asyncio.run(interactive_client(server.url, 5, args.every))  # warm up
-        alone = percentiles(asyncio.run(interactive_client(server.url, args.seconds,
-                                                           args.every))["samples"])
+        alone = percentiles(online_client(server.url, args.seconds, args.every)["samples"])
         row["alone"] = alone
         today = BatchDrain(server.url, source, args.ceiling)
         try:
@@ -407,8 +442,8 @@ def slo_round(args: argparse.Namespace, batch: list[EngineRequest], scratch: Pat
                     target=lambda d=drain, out=done: out.append(d.run(args.seconds,
                                                                  settle=SLO_SETTLE)))
                 thread.start()
-                beside = asyncio.run(interactive_client(server.url, args.seconds, args.every,
-                                                        skip=SLO_SETTLE))
+                beside = online_client(server.url, args.seconds, args.every,
+                                       skip=SLO_SETTLE)
                 thread.join()
             finally:
                 drain.close()
@@ -506,11 +541,17 @@ def main() -> None:
                         "TTFT alone (e.g. 2,1.25); empty: no SLO, as before")
     parser.add_argument("--probe-every", type=float, default=1.0,
                         help="interactive with an SLO: slo_probe_interval, seconds")
+    parser.add_argument("--pin", action="store_true",
+                        help="interactive with an SLO: the engine on core 1, the rest on 0")
+    parser.add_argument("--server-flags", default="",
+                        help="interactive with an SLO: more `vllm serve` flags")
     parser.add_argument("--json", default="")
     args = parser.parse_args()
     # The same for every path and every engine process (run_batch's, the server's).
     os.environ.update(VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE=str(KV_GIB),
                       HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    if args.pin:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "1"
     from bench.harness import private_redis
 
     with tempfile.TemporaryDirectory(prefix="bench-redis-") as folder, \
