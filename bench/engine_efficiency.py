@@ -385,6 +385,9 @@ def run_workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
                                                 where, args.model_name, args.model_path,
                                                 args.eager or path == "e", tp,
                                                 args.poll_seconds, prefix_gate=path != "d")
+            # The machine's 1-minute load as the path ends: others' jobs share its cores,
+            # and a round run beside them says so.
+            ran[PATHS[path]]["load"] = os.getloadavg()[0]
             print(_brief(ran), flush=True)
         if number == 0:
             results.update(ran)
@@ -422,10 +425,11 @@ def _round(ran: dict[str, dict], order: str, count: int, limit: dict[str, Any]
     run and its batch phase, how many outputs they share, and the prompt tokens each
     computed over the limit's."""
     out: dict[str, Any] = {"order": order}
-    for path in ("b", "c", "d"):
+    for path in ("b", "c", "d", "e"):
         row = ran.get(PATHS[path])
         if row:
             out[f"{path}_seconds"] = row["seconds"]
+            out[f"{path}_load"] = row.get("load")
         if row and limit["computed_tokens"]:
             out[f"{path}_over_limit"] = ((row["prompt_tokens"] - row["cached_tokens"])
                                          / limit["computed_tokens"] - 1)
@@ -514,10 +518,11 @@ def print_table(f: dict[str, Any]) -> None:
                            for p in ("b", "c", "d") if f"{p}_over_limit" in r)
             print(f"round {number + 1} ({r['order']}): b {r['b_seconds']:.1f} s, c "
                   f"{r['c_seconds']:.1f} s; c/b {r['c/b']:.3f}{phase}; identical b=c "
-                  f"{r['identical']}{over}")
+                  f"{r['identical']}{over}; load after b {r['b_load']:.1f}, c "
+                  f"{r['c_load']:.1f}")
         if "c/e" in r:
             print(f"  compiled / eager batchweb: e {r['e_seconds']:.1f} s; c/e {r['c/e']:.3f}; "
-                  f"identical c=e {r['identical_ce']}")
+                  f"identical c=e {r['identical_ce']}; load after e {r['e_load']:.1f}")
     if "c/b_phase_median" in f:
         print(f"c/b against the batch phase, median of {len(f['rounds'])} rounds: "
               f"{f['c/b_phase_median']:.3f}")
