@@ -21,7 +21,6 @@ import sys
 import time
 from typing import Any
 
-import redis
 from django.conf import settings
 from django.core.checks import Tags
 from django.core.management.base import BaseCommand, CommandError
@@ -32,10 +31,10 @@ from jobs.engines import model_spec
 from jobs.lib import queues
 from jobs.policy import close_engines
 from jobs.services.cleanup import sweep_temp_dir
+from jobs.worker import rq_worker
 from jobs.worker.db import with_db_retry
 from jobs.worker.pipeline import Pipeline
 from jobs.worker.presence import Presence, free_name
-from jobs.worker.rq_worker import BatchWorker
 from jobs.worker.switching import model_due
 
 # With several models, how often an idle worker looks whether another model is due.
@@ -145,45 +144,23 @@ class Command(BaseCommand):
 
     def take_jobs(self, queue_names: list[str], name: str, host: str, pipeline: Pipeline,
                   presence: Presence, others: list[ModelSpec]) -> ModelSpec | None:
-        """Run RQ's work loop until a stop is requested (None), riding out Redis outages:
-        RQ's loop returns when Redis goes away, and reloading the model would cost a
-        minute, so the engine stays loaded and a new loop starts once Redis answers again.
+        """RQ's work loop (jobs/worker/rq_worker.py) until a stop is requested (None) or
+        the engine breaks; Redis outages keep the engine loaded (a reload costs a minute).
 
         With other models to switch to, RQ's loop also returns after IDLE_CHECK_SECONDS
         without a job; the model due then (if nothing of this one is in flight) is
         returned."""
         switch_after = settings.BATCHWEB["MODEL_SWITCH_SECONDS"]
-        idle_check = max(1, int(min(IDLE_CHECK_SECONDS, switch_after))) if others else None
-        loops = 0
-        while pipeline.state.broken is None:
-            worker = None
-            redis_failed = False
-            try:
-                # A fresh name per loop: the last loop's registration may still be in Redis.
-                worker = BatchWorker([queues.queue(q) for q in queue_names],
-                                     name=f"{name}.{loops}" if loops else name,
-                                     connection=queues.connection())
-                worker.hostname = host  # registered with the worker (RQ's own field)
-                presence.worker = worker
-                presence.report(worker)
-                worker.work(logging_level=settings.LOG_LEVEL, max_idle_time=idle_check)
-            except redis.exceptions.RedisError as exc:
-                # Building the worker and RQ's own shutdown talk to Redis too.
-                redis_failed = True
-                self.stderr.write(f"batchworker {name}: Redis unavailable ({exc})")
-            finally:
-                presence.worker = None
-            loops += 1
-            if worker is not None and worker._shutdown_requested_date is not None:
-                return None  # SIGTERM / SIGINT: stop
-            if others and not redis_failed:
-                # Idle: switch only with nothing of this model claimed or in flight.
-                if not pipeline.state.works:
-                    due = with_db_retry(lambda: model_due(others,
-                                                          waited_seconds=switch_after))
-                    if due is not None:
-                        return due
-                continue
-            time.sleep(2)
-            self.stderr.write(f"batchworker {name}: reconnecting to Redis")
-        return None
+
+        def due() -> ModelSpec | None:
+            # Idle: switch only with nothing of this model claimed or in flight.
+            if pipeline.state.works:
+                return None
+            return with_db_retry(lambda: model_due(others, waited_seconds=switch_after))
+
+        return rq_worker.take_jobs(
+            queue_names, name=name, presence=presence, host=host,
+            say=lambda text: self.stderr.write(f"batchworker {name}: {text}"),
+            idle_check=max(1, int(min(IDLE_CHECK_SECONDS, switch_after))) if others else None,
+            on_idle=due if others else None,
+            running=lambda: pipeline.state.broken is None)

@@ -20,10 +20,8 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import time
 from typing import Any
 
-import redis
 from django.conf import settings
 from django.core.checks import Tags
 from django.core.management.base import BaseCommand
@@ -31,7 +29,7 @@ from django.core.management.base import BaseCommand
 from jobs.lib import queues
 from jobs.worker.periodic import Periodic
 from jobs.worker.presence import Presence, free_name
-from jobs.worker.rq_worker import BatchWorker
+from jobs.worker.rq_worker import take_jobs
 
 
 class Command(BaseCommand):
@@ -59,32 +57,10 @@ class Command(BaseCommand):
         queue_names = [queues.CONTROL_QUEUE, queues.WEBHOOK_QUEUE]
         self.stdout.write(f"controlworker {name}: ready on {', '.join(queue_names)}")
         try:
-            self.take_jobs(queue_names, name, presence)
+            take_jobs(queue_names, name=name, presence=presence,
+                      say=lambda text: self.stderr.write(f"controlworker {name}: {text}"))
         finally:
             closing.set()
             periodic.join(timeout=10)
             presence.join(timeout=10)
         self.stdout.write(f"controlworker {name}: stopped")
-
-    def take_jobs(self, queue_names: list[str], name: str, presence: Presence) -> None:
-        """RQ's work loop until a stop is requested, started again after a Redis outage
-        (RQ's loop returns when Redis goes away)."""
-        loops = 0
-        while True:
-            worker = None
-            try:
-                # A fresh name per loop: the last loop's registration may still be in Redis.
-                worker = BatchWorker([queues.queue(q) for q in queue_names],
-                                     name=f"{name}.{loops}" if loops else name,
-                                     connection=queues.connection())
-                presence.worker = worker
-                worker.work(logging_level=settings.LOG_LEVEL)
-            except redis.exceptions.RedisError as exc:
-                self.stderr.write(f"controlworker {name}: Redis unavailable ({exc})")
-            finally:
-                presence.worker = None
-            loops += 1
-            if worker is not None and worker._shutdown_requested_date is not None:
-                return  # SIGTERM / SIGINT
-            time.sleep(2)
-            self.stderr.write(f"controlworker {name}: reconnecting to Redis")
