@@ -29,6 +29,8 @@ Options (the model's `options` in BATCHWEB_MODELS_FILE):
                          key where metrics_url is base_url's origin, else none)
     max_response_bytes   a response body past this fails its request (default 64 MiB)
     max_in_flight        requests the worker hands in at once (default 2 x max_concurrency)
+    lease_seconds        how long the slots of a worker killed mid-request stay taken
+                         (default 30; a live worker renews its own every third of it)
     redis_url            set by jobs/engines.py: the Redis holding the shared limit
     ttft_slo_ms | ttft_slo_factor, ttft_slo_percentile, itl_slo_ms, slo_probe_interval,
     slo_band, online_priority   the online latency to hold (engine/remote_slo.py); with
@@ -103,6 +105,7 @@ OPTIONS = {
     "share_prefix_cache_across_owners": False, "latency_tolerance": 2.0,
     "metrics_url": None, "metrics_api_key_env": "", "max_response_bytes": MAX_RESPONSE_BYTES,
     "max_in_flight": None, "metrics_interval": 2.0, "redis_url": None,
+    "lease_seconds": limits.LEASE_SECONDS,
     # The served model's context (the server's --max-model-len); else its model card's.
     "max_model_len": None,
     **remote_slo.OPTIONS,
@@ -297,6 +300,7 @@ class RemoteEngine(LoopEngine):
         self.max_response_bytes = int(options["max_response_bytes"])
         self.metrics_interval = float(options["metrics_interval"])
         self.max_in_flight = int(options["max_in_flight"] or 2 * self.ceiling)
+        self.lease_ms = self._lease_ms(options["lease_seconds"])
         self._timeout = httpx.Timeout(float(options["request_timeout"]),
                                       connect=float(options["connect_timeout"]))
         self._redis_url = str(options["redis_url"])
@@ -327,6 +331,15 @@ class RemoteEngine(LoopEngine):
     @property
     def batch_size(self) -> int:
         return self.ceiling
+
+    def _lease_ms(self, value: object) -> int:
+        # Renewed every third of it: much under a few seconds, a renewal delayed by a
+        # busy Redis or event loop would hand a live request's slot to another worker.
+        if isinstance(value, bool) or not isinstance(value, int | float) \
+                or not 2 <= value < math.inf:
+            raise EngineError(f"model {self.spec.name!r}: lease_seconds must be a number "
+                              f"of seconds of at least 2, not {value!r}")
+        return int(value * 1000)
 
     def _metrics_url(self, configured: str | None) -> str:
         if configured is None:
@@ -493,7 +506,7 @@ class RemoteEngine(LoopEngine):
                 try:
                     got = await self._acquire(
                         keys=[self._leases_key, self._state_key],
-                        args=[lease, limits.LEASE_SECONDS * 1000, self.initial, self.ceiling])
+                        args=[lease, self.lease_ms, self.initial, self.ceiling])
                 except Exception as e:
                     log.warning("remote %s: Redis unavailable for the limit (%s)",
                                 self.base_url, e)
@@ -514,11 +527,11 @@ class RemoteEngine(LoopEngine):
 
     async def _keep_leases(self) -> None:
         while True:
-            await asyncio.sleep(limits.LEASE_SECONDS / 3)
+            await asyncio.sleep(self.lease_ms / 3000)
             if self._held:
                 try:
                     await self._renew(keys=[self._leases_key],
-                                      args=[limits.LEASE_SECONDS * 1000, *self._held])
+                                      args=[self.lease_ms, *self._held])
                 except Exception as e:
                     log.warning("remote %s: leases not renewed (%s)", self.base_url, e)
 

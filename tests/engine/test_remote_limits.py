@@ -18,7 +18,7 @@ from engine.base import EngineError, EngineRequest, ModelSpec
 from engine.endpoints import CHAT, MESSAGES
 from engine.remote import RemoteEngine, backoff_seconds, retry_after, vllm_queue
 from engine.remote_limits import ACQUIRE, keys, server_state
-from tests.factories import free_port
+from tests.factories import free_port, wait_for
 from tests.faultproxy import FaultProxy
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -98,6 +98,14 @@ def test_a_server_without_the_model_is_refused_at_start(proxies, engines):
         make_engine(engines, proxy.url, max_concurency=3)
 
 
+@pytest.mark.parametrize("lease", [1, 0, -5, "30", True, float("inf")])
+def test_a_bad_lease_is_refused_by_name(proxies, engines, lease):
+    proxy = make_proxy(proxies)
+    with pytest.raises(EngineError, match="lease_seconds must be a number of seconds of at "
+                                          "least 2"):
+        make_engine(engines, proxy.url, lease_seconds=lease)
+
+
 def test_messages_go_without_priority(proxies, engines):
     proxy = make_proxy(proxies)
     engine = make_engine(engines, proxy.url)
@@ -128,11 +136,10 @@ def test_in_flight_never_above_the_ceiling_shared_by_two_engines(proxies, engine
     assert state(proxy.url).in_flight == 0  # every lease given back
 
 
-def test_a_dead_holders_slots_come_back(proxies, engines, monkeypatch):
+def test_a_dead_holders_slots_come_back(proxies, engines):
     proxy = make_proxy(proxies)
     engine = make_engine(engines, proxy.url, max_concurrency=2, initial_concurrency=2)
     # Another worker took both slots and was killed: its leases are never renewed.
-    monkeypatch.setattr("engine.remote_limits.LEASE_SECONDS", 30)
     client = redis.Redis.from_url(REDIS_URL)
     acquire = client.register_script(ACQUIRE)
     assert [acquire(keys=list(keys(proxy.url)), args=[f"dead{i}", 1500, 2, 2])
@@ -143,6 +150,21 @@ def test_a_dead_holders_slots_come_back(proxies, engines, monkeypatch):
     waited = time.monotonic() - started
     assert result.status_code == 200
     assert 1.0 < waited < 5.0
+
+
+def test_a_lease_lasts_the_models_lease_seconds(proxies, engines):
+    proxy = make_proxy(proxies)
+    proxy.delay = 1.0
+    engine = make_engine(engines, proxy.url, lease_seconds=4)
+    client = redis.Redis.from_url(REDIS_URL)
+    running = threading.Thread(target=lambda: list(engine.run([chat("x")])), daemon=True)
+    running.start()
+    wait_for(lambda: state(proxy.url).in_flight == 1, timeout=10, every=0.02,
+             message="the request's slot")
+    [(_, expires_ms)] = client.zrange(keys(proxy.url)[0], 0, -1, withscores=True)
+    now_s, now_us = client.time()
+    assert 3000 < expires_ms - (now_s * 1000 + now_us / 1000) <= 4000
+    running.join(timeout=10)
 
 
 def test_429_waits_its_retry_after_and_cuts_the_limit(proxies, engines):

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import redis
 
+from engine import remote_slo
 from engine.base import EngineError, EngineRequest, ModelSpec
 from engine.endpoints import CHAT, EMBEDDINGS
 from engine.remote import RemoteEngine
@@ -230,12 +231,17 @@ def test_a_server_that_does_not_slow_down_reaches_the_ceiling(made):
     assert server.in_flight <= 16
 
 
-def test_without_online_traffic_the_batch_goes_up_and_comes_back_when_users_return(made):
+def test_without_online_traffic_the_batch_goes_up_and_comes_back_when_users_return(
+        made, monkeypatch):
+    # The windows in which online requests are looked for, shortened from 5 and 20 s to
+    # the probes' own scale here (0.1 s apart): the rule is the same.
+    monkeypatch.setattr(remote_slo, "ONLINE_WINDOW_SECONDS", 1.0)
+    monkeypatch.setattr(remote_slo, "ONLINE_HOLD_SECONDS", 3.0)
     server = make_server(made, online=0.0)
     engine = make_engine(made, server.url, ttft_slo_ms=120, max_concurrency=16)
     made.append(Drain(engine))
-    # No one to protect (once the first 20 s, taken as online, are past): the SLO does
-    # not hold the batch back.
+    # No one to protect (once the first seconds, taken as online, are past): the SLO
+    # does not hold the batch back.
     wait_for(lambda: state(server.url, 16).limit >= 16
              and state(server.url, 16).slo_ms is not None, seconds=60)
     assert state(server.url, 16).reason == "ceiling"

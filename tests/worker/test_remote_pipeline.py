@@ -47,7 +47,9 @@ def declare(settings: Any, tmp_path: Any, url: str) -> dict[str, str]:
     """The remote model, declared to this process and (by file) to the workers."""
     models = [{"name": NAME, "backend": "remote", "endpoints": ["/v1/chat/completions"],
                "options": {"base_url": url, "max_concurrency": 3, "backoff_base": 0.1,
-                           "backoff_max": 1.0, "metrics_url": ""}}]
+                           "backoff_max": 1.0, "metrics_url": "",
+                           # A killed worker's slots come back after 5 s, not 30.
+                           "lease_seconds": 5}}]
     settings.BATCHWEB_MODELS = models
     path = tmp_path / "models.json"
     path.write_text(json.dumps(models))
@@ -101,7 +103,7 @@ def test_a_sigkilled_worker_loses_and_doubles_nothing(openai_client, workers, se
     assert Shard.objects.filter(batch_id=batch.id, failures__gt=0).exists()
     assert proxy.most_in_flight <= 3
     # Every slot comes back: the last results' leases are given back just after they are
-    # written, the killed worker's expire (30 s).
+    # written, the killed worker's expire (lease_seconds).
     wait_for(lambda: server_state(client, proxy.url, ceiling=3).in_flight == 0, timeout=45,
              message="every lease back")
 
