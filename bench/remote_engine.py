@@ -545,22 +545,19 @@ def main() -> None:
                         help="interactive with an SLO: the engine on core 1, the rest on 0")
     parser.add_argument("--server-flags", default="",
                         help="interactive with an SLO: more `vllm serve` flags")
-    parser.add_argument("--json", default="")
+    harness.add_json_option(parser)
     args = parser.parse_args()
     # The same for every path and every engine process (run_batch's, the server's).
     os.environ.update(VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE=str(KV_GIB),
                       HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     if args.pin:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "1"
-    from bench.harness import private_redis
-
     with tempfile.TemporaryDirectory(prefix="bench-redis-") as folder, \
-            private_redis(Path(folder)):
+            harness.private_redis(Path(folder)):
         result = throughput(args) if args.part == "throughput" else interactive(args)
     result["cpu"] = cpu_name()
     print(json.dumps(result, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    harness.write_json(args.json, result)
 
 
 if __name__ == "__main__":
