@@ -162,15 +162,15 @@ class Drain:
 
     def __init__(self, engine: RemoteEngine) -> None:
         self.engine = engine
+        self.sent = 0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _requests(self) -> Iterator[EngineRequest]:
-        i = 0
         while not self.stop.is_set():
-            i += 1
-            yield EngineRequest(request_id=f"r{i}", url=CHAT, body={
+            self.sent += 1
+            yield EngineRequest(request_id=f"r{self.sent}", url=CHAT, body={
                 "model": "remote-test", "messages": [{"role": "user", "content": "hi"}]})
 
     def _run(self) -> None:
@@ -179,6 +179,8 @@ class Drain:
 
     def close(self) -> None:
         self.stop.set()
+        # What the engine has taken in but not run yet is aborted, not waited for.
+        self.engine.abort([f"r{i}" for i in range(1, self.sent + 1)])
         self.thread.join(timeout=30)
 
 
