@@ -173,7 +173,19 @@ def batchworker(model: str, env: dict[str, str], out: Any, *options: str,
                 prefix: Sequence[str] = (), **popen: Any) -> subprocess.Popen:
     """`manage.py batchworker --model MODEL OPTIONS`, its output (and errors) to `out`: a
     path (the worker's own log) or an open file."""
-    command = [*prefix, PY, "manage.py", "batchworker", "--model", model, *options]
+    return manage_process(["batchworker", "--model", model, *options], env, out,
+                          prefix=prefix, **popen)
+
+
+def controlworker(env: dict[str, str], out: Any, *options: str) -> subprocess.Popen:
+    """`manage.py controlworker OPTIONS` (no engine), its output to `out` as above."""
+    return manage_process(["controlworker", *options], env, out)
+
+
+def manage_process(args: Sequence[str], env: dict[str, str], out: Any, *,
+                   prefix: Sequence[str] = (), **popen: Any) -> subprocess.Popen:
+    """`manage.py ARGS` started (after `prefix`, e.g. taskset), its output to `out`."""
+    command = [*prefix, PY, "manage.py", *args]
     if isinstance(out, Path):
         with open(out, "wb") as log:
             return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log,

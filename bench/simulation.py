@@ -344,10 +344,8 @@ def run_order(order: str, plan: list[Planned], args: argparse.Namespace) -> dict
             procs.append(harness.granian(port, env, "--workers", "1", "--blocking-threads",
                                          "4", stdout=web_log, stderr=subprocess.STDOUT))
             harness.wait_http(f"http://127.0.0.1:{port}/v1/models")
-            with open(scratch / "control.log", "wb") as control_log:
-                procs.append(subprocess.Popen(
-                    [harness.PY, "manage.py", "controlworker", "--name", "control"],
-                    cwd=harness.ROOT, env=env, stdout=control_log, stderr=subprocess.STDOUT))
+            procs.append(harness.controlworker(env, scratch / "control.log",
+                                               "--name", "control"))
             clients = [httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120,
                                     headers={"Authorization": f"Bearer {key}"})
                        for key in keys]

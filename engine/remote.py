@@ -300,7 +300,11 @@ class RemoteEngine(LoopEngine):
         self.max_response_bytes = int(options["max_response_bytes"])
         self.metrics_interval = float(options["metrics_interval"])
         self.max_in_flight = int(options["max_in_flight"] or 2 * self.ceiling)
-        self.lease_ms = self._lease_ms(options["lease_seconds"])
+        # Renewed every third of it: much under a few seconds, a renewal delayed by a busy
+        # Redis or event loop would hand a live request's slot to another worker.
+        self.lease_ms = int(1000 * remote_slo.number_option(
+            spec.name, "lease_seconds", options["lease_seconds"], low=1,
+            what="seconds above 1"))
         self._timeout = httpx.Timeout(float(options["request_timeout"]),
                                       connect=float(options["connect_timeout"]))
         self._redis_url = str(options["redis_url"])
@@ -331,15 +335,6 @@ class RemoteEngine(LoopEngine):
     @property
     def batch_size(self) -> int:
         return self.ceiling
-
-    def _lease_ms(self, value: object) -> int:
-        # Renewed every third of it: much under a few seconds, a renewal delayed by a
-        # busy Redis or event loop would hand a live request's slot to another worker.
-        if isinstance(value, bool) or not isinstance(value, int | float) \
-                or not 2 <= value < math.inf:
-            raise EngineError(f"model {self.spec.name!r}: lease_seconds must be a number "
-                              f"of seconds of at least 2, not {value!r}")
-        return int(value * 1000)
 
     def _metrics_url(self, configured: str | None) -> str:
         if configured is None:

@@ -86,8 +86,9 @@ class Slo:
     endpoint: str  # what the probe asks: chat where served, else completions
 
 
-def _number(name: str, option: str, value: Any, *, low: float, high: float = math.inf,
-            what: str) -> float:
+def number_option(name: str, option: str, value: Any, *, low: float,
+                  high: float = math.inf, what: str) -> float:
+    """A remote model's numeric option, checked: above `low`, below `high`."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not (
             math.isfinite(value) and low < value < high):
         raise EngineError(f"model {name!r}: {option} must be {what}, not {value!r}")
@@ -116,18 +117,18 @@ def parse(name: str, options: dict[str, Any], endpoints: Sequence[str]) -> Slo |
                           f"not {priority!r}")
     get = {**OPTIONS, **options}.get
     return Slo(
-        ttft_ms=None if ttft is None else _number(
+        ttft_ms=None if ttft is None else number_option(
             name, "ttft_slo_ms", ttft, low=0, what="milliseconds above 0"),
-        factor=None if factor is None else _number(
+        factor=None if factor is None else number_option(
             name, "ttft_slo_factor", factor, low=1,
             what="a multiple above 1 of the time to first token alone"),
-        percentile=_number(name, "ttft_slo_percentile", get("ttft_slo_percentile"), low=0,
+        percentile=number_option(name, "ttft_slo_percentile", get("ttft_slo_percentile"), low=0,
                            high=100, what="a percentile between 0 and 100 (e.g. 90)"),
-        itl_ms=None if itl is None else _number(name, "itl_slo_ms", itl, low=0,
+        itl_ms=None if itl is None else number_option(name, "itl_slo_ms", itl, low=0,
                                                 what="milliseconds above 0"),
-        interval=_number(name, "slo_probe_interval", get("slo_probe_interval"), low=0.05,
+        interval=number_option(name, "slo_probe_interval", get("slo_probe_interval"), low=0.05,
                          what="seconds above 0.05"),
-        band=_number(name, "slo_band", get("slo_band"), low=0, high=1,
+        band=number_option(name, "slo_band", get("slo_band"), low=0, high=1,
                      what="a fraction between 0 and 1 of the room below the SLO"),
         online_priority=priority, endpoint=endpoint)
 

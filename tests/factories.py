@@ -539,15 +539,23 @@ class Workers:
 
     def start(self, model: str = "echo-test", *, env: dict[str, str] | None = None,
               args: list[str] | None = None) -> subprocess.Popen:
+        return self._spawn(["batchworker", "--model", model, *(args or [])], env)
+
+    def start_control(self, *, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """`manage.py controlworker`: validation, finalization and the reconciler, no
+        engine."""
+        return self._spawn(["controlworker"], env)
+
+    def _spawn(self, command: list[str], env: dict[str, str] | None) -> subprocess.Popen:
         # Eager unless the test (or the environment) asks for another mode: under the
         # default `auto` a model's second start compiles (minutes on 2 cores), and tests
         # start workers many times.
         full_env = {"BATCHWEB_ENGINE_MODE": "eager", **os.environ,
                     "DATABASE_URL": database_url(), **(env or {})}
         with open(self.log_dir / f"worker-{len(self.procs)}.log", "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, str(ROOT / "manage.py"), "batchworker", "--model", model,
-                 *(args or [])], env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+            proc = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), *command],
+                                    env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                                    cwd=ROOT)
         self.procs.append(proc)
         return proc
 

@@ -44,16 +44,17 @@ class BatchWorker(SimpleWorker):
 
 def take_jobs(queue_names: list[str], *, name: str, presence: Presence,
               say: Callable[[str], None], host: str = "",
-              idle_check: int | None = None, on_idle: Callable[[], T | None] | None = None,
+              on_idle: tuple[int, Callable[[], T | None]] | None = None,
               running: Callable[[], bool] = lambda: True) -> T | None:
     """Run RQ's work loop until a stop is requested (SIGTERM / SIGINT: None), riding out
     Redis outages: RQ's loop returns when Redis goes away, and a worker's process (with
     its loaded engine) outlives that, so a new loop starts once Redis answers again.
     `say` reports an outage.
 
-    With `idle_check`, RQ's loop also returns after that many seconds without a job, and
-    `on_idle()` is asked: what it returns ends the loop with it (batchworker's model to
-    switch to), None goes on. `running()` false ends it too (a broken engine)."""
+    With `on_idle` (seconds, ask), RQ's loop also returns after that many seconds without
+    a job, and `ask()` is called: what it returns ends the loop with it (batchworker's
+    model to switch to), None goes on. `running()` false ends it too (a broken engine)."""
+    idle_check, ask = on_idle or (None, None)
     loops = 0
     while running():
         worker = None
@@ -77,8 +78,8 @@ def take_jobs(queue_names: list[str], *, name: str, presence: Presence,
         loops += 1
         if worker is not None and worker._shutdown_requested_date is not None:
             return None
-        if on_idle is not None and not redis_failed:
-            due = on_idle()
+        if ask is not None and not redis_failed:
+            due = ask()
             if due is not None:
                 return due
             continue

@@ -6,19 +6,14 @@ signal ask for a worker, and the worker that comes runs it."""
 from __future__ import annotations
 
 import io
-import os
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from jobs.lib import queues
 from jobs.models import Batch, Shard
-from tests.factories import ROOT, chat_line, database_url, jsonl, prometheus_values, wait_for
+from tests.factories import chat_line, jsonl, prometheus_values, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -31,31 +26,8 @@ def workers_needed() -> float:
     return prometheus_values(render_metrics().decode())[NEEDED]
 
 
-@pytest.fixture
-def control(tmp_path: Path) -> Iterator[list[subprocess.Popen]]:
-    """`manage.py controlworker` processes on the test database, stopped at the end."""
-    procs: list[subprocess.Popen] = []
-    yield procs
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    print("--- controlworker log ---\n" + "\n".join(
-        p.read_text(errors="replace")[-4000:] for p in tmp_path.glob("control-*.log")))
-
-
-def start_control(procs: list[subprocess.Popen], tmp_path: Path) -> subprocess.Popen:
-    env = {**os.environ, "DATABASE_URL": database_url(), "BATCHWEB_RECONCILE_SECONDS": "1",
-           "BATCHWEB_HEARTBEAT_SECONDS": "1"}
-    with open(tmp_path / f"control-{len(procs)}.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "manage.py"), "controlworker"],
-                                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    procs.append(proc)
-    return proc
-
-
 def test_a_batch_at_zero_workers_is_validated_then_asks_for_a_worker_that_runs_it(
-        openai_client, workers, control, tmp_path, settings) -> None:
+        openai_client, workers, settings) -> None:
     from jobs.queries.queue_health import queue_health
 
     settings.BATCHWEB = {**settings.BATCHWEB, "HEARTBEAT_TIMEOUT_SECONDS": 3}
@@ -72,7 +44,8 @@ def test_a_batch_at_zero_workers_is_validated_then_asks_for_a_worker_that_runs_i
     assert Batch.objects.get(pk=created.id).status == Batch.Status.VALIDATING
     assert workers_needed() == 0
 
-    proc = start_control(control, tmp_path)
+    proc = workers.start_control(env={"BATCHWEB_RECONCILE_SECONDS": "1",
+                                      "BATCHWEB_HEARTBEAT_SECONDS": "1"})
     wait_for(lambda: Batch.objects.get(pk=created.id).status == Batch.Status.IN_PROGRESS,
              timeout=60, message="validation by the control worker")
     # Queue health counts it as a worker of the control queue, of no model, and alive

@@ -60,8 +60,7 @@ def test_an_idle_loop_asks_what_next_and_returns_its_answer() -> None:
 
     said: list[str] = []
     got = rq_worker.take_jobs([f"idle-{time.monotonic_ns()}"], name=f"idle.{time.time_ns()}",
-                              presence=_presence(), say=said.append, idle_check=1,
-                              on_idle=on_idle)
+                              presence=_presence(), say=said.append, on_idle=(1, on_idle))
     assert got == "switch"
     assert len(asked) == 2 and not said
 

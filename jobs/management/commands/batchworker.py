@@ -161,6 +161,6 @@ class Command(BaseCommand):
         return rq_worker.take_jobs(
             queue_names, name=name, presence=presence, host=host,
             say=lambda text: self.stderr.write(f"batchworker {name}: {text}"),
-            idle_check=max(1, int(min(IDLE_CHECK_SECONDS, switch_after))) if others else None,
-            on_idle=due if others else None,
+            on_idle=(max(1, int(min(IDLE_CHECK_SECONDS, switch_after))), due) if others
+            else None,
             running=lambda: pipeline.state.broken is None)
