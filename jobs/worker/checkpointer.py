@@ -7,11 +7,10 @@ this attempt; a worker presumed dead records nothing and deletes what it stored.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-
-from django.db import InterfaceError, OperationalError, connection
 
 from jobs.worker.db import ShardStore
 from jobs.worker.loop import Loop
@@ -52,14 +51,8 @@ class Checkpointer(Loop):
             for work in state.current_works():
                 if state.closing.is_set() or not self._due(work):
                     continue
-                try:
-                    self.save(work)
-                except (OperationalError, InterfaceError):
-                    log.warning("checkpoint: database unavailable; will retry", exc_info=True)
-                    connection.close()
-                except Exception:
-                    log.exception("checkpoint of shard %s failed", work.shard_id)
-        connection.close()
+                self.step(f"checkpoint of shard {work.shard_id}",
+                          functools.partial(self.save, work))
 
     def _due(self, work: ShardWork) -> bool:
         with work.lock:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import logging
 
-from django.db import InterfaceError, OperationalError, connection
-
 from jobs.formats.checkpoint import Progress
 from jobs.services import shards as shard_service
 from jobs.worker.loop import Loop
@@ -27,14 +25,7 @@ class Heartbeat(Loop):
 
     def _loop(self) -> None:
         while not self.state.closing.wait(self.every):
-            try:
-                self.beat()
-            except (OperationalError, InterfaceError):
-                log.warning("heartbeat: database unavailable; will retry", exc_info=True)
-                connection.close()
-            except Exception:
-                log.exception("heartbeat failed")
-        connection.close()
+            self.step("heartbeat", self.beat)
 
     def beat(self) -> None:
         state = self.state

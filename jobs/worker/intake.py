@@ -72,7 +72,7 @@ class Intake:
         state.register(work)
         try:
             self.served.claimed(shard)  # provenance, and the eval runs it starts
-            self._submit_lines(shard, work)
+            all_in = self._submit_lines(shard, work)
         except BaseException as exc:
             # Reading the input or the database failed, or a cold shutdown: the attempt is
             # lost, the shard goes back to the queue (with backoff).
@@ -83,6 +83,10 @@ class Intake:
                                 input_changed=str(exc) if isinstance(exc, ObjectChanged)
                                 else "")
             raise
+        if not all_in:
+            # Dropped, handed back, or the worker closed: the shard is not this attempt's to
+            # finish, and its lines not handed in must not count as answered.
+            return
         with work.lock:
             work.all_submitted = True
             finish_now = work.claim_finish()
@@ -100,7 +104,8 @@ class Intake:
                and state.broken is None and not state.closing.is_set()):
             pass
 
-    def _submit_lines(self, shard: Shard, work: ShardWork) -> None:
+    def _submit_lines(self, shard: Shard, work: ShardWork) -> bool:
+        """Hand the shard's lines in; False when its attempt stopped running first."""
         # A grouped shard's lines come in run order, a prefix group's requests next to each
         # other, each with its group's key: the engine has the group's first request
         # compute the prefix before the rest, which then find it in its prefix cache.
@@ -109,7 +114,7 @@ class Intake:
         with shard_requests(shard, work.skip | work.adopted) as requests:
             for number, request in requests:
                 if work.dead or work.handing_back:
-                    return
+                    return False
                 with work.lock:
                     if work.write_unrunnable(request["custom_id"], number):
                         continue
@@ -136,7 +141,11 @@ class Intake:
                                                output_room=output_room(line, work.room))
                 with work.lock:
                     work.pending[engine_request.request_id] = line
-                self._put(engine_request)
+                if not self._put(engine_request, work):
+                    with work.lock:
+                        del work.pending[engine_request.request_id]
+                    return False
+        return True
 
     def _adapter_folder(self, name: str, base_model: str, missing: set[str]) -> str:
         """The local folder of a LoRA adapter a line names, "" when it is not registered
@@ -148,7 +157,9 @@ class Intake:
             missing.add(name)
         return folder or ""
 
-    def _put(self, request: EngineRequest) -> None:
+    def _put(self, request: EngineRequest, work: ShardWork) -> bool:
+        """Hand a request to the engine; False, not handed in, when the attempt stops
+        running (dropped, handed back) or the worker closes while it waits."""
         # Blocks while the engine is full: this is the backpressure that bounds memory.
         # Counted before it goes in, so its result can never be counted first.
         state = self.state
@@ -156,8 +167,11 @@ class Intake:
         while True:
             if state.broken is not None:
                 raise RuntimeError(f"engine failed: {state.broken}")
+            if work.dead or work.handing_back or state.closing.is_set():
+                state.idle.request_finished(request.request_id)
+                return False
             try:
                 state.inbox.put(request, timeout=0.5)
-                return
+                return True
             except queue.Full:
                 continue

@@ -5,18 +5,13 @@ heartbeats that keep this worker's shards from being presumed dead."""
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
 
-from django.db import InterfaceError, OperationalError, connection
-
 from jobs.services.cleanup import sweep_temp_dir
 from jobs.services.reconcile import reconcile_if_due
 from jobs.worker.loop import Loop
-
-log = logging.getLogger(__name__)
 
 
 class Duty:
@@ -53,15 +48,7 @@ class Periodic(Loop):
                 if duty.due_in(time.monotonic()) > 0:
                     continue
                 duty.last = time.monotonic()
-                try:
-                    duty.run()
-                except (OperationalError, InterfaceError):
-                    log.warning("%s: database unavailable; will retry", duty.name,
-                                exc_info=True)
-                    connection.close()
-                except Exception:
-                    log.exception("%s failed", duty.name)
-        connection.close()
+                self.step(duty.name, duty.run)
 
     def _wait(self) -> float:
         # Until the next duty is due; capped so a loop with no duty still notices closing.

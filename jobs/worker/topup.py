@@ -5,16 +5,12 @@ made meanwhile need one top-up. If the worker dies first, the reconciler tops up
 
 from __future__ import annotations
 
-import logging
+import functools
 import queue
-
-from django.db import InterfaceError, OperationalError, connection
 
 from jobs.services.scheduling import enqueue_next_shards
 from jobs.worker.loop import Loop
 from jobs.worker.timings import timed
-
-log = logging.getLogger(__name__)
 
 
 class TopUp(Loop):
@@ -44,13 +40,10 @@ class TopUp(Loop):
                     break
                 due.add(more)
             for batch in due:
-                try:
-                    with timed("topup"):
-                        enqueue_next_shards(batch_id=batch)
-                except (OperationalError, InterfaceError):
-                    log.warning("top-up: database unavailable; the reconciler will do it",
-                                exc_info=True)
-                    connection.close()
-                except Exception:
-                    log.exception("top-up of batch %s failed", batch)
-        connection.close()
+                # One that fails is the reconciler's to top up.
+                self.step(f"top-up of batch {batch}", functools.partial(self._top_up, batch))
+
+    @staticmethod
+    def _top_up(batch_id: str) -> None:
+        with timed("topup"):
+            enqueue_next_shards(batch_id=batch_id)
