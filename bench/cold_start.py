@@ -21,7 +21,7 @@
     .venv/bin/python bench/cold_start.py --model echo-test     # smoke test, no engine
 
 Compiled mode pays torch.compile at its first start for a model, dtype, vLLM and torch
-(70-170 s on this CPU against ~25 s eager, for +35-45% tokens/s); later starts load the
+(70-170 s on this CPU against ~25 s eager, for 1.05-1.14x tokens/s in fp32); later starts load the
 compile cache (engine/compile_cache.py), which the rows label "empty cache" / "warm cache".
 """
 

@@ -1,12 +1,13 @@
 """The engine's mode (eager or compiled) and where a compiled engine keeps its compile cache.
 
-Compiled (torch.compile through vLLM) computes +35-45% tokens/s on CPU but compiles for
-70-170 s; vLLM saves what it compiled and a later start loads it in seconds (vLLM's AOT
-artifact and inductor's kernels, under `VLLM_CACHE_ROOT`). vLLM keys that artifact by its
-own configuration and the source files it traced, not by the weights' content, and
-torch's artifacts are tied to the torch build. So each (model content hash, dtype, vLLM,
-torch) gets a directory of its own, `cache_dir`, which vLLM's cache root points at: a
-changed model or engine never reads another's artifacts, only compiles anew beside them.
+Compiled (torch.compile through vLLM) computes more tokens/s (on CPU 1.05-1.14x in fp32,
+more in bf16: bench/RESULTS.md) but compiles for 70-170 s; vLLM saves what it compiled and
+a later start loads it in seconds (vLLM's AOT artifact and inductor's kernels, under
+`VLLM_CACHE_ROOT`). vLLM keys that artifact by its own configuration and the source files
+it traced, not by the weights' content, and torch's artifacts are tied to the torch build.
+So each (model content hash, dtype, vLLM, torch) gets a directory of its own, `cache_dir`,
+which vLLM's cache root points at: a changed model or engine never reads another's
+artifacts, only compiles anew beside them.
 
 The directory lives with the worker's state: `BATCHWEB_COMPILE_CACHE_DIR`, by default
 `compile-cache/` of the var dir (`BATCHWEB_VAR_DIR`, else the checkout's `var/`), a volume

@@ -44,14 +44,22 @@ pytestmark = [
 
 
 @pytest.fixture
-def browser() -> Iterator[Any]:
+def browser(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    from django.db import connection
     from playwright.sync_api import sync_playwright
 
+    # A test reads and writes the database while Playwright's event loop runs in this
+    # thread, which Django would otherwise take for async code.
+    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     with sync_playwright() as p:
         chromium = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
             yield chromium
         finally:
+            # Those queries went through a connection of the loop's context, which
+            # Django's teardown does not see: left open, the test database could not be
+            # dropped at the end.
+            connection.close()
             chromium.close()
 
 
@@ -189,14 +197,10 @@ def test_upload_watch_inspect_download_rerun(live_server, user, workers, browser
 
 
 def test_polls_come_further_apart_while_the_batch_is_unchanged(live_server, user, browser,
-                                                               tmp_path, settings,
-                                                               monkeypatch):
+                                                               tmp_path, settings):
     """The live block polls on every tick (about 2 s) while the batch changes, and 4, 8, 16,
     then 30 s apart while it does not, always at the same URL, which the browser revalidates
     with the ETag of the copy it shows. The page's clock is Playwright's, moved by hand."""
-    # The test itself writes to the database while Playwright's event loop runs in this
-    # thread, which Django would otherwise take for async code.
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     batch, shard = claimed_batch(user, tmp_path, settings)
     context = browser.new_context()
     page = context.new_page()
@@ -266,13 +270,10 @@ def test_phone_layout_and_no_javascript(live_server, user, browser):
     context.close()
 
 
-def test_usage_page_chart_filters_and_csv(live_server, user, workers, browser, tmp_path,
-                                          monkeypatch):
+def test_usage_page_chart_filters_and_csv(live_server, user, workers, browser, tmp_path):
     """A batch run by a real worker, then the Usage page: its chart has a bar for today,
     the table and the totals show what the ledger charged, the period and key filters and
     the CSV export work, and the batch page shows the same cost."""
-    # The test reads the database while Playwright's event loop runs in this thread.
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     import csv
     import io
 
@@ -392,12 +393,10 @@ ONE_LINE = """() => [...document.querySelectorAll('#live .stats dd .note')]
     .map(note => note.textContent.trim())"""
 
 
-def test_batch_page_cards_fit_their_numbers(live_server, user, browser, tmp_path, settings,
-                                            monkeypatch):
+def test_batch_page_cards_fit_their_numbers(live_server, user, browser, tmp_path, settings):
     """The batch page's number cards are as tall as their number and its one-line note,
     not stretched to the run report beside them, at a desktop's and a phone's width; the
     notes' detail is on hover (title), and nothing scrolls sideways on the phone."""
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
     ARTIFACTS.mkdir(exist_ok=True)
     batches = _page_batches(user, tmp_path, settings)
     context = browser.new_context(viewport={"width": 1280, "height": 900})
