@@ -454,11 +454,15 @@ class RemoteEngine(LoopEngine):
             self._loop.close()
 
     async def _shutdown(self) -> None:
-        tasks = [*self._tasks.values(), *getattr(self, "_background", [])]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=10)
+        pending = {*self._tasks.values(), *getattr(self, "_background", [])}
+        deadline = time.monotonic() + 10
+        while pending and time.monotonic() < deadline:
+            # Cancelled again until they end: redis-py and httpx may turn a cancellation
+            # into an error of their own (a closed connection), which a loop that goes on
+            # after errors swallows.
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=0.1)
         if getattr(self, "_redis", None) is not None:
             try:
                 if self._held:

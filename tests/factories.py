@@ -478,18 +478,24 @@ def assert_charged_once(batch_id: str, out: list[dict], *, copies: set[str] = fr
 # --- the worker's pipeline in this process ---
 
 
-def start_shard(pipeline: Pipeline, shard_id: str) -> threading.Thread:
-    """Run the RQ job's side in a thread of its own, as `batchworker` runs it in its main
-    thread: it returns only once the engine's batch has room, which a slow engine delays."""
-    def job() -> None:
+def in_thread(run: Callable[[], object], *, name: str = "") -> threading.Thread:
+    """`run` started in a thread of its own, which closes its database connection when it
+    ends (Django never does: the test database could not be dropped)."""
+    def target() -> None:
         try:
-            pipeline.intake.run_shard(shard_id)
+            run()
         finally:
             connection.close()
 
-    thread = threading.Thread(target=job, name=f"job-{shard_id}", daemon=True)
+    thread = threading.Thread(target=target, name=name or None, daemon=True)
     thread.start()
     return thread
+
+
+def start_shard(pipeline: Pipeline, shard_id: str) -> threading.Thread:
+    """Run the RQ job's side in a thread of its own, as `batchworker` runs it in its main
+    thread: it returns only once the engine's batch has room, which a slow engine delays."""
+    return in_thread(lambda: pipeline.intake.run_shard(shard_id), name=f"job-{shard_id}")
 
 
 def run_all_shards(pipeline: Pipeline, batch: Batch, *, timeout: float = 30) -> None:

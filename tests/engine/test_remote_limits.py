@@ -5,6 +5,8 @@ is not there yet."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -237,6 +239,26 @@ def test_abort_cancels_the_request_in_flight(proxies, engines):
     assert state(proxy.url).in_flight == 0
     time.sleep(3.0)
     assert proxy.gone == 1  # the server's answer found the connection closed
+
+
+def test_close_ends_a_loop_that_swallowed_its_cancellation(proxies, engines):
+    # As a loop does that logs an error and goes on, where redis-py turned the cancellation
+    # of its call into an error of its own: close cancels it again, not waiting 10 s for it.
+    engine = make_engine(engines, make_proxy(proxies).url)
+
+    async def goes_on() -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(60)
+        await asyncio.sleep(60)
+
+    async def start() -> None:
+        engine._background.append(asyncio.get_running_loop().create_task(goes_on()))
+
+    engine._call(start())
+    started = time.monotonic()
+    engine.close()
+    assert time.monotonic() - started < 5
+    assert engine._background[-1].cancelled()
 
 
 def test_a_server_not_there_yet_is_waited_for(proxies, engines):

@@ -18,7 +18,7 @@ import pytest
 from jobs.lib import queues, safehttp
 from jobs.models import Batch, WebhookEvent
 from jobs.services import webhooks
-from tests.factories import chat_line, jsonl, make_batch, run_batch, wait_for
+from tests.factories import chat_line, in_thread, jsonl, make_batch, run_batch, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -135,8 +135,7 @@ def test_one_users_attempts_in_flight_are_capped(user, other_user, servers, loop
     first, second = ended_with_event(user, tmp_path), ended_with_event(user, tmp_path)
     others = ended_with_event(other_user, tmp_path)
 
-    in_flight = threading.Thread(target=webhooks.deliver_event, args=(first,))
-    in_flight.start()
+    in_flight = in_thread(lambda: webhooks.deliver_event(first))
     try:
         wait_for(lambda: slow.requests == 1, timeout=5, message="the first attempt")
         # The user's one place is taken: the second event waits, untouched and still due.
