@@ -67,8 +67,7 @@ lint: install
 typecheck: install
 	.venv/bin/mypy
 
-# The fast tier (no engine installed; with the embedded defaults on 2 cores, 1.8-1.9
-# minutes on a Zen 4, more on PostgreSQL; bench/RESULTS.md §11 has other machines): lint,
+# The fast tier (no engine installed; about 4 minutes on 2 cores, docs/testing.md): lint,
 # types, and every test that needs neither vLLM nor the prepared models. Much of its time
 # is tests waiting on the processes they start, so 4 processes share the 2 cores (3, 5
 # and 6 were no faster), work stealing keeps them busy to the end, and the type check runs

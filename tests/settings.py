@@ -25,8 +25,9 @@ def _redis_url_of_process(url: str, index: int) -> str:
 
 
 # pytest-xdist runs the suite in several processes (`make check`). pytest-django gives each
-# its own test database; each also gets a Redis database and a storage folder of its own,
-# which the worker processes its tests start inherit (once: they import this module too).
+# its own test database; each also gets a Redis database, a storage folder and a scratch
+# folder of its own, which the worker processes its tests start inherit (once: they import
+# this module too).
 _XDIST_PROCESS = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ...
 if _XDIST_PROCESS and os.environ.get("BATCHWEB_TESTS_PROCESS") != _XDIST_PROCESS:
     os.environ["BATCHWEB_TESTS_PROCESS"] = _XDIST_PROCESS
@@ -37,6 +38,10 @@ if _XDIST_PROCESS and os.environ.get("BATCHWEB_TESTS_PROCESS") != _XDIST_PROCESS
     os.environ["BATCHWEB_STORAGE_DIR"] = "-".join((
         os.environ.get("BATCHWEB_STORAGE_DIR", _STORAGE_DIR),
         _XDIST_PROCESS))
+    # The scratch folder too: a test that runs the cleanup pass a few days ahead sweeps
+    # every file in it, another process's validation lists in use included.
+    if "BATCHWEB_TMP_DIR" in os.environ:
+        os.environ["BATCHWEB_TMP_DIR"] += f"-{_XDIST_PROCESS}"
 for _name, _value in {
     "BATCHWEB_ECHO_MODEL": "1",
     # Live-server threads must not keep connections, or the test database cannot be dropped.
