@@ -81,7 +81,7 @@ class Dispatcher(Loop):
         work = state.works.get(shard_id)
         if work is not None and work.attempt == attempt:
             with work.lock:
-                if not (work.dead or work.handing_back):
+                if not work.stopped:
                     return True
                 work.pending.pop(request.request_id, None)
         state.idle.request_finished(request.request_id)

@@ -113,7 +113,7 @@ class Intake:
         missing: set[str] = set()  # adapters found unregistered during this shard
         with shard_requests(shard, work.skip | work.adopted) as requests:
             for number, request in requests:
-                if work.dead or work.handing_back:
+                if work.stopped:
                     return False
                 with work.lock:
                     if work.write_unrunnable(request["custom_id"], number):
@@ -167,7 +167,7 @@ class Intake:
         while True:
             if state.broken is not None:
                 raise RuntimeError(f"engine failed: {state.broken}")
-            if work.dead or work.handing_back or state.closing.is_set():
+            if work.stopped or state.closing.is_set():
                 state.idle.request_finished(request.request_id)
                 return False
             try:

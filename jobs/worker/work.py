@@ -136,6 +136,11 @@ class ShardWork:
         """What its request ids start with (IdleMeter's key for its engine time)."""
         return f"{self.shard_id}:{self.attempt}"
 
+    @property
+    def stopped(self) -> bool:
+        """Dropped, or being handed back: no more of its requests go to the engine."""
+        return self.dead or self.handing_back
+
     def unsaved_results(self) -> int:
         """Lines answered since the last checkpoint (with the lock held)."""
         return len(self.answered) - len(self.saved.lines)
@@ -146,7 +151,7 @@ class ShardWork:
         finished: its submission may have stopped early, and finishing it would drop the
         lines it never ran."""
         ready = (self.all_submitted and not self.pending and not self.finishing
-                 and not self.dead and not self.handing_back)
+                 and not self.stopped)
         self.finishing = self.finishing or ready
         return ready
 
