@@ -48,7 +48,7 @@ from functools import partial
 from typing import Any
 
 from django.conf import settings
-from django.db import connection
+from django.core.signals import request_started
 from django.http import HttpResponseBase
 from django.http.cookie import parse_cookie
 from django.urls import Resolver404, resolve
@@ -231,12 +231,15 @@ class PollMemo:
                   else remembered.whole)
         if replay is None or remembered.client != self._client(environ):
             return None
+        # Sent as Django sends it when a request starts: its receivers reset the query log
+        # and close a connection older than DB_CONN_MAX_AGE or broken by an error (the
+        # database restarted), which a web thread answering only from the memo would
+        # otherwise keep for good.
+        request_started.send(sender=type(self), environ=environ)
         try:
             state = self._state(rows, name, request)
-        except Exception:  # the database: Django's path reports it
+        except Exception:  # the database: Django's path (which runs next) reports it
             log.warning("poll state unavailable", exc_info=True)
-            if not connection.is_usable():
-                connection.close()
             return None
         if state != remembered.state or any(
                 check() != value for check, value in remembered.validity.checks):

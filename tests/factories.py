@@ -6,6 +6,7 @@ them are in conftest.py."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import io
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -375,19 +376,25 @@ def wsgi_call(app: Any, method: str, path: str, headers: dict[str, str] | None =
                        ) -> Any:
         answer.update(status=status, headers=dict(headers))
 
-    # As Django's test client does: the test's database connection (and its transaction)
-    # must outlive the request.
-    request_started.disconnect(close_old_connections)
-    request_finished.disconnect(close_old_connections)
-    try:
+    with connection_kept():
         result = app(request, start_response)
         content = b"".join(result)
         if hasattr(result, "close"):  # optional in WSGI: a remembered poll has none
             result.close()
+    return answer["status"], answer["headers"], content
+
+
+@contextlib.contextmanager
+def connection_kept() -> Iterator[None]:
+    """As Django's test client does while it handles a request: the test's database
+    connection (and its transaction) must outlive the request."""
+    request_started.disconnect(close_old_connections)
+    request_finished.disconnect(close_old_connections)
+    try:
+        yield
     finally:
         request_started.connect(close_old_connections)
         request_finished.connect(close_old_connections)
-    return answer["status"], answer["headers"], content
 
 
 def use_private_storage(settings: Any, root: Path) -> Path:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from django.contrib.sessions.models import Session
 from django.core.handlers.wsgi import WSGIHandler
+from django.db import connection
 
 from batchweb import polls
 from batchweb.wsgi import application
@@ -26,7 +27,7 @@ from jobs.services.keys import revoke_api_key
 from jobs.services.shards import heartbeat
 from jobs.services.stopping import cancel_batch
 from jobs.views import batches as views
-from tests.factories import claimed_batch, wsgi_call
+from tests.factories import claimed_batch, connection_kept, wsgi_call
 
 pytestmark = pytest.mark.django_db
 
@@ -75,7 +76,8 @@ def test_a_repeated_poll_is_djangos_answer_byte_for_byte(running, api_key, memo)
     # A server that adds a header to the answer it is handed adds it to that answer only.
     environ = {"REQUEST_METHOD": "GET", "PATH_INFO": path, "HTTP_HOST": "testserver",
                "wsgi.url_scheme": "http", "HTTP_AUTHORIZATION": auth["Authorization"]}
-    memo.answer(environ)[1].append(("Server-Timing", "app;dur=1"))
+    with connection_kept():
+        memo.answer(environ)[1].append(("Server-Timing", "app;dur=1"))
     assert _poll(path, auth, memo) == (first, True)
 
     # Revalidating: Django's 304 first, then the same 304 remembered.
@@ -85,6 +87,21 @@ def test_a_repeated_poll_is_djangos_answer_byte_for_byte(running, api_key, memo)
     assert _poll(path, conditional, memo) == (not_modified, True)
     # A stale ETag gets the whole answer.
     assert _poll(path, {**auth, "If-None-Match": '"old"'}, memo) == (first, True)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_thread_answering_from_the_memo_gives_up_an_old_connection(running, api_key, memo):
+    batch, _ = running
+    auth = {"Authorization": f"Bearer {api_key}"}
+    path = f"/v1/batches/{batch.pk}"
+    _poll(path, auth, memo)
+    connection.ensure_connection()
+    old = connection.connection
+    connection.close_at = time.monotonic() - 1  # it has outlived DB_CONN_MAX_AGE
+    environ = {"REQUEST_METHOD": "GET", "PATH_INFO": path, "HTTP_HOST": "testserver",
+               "wsgi.url_scheme": "http", "HTTP_AUTHORIZATION": auth["Authorization"]}
+    assert memo.answer(environ) is not None
+    assert connection.connection is not None and connection.connection is not old
 
 
 def test_a_new_versions_304_is_made_from_its_200(running, api_key, memo):
