@@ -12,14 +12,13 @@ from typing import Any
 
 import pytest
 from django.core.files.storage import default_storage
-from django.db import connection
 from django.utils import timezone
 
 from jobs.lib.errors import ServiceError
 from jobs.models import File, Quota, Upload, UploadPart
 from jobs.services import quotas
 from jobs.services import uploads as upload_service
-from tests.factories import Api, assert_openai_error, chat_line, jsonl, make_file
+from tests.factories import Api, assert_openai_error, chat_line, in_thread, jsonl, make_file
 
 CONTENT = jsonl([chat_line(f"r{i}", f"hello {i}") for i in range(3)])
 
@@ -142,12 +141,8 @@ def test_parallel_parts_cannot_exceed_the_declared_size(user, tmp_path, monkeypa
             refused.append(exc)
         except BaseException as exc:  # noqa: BLE001 (shown by the assertion below)
             unexpected.append(exc)
-        finally:
-            connection.close()
 
-    threads = [threading.Thread(target=send) for _ in range(senders)]
-    for thread in threads:
-        thread.start()
+    threads = [in_thread(send) for _ in range(senders)]
     for thread in threads:
         thread.join(timeout=60)
     assert not unexpected, unexpected

@@ -355,7 +355,10 @@ def test_sigkill_at_half_a_shard_recomputes_at_most_one_checkpoint_interval(
         openai_client, workers, tmp_path):
     created, expected = _resume_batch(openai_client)
     log = tmp_path / "requests.log"
-    env = {**RESUME_ENV, "BATCHWEB_ECHO_REQUEST_LOG": str(log)}
+    # 0.25 s a request (8 results a second): results that arrive while a checkpoint is
+    # being stored are not in it, and on a loaded machine a store can take 100-200 ms.
+    env = {**RESUME_ENV, "BATCHWEB_ECHO_SECONDS": "0.25",
+           "BATCHWEB_ECHO_REQUEST_LOG": str(log)}
     first = workers.start(env=env)
     wait_for(lambda: len(engine_request_log(log)) >= RESUME_LINES // 2, timeout=60,
              every=0.05, message="half the shard computed")

@@ -7,6 +7,7 @@ engine really runs and the ledger really charges."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from decimal import Decimal
 from pathlib import Path
@@ -28,7 +29,7 @@ from jobs.services.budgets import reserved_nanos
 from jobs.services.files import create_input_file
 from jobs.services.finalize import finalize_batch
 from jobs.services.validation import run_validation
-from tests.factories import chat_line, finalized, jsonl, run_all_shards
+from tests.factories import chat_line, finalized, in_thread, jsonl, run_all_shards
 from tests.lora import write_adapter_config
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -182,12 +183,8 @@ def test_concurrent_creates_of_one_owner_cannot_share_the_room(
                                         completion_window="24h"))
         except ServiceError as refused:
             results.append(refused)
-        finally:
-            connection.close()
 
-    threads = [threading.Thread(target=create, args=(f.pk,)) for f in files]
-    for thread in threads:
-        thread.start()
+    threads = [in_thread(functools.partial(create, f.pk)) for f in files]
     for thread in threads:
         thread.join()
     assert len(results) == 4
