@@ -263,8 +263,10 @@ def test_a_multiple_of_the_time_alone_is_measured_before_the_batch(made):
     made.append(Drain(engine))
     wait_for(lambda: state(server.url).slo_ms is not None)
     now = state(server.url)
-    # 40 ms, and what HTTP on a busy test machine adds to it.
-    assert now.alone_ms is not None and 40 <= now.alone_ms < 100
+    # 40 ms, and what HTTP and the interpreter lock (the server, the engine's loop and the
+    # batch's thread share this process) add to it on a loaded test machine: alone, not
+    # with the batch in flight, where it would be 40 ms + 10 ms for each of up to 32.
+    assert now.alone_ms is not None and 40 <= now.alone_ms < 150
     assert now.slo_ms == pytest.approx(2 * now.alone_ms, rel=0.01)
     # The SLO holds up to (SLO - 40 ms) / 10 ms batch requests in flight.
     wait_for(lambda: len(server.ttfts) > 60)
