@@ -60,6 +60,12 @@ def _poll(path: str, headers: dict[str, str], memo: Any) -> tuple[tuple, bool]:
     return answer, memo.hits > hits
 
 
+def _environ(path: str, auth: dict[str, str]) -> dict[str, Any]:
+    """What a server hands the memo for an API poll, for calling it directly."""
+    return {"REQUEST_METHOD": "GET", "PATH_INFO": path, "HTTP_HOST": "testserver",
+            "wsgi.url_scheme": "http", "HTTP_AUTHORIZATION": auth["Authorization"]}
+
+
 # --- the API ---
 
 
@@ -74,10 +80,8 @@ def test_a_repeated_poll_is_djangos_answer_byte_for_byte(running, api_key, memo)
     # Exactly what the whole of Django's chain answers.
     assert again == wsgi_call(WSGIHandler(), "GET", path, auth)
     # A server that adds a header to the answer it is handed adds it to that answer only.
-    environ = {"REQUEST_METHOD": "GET", "PATH_INFO": path, "HTTP_HOST": "testserver",
-               "wsgi.url_scheme": "http", "HTTP_AUTHORIZATION": auth["Authorization"]}
     with connection_kept():
-        memo.answer(environ)[1].append(("Server-Timing", "app;dur=1"))
+        memo.answer(_environ(path, auth))[1].append(("Server-Timing", "app;dur=1"))
     assert _poll(path, auth, memo) == (first, True)
 
     # Revalidating: Django's 304 first, then the same 304 remembered.
@@ -98,9 +102,7 @@ def test_a_thread_answering_from_the_memo_gives_up_an_old_connection(running, ap
     connection.ensure_connection()
     old = connection.connection
     connection.close_at = time.monotonic() - 1  # it has outlived DB_CONN_MAX_AGE
-    environ = {"REQUEST_METHOD": "GET", "PATH_INFO": path, "HTTP_HOST": "testserver",
-               "wsgi.url_scheme": "http", "HTTP_AUTHORIZATION": auth["Authorization"]}
-    assert memo.answer(environ) is not None
+    assert memo.answer(_environ(path, auth)) is not None
     assert connection.connection is not None and connection.connection is not old
 
 
