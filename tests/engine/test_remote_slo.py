@@ -218,8 +218,11 @@ def test_the_limit_settles_where_the_slo_holds(made):
     assert max(seen) <= 12 and min(seen) >= 1, seen
     late = [ttft for when, ttft in server.ttfts if when > time.monotonic() - 3.0]
     assert percentile(late, 90) <= 0.120
+    # Between a change of the limit and the next probe back the reason reads "measuring"
+    # (no sample under the new limit yet): a loaded machine's probes can be caught there.
+    wait_for(lambda: state(server.url).reason == "slo", 10)
     now = state(server.url)
-    assert now.reason == "slo" and now.slo_ms == 120 and now.slo_percentile == 90
+    assert now.slo_ms == 120 and now.slo_percentile == 90
     # The probes' own figure is over the SLO only where a loaded test machine slowed the
     # probes themselves (the server's TTFTs above hold it), and then the limit is cut.
     assert now.online_ms is not None
