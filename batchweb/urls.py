@@ -23,8 +23,9 @@ admin.autodiscover()
 urlpatterns = [
     path("", include("jobs.views.ops_urls")),  # /metrics, /account/
     path("v1/", include("jobs.api.urls")),
-    # Any other path under /v1/: the API's 404, not Django's page (with DEBUG on too).
-    re_path(r"^v1/", unknown_path),
+    # Any other path under /v1/, and /v1 itself: the API's 404, not Django's page (with
+    # DEBUG on too), nor APPEND_SLASH's redirect of /v1 to /v1/ (an HTML answer).
+    re_path(r"^v1(?:/|$)", unknown_path),
     path("admin/rq/", include((rq_urlpatterns, "django_rq"))),
     path("admin/", admin.site.urls),
     path("", include("jobs.views.urls")),

@@ -5,6 +5,8 @@ error raised outside any view."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 import requests
@@ -93,3 +95,19 @@ def test_an_error_outside_any_view_is_the_apis_500():
         "type": "api_error", "message": "The server failed to handle the request."}}
     page = client.get("/boom")
     assert page.status_code == 500 and page["Content-Type"].startswith("text/html")
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("GET", "/v1"), ("POST", "/v1"), ("GET", "/v1?limit=2"), ("HEAD", "/v1"),
+    ("GET", "/v1/files/"), ("GET", "/v1/batches/x/cancel/")])
+def test_v1_without_its_slash_is_the_apis_404_never_a_redirect(method, path):
+    # APPEND_SLASH would answer /v1 with a 301 to /v1/ (text/html): an API path answers
+    # in the API's shape, whichever middleware chain serves it.
+    status, headers, body = wsgi_call(application, method, path)
+    assert status.startswith("404"), (status, headers)
+    assert "Location" not in headers
+    assert headers["Content-Type"] == "application/json"
+    if method != "HEAD":
+        error = json.loads(body)["error"]
+        assert error["type"] == "invalid_request_error"
+        assert error["message"] == f"Invalid URL ({method} {path.partition('?')[0]})"
