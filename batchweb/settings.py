@@ -69,12 +69,24 @@ DEBUG = env_bool("DEBUG", False)
 # BATCHWEB_VAR_DIR is elsewhere, all find it; a deployment sets SECRET_KEY. Without DEBUG the
 # service refuses the development key and any key `check --deploy` would call weak.
 DEV_SECRET_KEY = "dev-only-insecure-key-change-me"
+# The words a template's placeholders are made of (deploy/k8s/secret.yaml.example's
+# CHANGE_ME, the development key's change-me).
+SECRET_PLACEHOLDERS = ("change_me", "change-me", "changeme")
+
+
+def weak_secret(value: str, *, min_length: int) -> bool:
+    """The one rule for a secret an operator sets (SECRET_KEY, the /metrics token): what
+    `check --deploy` calls a weak SECRET_KEY (shorter than its minimum, fewer than
+    SECRET_KEY_MIN_UNIQUE_CHARACTERS distinct characters, Django's insecure prefix), or a
+    placeholder left in."""
+    return (len(value) < min_length or len(set(value)) < SECRET_KEY_MIN_UNIQUE_CHARACTERS
+            or value.startswith(SECRET_KEY_INSECURE_PREFIX)
+            or any(word in value.lower() for word in SECRET_PLACEHOLDERS))
+
+
 SECRET_KEY = os.environ.get("SECRET_KEY") or (
     SECRET_KEY_FILE.read_text().strip() if SECRET_KEY_FILE.exists() else DEV_SECRET_KEY)
-if not DEBUG and (
-        SECRET_KEY == DEV_SECRET_KEY or len(SECRET_KEY) < SECRET_KEY_MIN_LENGTH
-        or len(set(SECRET_KEY)) < SECRET_KEY_MIN_UNIQUE_CHARACTERS
-        or SECRET_KEY.startswith(SECRET_KEY_INSECURE_PREFIX)):
+if not DEBUG and weak_secret(SECRET_KEY, min_length=SECRET_KEY_MIN_LENGTH):
     raise ImproperlyConfigured(
         f"SECRET_KEY is the development key or too weak (at least {SECRET_KEY_MIN_LENGTH} "
         f"random characters): set SECRET_KEY, or run `make install` to write "
@@ -521,10 +533,21 @@ def env_list(name: str) -> list[str]:
     return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
 
 
+# /metrics answers a request carrying "Authorization: Bearer <token>" (Prometheus'
+# bearer_token), or a signed-in staff user. Empty: staff only. Whoever has the token reads
+# every model's load and every user's batch counts, so without DEBUG a set token must pass
+# SECRET_KEY's rule, at 32 characters (`openssl rand -hex 16` and more).
+METRICS_TOKEN_MIN_LENGTH = 32
+_METRICS_TOKEN = os.environ.get("BATCHWEB_METRICS_TOKEN", "")
+if not DEBUG and _METRICS_TOKEN and weak_secret(_METRICS_TOKEN,
+                                                min_length=METRICS_TOKEN_MIN_LENGTH):
+    raise ImproperlyConfigured(
+        f"BATCHWEB_METRICS_TOKEN is a placeholder or too weak (at least "
+        f"{METRICS_TOKEN_MIN_LENGTH} random characters, e.g. `openssl rand -hex 32`), or "
+        f"leave it empty for staff sign-in only. Only DEBUG=1 runs with a weak token.")
+
 BATCHWEB.update({
-    # /metrics answers a request carrying "Authorization: Bearer <token>" (Prometheus'
-    # bearer_token), or a signed-in staff user. Empty: staff only.
-    "METRICS_TOKEN": os.environ.get("BATCHWEB_METRICS_TOKEN", ""),
+    "METRICS_TOKEN": _METRICS_TOKEN,
     # Where webhooks may be sent. A URL is called only if its host name is listed in
     # ALLOWED_HOSTS (exact, or ".example.com" for subdomains), or every address it
     # resolves to lies in ALLOWED_NETWORKS (CIDRs; "public" means any globally routable

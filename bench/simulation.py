@@ -54,6 +54,7 @@ import math
 import os
 import random
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -77,7 +78,7 @@ TERMINAL = ("completed", "failed", "expired", "cancelled")
 # manifests' one pod per 150 s (deploy/k8s/autoscaling-*), in real seconds.
 STABILISE_DOWN = 300.0
 STOP_EVERY = 150.0
-METRICS_TOKEN = "simulation-metrics-token"
+METRICS_TOKEN = secrets.token_hex(16)  # what the settings accept: 32 characters
 NEEDED = re.compile(r'^batchweb_workers_needed\{model="' + re.escape(MODEL)
                     + r'"\}\s+([0-9.eE+-]+)', re.M)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -27,7 +28,7 @@ pytestmark = [pytest.mark.chaos]
 REQUESTS = 3000
 SHARD_SIZE = 100
 WORKERS_PER_HOST = 2
-METRICS_TOKEN = "multihost-metrics-token"
+METRICS_TOKEN = secrets.token_hex(16)  # what the settings accept: 32 characters
 # Timings short enough for a test: shard and RQ heartbeats every second, a silent worker's
 # shards retried after 12 s, a reconcile pass every 2 s in every worker. PostgreSQL then
 # drops a dead host's sessions after ~6 s (BATCHWEB_DB_DEAD_CLIENT_SECONDS defaults to a

@@ -119,3 +119,27 @@ def test_make_run_and_the_tests_opt_out_of_https_for_loopback() -> None:
     makefile = (ROOT / "Makefile").read_text()
     assert "BATCHWEB_HTTPS=0 $(PY) manage.py runservice" in makefile
     assert "bench: export BATCHWEB_HTTPS=0" in makefile
+
+
+@pytest.mark.parametrize("token", [
+    "CHANGE_ME",  # deploy/k8s/secret.yaml.example's placeholder
+    "change-me-" + "Xy7Qp2Lm9Zr4Tk8Wd3" * 2,  # long, but a placeholder left in
+    "multihost-metrics-token",  # 23 characters
+    "abcd" * 16,  # long, but four characters
+])
+def test_without_debug_the_service_refuses_a_placeholder_or_weak_metrics_token(
+        tmp_path: Path, token: str) -> None:
+    result = _settings("print('started')", key_file=tmp_path / "missing", SECRET_KEY=GOOD_KEY,
+                       BATCHWEB_METRICS_TOKEN=token, DEBUG="0")
+    assert result.returncode != 0
+    assert "ImproperlyConfigured" in result.stderr
+    assert "BATCHWEB_METRICS_TOKEN" in result.stderr and token not in result.stderr
+    assert "started" not in result.stdout
+
+
+@pytest.mark.parametrize("token", ["", "0f3c9a1be27d48c6a5f1e09b7d2c4e8a"])
+def test_an_empty_or_strong_metrics_token_starts(tmp_path: Path, token: str) -> None:
+    result = _settings("print(repr(s.BATCHWEB['METRICS_TOKEN']))", key_file=tmp_path / "missing",
+                       SECRET_KEY=GOOD_KEY, BATCHWEB_METRICS_TOKEN=token, DEBUG="0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == repr(token)
