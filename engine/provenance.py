@@ -20,9 +20,10 @@ import json
 import logging
 import os
 from dataclasses import asdict, dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
+
+from batchweb import release
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +78,6 @@ def content_hash(folder: str | Path) -> str:
     return value
 
 
-def batchweb_version() -> str:
-    try:
-        return version("batchweb")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 @dataclass(frozen=True)
 class Provenance:
     """What one engine is: the model's files and where they came from, the engine, how it
@@ -101,7 +95,7 @@ class Provenance:
     # greedy float32 outputs, other speed); empty for an engine without the choice.
     engine_mode: str = ""
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    batchweb_version: str = field(default_factory=batchweb_version)
+    batchweb_version: str = field(default_factory=release.version)
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -15,6 +15,7 @@ from typing import Any
 
 from django import template
 
+from batchweb import release
 from engine.endpoints import show_request, show_response
 
 register = template.Library()
@@ -168,3 +169,9 @@ def throughput_chart(series: list[float]) -> Chart | None:
     line = "M" + " L".join(f"{x:.1f},{y:.1f}" for x, y in points)
     area = f"{line} L{CHART_WIDTH},{CHART_HEIGHT} L0,{CHART_HEIGHT} Z"
     return Chart(line=line, area=area, max_per_minute=max(series))
+
+
+@register.simple_tag
+def batchweb_version() -> str:
+    """The release serving the page (the footer): what an operator checks after an upgrade."""
+    return release.version()

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
+from batchweb import release
 from engine.provenance import HASH_CACHE, content_hash
 from jobs.models import Batch
 from tests.e2e.test_engine import CHAT_MODEL, ENGINE_ENV, chat
@@ -50,7 +51,7 @@ def test_a_vllm_batch_records_what_ran_it_and_the_hash_survives_a_restart(
     assert engine["dtype"] == "float32"  # as the worker's BATCHWEB_DTYPE asks
     assert engine["parallelism"]["tensor_parallel_size"] == 1
     assert isinstance(engine["sampling_defaults"], dict)
-    assert engine["batchweb_version"] == version("batchweb")
+    assert engine["batchweb_version"] == release.version()
 
     second = _run(openai_client, workers)  # a new worker process, a new engine
     again = second["workers"][0]["engine"]

@@ -1,0 +1,59 @@
+"""One version, in pyproject.toml, read in one place (batchweb.release) and shown where an
+operator looks: the dashboard's footer, `manage.py batchwebversion`, each engine's
+provenance; the CHANGELOG starts with it, and the previous release is a commit of this
+repository's history with a lower version."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+
+from django.urls import reverse
+from packaging.version import Version
+
+from batchweb import release
+from engine.provenance import Provenance
+from tests.factories import ROOT
+from tests.upgrade.releases import previous_release, pyproject_of
+
+
+def pyproject_version() -> str:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def test_the_version_is_pyprojects() -> None:
+    assert release.version() == pyproject_version()
+
+
+def test_manage_py_batchwebversion_prints_it() -> None:
+    done = subprocess.run([sys.executable, "manage.py", "batchwebversion"], cwd=ROOT,
+                          text=True, capture_output=True, check=True, env=os.environ.copy())
+    assert done.stdout.strip() == pyproject_version()
+
+
+def test_provenance_carries_it() -> None:
+    made = Provenance(model="m", model_source="s", model_sha256="0" * 64, engine="echo",
+                      engine_version="1", dtype="float32")
+    assert made.as_json()["batchweb_version"] == pyproject_version()
+
+
+def test_the_footer_shows_it_to_a_signed_in_user_only(site) -> None:
+    page = site.get(reverse("batch_list")).content.decode()
+    assert f'<footer class="muted small" id="release">batchweb {pyproject_version()}' in page
+    site.logout()
+    login = site.get(reverse("login"))
+    assert login.status_code == 200 and 'id="release"' not in login.content.decode()
+
+
+def test_the_changelog_starts_with_this_release() -> None:
+    first = re.search(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(), re.MULTILINE)
+    assert first and first.group(1) == pyproject_version()
+
+
+def test_the_previous_release_is_older_and_in_history() -> None:
+    previous = previous_release()
+    assert pyproject_of(previous.commit)["project"]["version"] == previous.version
+    assert Version(previous.version) < Version(pyproject_version())
