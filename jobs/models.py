@@ -913,7 +913,9 @@ class StorageGrant(models.Model):
                               related_name="+")
     prefix = models.CharField(max_length=1100, help_text=(
         "s3://bucket/folder/ (ending with '/'), or s3://bucket/ for the whole bucket."))
-    read = models.BooleanField(default=True, help_text=(
+    # Neither access is implied: an operator who ticks only Write grants writing only
+    # (results written where inputs are read could be read back as someone's input).
+    read = models.BooleanField(default=False, help_text=(
         "May register objects under the prefix as batch input files (read in place)."))
     write = models.BooleanField(default=False, help_text=(
         "May have batch results delivered under the prefix (output_prefix)."))

@@ -59,7 +59,8 @@ def reach(*, owner: Any, url: Any, access: Access, param: str, folder: bool) -> 
     mine = [prefix.url for prefix, _ in granted(owner=owner, access=access)][:5]
     raise ServiceError(
         f"{param}: {location.url[:300]} is not under a prefix you may {access}"
-        + (f" (yours: {', '.join(mine)})." if mine else "; ask an operator for a storage grant."),
+        + (f" (prefixes you may {access}: {', '.join(mine)})." if mine
+           else "; ask an operator for a storage grant."),
         param=param, code="storage_not_granted")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from django.contrib.auth.models import Group
 
 from jobs.lib.errors import ServiceError
 from jobs.models import Batch, File, Shard, StorageGrant
-from jobs.services import delivery, references
+from jobs.services import delivery, grants, references
 from jobs.services.batches import create_batch
 from jobs.services.files import delete_file
 from jobs.services.finalize import finalize_batch
@@ -523,3 +524,30 @@ def test_only_superusers_add_or_change_storage_grants(s3, admin_client, user,
     assert admin_client.post(change, {"user": staff.pk, "prefix": "s3://team-data/",
                                       "read": "on"}).status_code == 403
     assert StorageGrant.objects.get().user == user
+
+
+@pytest.mark.django_db
+def test_a_grant_made_for_writing_opens_no_reading(s3, admin_client, user):
+    """An operator who ticks only Write in the admin grants writing only: the prefix is
+    neither readable nor listed among the prefixes a read refusal says the user may read."""
+    from django.urls import reverse
+
+    data = UserData(s3.client, f"data-{secrets.token_hex(5)}")
+    data.client.create_bucket(Bucket=data.bucket)
+    data.put("out/x.jsonl", jsonl(lines(2)))
+    StorageGrant.objects.create(user=user, prefix=data.url("in/"), read=True, write=False)
+    # The admin's form ticks neither box for the operator.
+    form = admin_client.get(reverse("admin:jobs_storagegrant_add")).content.decode()
+    boxes = re.findall(r'<input type="checkbox" name="(read|write)"[^>]*>', form)
+    assert boxes == ["read", "write"] and "checked" not in "".join(
+        re.findall(r'<input type="checkbox" name="(?:read|write)"[^>]*>', form))
+    made = StorageGrant.objects.create(user=user, prefix=data.url("out/"), write=True)
+    assert (made.read, made.write) == (False, True)
+    with pytest.raises(ServiceError) as caught:
+        references.register_reference(owner=user, source=data.url("out/x.jsonl"),
+                                      purpose="batch")
+    assert caught.value.code == "storage_not_granted"
+    assert caught.value.message.endswith(f"(prefixes you may read: {data.url('in/')}).")
+    with pytest.raises(ServiceError) as caught:
+        grants.check_output_prefix(owner=user, value=data.url("in/"))
+    assert caught.value.message.endswith(f"(prefixes you may write: {data.url('out/')}).")
