@@ -71,8 +71,11 @@ typecheck: install
 # types, and every test that needs neither vLLM nor the prepared models. Much of its time
 # is tests waiting on the processes they start, so 4 processes share the 2 cores (3, 5
 # and 6 were no faster), work stealing keeps them busy to the end, and the type check runs
-# beside them.
+# beside them. First the migrations added since the previous release are linted
+# (django-migration-linter, ~2 s; docs/upgrading.md): one that the previous release's
+# workers cannot run beside fails, unless it names its two-step plan.
 check: lint
+	@$(PY) -m tests.upgrade.lint_migrations
 	@$(MAKE) --no-print-directory -j2 typecheck fast-tests
 
 fast-tests: install
