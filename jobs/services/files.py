@@ -43,36 +43,68 @@ class ScanResult:
     sha256: str
 
 
+# A refused file's message names at most this many of its bad lines (with how many there
+# are in all): the user fixes them all before uploading again, not one per upload.
+MAX_LINES_NAMED = 20
+
+
 def scan_jsonl(stream: Lines) -> ScanResult:
     """Check that a stream is UTF-8 JSONL with one JSON object per non-blank line, in one
-    pass, hashing it on the way. Raises ServiceError (400) naming the first bad line."""
+    pass, hashing it on the way. Raises ServiceError (400) naming every bad line, the first
+    MAX_LINES_NAMED of them, once the whole stream is read."""
     digest = hashlib.sha256()
     total = 0
     requests = 0
     max_line = limits()["MAX_LINE_BYTES"]
+    problems: list[tuple[str, str]] = []  # (code, sentence) of the first bad lines
+    bad = 0
     for line in iter_lines(_hashing(stream, digest), max_line_bytes=max_line):
         total = line.end
-        if line.content is None:
-            raise ServiceError(f"Line {line.number} is longer than {max_line} bytes.",
-                               code="line_too_long", param="file")
-        if not line.content.strip():
+        if line.content is not None and not line.content.strip():
             continue
-        try:
-            obj = loads_strict(line.content.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise ServiceError(f"The file is not UTF-8 text (line {line.number}).",
-                               code="invalid_file", param="file") from None
-        except (ValueError, RecursionError):
-            raise ServiceError(f"Line {line.number} is not valid JSON.", code="invalid_file",
-                               param="file") from None
-        if not isinstance(obj, dict):
-            raise ServiceError(f"Line {line.number} is not a JSON object.",
-                               code="invalid_file", param="file")
-        requests += 1
+        problem = _line_problem(line.content, line.number, max_line)
+        if problem is None:
+            requests += 1
+        else:
+            bad += 1
+            if len(problems) < MAX_LINES_NAMED:
+                problems.append(problem)
+    if bad:
+        raise _bad_lines(problems, bad)
     if requests == 0:
         raise ServiceError("The file has no requests: a batch file needs one JSON object "
                            "per line.", code="invalid_file", param="file")
     return ScanResult(bytes=total, lines=requests, sha256=digest.hexdigest())
+
+
+def _line_problem(content: bytes | None, number: int, max_line: int
+                  ) -> tuple[str, str] | None:
+    """(code, sentence) of a bad line; None for a JSON object."""
+    if content is None:
+        return "line_too_long", f"Line {number} is longer than {max_line} bytes."
+    try:
+        obj = loads_strict(content.decode("utf-8"))
+    except UnicodeDecodeError:
+        return "invalid_file", f"Line {number} is not UTF-8 text."
+    except (ValueError, RecursionError):
+        return "invalid_file", f"Line {number} is not valid JSON."
+    if not isinstance(obj, dict):
+        return "invalid_file", f"Line {number} is not a JSON object."
+    return None
+
+
+def _bad_lines(problems: list[tuple[str, str]], bad: int) -> ServiceError:
+    """The refusal of a file with `bad` bad lines, `problems` the first of them."""
+    codes = {code for code, _ in problems}
+    sentences = " ".join(sentence for _, sentence in problems)
+    if bad == 1:
+        message = sentences
+    else:
+        named = f"the first {len(problems)}" if bad > len(problems) else "each"
+        message = (f"{bad} lines are not one JSON object each ({named} named here); fix "
+                   f"them and upload the file again. {sentences}")
+    return ServiceError(message, code=codes.pop() if len(codes) == 1 else "invalid_file",
+                        param="file")
 
 
 class _hashing:
@@ -229,12 +261,9 @@ def create_input_file_from_parts(*, owner: Any, part_names: list[str], size: int
     with Concatenated(part_names) as stream:
         hashed = _hashing(stream, digest)
         try:
-            scan = scan_jsonl(hashed)
+            scan = scan_jsonl(hashed)  # reads every byte, refused or not: the md5 has them
         except ServiceError as exc:
             refusal = exc
-            if md5:  # the md5 is of the whole file: read the rest for it
-                while hashed.readline(CHUNK):
-                    pass
     if md5 and digest.hexdigest() != md5.lower():
         raise ServiceError("The md5 of the assembled file does not match.", param="md5")
     expires_at = _admit_input(owner=owner, purpose=purpose, expires_after=expires_after,

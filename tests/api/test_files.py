@@ -10,6 +10,7 @@ import requests
 from django.core.files.storage import default_storage
 
 from jobs.models import File, Upload
+from jobs.services.files import MAX_LINES_NAMED
 from tests.factories import chat_line, chat_lines, jsonl, lazy_import, make_batch, run_batch
 
 openai = lazy_import("openai")
@@ -17,6 +18,10 @@ openai = lazy_import("openai")
 pytestmark = pytest.mark.django_db(transaction=True)
 
 GOOD = jsonl([chat_line(f"r{i}", f"hello {i}") for i in range(3)])
+
+
+def chat_line_bytes(custom_id: str, text: str) -> bytes:
+    return jsonl([chat_line(custom_id, text)])
 
 
 def test_upload_retrieve_download_delete(openai_client):
@@ -90,6 +95,40 @@ def test_not_jsonl_is_refused_at_once(openai_client, content, fragment):
     with pytest.raises(openai.BadRequestError) as caught:
         openai_client.files.create(file=("x.jsonl", io.BytesIO(content)), purpose="batch")
     assert fragment in caught.value.body["message"]
+    assert File.objects.count() == 0
+
+
+# Three bad lines of different kinds among good ones, and the refusal's words for them.
+BAD_THREE = GOOD + b'not json\n[1, 2]\n\n' + chat_line_bytes("r9", "ok") + b'{"a": 1,\n'
+NAMED_THREE = ("3 lines are not one JSON object each (each named here); fix them and upload "
+               "the file again. Line 4 is not valid JSON. Line 5 is not a JSON object. "
+               "Line 8 is not valid JSON.")
+
+
+def test_every_bad_line_is_named_up_to_the_limit(openai_client, settings):
+    """files.create refuses a file that is not JSONL before storing it, as every path that
+    makes a File does, naming each bad line (not only the first), at most MAX_LINES_NAMED."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.files.create(file=("x.jsonl", io.BytesIO(BAD_THREE)), purpose="batch")
+    assert caught.value.body["message"] == NAMED_THREE
+    assert (caught.value.body["code"], caught.value.body["param"]) == ("invalid_file", "file")
+    many = GOOD + b"nope\n" * (MAX_LINES_NAMED + 5)
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.files.create(file=("x.jsonl", io.BytesIO(many)), purpose="batch")
+    message = caught.value.body["message"]
+    assert message.startswith(f"{MAX_LINES_NAMED + 5} lines are not one JSON object each "
+                              f"(the first {MAX_LINES_NAMED} named here)")
+    assert message.count("is not valid JSON") == MAX_LINES_NAMED
+    assert f"Line {3 + MAX_LINES_NAMED} is" in message
+    assert f"Line {4 + MAX_LINES_NAMED} is" not in message
+    # The Uploads API's assembly refuses it with the same words.
+    upload = openai_client.uploads.create(bytes=len(BAD_THREE), filename="x.jsonl",
+                                          mime_type="application/jsonl", purpose="batch")
+    part = openai_client.uploads.parts.create(upload.id, data=BAD_THREE)
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.uploads.complete(upload.id, part_ids=[part.id],
+                                       md5=hashlib.md5(BAD_THREE).hexdigest())
+    assert caught.value.body["message"] == NAMED_THREE
     assert File.objects.count() == 0
 
 

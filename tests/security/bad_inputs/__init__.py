@@ -80,7 +80,7 @@ FILE_CASES = [
     FileCase("only blank lines", b"\n\n   \n\t\n", fragment="no requests"),
     FileCase("only CRLF blank lines", b"\r\n\r\n", fragment="no requests"),
     FileCase("invalid UTF-8", jsonl(request("a")) + b'{"custom_id": "\xff\xfe"}\n',
-             fragment="not UTF-8 text (line 2)"),
+             fragment="Line 2 is not UTF-8 text."),
     FileCase("UTF-16 with BOM", "\ufeff".encode("utf-16") + raw(request()).decode()
              .encode("utf-16-le"), fragment="not UTF-8"),
     FileCase("a JSON array of requests", raw([request("a"), request("b")]) + b"\n",
