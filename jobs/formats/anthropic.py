@@ -29,6 +29,7 @@ its line (or, for the others, with the batch's first problem).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -37,7 +38,7 @@ from django.conf import settings
 
 from engine.endpoints import anthropic_error
 from jobs.formats.result_lines import Kind, error_counts, segments
-from jobs.formats.wire import Code, custom_id_of, read_result_line
+from jobs.formats.wire import Code, LineError, custom_id_of, read_result_line
 from jobs.lib.errors import ServiceError
 from jobs.lib.heavy import Guard
 from jobs.models import Batch, File
@@ -59,6 +60,21 @@ PROCESSING_STATUS = {
     Batch.Status.EXPIRED: "ended",
     Batch.Status.CANCELLED: "ended",
 }
+
+
+# A field path the endpoints write from an OpenAI batch line's `body` ("body.temperature",
+# "body.messages[0]"), or a quoted value the user sent, which is left as it is.
+_BODY_PATH = re.compile(r"'[^']*'|\bbody(?=\.[A-Za-z_]|\[|$)")
+
+
+def params_named(error: LineError) -> LineError:
+    """A Message Batch request's problem as its user wrote the request: `params`, not the
+    `body` of the batch line it became (`params.temperature must be between 0 and 1`)."""
+    def rename(text: str) -> str:
+        return _BODY_PATH.sub(lambda m: "params" if m.group(0) == "body" else m.group(0), text)
+
+    return LineError(error.code, rename(error.message),
+                     rename(error.param) if error.param else error.param)
 
 
 def rfc3339(value: datetime | None) -> str | None:

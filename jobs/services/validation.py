@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -35,6 +35,7 @@ from redis import RedisError
 
 from jobs.engines import served_endpoints
 from jobs.fleet import kv_cache_tokens
+from jobs.formats.anthropic import params_named
 from jobs.formats.wire import (
     Code,
     LineError,
@@ -142,6 +143,7 @@ class LineChecker:
         self.adapters: dict[str, str] | None = None
         self.endpoint = endpoint  # None (the dashboard's preflight) takes the first line's
         self.strict = strict
+        self.api = api
         self.model: str | None = None
         self.requests = 0  # lines that passed, and the one over the limit
         # custom_ids remembered as 8-byte digests, so memory stays small.
@@ -153,7 +155,18 @@ class LineChecker:
         return self.requests > self.max_requests
 
     def check(self, line: Line) -> RequestLine | LineError | None:
-        """The line's request, its problem, or None for a blank line."""
+        """The line's request, its problem, or None for a blank line. A Message Batch's
+        problems name the request's fields as its user wrote them (`params.…`)."""
+        checked = self._check(line)
+        if self.api != Batch.Api.ANTHROPIC:
+            return checked
+        if isinstance(checked, LineError):
+            return params_named(checked)
+        if checked is not None and checked.refused is not None:
+            return replace(checked, refused=params_named(checked.refused))
+        return checked
+
+    def _check(self, line: Line) -> RequestLine | LineError | None:
         if line.content is None:
             return LineError(Code.LINE_TOO_LONG,
                              f"Line is longer than {self.max_line_bytes} bytes.")

@@ -57,22 +57,24 @@ def test_the_whole_flow(anthropic_client, workers):
         {"custom_id": "bad-param", "params": params("x", top_k=-1)},
         {"custom_id": "unsupported", "params": params("x", mcp_servers=[])},
         {"custom_id": "too-long", "params": params("word " * 3000)},
+        {"custom_id": "too-hot", "params": params("x", temperature=9)},
     ])
     assert batch.id.startswith("msgbatch_")
     assert batch.type == "message_batch"
     assert batch.processing_status == "in_progress"
-    assert batch.request_counts.processing == 5
+    assert batch.request_counts.processing == 6
     assert batch.results_url is None and batch.ended_at is None
     assert abs(batch.expires_at - batch.created_at - timedelta(hours=24)) < timedelta(seconds=1)
     workers.start()
     batch = wait_ended(anthropic_client, batch.id)
     counts = batch.request_counts
     assert (counts.processing, counts.succeeded, counts.errored, counts.canceled,
-            counts.expired) == (0, 2, 3, 0, 0)
+            counts.expired) == (0, 2, 4, 0, 0)
     assert batch.ended_at is not None and batch.results_url.endswith(f"{batch.id}/results")
 
     results = results_of(anthropic_client, batch.id)
-    assert set(results) == {"ok-1", "ok-2", "bad-param", "unsupported", "too-long"}
+    assert set(results) == {"ok-1", "ok-2", "bad-param", "unsupported", "too-long",
+                            "too-hot"}
     message = results["ok-1"].message
     assert results["ok-1"].type == "succeeded"
     assert message.type == "message" and message.role == "assistant"
@@ -80,13 +82,17 @@ def test_the_whole_flow(anthropic_client, workers):
     assert message.stop_reason == "end_turn"
     assert message.usage.input_tokens == 4 and message.usage.output_tokens == 3
     assert results["ok-2"].message.stop_reason == "max_tokens"
-    for custom_id, fragment in (("bad-param", "top_k"), ("unsupported", "mcp_servers"),
-                                ("too-long", "maximum context length")):
+    for custom_id, fragment in (("bad-param", "params.top_k"),
+                                ("unsupported", "params.mcp_servers"),
+                                ("too-long", "maximum context length"),
+                                ("too-hot", "params.temperature must be between 0 and 1")):
         result = results[custom_id]
         assert result.type == "errored"
         assert result.error.type == "error"
         assert result.error.error.type == "invalid_request_error"
+        # The request's fields as its user wrote them: params, not the batch line's body.
         assert fragment in result.error.error.message
+        assert "body." not in result.error.error.message
     # The usage of the batch is the Messages' own.
     row = Batch.objects.get(pk=batch.id)
     assert row.input_tokens == sum(r.message.usage.input_tokens
@@ -222,12 +228,18 @@ def test_a_bad_request_envelope_is_400(anthropic_client, requests_, fragment):
 def test_a_model_not_served_ends_every_request_errored(anthropic_client):
     batch = anthropic_client.messages.batches.create(requests=[
         {"custom_id": "a", "params": params("x")},
-        {"custom_id": "b", "params": params("y", model="claude-nope")}])
+        {"custom_id": "b", "params": params("y", model="claude-nope")},
+        {"custom_id": "c", "params": {"max_tokens": 16,
+                                      "messages": [{"role": "user", "content": "z"}]}}])
     validate_batch(batch.id)
     batch = anthropic_client.messages.batches.retrieve(batch.id)
-    assert batch.processing_status == "ended" and batch.request_counts.errored == 2
+    assert batch.processing_status == "ended" and batch.request_counts.errored == 3
     results = results_of(anthropic_client, batch.id)
     assert "claude-nope" in results["b"].error.error.message
+    # Validation's problems name the request's params, as its user wrote them.
+    assert results["c"].error.error.message == "Missing params.model."
+    assert [(e["line"], e["param"]) for e in Batch.objects.get(pk=batch.id).errors] == [
+        (2, "params.model"), (3, "params.model")]
     assert "not run" in results["a"].error.error.message.lower()
 
 
