@@ -20,6 +20,8 @@ from jobs.storage.external import grant_problem
 
 PROGRESS_FIELDS = ("completed", "failed", "input_tokens", "output_tokens", "cached_tokens",
                    "cacheable_tokens", "reasoning_tokens")
+# A shard's counters: the batch's, and those only the dashboard's rates read (Shard.ran_ok).
+SHARD_PROGRESS_FIELDS = (*PROGRESS_FIELDS, "ran_ok", "ran_failed")
 
 
 def new_id(prefix: str) -> str:
@@ -578,6 +580,12 @@ class Shard(models.Model):
     # Progress of the current attempt; final once the shard is done or abandoned.
     completed = models.PositiveIntegerField(default=0)
     failed = models.PositiveIntegerField(default=0)
+    # Of those, the requests the engine ran, by its answer (200, or an error): each computed
+    # request once, so neither the dedup copies answered with it nor the lines validation
+    # kept from running or a stop wrote unrun. Throughput and the mean context length
+    # count these: the others take no engine time and no input tokens.
+    ran_ok = models.PositiveIntegerField(default=0)
+    ran_failed = models.PositiveIntegerField(default=0)
     input_tokens = models.BigIntegerField(default=0)
     output_tokens = models.BigIntegerField(default=0)
     cached_tokens = models.BigIntegerField(default=0)

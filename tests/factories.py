@@ -195,8 +195,9 @@ def run_shard(shard: Shard, *, fails: Callable[[str], bool] = lambda c: False,
     Shard.objects.filter(pk=shard.pk).update(
         status=Shard.Status.DONE, attempt=shard.attempt + 1, started_at=started,
         finished_at=started + timedelta(seconds=seconds), completed=completed, failed=failed,
-        input_tokens=5 * completed, output_tokens=3 * completed, output_part=names["out"],
-        error_part=names["err"], worker="test")
+        ran_ok=completed, ran_failed=failed, input_tokens=5 * completed,
+        output_tokens=3 * completed, output_part=names["out"], error_part=names["err"],
+        worker="test")
     refresh_progress(batch_id=shard.batch_id)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobs.models import PROGRESS_FIELDS
+from jobs.models import SHARD_PROGRESS_FIELDS
 
 # Per model: requests succeeded, input tokens, cached input tokens, output tokens, reasoning
 # tokens (of the output ones; absent from checkpoints written before they were counted).
@@ -60,9 +60,13 @@ class Progress:
     cached_tokens: int = 0  # of input_tokens, those served from the engine's prefix cache
     cacheable_tokens: int = 0  # of input_tokens, the most a prefix cache could serve
     reasoning_tokens: int = 0  # of output_tokens, those spent reasoning
+    # Of completed and failed, the requests the engine ran (Shard.ran_ok); 0 in checkpoints
+    # written before they were counted.
+    ran_ok: int = 0
+    ran_failed: int = 0
 
     def as_fields(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in PROGRESS_FIELDS}
+        return {name: getattr(self, name) for name in SHARD_PROGRESS_FIELDS}
 
 
 # The kinds of part a shard attempt writes, in the order of a checkpoint segment's names.

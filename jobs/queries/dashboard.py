@@ -4,9 +4,12 @@ The throughput-over-time series is data only; `templatetags.dashboard.throughput
 draws it.
 
 Nothing here writes. Throughput is derived from the shard rows alone: a shard's live
-counters say how many requests its current attempt finished between `started_at` and now
-(or `finished_at`); we spread those evenly over that interval. That is exact for the average
-and a fair estimate for "now" and for the chart, without recording per-request times.
+counters say how many requests the engine ran for its current attempt between `started_at`
+and now (or `finished_at`); we spread those evenly over that interval. That is exact for the
+average and a fair estimate for "now" and for the chart, without recording per-request
+times. Only what the engine ran counts (Shard.ran_ok, ran_failed): lines kept from running,
+dedup copies and lines written unrun take no engine time, and counted, three refused lines
+written in a millisecond would read as thousands of requests a minute.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ CHART_BUCKETS = 30
 
 SHARD_FIELDS = ("batch_id", "status", "started_at", "finished_at", "completed", "failed",
                 "attempt", "failures", "input_tokens", "output_tokens", "request_count",
-                "json_retries", "recomputed")
+                "json_retries", "recomputed", "ran_ok", "ran_failed")
 
 
 @dataclass
@@ -45,6 +48,13 @@ class ShardRow:
     request_count: int = 0
     json_retries: int = 0
     recomputed: int = 0
+    ran_ok: int = 0
+    ran_failed: int = 0
+
+    @property
+    def engine_runs(self) -> int:
+        """The requests the engine ran for this attempt (with the checkpoint it adopted)."""
+        return self.ran_ok + self.ran_failed
 
     @property
     def ran(self) -> bool:
@@ -58,11 +68,12 @@ class ShardRow:
         return self.started_at, self.finished_at or now
 
     def done_between(self, start: datetime, end: datetime, now: datetime) -> float:
-        """Requests of this attempt finished in [start, end), spread evenly over its run."""
+        """Requests the engine ran for this attempt in [start, end), spread evenly over its
+        run."""
         if not self.ran:
             return 0.0
         s, e = self.interval(now)
-        count = self.completed + self.failed
+        count = self.engine_runs
         length = (e - s).total_seconds()
         if length <= 0:
             return float(count) if start <= e < end else 0.0
@@ -104,8 +115,8 @@ class Report:
     json_retries: int
     retried_requests: int
     request_runs: int
-    # Input tokens per completed request (prompt tokens actually computed; dedup copies
-    # are not counted twice).
+    # Input tokens per request the engine completed (prompt tokens actually computed, over
+    # the requests that computed them: dedup copies, which cost none, are not counted).
     mean_context_tokens: float | None
     slowest_shard_seconds: float | None
     # The share of input tokens the engine served from its prefix cache (vLLM's cached
@@ -193,7 +204,7 @@ def _rates(batch: Batch, rows: list[ShardRow], now: datetime) -> tuple[
         return None, None, None
     end = batch.ended_at or now
     elapsed = max((end - batch.in_progress_at).total_seconds(), 0.001)
-    ran = sum(r.completed + r.failed for r in rows if r.ran)
+    ran = sum(r.engine_runs for r in rows if r.ran)
     rate_avg = ran / elapsed if ran else 0.0
     rate_now = None
     if not batch.is_ended:
@@ -234,6 +245,7 @@ def batch_stats(batch: Batch, *, now: datetime | None = None) -> BatchStats:
     recomputed = sum(r.recomputed for r in rows)
     retried = recomputed + json_retries
     runs = sum(r.request_count for r in rows if r.attempt) + retried
+    ran_ok = sum(r.ran_ok for r in rows)
     durations = [(r.finished_at - r.started_at).total_seconds() for r in rows
                  if r.status == Shard.Status.DONE and r.started_at and r.finished_at]
     report = Report(
@@ -241,8 +253,7 @@ def batch_stats(batch: Batch, *, now: datetime | None = None) -> BatchStats:
         retry_rate=(retried / runs) if runs else None,
         claims=claims, failures=failures, recomputed=recomputed, json_retries=json_retries,
         retried_requests=retried, request_runs=runs,
-        mean_context_tokens=(progress["input_tokens"] / progress["completed"]
-                             if progress["completed"] else None),
+        mean_context_tokens=(sum(r.input_tokens for r in rows) / ran_ok if ran_ok else None),
         slowest_shard_seconds=max(durations) if durations else None,
         cache_hit_rate=(progress["cached_tokens"] / progress["input_tokens"]
                         if progress["input_tokens"] else None),
@@ -297,7 +308,7 @@ def throughput_series(batch: Batch, rows: list[ShardRow], now: datetime,
         if not row.ran:
             continue
         s, e = row.interval(now)
-        count = row.completed + row.failed
+        count = row.engine_runs
         # The run in bucket units: bucket i covers [i, i + 1).
         first = (s - start).total_seconds() / step
         last = (e - start).total_seconds() / step

@@ -176,7 +176,11 @@ class ShardWork:
                 self.flags.write(json.dumps({"custom_id": cid, "flags": flags}).encode() + b"\n")
                 for flag in flags:
                     self.flag_counts[flag] = self.flag_counts.get(flag, 0) + 1
-        if ok:
+        # The engine ran it once, whatever its copies.
+        if not ok:
+            self.progress.ran_failed += 1
+        else:
+            self.progress.ran_ok += 1
             tokens_in, tokens_out, cached = usage_of(request.url, result.body)
             reasoning = reasoning_of(request.url, result.body)
             self.progress.input_tokens += tokens_in

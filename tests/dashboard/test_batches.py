@@ -351,9 +351,9 @@ def test_batch_stats_report():
     now = start + timedelta(minutes=5)
     rows = [
         dashboard.ShardRow("b", "done", start, start + timedelta(minutes=2), 25, 0, 1, 0, 500,
-                           50),
+                           50, ran_ok=25),
         dashboard.ShardRow("b", "running", start + timedelta(minutes=3), None, 20, 5, 2, 1,
-                           400, 50),
+                           400, 50, ran_ok=20, ran_failed=5),
         dashboard.ShardRow("b", "abandoned", None, now, 0, 30, 0, 0, 0, 0),
     ]
     rate_now, rate_avg, elapsed = dashboard._rates(batch, rows, now)
@@ -382,10 +382,11 @@ def test_throughput_series_matches_its_definition_bucket_by_bucket():
             length = rng.choice([0, 0.5, 3, 60, 400])
             finished = began + timedelta(seconds=length)
             running = not ended and rng.random() < 0.2
+            ok, failed = rng.randrange(50), rng.randrange(5)
             rows.append(dashboard.ShardRow(
                 "b", "running" if running else rng.choice(["done", "done", "abandoned"]),
-                began, None if running else finished, rng.randrange(50), rng.randrange(5),
-                1, 0, 0, 0))
+                began, None if running else finished, ok, failed, 1, 0, 0, 0,
+                ran_ok=ok, ran_failed=failed))
         buckets = 7
         end = batch.ended_at or now
         step = (end - start) / buckets
