@@ -111,6 +111,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Outermost but one: every page gets it, Django's error pages and django-axes' too.
+    "batchweb.csp.ContentSecurityPolicyMiddleware",
     "batchweb.middleware.BodySizeLimitMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -127,6 +129,7 @@ MIDDLEWARE = [
 # The API (/v1/) authenticates each request by its key, sets no cookie and has no pages or
 # forms: its requests skip the middlewares only pages need (batchweb/wsgi.py).
 PAGE_ONLY_MIDDLEWARE = {
+    "batchweb.csp.ContentSecurityPolicyMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
