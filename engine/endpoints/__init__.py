@@ -39,6 +39,7 @@ COMPLETIONS = Completions.url
 EMBEDDINGS = Embeddings.url
 RESPONSES = Responses.url
 MESSAGES = Messages.url
+MODERATIONS = Moderations.url
 SCORE = Score.url
 RERANK = Rerank.url
 ENDPOINTS = tuple(REGISTRY)
@@ -46,7 +47,8 @@ ENDPOINTS = tuple(REGISTRY)
 POOLING_ENDPOINTS = tuple(url for url, endpoint in REGISTRY.items() if endpoint.pooling)
 
 __all__ = [
-    "CHAT", "COMPLETIONS", "EMBEDDINGS", "ENDPOINTS", "MESSAGES", "POOLING_ENDPOINTS",
+    "CHAT", "COMPLETIONS", "EMBEDDINGS", "ENDPOINTS", "MESSAGES", "MODERATIONS",
+    "POOLING_ENDPOINTS",
     "REGISTRY", "RERANK", "RESPONSES", "SCORE", "Endpoint", "Refusal", "anthropic_error",
     "check_body", "endpoint", "reasoning_of", "request_messages", "served", "show_request",
     "show_response", "text_parts", "usage_of",

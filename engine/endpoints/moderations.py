@@ -16,8 +16,11 @@ Without them a model uses DEFAULT_CATEGORIES, short descriptions of OpenAI's cat
 enough to try the endpoint, not to moderate anyone; real examples of what the operator
 means by each category are what make the scores worth reading.
 
-The answer is OpenAI's shape (`results[].flagged`, `categories`, `category_scores`), and
-like OpenAI's moderations it carries no usage: nothing is billed for it.
+The answer is OpenAI's shape (`results[].flagged`, `categories`, `category_scores`), with
+one addition: its `usage`, the prompt tokens the engine reports for that embeddings call
+(the inputs and the category examples embedded with them: what the request computed).
+Moderations are metered and priced on those as embeddings are on theirs, so tokens quotas,
+the ledger and budgets count them.
 """
 
 from __future__ import annotations
@@ -127,11 +130,11 @@ class Moderations(Pooling):
             flags = {name: score >= threshold for name, score in scores.items()}
             results.append({"flagged": any(flags.values()), "categories": flags,
                             "category_scores": scores})
+        tokens = int((answer.get("usage") or {}).get("prompt_tokens") or 0)
         return {"id": f"modr-{uuid.uuid4().hex}", "model": body.get("model") or answer.get("model"),
-                "results": results}
-
-    def usage(self, body: dict[str, Any]) -> tuple[int, int, int]:
-        return 0, 0, 0
+                "results": results,
+                # Not in OpenAI's answer (clients keep it as an extra): what is metered.
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     def echo(self, body: dict[str, Any], model: EchoModel) -> dict[str, Any]:
         return self.from_serving(

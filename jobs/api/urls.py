@@ -22,6 +22,7 @@ urlpatterns = [
     # OpenAI's Usage and Costs API, over the usage ledger.
     path("organization/usage/completions", usage.usage_completions),
     path("organization/usage/embeddings", usage.usage_embeddings),
+    path("organization/usage/moderations", usage.usage_moderations),
     path("organization/costs", usage.organization_costs),
     # Anthropic's Message Batches API.
     path("messages/batches", message_batches.batch_list),

@@ -1,6 +1,7 @@
 """OpenAI's Usage and Costs API over the usage ledger: GET /v1/organization/usage/completions,
-/v1/organization/usage/embeddings and /v1/organization/costs, in OpenAI's shapes, so usage
-tooling written for it reads batchweb's.
+/v1/organization/usage/embeddings, /v1/organization/usage/moderations and
+/v1/organization/costs, in OpenAI's shapes, so usage tooling written for it reads
+batchweb's.
 
 A key sees its owner's usage; the key of a superuser, or of a user given the permission to
 view usage records (`jobs.view_usagerecord`), sees everyone's (and may filter by
@@ -10,10 +11,11 @@ always null, `project_ids` matches nothing but null), every request is a batch r
 (`batch=false` matches nothing), ids are batchweb's (`api_key_id` and `user_id` are the
 key's and the user's numeric ids as strings), and a costs `line_item` is the model's name.
 Embeddings usage counts /v1/embeddings, /v1/score and /v1/rerank (input tokens only),
-completions the other endpoints. Usage is recorded when each shard of a batch finishes
-(`recorded_at`). One extension: a completions result's `output_reasoning_tokens`, the
-reasoning tokens of its output tokens (OpenAI's results have no such field; clients
-ignore it).
+moderations usage /v1/moderations (as OpenAI's, a kind of its own: input tokens, the
+prompt tokens of its embeddings call), completions the other endpoints. Usage is recorded
+when each shard of a batch finishes (`recorded_at`). One extension: a completions result's
+`output_reasoning_tokens`, the reasoning tokens of its output tokens (OpenAI's results have
+no such field; clients ignore it).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
 
-from engine.endpoints import ENDPOINTS, POOLING_ENDPOINTS
+from engine.endpoints import ENDPOINTS, MODERATIONS, POOLING_ENDPOINTS
 from jobs.api.base import api_view
 from jobs.lib.errors import ServiceError
 from jobs.queries import usage
@@ -33,7 +35,10 @@ from jobs.queries import usage
 # Per bucket width: (default, maximum) buckets a page, as OpenAI's.
 LIMITS = {"1m": (60, 1440), "1h": (24, 168), "1d": (7, 31)}
 COSTS_LIMITS = (7, 180)
-COMPLETIONS = tuple(e for e in ENDPOINTS if e not in POOLING_ENDPOINTS)
+# The endpoints each usage kind counts.
+KINDS = {"completions": tuple(e for e in ENDPOINTS if e not in POOLING_ENDPOINTS),
+         "embeddings": tuple(e for e in POOLING_ENDPOINTS if e != MODERATIONS),
+         "moderations": (MODERATIONS,)}
 
 
 def _list(request: HttpRequest, name: str) -> list[str]:
@@ -177,8 +182,7 @@ def _usage(request: HttpRequest, user: Any, *, kind: str) -> JsonResponse:
     query = Query(request, user, widths=("1m", "1h", "1d"), groups=groups,
                   limits=LIMITS.get(request.GET.get("bucket_width") or "1d", LIMITS["1d"]))
     columns = [name for name in query.group_by if name in ("model", "api_key_id", "user_id")]
-    endpoints = COMPLETIONS if kind == "completions" else POOLING_ENDPOINTS
-    buckets, cursor = query.page(columns, endpoints)
+    buckets, cursor = query.page(columns, KINDS[kind])
     data = []
     for start, end, rows in buckets:
         results = []
@@ -222,6 +226,10 @@ def embeddings(request: HttpRequest, user: Any) -> JsonResponse:
     return _usage(request, user, kind="embeddings")
 
 
+def moderations(request: HttpRequest, user: Any) -> JsonResponse:
+    return _usage(request, user, kind="moderations")
+
+
 def costs(request: HttpRequest, user: Any) -> JsonResponse:
     groups = ("project_id", "line_item", "api_key_id", "user_id")
     query = Query(request, user, widths=("1d",), groups=groups, limits=COSTS_LIMITS)
@@ -243,4 +251,5 @@ def costs(request: HttpRequest, user: Any) -> JsonResponse:
 
 usage_completions = api_view({"GET": completions})
 usage_embeddings = api_view({"GET": embeddings})
+usage_moderations = api_view({"GET": moderations})
 organization_costs = api_view({"GET": costs})

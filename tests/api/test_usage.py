@@ -45,6 +45,8 @@ def ledger(user, other_user):
     record(user, "small", at=day0 + timedelta(days=1, hours=2), key=key, cost=2_500_000)
     record(user, "embed", at=day0 + timedelta(days=2), endpoint="/v1/embeddings",
            tokens=(40, 0, 0), cost=40_000)
+    record(user, "embed", at=day0 + timedelta(days=2, hours=1), endpoint="/v1/moderations",
+           n=4, tokens=(90, 0, 0), cost=90_000)
     record(other_user, "echo-test", at=day0 + timedelta(hours=3), n=7, cost=9_000_000)
     return {"start": int(day0.timestamp()), "key": key}
 
@@ -94,12 +96,26 @@ def test_filters_and_groups(client, api_key, ledger):
 
 
 def test_embeddings_usage(client, api_key, ledger):
+    """Moderations run on the same model are not embeddings' requests or tokens."""
     _, page = get(client, api_key, "usage/embeddings", start_time=ledger["start"],
                   end_time=ledger["start"] + 3 * DAY, group_by="model")
     results = [r for b in page["data"] for r in b["results"]]
     assert results == [{"object": "organization.usage.embeddings.result", "input_tokens": 40,
                         "num_model_requests": 1, "project_id": None, "user_id": None,
                         "api_key_id": None, "model": "embed"}]
+
+
+def test_moderations_usage_is_a_kind_of_its_own(client, api_key, ledger):
+    """As OpenAI's /v1/organization/usage/moderations: input tokens and requests."""
+    _, page = get(client, api_key, "usage/moderations", start_time=ledger["start"],
+                  end_time=ledger["start"] + 3 * DAY, group_by="model")
+    results = [r for b in page["data"] for r in b["results"]]
+    assert results == [{"object": "organization.usage.moderations.result", "input_tokens": 90,
+                        "num_model_requests": 4, "project_id": None, "user_id": None,
+                        "api_key_id": None, "model": "embed"}]
+    _, page = get(client, api_key, "usage/completions", start_time=ledger["start"],
+                  end_time=ledger["start"] + 3 * DAY)
+    assert [r["num_model_requests"] for b in page["data"] for r in b["results"]] == [5, 1]
 
 
 def test_costs_by_day_and_line_item_with_paging(client, api_key, ledger):
@@ -115,7 +131,8 @@ def test_costs_by_day_and_line_item_with_paging(client, api_key, ledger):
                   page=page["next_page"])
     assert rest["has_more"] is False and rest["next_page"] is None
     assert [b["start_time"] for b in rest["data"]] == [ledger["start"] + 2 * DAY]
-    assert rest["data"][0]["results"][0]["amount"]["value"] == 0.00004
+    # The embeddings model's line: its embeddings and its moderations, priced alike.
+    assert rest["data"][0]["results"][0]["amount"]["value"] == pytest.approx(0.00013)
 
 
 @pytest.mark.django_db(transaction=True)

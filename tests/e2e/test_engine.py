@@ -193,7 +193,12 @@ def test_moderations_batch_through_vllm(openai_client, workers):
                                strict=True):
         assert together["categories"] == alone["categories"]
         assert together["category_scores"] == pytest.approx(alone["category_scores"], abs=1e-3)
-    assert batch.usage.input_tokens == 0
+    # Metered as embeddings: each request's call's prompt tokens, as vLLM counts them (its
+    # inputs and the examples embedded with them: two inputs, one set of examples).
+    tokens = {cid: out[cid]["response"]["body"]["usage"]["prompt_tokens"]
+              for cid in ("m0", "m1", "both")}
+    assert 0 < tokens["m0"] < tokens["both"] < tokens["m0"] + tokens["m1"]
+    assert batch.usage.input_tokens == sum(tokens.values())
 
 
 def test_score_and_rerank_batches_through_vllm(openai_client, workers):

@@ -12,6 +12,8 @@ import pytest
 from engine.endpoints import REGISTRY
 from engine.endpoints.base import ModelOptionsError
 from engine.endpoints.moderations import DEFAULT_CATEGORIES, categories_of
+from jobs.models import Price, UsageRecord
+from jobs.services import quotas
 from jobs.tasks import validate_batch
 from tests.factories import assert_exactly_once, jsonl, upload, wait_status
 
@@ -34,6 +36,7 @@ def test_a_moderations_batch_runs_on_a_worker_process(openai_client, workers):
     violent = DEFAULT_CATEGORIES["violence"][0]
     lines = [line("violent", violent), line("both", [violent, DEFAULT_CATEGORIES["hate"][0]]),
              line("plain", "the weather is mild today")]
+    Price.objects.create(model="echo-test", input_per_million=4, output_per_million=4)
     batch = openai_client.batches.create(
         input_file_id=upload(openai_client, jsonl(lines)).id, endpoint=MODERATIONS,
         completion_window="24h")
@@ -56,8 +59,20 @@ def test_a_moderations_batch_runs_on_a_worker_process(openai_client, workers):
         for found in body["results"]:
             assert found["flagged"] == any(s >= 0.5 for s in found["category_scores"].values())
             assert all(0 <= s <= 1 for s in found["category_scores"].values())
-    # As OpenAI's moderations: nothing billed.
-    assert batch.usage.input_tokens == 0 and batch.usage.output_tokens == 0
+    # Metered as embeddings are: the prompt tokens of each request's embeddings call (its
+    # inputs and the category examples; the echo model's tokens are words), no output.
+    examples = sum(len(text.split()) for texts in DEFAULT_CATEGORIES.values()
+                   for text in texts)
+    assert {cid: body["usage"]["prompt_tokens"] for cid, body in bodies.items()} == {
+        cid: examples + sum(len(text.split()) for text in ([t] if isinstance(t, str) else t))
+        for cid, t in ((x["custom_id"], x["body"]["input"]) for x in lines)}
+    assert batch.usage.input_tokens == sum(b["usage"]["prompt_tokens"] for b in bodies.values())
+    assert batch.usage.output_tokens == 0
+    # The ledger charges them at the model's input price; the tokens quotas count them.
+    records = UsageRecord.objects.filter(batch_id=batch.id)
+    assert sum(r.input_tokens for r in records) == batch.usage.input_tokens
+    assert sum(r.cost_nanos for r in records) == batch.usage.input_tokens * 2000  # $2 / M
+    assert quotas.usage_for(records[0].owner)["tokens_per_day"] == batch.usage.input_tokens
 
 
 def test_moderation_lines_a_model_cannot_run_are_file_problems(openai_client, settings):
@@ -88,13 +103,17 @@ def test_the_answer_is_built_from_one_embeddings_call():
     assert endpoint.serving_url == "/v1/embeddings"
     assert sent == {"model": "m", "input": ["x", "y", "a cat", "a dog", "taxes"]}
     vectors = [[1, 0], [0, 1], [0.6, 0.8], [1, 0], [-1, 0]]
-    answer = {"data": [{"index": i, "embedding": v} for i, v in reversed(list(enumerate(vectors)))]}
-    results = endpoint.from_serving(body, answer, options=options)["results"]
+    answer = {"data": [{"index": i, "embedding": v} for i, v in reversed(list(enumerate(vectors)))],
+              "usage": {"prompt_tokens": 11, "total_tokens": 11}}
+    answered = endpoint.from_serving(body, answer, options=options)
+    results = answered["results"]
     assert results[0] == {"flagged": True, "categories": {"pets": True, "money": False},
                           "category_scores": {"pets": 1.0, "money": 0.0}}
     assert results[1] == {"flagged": True, "categories": {"pets": True, "money": False},
                           "category_scores": {"pets": 0.8, "money": 0.0}}
-    assert endpoint.usage({"results": results}) == (0, 0, 0)
+    # The call's prompt tokens are the request's, as an embeddings request's are.
+    assert answered["usage"] == {"prompt_tokens": 11, "total_tokens": 11}
+    assert endpoint.usage(answered) == (11, 0, 0)
 
 
 @pytest.mark.parametrize("options", [
