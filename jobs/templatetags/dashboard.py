@@ -9,14 +9,18 @@ characters) are shown as visible escapes so content cannot disguise itself or th
 from __future__ import annotations
 
 import json
+import re
 import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
 from django import template
+from django.utils.html import escape, format_html
+from django.utils.safestring import SafeString, mark_safe
 
 from batchweb import release
 from engine.endpoints import show_request, show_response
+from jobs.lib.scale import Axis, axis
 
 register = template.Library()
 
@@ -114,6 +118,28 @@ def percent(value: Any, digits: int = 1) -> str:
     return f"{float(value) * 100:.{int(digits)}f}%"
 
 
+# Where a long name may wrap: after these, never inside a word.
+_BREAKS = re.compile(r"(?<=[_\-./])")
+
+
+@register.filter
+def breakable(value: Any) -> SafeString:
+    """`value` (escaped) with a line-break opportunity (<wbr>) after each '_', '-', '.' and
+    '/': a file name such as batch_6f1c_output.jsonl wraps between its parts."""
+    return mark_safe("<wbr>".join(escape(part) for part in _BREAKS.split(str(value))))
+
+
+@register.simple_tag
+def status_badge(batch: Any, element_id: str = "") -> SafeString:
+    """A batch's status badge. A batch that completed without one request succeeding says
+    so, in the failure colour: "Completed" in green would hide that all of it failed."""
+    status, label = batch.status, batch.get_status_display()
+    if status == "completed" and not batch.completed and batch.failed:
+        status, label = "failed", f"{label}, all failed"
+    return format_html('<span class="badge st-{}"{}>{}</span>', status,
+                       format_html(' id="{}"', element_id) if element_id else "", label)
+
+
 @register.filter
 def request_text(line: Any) -> str:
     """The human part of an input line, as its endpoint shows it: the messages (of a chat,
@@ -142,11 +168,13 @@ CHART_HEIGHT = 120
 
 @dataclass
 class Chart:
-    """A throughput-over-time chart as SVG path data (the template draws the <svg>)."""
+    """A throughput-over-time chart as SVG path data (the template draws the <svg>), with
+    its y axis in requests a minute."""
 
     line: str
     area: str
     max_per_minute: float
+    axis: Axis
     width: int = CHART_WIDTH
     height: int = CHART_HEIGHT
 
@@ -154,21 +182,21 @@ class Chart:
 @register.simple_tag
 def throughput_chart(series: list[float]) -> Chart | None:
     """`{% throughput_chart stats.throughput as chart %}`: the chart of a requests-per-minute
-    series (equal time buckets), scaled to its peak; None when nothing ran yet."""
+    series (equal time buckets), on a scale from 0 to a round top above its peak; None when
+    nothing ran yet."""
     if not series or max(series) <= 0:
         return None
-    top = max(series) * 1.1
+    scale = axis(max(series), height=CHART_HEIGHT)
     n = len(series)
     points = []
     for i, value in enumerate(series):
         # Each bucket is drawn at its middle; the line starts and ends at the edges.
         x = CHART_WIDTH * (i + 0.5) / n
-        y = CHART_HEIGHT - CHART_HEIGHT * value / top
-        points.append((x, y))
+        points.append((x, scale.y(value, CHART_HEIGHT)))
     points = [(0.0, points[0][1]), *points, (float(CHART_WIDTH), points[-1][1])]
     line = "M" + " L".join(f"{x:.1f},{y:.1f}" for x, y in points)
     area = f"{line} L{CHART_WIDTH},{CHART_HEIGHT} L0,{CHART_HEIGHT} Z"
-    return Chart(line=line, area=area, max_per_minute=max(series))
+    return Chart(line=line, area=area, max_per_minute=max(series), axis=scale)
 
 
 @register.simple_tag

@@ -11,6 +11,7 @@ from engine.endpoints import EMBEDDINGS, ENDPOINTS
 from jobs.engines import served_endpoints
 from jobs.models import Batch, EvalSet, File, LoraAdapter, SpotCheck
 from jobs.services.evals import public_id, sets_for
+from jobs.services.grants import granted
 
 PRIORITY_CHOICES = [(p.value, p.label) for p in Batch.Priority]
 
@@ -87,6 +88,12 @@ class NewBatchForm(forms.Form):
             (name, f"{name} ({', '.join(eps)})") for name, eps in served_endpoints().items()] + [
             (name, f"{name} (LoRA adapter of {base})")
             for name, base in sorted(LoraAdapter.objects.usable().items())]
+        # The storage fields only for a user with a grant to use them (jobs.services.grants):
+        # to anyone else they offer nothing but a refusal.
+        if not granted(owner=owner, access="read"):
+            del self.fields["source"]
+        if not granted(owner=owner, access="write"):
+            del self.fields["output_prefix"]
         eval_set = self.fields["eval_set"]
         assert isinstance(eval_set, forms.ChoiceField)
         # By id: a user's set may share its name with one of the operator's.

@@ -14,6 +14,7 @@ from django.shortcuts import render
 from django.views.decorators.http import require_GET
 
 from jobs.http.web import SignedInRequest
+from jobs.lib.scale import axis, tick_label
 from jobs.models import ApiKey, UsageRecord
 from jobs.queries import usage
 from jobs.services.budgets import budget_for
@@ -53,7 +54,8 @@ def _filters(request: SignedInRequest) -> tuple[UsageFilterForm, usage.Filters, 
 
 def chart(rows: list[dict[str, Any]], *, start: date, days: int) -> dict[str, Any] | None:
     """Stacked bars of cost per day, one colour per model (the costliest CHART_MODELS, the
-    rest as "other"); tokens when nothing cost anything (no prices set)."""
+    rest as "other"), on a scale from 0 to a round top above the busiest day; tokens when
+    nothing cost anything (no prices set)."""
     measure = "cost_nanos" if any(r["cost_nanos"] for r in rows) else "tokens"
     totals: dict[str, float] = {}
     by_day: dict[int, dict[str, float]] = {}
@@ -67,6 +69,8 @@ def chart(rows: list[dict[str, Any]], *, start: date, days: int) -> dict[str, An
     peak = max((sum(d.values()) for d in by_day.values()), default=0.0)
     if peak <= 0:
         return None
+    scale = axis(peak, height=CHART_HEIGHT, label=(
+        (lambda value: format_cost(int(value))) if measure == "cost_nanos" else tick_label))
     ranked = sorted(totals, key=lambda m: -totals[m])
     series = {m: min(i, CHART_MODELS) for i, m in enumerate(ranked)}
     width = CHART_WIDTH / days
@@ -74,7 +78,7 @@ def chart(rows: list[dict[str, Any]], *, start: date, days: int) -> dict[str, An
     for day, values in sorted(by_day.items()):
         y = float(CHART_HEIGHT)
         for model in sorted(values, key=lambda m: series[m]):
-            height = CHART_HEIGHT * values[model] / (peak * 1.1)
+            height = CHART_HEIGHT * values[model] / scale.top
             y -= height
             shown = (format_cost(int(values[model])) if measure == "cost_nanos"
                      else f"{int(values[model]):,} tokens")
@@ -84,7 +88,7 @@ def chart(rows: list[dict[str, Any]], *, start: date, days: int) -> dict[str, An
     legend = [(min(i, CHART_MODELS), m if i < CHART_MODELS else "other")
               for i, m in enumerate(ranked) if i <= CHART_MODELS]
     return {"bars": bars, "legend": legend, "width": CHART_WIDTH, "height": CHART_HEIGHT,
-            "measure": "cost" if measure == "cost_nanos" else "tokens",
+            "measure": "cost" if measure == "cost_nanos" else "tokens", "axis": scale,
             "peak": format_cost(int(peak)) if measure == "cost_nanos" else f"{int(peak):,}"}
 
 
