@@ -33,7 +33,7 @@ from django.db.models import Q, Sum
 
 from jobs.lib.errors import ServiceError
 from jobs.models import Batch, EvalRun, UsageRecord
-from jobs.services.pricing import NANOS, Rate, format_cost, rate_for, rates_for
+from jobs.services.pricing import NANOS, Rate, any_priced, format_cost, rate_for, rates_for
 from jobs.services.quotas import cost_nanos_since, limits_for, period_starts
 
 
@@ -42,6 +42,10 @@ class Budget:
     limit_nanos: int | None  # None: no budget
     charged_nanos: int
     currency: str
+    # Whether a price applies to the owner's usage (something was charged, or some model
+    # has a price): what was charged shows as "not priced" otherwise. The limit and what
+    # is left of it are money the operator set, priced or not.
+    priced: bool = True
 
     @property
     def left_nanos(self) -> int | None:
@@ -49,6 +53,10 @@ class Budget:
 
     def show(self, nanos: int | None) -> str:
         return "no limit" if nanos is None else format_cost(nanos, self.currency)
+
+    @property
+    def show_charged(self) -> str:
+        return format_cost(self.charged_nanos, self.currency, priced=self.priced)
 
     @property
     def show_limit(self) -> str:
@@ -76,17 +84,19 @@ class Estimate:
     output_tokens_ceiling: int
     ceiling_nanos: int
     currency: str
+    # Whether a price applies to any of its models (else the ceiling shows "not priced").
+    priced: bool = True
 
     @property
     def ceiling(self) -> str:
-        return format_cost(self.ceiling_nanos, self.currency)
+        return format_cost(self.ceiling_nanos, self.currency, priced=self.priced)
 
     def plus(self, other: Estimate) -> Estimate:
         return Estimate(model=self.model, input_tokens=self.input_tokens + other.input_tokens,
                         output_tokens_ceiling=self.output_tokens_ceiling
                         + other.output_tokens_ceiling,
                         ceiling_nanos=self.ceiling_nanos + other.ceiling_nanos,
-                        currency=self.currency)
+                        currency=self.currency, priced=self.priced or other.priced)
 
 
 def charged_this_month(owner: Any) -> tuple[int, str]:
@@ -125,7 +135,8 @@ def budget_for(owner: Any) -> Budget:
     limit = limits_for(owner)["cost_per_month"]
     charged, currency = charged_this_month(owner)
     return Budget(limit_nanos=None if limit is None else int(Decimal(limit) * NANOS),
-                  charged_nanos=charged, currency=currency)
+                  charged_nanos=charged, currency=currency,
+                  priced=charged > 0 or any_priced())
 
 
 def applies(owner: Any) -> bool:
@@ -143,7 +154,8 @@ def estimate(*, model: str | None, ceilings: dict[str, list[int]]) -> Estimate:
                 for name, (tokens_in, tokens_out) in ceilings.items())
     return Estimate(model=base, input_tokens=sum(t[0] for t in ceilings.values()),
                     output_tokens_ceiling=sum(t[1] for t in ceilings.values()),
-                    ceiling_nanos=nanos, currency=rates[next(iter(rates))].currency)
+                    ceiling_nanos=nanos, currency=rates[next(iter(rates))].currency,
+                    priced=any(rate.priced for rate in rates.values()))
 
 
 def lock_owner(owner: Any) -> None:

@@ -10,6 +10,7 @@ have no output tokens, so only their input is priced.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import ROUND_HALF_EVEN, Decimal
 
@@ -27,6 +28,12 @@ class Rate:
     cached: Decimal = Decimal(0)
     output: Decimal = Decimal(0)
     currency: str = "usd"
+
+    @property
+    def priced(self) -> bool:
+        """Whether a price applies: with none (no row, or a row of zeros) usage is recorded
+        at no cost, and a cost of zero would say nothing of what the tokens are worth."""
+        return any((self.input, self.cached, self.output))
 
     def cost_nanos(self, *, input_tokens: int, cached_tokens: int, output_tokens: int) -> int:
         """The cost in billionths of the currency, rounded once. `input_tokens` counts the
@@ -64,8 +71,33 @@ def rate_for(model: str, *, base_model: str | None = None) -> Rate:
     return rates_for({model}, base_model=base_model)[model]
 
 
-def format_cost(nanos: int, currency: str = "usd") -> str:
-    """A cost for people: 6 decimals below one unit, else 2 (what the pages and CSV show)."""
+def priced_models(models: Iterable[str]) -> set[str]:
+    """Those of `models` (served models or adapters) a price applies to now, by `rates_for`'s
+    rule (own row, else the adapter's base model's, else the default): two queries."""
+    names = set(models)
+    bases = dict(LoraAdapter.objects.filter(name__in=names).values_list("name", "base_model"))
+    prices = {p.model: rate_of(p) for p in Price.objects.filter(
+        model__in=[*names, *bases.values(), ""])}
+    fallback = Rate()
+    return {name for name in names
+            if (prices.get(name) or prices.get(bases.get(name, name)) or prices.get("")
+                or fallback).priced}
+
+
+def any_priced() -> bool:
+    """Whether the operator set a price for any model (a Price row that is not all zeros)."""
+    return any(rate_of(price).priced for price in Price.objects.all())
+
+
+NOT_PRICED = "not priced"
+
+
+def format_cost(nanos: int, currency: str = "usd", *, priced: bool = True) -> str:
+    """Money as every page shows it: the amount with its currency, 6 decimals below one
+    unit (a few requests cost millionths), else 2, and 2 for nothing at all; or "not priced"
+    where no price applies (`Rate.priced`), whatever the amount (zero)."""
+    if not priced:
+        return NOT_PRICED
     value = Decimal(nanos) / NANOS
-    places = Decimal("0.000001") if abs(value) < 1 else Decimal("0.01")
+    places = Decimal("0.000001") if 0 < abs(value) < 1 else Decimal("0.01")
     return f"{value.quantize(places)} {currency.upper()}"

@@ -15,6 +15,7 @@ from jobs.http.web import SignedInRequest
 from jobs.lib.errors import ServiceError
 from jobs.models import WebhookEvent
 from jobs.services import quotas, webhooks
+from jobs.services.budgets import budget_for
 
 
 class WebhookForm(forms.Form):
@@ -42,7 +43,9 @@ def account(request: SignedInRequest) -> HttpResponse:
         form = WebhookForm(initial={"webhook_url": user_settings.webhook_url})
     events = WebhookEvent.objects.filter(owner=request.user).order_by("-created_at")[:10]
     return render(request, "jobs/account.html", {
-        "quota_rows": quotas.summary(request.user), "form": form,
+        # The cost row's money as every page shows it (with its currency, or not priced).
+        "quota_rows": quotas.summary(request.user), "budget": budget_for(request.user),
+        "form": form,
         "user_settings": user_settings, "events": events})
 
 

@@ -369,7 +369,7 @@ def _cost(batch: Batch) -> dict[str, Any]:
     """The estimate validation priced, then what the ledger has charged so far (it follows
     the shards as they finish, in the transaction that moves the progress version).
     `priced` is false where no price applies to the batch (nothing charged, nothing
-    estimated, no price for its model): a cost of zero says nothing, the tokens do."""
+    estimated, no price for its model): both then read "not priced" (`format_cost`)."""
     charged = usage.batch_cost(batch.pk)
     currency = charged["currency"]
     priced = bool(charged["cost_nanos"] or batch.cost_ceiling_nanos)
@@ -378,9 +378,10 @@ def _cost(batch: Batch) -> dict[str, Any]:
         rate = rates_for({batch.model}, base_model=batch.model)[batch.model]
         currency = currency or rate.currency
         priced = priced or any((rate.input, rate.cached, rate.output))
-    return {"priced": priced, "charged": format_cost(charged["cost_nanos"], currency),
+    return {"priced": priced,
+            "charged": format_cost(charged["cost_nanos"], currency, priced=priced),
             "ceiling": (format_cost(batch.cost_ceiling_nanos, currency)
-                        if batch.cost_ceiling_nanos is not None else None),
+                        if priced and batch.cost_ceiling_nanos is not None else None),
             "engine_seconds": charged["engine_seconds"]}
 
 

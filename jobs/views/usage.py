@@ -18,7 +18,7 @@ from jobs.lib.scale import axis, tick_label
 from jobs.models import ApiKey, UsageRecord
 from jobs.queries import usage
 from jobs.services.budgets import budget_for
-from jobs.services.pricing import format_cost
+from jobs.services.pricing import any_priced, format_cost, priced_models
 from jobs.views.forms import UsageFilterForm
 
 CHART_WIDTH = 600
@@ -102,11 +102,16 @@ def usage_page(request: SignedInRequest) -> HttpResponse:
     total = usage.totals(filters)
     start = filters.start.date() if filters.start else date.today()
     currency = rows[0]["currency"] if rows else "usd"
-    table = [{**row, "cost": format_cost(row["cost_nanos"] or 0, row["currency"])}
-             for row in reversed(rows)]
+    # A row is priced if it was charged, or its model has a price now (a charge of zero
+    # then is money too); the total if a row is (with no rows: if any model has a price).
+    models = priced_models({row["model"] for row in rows})
+    priced = [bool(row["cost_nanos"]) or row["model"] in models for row in rows]
+    table = [{**row, "cost": format_cost(row["cost_nanos"] or 0, row["currency"], priced=p)}
+             for row, p in reversed(list(zip(rows, priced, strict=True)))]
     return render(request, "jobs/usage.html", {
         "form": form, "chart": chart(rows, start=start, days=days), "rows": table,
-        "total": {**total, "cost": format_cost(total["cost_nanos"], currency)},
+        "total": {**total, "cost": format_cost(total["cost_nanos"], currency, priced=any(
+            priced) if rows else any_priced())},
         "budget": budget_for(request.user), "days": days,
         "query": request.GET.urlencode()})
 

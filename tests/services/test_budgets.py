@@ -153,8 +153,9 @@ def test_usage_page_csv_and_account_show_usage_and_what_is_left(site, user, othe
     assert [(r["model"], r["requests_succeeded"], r["cost"]) for r in rows] == [
         ("echo-test", "4", "0.003")]
     account = site.get(reverse("account")).content.decode()
-    assert 'id="quota-cost_per_month"' in account and "(0.9970 left)" in account.split(
-        'id="quota-cost_per_month"')[1]
+    # The account's money as the Usage page's: with its currency.
+    row = account.split('id="quota-cost_per_month"')[1].split("</tr>")[0]
+    assert "0.003000 USD" in row and "(0.997000 USD left)" in row and "1.00 USD" in row
 
 
 def test_the_admin_sums_usage_by_user_and_model_and_exports_it(admin_client, user, prices,
