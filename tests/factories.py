@@ -172,16 +172,22 @@ def chat_body(custom_id: str, text: str) -> dict[str, Any]:
 
 def run_shard(shard: Shard, *, fails: Callable[[str], bool] = lambda c: False,
               answer: Callable[[str], str] = lambda c: f"echo: {c}",
-              started: datetime | None = None, seconds: float = 10) -> None:
-    """Do what a worker does for one shard: write its parts and record it done."""
+              started: datetime | None = None, seconds: float = 10,
+              status: Callable[[str], int] = lambda c: 400) -> None:
+    """Do what a worker does for one shard: write its parts and record it done. A request
+    `fails` with the engine's answer of HTTP `status`: a 400 (its prompt over the context)
+    unless told otherwise."""
     out = io.BytesIO()
     err = io.BytesIO()
     completed = failed = 0
     for custom_id in shard_custom_ids(shard):
         if fails(custom_id):
-            err.write(response_line(custom_id, 400, {"error": {
-                "message": "This model's maximum context length is 2048 tokens.",
-                "type": "BadRequestError", "param": None, "code": 400}}))
+            code = status(custom_id)
+            message = ("This model's maximum context length is 2048 tokens." if code == 400
+                       else f"The engine failed the request (HTTP {code}).")
+            err.write(response_line(custom_id, code, {"error": {
+                "message": message, "type": "BadRequestError" if code == 400 else
+                "InternalServerError", "param": None, "code": code}}))
             failed += 1
         else:
             out.write(response_line(custom_id, 200, chat_body(custom_id, answer(custom_id))))

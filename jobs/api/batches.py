@@ -115,9 +115,9 @@ def cancel(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
 
 
 def rerun_batch(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
-    """An extension: a new batch of the ended batch's failed or expired requests (the body's
-    `requests`: failed, expired, both or cancelled; failed when there is no body), made as
-    any batch is (jobs.services.rerun)."""
+    """An extension: a new batch of the ended batch's requests that did not succeed (the
+    body's `requests`: failed, expired, cancelled, invalid or both; without it, every one
+    that may succeed if sent again), made as any batch is (jobs.services.rerun)."""
     batch = batches.get_openai_batch_for_user(owner=user, batch_id=batch_id)
     body = json_body(request) if request.body else {}
     new = rerun.rerun_requests(

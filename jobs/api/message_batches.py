@@ -32,9 +32,10 @@ def _shown(request: HttpRequest, batch: Batch) -> dict[str, Any]:
     except heavy.Busy:
         raise ServiceError("Another of your requests is counting a batch's results; retry "
                            "in a moment.", status=429, code="rate_limit_exceeded") from None
-    # An extension: the batch this one reruns (a Message Batch has no metadata to carry it,
-    # as an OpenAI batch's does).
-    return {**shape, "rerun_of": (batch.metadata or {}).get("rerun_of")}
+    # Extensions: the batch this one reruns, and how many invalid requests of it the rerun
+    # left out (a Message Batch has no metadata to carry them, as an OpenAI batch's does).
+    return {**shape, "rerun_of": (batch.metadata or {}).get("rerun_of"),
+            "rerun_left_out": rerun.left_out_of(batch)}
 
 
 def create(request: HttpRequest, user: Any) -> HttpResponse:
@@ -97,9 +98,9 @@ def cancel(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
 
 
 def rerun_batch(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
-    """An extension: a new Message Batch of the ended batch's errored or expired requests
-    (the body's `requests`: errored, expired, both or canceled; errored when there is no
-    body), made as any batch is (jobs.services.rerun)."""
+    """An extension: a new Message Batch of the ended batch's requests that did not succeed
+    (the body's `requests`: errored, expired, canceled, invalid or both; without it, every
+    one that may succeed if sent again), made as any batch is (jobs.services.rerun)."""
     batch = get_message_batch_for_user(owner=user, batch_id=batch_id)
     body = json_body(request) if request.body else {}
     new = rerun.rerun_requests(

@@ -4,17 +4,23 @@ API faces).
 
 A request that did not succeed has one line in the batch's error file, and its kind is the
 line's code: `batch_expired` (its window closed before it ran), `batch_cancelled` (the batch
-was cancelled before it ran), anything else failed (the engine's error, a refused body, a
-shard that failed). Expired and cancelled requests never ran; a failed one ran or was
-refused. "both" is failed and expired, what a user asks for after a batch ran out of time:
-cancelled requests are rerun only when asked for by name, since the owner chose to stop
-them. The new batch goes through `create_batch` like any other (quotas, the monthly budget
-on its own cost ceiling), so it is charged only for what it holds and runs.
+was cancelled before it ran), failed when the service failed it and it may succeed if sent
+again (a server error, a time-out or rate limit, a shard that failed, a request aborted),
+and invalid when the request itself was refused (a 4xx such as a body the endpoint refused
+or a prompt over the context, a content rule, an adapter since removed): sent again as it
+is, it fails again. By default a rerun takes every request that may succeed on a second
+try (failed, expired, cancelled) and counts the invalid ones it left out (`rerun_left_out`
+in the new batch's metadata); the user fixes those lines (`lines_to_fix`, the dashboard's
+download) or asks for them by name ("invalid"). "both" is failed and expired, what a user
+asks for after a batch ran out of time. The new batch goes through `create_batch` like any
+other (quotas, the monthly budget on its own cost ceiling), so it is charged only for what
+it holds and runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections import Counter
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from django.db import transaction
@@ -32,29 +38,47 @@ from jobs.storage.temp import local_temp
 FAILED = "failed"
 EXPIRED = "expired"
 CANCELLED = "cancelled"
-KINDS = (FAILED, EXPIRED, CANCELLED)
+INVALID = "invalid"
+KINDS = (FAILED, EXPIRED, CANCELLED, INVALID)
+# What a rerun takes when the user names nothing: what may succeed on a second try.
+RETRYABLE = frozenset({FAILED, EXPIRED, CANCELLED})
 _STOPPED = {Code.BATCH_EXPIRED: EXPIRED, Code.BATCH_CANCELLED: CANCELLED}
+# Codes of requests the service failed without any fault of theirs (error lines without an
+# HTTP answer); an HTTP answer is the service's when it is a 5xx, a time-out or 429.
+_SERVICE_FAILED = frozenset({Code.SHARD_FAILED, Code.REQUEST_ABORTED, Code.INPUT_CHANGED})
+_RETRYABLE_STATUS = frozenset({408, 429})
+# Where the metadata of a rerun counts the invalid requests it left out.
+LEFT_OUT = "rerun_left_out"
 
 # What each API face calls the kinds (Anthropic's are its result types), with "both".
 NAMES: dict[str, dict[str, tuple[str, ...]]] = {
     Batch.Api.OPENAI: {"failed": (FAILED,), "expired": (EXPIRED,),
-                       "cancelled": (CANCELLED,), "both": (FAILED, EXPIRED)},
+                       "cancelled": (CANCELLED,), "invalid": (INVALID,),
+                       "both": (FAILED, EXPIRED)},
     Batch.Api.ANTHROPIC: {"errored": (FAILED,), "expired": (EXPIRED,),
-                          "canceled": (CANCELLED,), "both": (FAILED, EXPIRED)},
+                          "canceled": (CANCELLED,), "invalid": (INVALID,),
+                          "both": (FAILED, EXPIRED)},
 }
 
 
 def kind_of(code: str | None) -> str:
     """The kind of request an error line with this code stands for."""
-    return _STOPPED.get(code or "", FAILED)
+    if code in _STOPPED:
+        return _STOPPED[code]
+    if code in _SERVICE_FAILED:
+        return FAILED
+    status = code[5:] if code and code.startswith("http_") else ""
+    if status.isdigit() and (int(status) >= 500 or int(status) in _RETRYABLE_STATUS):
+        return FAILED
+    return INVALID
 
 
 def parse_requests(value: Any, *, api: str) -> frozenset[str]:
     """The kinds a rerun body's `requests` asks for, in the words of its API face: one name,
-    or a list of them; failed when left out."""
+    or a list of them; every kind that may succeed on a second try when left out."""
     names = NAMES[api]
     if value is None:
-        return frozenset({FAILED})
+        return RETRYABLE
     values = value if isinstance(value, list) else [value]
     if not values or not all(isinstance(v, str) and v in names for v in values):
         raise ServiceError(f"requests must be one of {', '.join(map(repr, names))}, or a "
@@ -64,13 +88,15 @@ def parse_requests(value: Any, *, api: str) -> frozenset[str]:
 
 def _words(kinds: Collection[str], api: str) -> str:
     said = {kind: name for name, (kind, *more) in NAMES[api].items() if not more}
-    return " or ".join(said[kind] for kind in KINDS if kind in kinds)
+    names = [said[kind] for kind in KINDS if kind in kinds]
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 2 else names)
 
 
-def rerun_requests(*, batch: Batch, owner: Any, kinds: Collection[str] = (FAILED,),
+def rerun_requests(*, batch: Batch, owner: Any, kinds: Collection[str] = RETRYABLE,
                    api_key: Any = None) -> Batch:
     """Create a batch of the requests of an ended batch of the given kinds, with its API,
-    endpoint, window, priority, strictness, output lifetime and metadata (plus `rerun_of`
+    endpoint, window, priority, strictness, output lifetime and metadata (plus `rerun_of`,
+    and `rerun_left_out` when failed requests were asked for and invalid ones were not,
     when there is room: metadata holds at most 16 pairs). The new input file holds the
     original lines byte for byte, in their original order. The eval set is not attached
     again: a rerun of a few requests says little about the model. Nothing is left behind
@@ -78,10 +104,16 @@ def rerun_requests(*, batch: Batch, owner: Any, kinds: Collection[str] = (FAILED
     if not batch.is_ended:
         raise wrong_state(f"Wait until the batch has ended to rerun its requests; it is "
                           f"{batch.status}.")
-    wanted = failed_custom_ids(batch, which=lambda code: kind_of(code) in kinds)
+    seen: Counter[str] = Counter()
+
+    def which(code: str | None) -> bool:
+        seen[kind_of(code)] += 1
+        return kind_of(code) in kinds
+
+    wanted = failed_custom_ids(batch, which=which)
+    left_out = seen[INVALID] if FAILED in kinds and INVALID not in kinds else 0
     if not wanted:
-        raise ServiceError(f"This batch has no {_words(kinds, batch.api)} requests to rerun.",
-                           code="nothing_to_rerun")
+        raise _nothing_to_rerun(kinds, batch.api, left_out)
     source = File.objects.filter(pk=batch.input_file_id, owner=owner).first()
     if source is None:
         raise ServiceError("The input file of this batch was deleted; it cannot be rerun.",
@@ -107,8 +139,11 @@ def rerun_requests(*, batch: Batch, owner: Any, kinds: Collection[str] = (FAILED
                                  purpose=File.Purpose.BATCH,
                                  limits_checked=batch.api == Batch.Api.ANTHROPIC)
     metadata = dict(batch.metadata or {})
+    metadata.pop(LEFT_OUT, None)  # a rerun of a rerun says what it left out itself
     if "rerun_of" in metadata or len(metadata) < MAX_METADATA_PAIRS:
         metadata["rerun_of"] = batch.pk
+    if left_out and len(metadata) < MAX_METADATA_PAIRS:
+        metadata[LEFT_OUT] = str(left_out)  # metadata values are strings
     lifetime = batch.output_expires_after
     try:
         with transaction.atomic():
@@ -126,6 +161,43 @@ def rerun_requests(*, batch: Batch, owner: Any, kinds: Collection[str] = (FAILED
         delete_file(file=file)
         raise
     return Batch.objects.get(pk=new.pk)
+
+
+def left_out_of(batch: Batch) -> int:
+    """How many invalid requests of its original a rerun left out (its metadata's
+    `rerun_left_out`, as written here; any other value is the user's own: 0)."""
+    value = (batch.metadata or {}).get(LEFT_OUT)
+    return int(value) if isinstance(value, str) and value.isdigit() and len(value) < 10 else 0
+
+
+def _nothing_to_rerun(kinds: Collection[str], api: str, left_out: int) -> ServiceError:
+    if left_out:
+        return ServiceError(
+            f"This batch has no {_words(kinds, api)} requests that may succeed if sent again: "
+            f"its {left_out} {_words({FAILED}, api)} request{'s' if left_out != 1 else ''} "
+            f"{'were' if left_out != 1 else 'was'} refused as invalid and would fail the same "
+            "way. Fix their lines (the batch page offers them as a download) and create a new "
+            "batch, or ask for requests 'invalid' to rerun them as they are.",
+            code="nothing_to_rerun")
+    return ServiceError(f"This batch has no {_words(kinds, api)} requests to rerun.",
+                        code="nothing_to_rerun")
+
+
+def lines_to_fix(*, batch: Batch, owner: Any) -> Iterator[bytes]:
+    """The input lines, byte for byte and in their order, of the batch's invalid requests:
+    what its owner fixes before running them again (the dashboard's download). Nothing when
+    the batch has none or its input file is gone."""
+    wanted = failed_custom_ids(batch, which=lambda code: kind_of(code) == INVALID)
+    source = File.objects.filter(pk=batch.input_file_id, owner=owner).first()
+    if not wanted or source is None:
+        return iter(())
+    return _lines_of(source, wanted)
+
+
+def _lines_of(source: File, wanted: set[str]) -> Iterator[bytes]:
+    with open_file(source) as stream:
+        for _custom_id, raw in iter_input_matches(stream, wanted.__contains__):
+            yield raw + b"\n"
 
 
 def reruns_of(batch: Batch) -> list[Batch]:

@@ -334,26 +334,51 @@ def _live_head(batch: Batch, user: Any) -> dict[str, Any]:
 
 
 def _overview_context(batch: Batch, head: dict[str, Any]) -> dict[str, Any]:
+    kinds = _kind_counts(batch)
     return {**head, "stats": dashboard.batch_stats(batch), "flag_counts": flags.flag_counts(batch),
-            "cost": _cost(batch), "rerun_offers": _rerun_offers(batch)}
+            "cost": _cost(batch), "rerun_offers": _rerun_offers(batch, kinds),
+            "to_fix": _to_fix(batch, kinds), "left_out": rerun.left_out_of(batch)}
 
 
-def _rerun_offers(batch: Batch) -> list[dict[str, Any]]:
-    """The rerun buttons of an ended batch: one per kind of request it holds (failed, and
-    expired or cancelled: a batch is stopped one way), and both when it holds two. The split
-    of a stopped batch's failures is a pass over its error file, cached, made under the
-    owner's guard (without counts while another of their passes runs)."""
+def _kind_counts(batch: Batch) -> dict[str, int] | None:
+    """How many of an ended batch's requests did not succeed, by rerun kind (failed,
+    invalid, expired, cancelled): a pass over its error file, cached, made under the owner's
+    guard; None while another of their passes runs, {} when there is nothing to count."""
     if not batch.is_ended or batch.status == Batch.Status.FAILED or not batch.failed:
-        return []  # a batch that failed validation ran nothing: its file is to be fixed
-    counts: dict[str, int | None] = {rerun.FAILED: batch.failed}
-    if batch.stop_code:
-        stopped_kind = rerun.kind_of(batch.stop_code)
-        try:
-            stopped = dict(result_lines.error_counts(
-                batch, guard=heavy.one_per_user(batch.owner_id))).get(batch.stop_code, 0)
-            counts = {rerun.FAILED: batch.failed - stopped, stopped_kind: stopped}
-        except heavy.Busy:
-            counts = {rerun.FAILED: None, stopped_kind: None}
+        return {}  # a batch that failed validation ran nothing: its file is to be fixed
+    counts: dict[str, int] = {}
+    try:
+        for code, lines in result_lines.error_counts(
+                batch, guard=heavy.one_per_user(batch.owner_id)):
+            kind = rerun.kind_of(code)
+            counts[kind] = counts.get(kind, 0) + lines
+    except heavy.Busy:
+        return None
+    return counts
+
+
+def _to_fix(batch: Batch, kinds: dict[str, int] | None) -> dict[str, Any] | None:
+    """The download of the lines a rerun leaves out (its invalid requests), with their count
+    (None while uncounted); None when there are none."""
+    if kinds is None:
+        return {"count": None} if batch.failed else None
+    count = kinds.get(rerun.INVALID, 0)
+    return {"count": count} if count else None
+
+
+def _rerun_offers(batch: Batch, kinds: dict[str, int] | None) -> list[dict[str, Any]]:
+    """The rerun buttons of an ended batch: one per kind of request it holds that may
+    succeed if sent again (failed, and expired or cancelled: a batch is stopped one way),
+    and both when it holds two; its invalid requests are offered as lines to fix instead
+    (`_to_fix`). `kinds`: `_kind_counts` (None: offered without counts)."""
+    counts: dict[str, int | None]
+    if kinds is None:
+        counts = {rerun.FAILED: None}
+        if batch.stop_code:
+            counts[rerun.kind_of(batch.stop_code)] = None
+    else:
+        counts = {kind: kinds.get(kind, 0) for kind in rerun.KINDS
+                  if kind in rerun.RETRYABLE}
     offers = [{"value": kind, "label": f"{kind} requests", "count": count,
                "id": "rerun" if kind == rerun.FAILED else f"rerun-{kind}"}
               for kind, count in counts.items() if count != 0]
@@ -468,8 +493,29 @@ def batch_rerun(request: SignedInRequest, batch_id: str) -> HttpResponse:
         messages.error(request, exc.message)
         return redirect("batch_detail", batch_id=batch.pk)
     said = " and ".join(kind for kind in rerun.KINDS if kind in kinds)
-    messages.success(request, f"Rerunning the {said} requests of {batch.pk}.")
+    left_out = rerun.left_out_of(new)
+    messages.success(request, f"Rerunning the {said} requests of {batch.pk}." + (
+        f" Left out: {left_out} invalid request{'s' if left_out != 1 else ''}, which would "
+        "fail the same way (this page links their lines to fix)." if left_out else ""))
     return redirect("batch_detail", batch_id=new.pk)
+
+
+@login_required
+@require_GET
+def batch_lines_to_fix(request: SignedInRequest, batch_id: str) -> HttpResponseBase:
+    """The input lines of the ended batch's invalid requests, streamed as an attachment:
+    what a rerun leaves out, to be fixed and run as a new batch (jobs.services.rerun)."""
+    batch = _get_batch_for_user(request, batch_id)
+    if not batch.is_ended:
+        raise Http404("The batch has not ended.")
+    try:
+        lines = rerun.lines_to_fix(batch=batch, owner=request.user)
+    except ServiceError as exc:  # read in place: its grant revoked
+        messages.error(request, exc.message)
+        return redirect("batch_detail", batch_id=batch.pk)
+    response = StreamingHttpResponse(lines, content_type="application/jsonl")
+    response["Content-Disposition"] = f'attachment; filename="{batch.pk}_to_fix.jsonl"'
+    return response
 
 
 DOWNLOAD_KINDS = {"input": None, "output": "output", "errors": "error"}

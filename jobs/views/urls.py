@@ -19,6 +19,8 @@ urlpatterns = [
     path("batches/<str:batch_id>/row", batches.batch_row, name="batch_row"),
     path("batches/<str:batch_id>/cancel", batches.batch_cancel, name="batch_cancel"),
     path("batches/<str:batch_id>/rerun", batches.batch_rerun, name="batch_rerun"),
+    path("batches/<str:batch_id>/lines-to-fix", batches.batch_lines_to_fix,
+         name="batch_lines_to_fix"),
     path("batches/<str:batch_id>/download/<str:kind>", batches.batch_download,
          name="batch_download"),
     path("batches/<str:batch_id>/errors", batches.batch_errors, name="batch_errors"),

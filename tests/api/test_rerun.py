@@ -1,12 +1,15 @@
 """Rerunning what did not succeed, by API: `POST /v1/batches/{id}/rerun` through the openai
 client's generic post and `POST /v1/messages/batches/{id}/rerun` through the anthropic
 client's, each answering the new batch in its face's shape; the new batch holds exactly the
-failed, expired or cancelled requests' input lines byte for byte, carries `rerun_of`, and is
-made as any batch (quotas, the budget on its own ceiling; nothing left when refused); every
-refusal in the face's error shape. The dashboard's buttons use the same service."""
+failed, expired, cancelled or invalid requests' input lines byte for byte, carries
+`rerun_of` (and `rerun_left_out`: the invalid ones a default rerun leaves out), and is made
+as any batch (quotas, the budget on its own ceiling; nothing left when refused); every
+refusal in the face's error shape. The dashboard's buttons use the same service, and offer
+the invalid requests' lines as a download to fix."""
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -26,11 +29,14 @@ from jobs.services.validation import run_validation
 from tests.factories import (
     Api,
     assert_openai_error,
+    chat_line,
     lazy_import,
     make_batch,
     make_file,
     run_batch,
     run_shard,
+    submit,
+    wait_status,
 )
 
 openai = lazy_import("openai")
@@ -50,15 +56,19 @@ LINES = [raw_line(i) for i in range(12)]
 
 def stopped_batch(owner: Any, tmp_path: Path, settings: Any, *, how: str = "expire",
                   **extra: Any) -> Batch:
-    """An ended batch of 12 requests in 3 shards: r1 and r5 failed, r0 and r2-r4, r6, r7
-    succeeded, r8-r11 never ran (expired, or cancelled)."""
+    """An ended batch of 12 requests in 3 shards: r1 and r5 failed as the service failed
+    them (a server error, a time-out: they may succeed if sent again), r2 failed as invalid
+    (the engine's 400: it would fail again), r0, r3, r4, r6, r7 succeeded, r8-r11 never ran
+    (expired, or cancelled)."""
     settings.BATCHWEB = {**settings.BATCHWEB, "SHARD_SIZE": 4}
     file = make_file(owner, LINES, tmp_path)
     batch = create_batch(owner=owner, input_file_id=file.pk, endpoint="/v1/chat/completions",
                          completion_window="24h", **extra)
     run_validation(batch_id=batch.pk)
-    run_shard(Shard.objects.get(batch=batch, index=0), fails=lambda c: c == "r1")
-    run_shard(Shard.objects.get(batch=batch, index=1), fails=lambda c: c == "r5")
+    run_shard(Shard.objects.get(batch=batch, index=0), fails=lambda c: c in ("r1", "r2"),
+              status=lambda c: 500 if c == "r1" else 400)
+    run_shard(Shard.objects.get(batch=batch, index=1), fails=lambda c: c == "r5",
+              status=lambda c: 504)
     if how == "expire":
         Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now() - timedelta(1))
         assert expire_due_batches() == [batch.pk]
@@ -91,11 +101,21 @@ def test_openai_rerun_of_failed_expired_and_both(openai_client, user, tmp_path, 
         return openai_client.post(f"/batches/{batch.pk}/rerun", body=body,
                                   cast_to=openai.types.Batch)
 
-    failed = rerun()  # failed when `requests` is not given
-    assert isinstance(failed, openai.types.Batch) and failed.id != batch.pk
-    assert failed.status == "validating" and failed.endpoint == "/v1/chat/completions"
-    assert failed.metadata == {"team": "x", "rerun_of": batch.pk}
-    assert input_bytes(failed.id) == expected(1, 5)  # byte for byte, in their order
+    # Without `requests`: every request that may succeed if sent again, and a count of the
+    # invalid one left out.
+    default = rerun()
+    assert isinstance(default, openai.types.Batch) and default.id != batch.pk
+    assert default.status == "validating" and default.endpoint == "/v1/chat/completions"
+    assert default.metadata == {"team": "x", "rerun_of": batch.pk, "rerun_left_out": "1"}
+    assert input_bytes(default.id) == expected(1, 5, 8, 9, 10, 11)  # byte for byte, in order
+    failed = rerun(requests="failed")
+    assert failed.metadata["rerun_left_out"] == "1"
+    assert input_bytes(failed.id) == expected(1, 5)
+    # The invalid one only when asked for by name.
+    assert input_bytes(rerun(requests="invalid").id) == expected(2)
+    every = rerun(requests=["failed", "invalid"])
+    assert input_bytes(every.id) == expected(1, 2, 5)
+    assert "rerun_left_out" not in every.metadata
     expired = rerun(requests="expired")
     assert input_bytes(expired.id) == expected(8, 9, 10, 11)
     both = rerun(requests="both")
@@ -111,6 +131,38 @@ def test_openai_rerun_of_failed_expired_and_both(openai_client, user, tmp_path, 
     assert rerun(requests="failed").metadata["rerun_of"] == batch.pk
 
 
+@pytest.mark.django_db(transaction=True)
+def test_requests_refused_as_invalid_are_not_rerun_but_offered_to_fix(openai_client, workers,
+                                                                     site):
+    """Run by real workers: three requests with temperature 9 fail with the endpoint's 400.
+    A rerun of them would fail the same way: it is refused, leaving no file behind, unless
+    they are asked for by name; the batch page offers their lines to fix instead."""
+    hot = [chat_line(f"hot-{i}", f"question {i}", temperature=9) for i in range(3)]
+    batch = submit(openai_client, [chat_line("ok", "hello"), *hot])
+    workers.start()
+    batch = wait_status(openai_client, batch.id, {"completed"})
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 3)
+    files = set(File.objects.values_list("pk", flat=True))
+    for body in ({}, {"requests": "failed"}, {"requests": "both"}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            openai_client.post(f"/batches/{batch.id}/rerun", body=body,
+                               cast_to=openai.types.Batch)
+        assert caught.value.code == "nothing_to_rerun", body
+        assert "its 3 failed requests were refused as invalid" in \
+            caught.value.body["message"]
+    assert set(File.objects.values_list("pk", flat=True)) == files
+    assert list(Batch.objects.values_list("pk", flat=True)) == [batch.id]
+    page = site.get(reverse("batch_detail", args=[batch.id])).content.decode()
+    assert 'id="rerun"' not in page and "Lines to fix (3)" in page
+    download = site.get(reverse("batch_lines_to_fix", args=[batch.id]))
+    assert [json.loads(line) for line in b"".join(download.streaming_content).splitlines()] \
+        == hot
+    # Asked for by name, they run again as they are.
+    invalid = openai_client.post(f"/batches/{batch.id}/rerun", body={"requests": "invalid"},
+                                 cast_to=openai.types.Batch)
+    assert [json.loads(line) for line in input_bytes(invalid.id).splitlines()] == hot
+
+
 @pytest.mark.django_db
 def test_openai_rerun_refusals_in_its_error_shape(user, api_key, other_key, tmp_path,
                                                  settings):
@@ -123,7 +175,8 @@ def test_openai_rerun_refusals_in_its_error_shape(user, api_key, other_key, tmp_
                         fragment="ended")
     batch = stopped_batch(user, tmp_path, settings)
     assert_openai_error(api.post_json(path.format(batch.pk), {"requests": "everything"}), 400,
-                        param="requests", fragment="'failed', 'expired', 'cancelled', 'both'")
+                        param="requests",
+                        fragment="'failed', 'expired', 'cancelled', 'invalid', 'both'")
     assert_openai_error(api.post_json(path.format(batch.pk), {"requests": "errored"}), 400,
                         param="requests")  # Anthropic's word, not this face's
     assert_openai_error(api.post_json(path.format(batch.pk), {"requests": "cancelled"}), 400,
@@ -138,7 +191,7 @@ def test_openai_rerun_refusals_in_its_error_shape(user, api_key, other_key, tmp_
                                          "body": {"model": "echo-test", "messages": [
                                              {"role": "user", "content": "hi"}]}}], tmp_path))
     assert_openai_error(api.post_json(path.format(clean.pk), {}), 400, code="nothing_to_rerun",
-                        fragment="no failed requests")
+                        fragment="no failed, expired or cancelled requests")
     File.objects.filter(pk=batch.input_file_id).delete()
     assert_openai_error(api.post_json(path.format(batch.pk), {}), 400,
                         code="input_file_deleted")
@@ -152,8 +205,8 @@ def test_openai_rerun_refusals_in_its_error_shape(user, api_key, other_key, tmp_
 
 
 @pytest.mark.django_db
-def test_a_cancelled_batch_reruns_its_cancelled_requests_only_by_name(user, api_key, tmp_path,
-                                                                      settings):
+def test_a_cancelled_batch_reruns_its_cancelled_requests_by_default_or_by_name(
+        user, api_key, tmp_path, settings):
     api = Api(api_key)
     batch = stopped_batch(user, tmp_path, settings, how="cancel")
     both = api.post_json(f"/v1/batches/{batch.pk}/rerun", {"requests": "both"}).json()
@@ -163,9 +216,10 @@ def test_a_cancelled_batch_reruns_its_cancelled_requests_only_by_name(user, api_
     assert input_bytes(cancelled["id"]) == expected(1, 5, 8, 9, 10, 11)
     assert_openai_error(api.post_json(f"/v1/batches/{batch.pk}/rerun",
                                       {"requests": "expired"}), 400, code="nothing_to_rerun")
-    # No body at all is a rerun of the failed requests.
+    # No body at all is a rerun of what may succeed again: the cancelled ones too.
     bare = api.client.generic("POST", f"/v1/batches/{batch.pk}/rerun", **api.headers)
-    assert bare.status_code == 200 and input_bytes(bare.json()["id"]) == expected(1, 5)
+    assert bare.status_code == 200
+    assert input_bytes(bare.json()["id"]) == expected(1, 5, 8, 9, 10, 11)
 
 
 @pytest.mark.django_db
@@ -224,7 +278,8 @@ def test_anthropic_rerun_through_the_client(anthropic_client, user, settings, ap
     settings.BATCHWEB = {**settings.BATCHWEB, "SHARD_SIZE": 4}
     batch = create_message_batch(owner=user, body=_body(), declared_length=0)
     run_validation(batch_id=batch.pk)
-    run_shard(Shard.objects.get(batch=batch, index=0), fails=lambda c: c == "m2")
+    run_shard(Shard.objects.get(batch=batch, index=0), fails=lambda c: c in ("m2", "m3"),
+              status=lambda c: 500 if c == "m2" else 400)
     Batch.objects.filter(pk=batch.pk).update(expires_at=timezone.now() - timedelta(1))
     expire_due_batches()
     finalize_batch(batch_id=batch.pk)
@@ -238,12 +293,20 @@ def test_anthropic_rerun_through_the_client(anthropic_client, user, settings, ap
         return anthropic_client.post(f"/v1/messages/batches/{batch.pk}/rerun", body=body,
                                      cast_to=MessageBatch)
 
-    errored = rerun()  # errored when `requests` is not given
+    # Without `requests`: what may succeed if sent again (m2, the expired m4-m11); m3, whose
+    # request was refused, is left out and counted.
+    default = rerun()
+    assert default.request_counts.processing == 9
+    assert (default.model_extra["rerun_of"], default.model_extra["rerun_left_out"]) == (
+        batch.pk, 1)
+    errored = rerun(requests="errored")
     assert isinstance(errored, MessageBatch) and errored.id.startswith("msgbatch_")
     assert errored.processing_status == "in_progress"
     assert errored.request_counts.processing == 1
     assert errored.model_extra["rerun_of"] == batch.pk
     assert input_bytes(errored.id) == original[2]
+    invalid = rerun(requests="invalid")
+    assert input_bytes(invalid.id) == original[3] and invalid.model_extra["rerun_left_out"] == 0
     both = rerun(requests="both")
     assert both.request_counts.processing == 9
     assert input_bytes(both.id) == b"".join(original[i] for i in (2, *range(4, 12)))
@@ -255,7 +318,8 @@ def test_anthropic_rerun_through_the_client(anthropic_client, user, settings, ap
     with pytest.raises(anthropic.BadRequestError) as caught:
         rerun(requests="failed")  # the OpenAI face's word
     assert caught.value.body["error"]["type"] == "invalid_request_error"
-    assert "'errored', 'expired', 'canceled', 'both'" in caught.value.body["error"]["message"]
+    assert "'errored', 'expired', 'canceled', 'invalid', 'both'" in \
+        caught.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError, match="no canceled requests"):
         rerun(requests="canceled")
     with pytest.raises(anthropic.BadRequestError, match="has ended"):
@@ -277,6 +341,13 @@ def test_the_dashboard_offers_failed_expired_and_both(site, user, tmp_path, sett
     assert 'id="rerun-expired"' in page and "Rerun expired requests (4)" in page
     assert 'id="rerun-all"' in page and "Rerun failed and expired requests (6)" in page
     assert 'id="rerun-cancelled"' not in page
+    # The invalid request is not rerun: its line is offered to fix.
+    assert 'id="download-to-fix"' in page and "Lines to fix (1)" in page
+    assert "1 failed request was refused as invalid and would fail the same way" in page
+    download = site.get(reverse("batch_lines_to_fix", args=[batch.pk]))
+    assert download.status_code == 200
+    assert download["Content-Disposition"] == f'attachment; filename="{batch.pk}_to_fix.jsonl"'
+    assert b"".join(download.streaming_content) == expected(2)
     answer = site.post(reverse("batch_rerun", args=[batch.pk]), {"requests": "expired"})
     new = Batch.objects.exclude(pk=batch.pk).get(owner=user)
     assert answer.status_code == 302 and answer.url == reverse("batch_detail", args=[new.pk])
@@ -289,6 +360,10 @@ def test_the_dashboard_offers_failed_expired_and_both(site, user, tmp_path, sett
     both = site.post(reverse("batch_rerun", args=[batch.pk]), {"requests": "failed,expired"},
                      follow=True)
     assert b"Rerunning the failed and expired requests" in both.content
+    assert b"Left out: 1 invalid request" in both.content
+    # The rerun's page says what it left out, and links the lines to fix.
+    assert 'id="left-out"' in both.content.decode()
+    assert reverse("batch_lines_to_fix", args=[batch.pk]) in both.content.decode()
     # A cancelled batch offers its cancelled requests.
     cancelled = stopped_batch(user, tmp_path, settings, how="cancel")
     page = site.get(reverse("batch_detail", args=[cancelled.pk])).content.decode()

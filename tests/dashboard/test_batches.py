@@ -321,7 +321,9 @@ def test_batch_page_running_and_live_partial(site, user, tmp_path, settings):
 
 
 def test_live_partial_stops_polling_when_ended(site, user, tmp_path):
-    batch = run_batch(make_batch(user, chat_lines(3), tmp_path), fails=lambda c: c == "r2")
+    # r2 failed as the service failed it (HTTP 500): a rerun may succeed.
+    batch = run_batch(make_batch(user, chat_lines(3), tmp_path), fails=lambda c: c == "r2",
+                      status=lambda c: 500)
     live = site.get(reverse("batch_live", args=[batch.pk]), **HTMX)
     assert live.status_code == 286
     html = live.content.decode()
@@ -417,7 +419,8 @@ def test_rerun_failed_creates_batch_of_exactly_the_failed_lines(site, user, tmp_
                                                                  settings):
     batch = make_batch(user, chat_lines(12), tmp_path, shard_size=5, settings=settings,
                        metadata={"team": "x"})
-    batch = run_batch(batch, fails=lambda c: c in {"r1", "r7", "r11"})
+    batch = run_batch(batch, fails=lambda c: c in {"r1", "r7", "r11"},
+                      status=lambda c: 503)
     response = site.post(reverse("batch_rerun", args=[batch.pk]))
     new = Batch.objects.exclude(pk=batch.pk).get(owner=user)
     assert response.status_code == 302 and response.url == reverse("batch_detail",

@@ -182,17 +182,63 @@ def test_upload_watch_inspect_download_rerun(live_server, user, workers, browser
     assert "req-17" in found and "hello number 17" in found and "echo: hello number 17" in found
     assert page.evaluate("location.search").startswith("?q=req-17")
 
-    # Rerun the failed request: a new batch of exactly that line.
+    # The failed request's prompt is over the context: a rerun would fail the same way, so
+    # none is offered; its line is, to fix.
     page.goto(batch_url)
-    page.click("#rerun")
-    page.wait_for_url(lambda url: url != batch_url and "/batches/batch_" in url)
-    assert "Rerunning the failed requests" in page.locator(".messages").inner_text()
-    page.locator("#status").filter(has_text="Completed").wait_for(timeout=60_000)
-    assert "1 of 1 requests" in page.locator(".status-line").inner_text().replace(
-        "\n", " ").replace("  ", " ")
-    assert "rerun_of" in page.locator(".metadata").inner_text()
+    assert page.locator("#rerun").count() == 0
+    with page.expect_download() as info:
+        page.click("#download-to-fix")
+    to_fix = Path(info.value.path()).read_bytes().splitlines()
+    assert [json.loads(line)["custom_id"] for line in to_fix] == ["too-long"]
     page.goto(base + "/")
     page.screenshot(path=str(ARTIFACTS / "batch-list.png"), full_page=True)
+    context.close()
+
+
+def test_rerun_takes_what_may_succeed_and_offers_the_rest_to_fix(live_server, user, browser,
+                                                                 tmp_path, settings):
+    """An expired batch with two requests the service failed, one refused as invalid and
+    four never run: the page offers to rerun the six that may succeed and the invalid one's
+    line as a download; the rerun's page says what it left out."""
+    from tests.api.test_rerun import expected, stopped_batch
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    batch = stopped_batch(user, tmp_path, settings)
+    base = live_server.url
+    context = browser.new_context(viewport={"width": 1280, "height": 900},
+                                  accept_downloads=True)
+    page = context.new_page()
+    page.on("dialog", lambda dialog: dialog.accept())
+    sign_in(page, base)
+    batch_url = f"{base}/batches/{batch.pk}/"
+    page.goto(batch_url)
+    assert page.locator("#rerun").inner_text() == "Rerun failed requests (2)"
+    assert page.locator("#rerun-all").inner_text() == "Rerun failed and expired requests (6)"
+    assert page.locator("#download-to-fix").inner_text() == "Lines to fix (1)"
+    assert "1 failed request was refused as invalid" in page.locator("#to-fix-note").inner_text()
+    page.screenshot(path=str(ARTIFACTS / "batch-rerun-offers.png"), full_page=True)
+    with page.expect_download() as info:
+        page.click("#download-to-fix")
+    assert info.value.suggested_filename == f"{batch.pk}_to_fix.jsonl"
+    assert Path(info.value.path()).read_bytes() == expected(2)
+
+    page.click("#rerun-all")
+    page.wait_for_url(lambda url: url != batch_url and "/batches/batch_" in url)
+    assert "Left out: 1 invalid request" in page.locator(".messages").inner_text()
+    left_out = page.locator("#left-out")
+    assert left_out.inner_text() == ("1 invalid request of the original left out of this "
+                                     "rerun: their lines to fix.")
+    rerun_url = page.url
+    page.screenshot(path=str(ARTIFACTS / "batch-rerun-left-out.png"), full_page=True)
+    with page.expect_download() as info:
+        left_out.locator("a").click()
+    assert Path(info.value.path()).read_bytes() == expected(2)
+    phone = context.new_page()
+    phone.set_viewport_size({"width": 390, "height": 844})
+    for url, name in ((batch_url, "batch-rerun-offers-phone.png"),
+                      (rerun_url, "batch-rerun-left-out-phone.png")):
+        phone.goto(url)
+        phone.screenshot(path=str(ARTIFACTS / name), full_page=True)
     context.close()
 
 
