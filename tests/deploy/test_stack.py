@@ -612,6 +612,18 @@ def test_containers_run_unprivileged_and_only_the_web_port_is_published(worker: 
                              "cat /proc/[0-9]*/status | awk '/^Uid:/ {print $2}' | sort -u"
                              ).stdout.split()
         assert uids == ["10001"], f"{service}: processes run as {uids}"
+        # As compose.yaml confines them: the image read-only, no capability, no privilege
+        # to gain; the volumes where the processes write, and only those, writable.
+        host = json.loads(stack.inspect(service, "{{json .HostConfig}}"))
+        assert host["ReadonlyRootfs"] is True, service
+        assert host["CapDrop"] == ["ALL"], service
+        assert "no-new-privileges:true" in host["SecurityOpt"], service
+        wrote = stack.compose(
+            "exec", "-T", service, "sh", "-c",
+            'for d in /var/lib/batchweb/tmp /tmp "$HOME"; do '
+            'touch "$d/.probe" && rm "$d/.probe" || exit 1; done; '
+            "touch /app/.probe 2>/dev/null && exit 2; exit 0", check=False)
+        assert wrote.returncode == 0, (service, wrote.returncode, wrote.stderr)
     published = {}
     for line in run("docker", "ps", "--filter", f"label=com.docker.compose.project={PROJECT}",
                     "--format", "{{.Label \"com.docker.compose.service\"}} {{.Ports}}"
