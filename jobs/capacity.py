@@ -27,9 +27,14 @@ Each batch has a target: its window's end less BATCHWEB_CAPACITY_MARGIN of the t
   deadline order one after another, then the rest sharing what is left (processor
   sharing). A running batch is projected at its own pace once it has answered some
   requests (`_own_pace`).
-- **At risk**: projected past its target, on the workers alive now (one, when none is):
-  flagged on its page, list, API object and /metrics, and its owner's webhook gets one
-  `batchweb.batch.at_risk` event.
+- **Waiting for a worker.** With no live worker of its model, nothing of a batch runs: it
+  waits for the worker the capacity signal asks for (`workers_needed` is 1 at least), and
+  is projected on that one worker after its cold start (the model's last one, reported by
+  its worker; COLD_START_SECONDS before any). Its row says so (`waits_for`), and as it
+  waits its end moves on with the clock (jobs.projection, the rule every reader asks).
+- **At risk**: projected past its target, on the workers alive now (one after its cold
+  start, when none is): flagged on its page, list, API object and /metrics, and its
+  owner's webhook gets one `batchweb.batch.at_risk` event.
 - **Workers needed**: the fewest workers that meet every target, earliest deadline first:
   the largest, over the deadlines, of the work due by each over the time to it. It counts
   validated batches only: a batch still `validating` has no known work, and may yet fail
@@ -56,7 +61,7 @@ from django.conf import settings
 from django.db.models import F, Min, Q, Sum
 from django.utils import timezone
 
-from jobs import fleet
+from jobs import fleet, projection
 from jobs.lib import queues
 from jobs.models import Batch, Shard, UsageRecord
 
@@ -71,6 +76,10 @@ PROMPT_TO_OUTPUT = 0.1
 OWN_PACE_SHARE = 0.02
 OWN_PACE_SECONDS = 10.0
 PRIORITY_ORDER = {name: i for i, name in enumerate(queues.PRIORITIES)}
+# A model's cold start (seconds from a worker's start to its first shard) before any of its
+# workers reported one: a CPU engine loads in 30 to 100 s (bench/RESULTS.md, "Cold
+# start"), a GPU node that pulls its image and weights takes minutes.
+COLD_START_SECONDS = 180.0
 
 
 @dataclass(frozen=True)
@@ -158,10 +167,7 @@ def remaining_seconds(batch: Batch, rates: Rates) -> float:
 
 def target(batch: Batch, now: datetime) -> float:
     """Seconds from now to the batch's target: its window's end less the margin."""
-    if batch.expires_at is None:
-        return math.inf
-    left = (batch.expires_at - now).total_seconds()
-    return left * (1 - float(settings.BATCHWEB["CAPACITY_MARGIN"]))
+    return projection.target_seconds(batch.expires_at, now)
 
 
 @dataclass
@@ -172,6 +178,7 @@ class Planned:
     urgent: bool = False
     at_risk: bool = False
     slack: float = 0.0
+    waits_for: str = ""  # what it waits for before it can run (jobs.projection)
 
 
 @dataclass
@@ -180,10 +187,17 @@ class ModelPlan:
     workers: list[fleet.WorkerRate]  # its live workers
     rates: Rates
     batches: list[Planned] = field(default_factory=list)
+    # Without a live worker: the cold start (seconds) of the one asked for, which every
+    # batch waits for first.
+    cold_start: float | None = None
 
     @property
     def workers_needed(self) -> int:
         return workers_needed(self.batches, now=timezone.now())
+
+    @property
+    def at_risk(self) -> list[Planned]:
+        return [p for p in self.batches if p.at_risk]
 
 
 def workers_needed(planned: Iterable[Planned], *, now: datetime) -> int:
@@ -208,13 +222,23 @@ def deadline_order() -> bool:
 
 
 def plan_model(model: str, batches: list[Batch], *, workers: list[fleet.WorkerRate],
-               now: datetime) -> ModelPlan:
+               now: datetime, cold_start: float | None = None) -> ModelPlan:
+    """The plan of `model`'s running batches on its live `workers`; with none, on the one
+    the capacity signal asks for, once it started (`cold_start` seconds; by default the
+    model's last reported, else COLD_START_SECONDS)."""
     rates = model_rates(model, workers=workers, now=now)
     ordered = deadline_order()
     capacity = float(max(len(workers), 1))
     result = ModelPlan(model=model, workers=workers, rates=rates,
                        batches=[Planned(b, remaining_seconds(b, rates)) for b in batches])
-    offset = 0.0  # seconds of capacity the higher priorities and the deadline order take
+    # Seconds of capacity the higher priorities and the deadline order take; without a
+    # worker, first the cold start of the one asked for.
+    offset = 0.0
+    if not workers:
+        offset = result.cold_start = (cold_start_seconds(model) if cold_start is None
+                                      else cold_start)
+        for item in result.batches:
+            item.waits_for = projection.WORKER
     for priority in queues.PRIORITIES:
         group = [p for p in result.batches if p.batch.priority == priority and p.remaining > 0]
         late = []
@@ -240,9 +264,10 @@ def plan_model(model: str, batches: list[Batch], *, workers: list[fleet.WorkerRa
         offset = _share(sorted((p for p in group if id(p) not in ahead),
                                key=lambda p: p.remaining), capacity=capacity, offset=offset,
                         now=now)
-    started = _started([b.pk for b in batches])
+    # Its own pace says how fast it runs, not when a worker comes back to it.
+    started = _started([b.pk for b in batches]) if workers else {}
     for item in result.batches:
-        own = _own_pace(item.batch, now, started=started.get(item.batch.pk))
+        own = _own_pace(item.batch, now, started=started.get(item.batch.pk)) if workers else None
         if own is not None:
             item.finish = own
         item.at_risk = item.remaining > 0 and item.finish is not None and (
@@ -320,9 +345,19 @@ def running_batches() -> dict[str, list[Batch]]:
             "id", "owner_id", "model", "priority", "total", "completed", "failed",
             "output_tokens", "work_input_tokens", "work_output_tokens", "expires_at",
             "created_at", "in_progress_at", "expected_completion_at", "at_risk", "urgent",
-            "status", "pace_at", "pace_answered"):
+            "status", "pace_at", "pace_answered", "planned_at", "waits_for"):
         found.setdefault(batch.model, []).append(batch)
     return found
+
+
+def cold_start_seconds(model: str) -> float:
+    """How long a first worker of `model` is expected to take to start: its last worker's
+    cold start, else COLD_START_SECONDS (also when Redis cannot say)."""
+    try:
+        reported = fleet.cold_start_seconds(queues.connection(), model)
+    except redis.RedisError:
+        reported = None
+    return COLD_START_SECONDS if reported is None else reported
 
 
 def live_workers(model: str) -> list[fleet.WorkerRate]:

@@ -1,6 +1,7 @@
 """What live workers say of themselves through Redis, per model: their engine's KV cache (for
-prefix planning) and their throughput while busy (for the capacity plan: how many workers
-a model has, and how fast each one is).
+prefix planning), their throughput while busy (for the capacity plan: how many workers
+a model has, and how fast each one is; queue health shows it per worker), and how long the
+last one took to start (for the plan of a batch waiting for a first worker).
 
 Every worker's presence thread writes a field of a per-model hash every few seconds, with
 the time it wrote it; a field older than the caller's `max_age` is a worker gone, and is
@@ -104,6 +105,28 @@ def worker_rates(connection: redis.Redis, model: str, *, max_age: float) -> list
     throughput; those gone are forgotten."""
     fresh = _fresh(connection, RATES_KEY.format(model=model), max_age=max_age)
     return [WorkerRate.from_json(name, value) for name, value in sorted(fresh.items())]
+
+
+# Per model, how long its last worker took from loading its engine to taking jobs (its
+# cold start, seconds): what a batch waiting for a first worker is projected to wait.
+COLD_START_KEY = "batchweb:cold-start:{model}"
+COLD_START_DAYS = 30
+
+
+def report_cold_start(connection: redis.Redis, model: str, seconds: float) -> None:
+    """Say that a worker of `model` took `seconds` to become ready (kept COLD_START_DAYS:
+    the next first worker of it, maybe days later, is likely to take as long)."""
+    connection.set(COLD_START_KEY.format(model=model), f"{seconds:.1f}",
+                   ex=COLD_START_DAYS * 86400)
+
+
+def cold_start_seconds(connection: redis.Redis, model: str) -> float | None:
+    """The last cold start a worker of `model` reported; None before any did."""
+    value = connection.get(COLD_START_KEY.format(model=model))
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 # The field of an RQ worker's registration listing the models it can switch to (written

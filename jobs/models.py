@@ -14,8 +14,10 @@ from django.db import models
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from jobs import projection
 from jobs.engines import adapter_problem, model_specs, serves_adapters
 from jobs.lib.re2check import regex_problem
+from jobs.projection import Projection
 from jobs.storage.external import grant_problem
 
 PROGRESS_FIELDS = ("completed", "failed", "input_tokens", "output_tokens", "cached_tokens",
@@ -347,6 +349,10 @@ class Batch(models.Model):
     expected_completion_at = models.DateTimeField(null=True, blank=True)
     at_risk = models.BooleanField(default=False)
     urgent = models.BooleanField(default=False)
+    # When the plan wrote those, and what the batch waits for before anything of it can
+    # run ("" once a worker runs its model): read together by `projection`.
+    planned_at = models.DateTimeField(null=True, blank=True)
+    waits_for = models.CharField(max_length=16, blank=True, default="")
     # When the plan first saw answers of it, and how many: its pace is counted from there.
     pace_at = models.DateTimeField(null=True, blank=True)
     pace_answered = models.PositiveIntegerField(default=0)
@@ -506,10 +512,18 @@ class Batch(models.Model):
                 if self.provenance else None,
                 "evaluations": self.evaluations or None, "eval_drift": self.eval_drift,
                 # When the capacity plan expects it to end (None: ended, or no plan yet),
-                # and whether that is past its window (docs/operations.md).
-                "expected_completion_at": None if self.is_ended
-                else epoch(self.expected_completion_at),
-                "at_risk": self.at_risk and not self.is_ended}
+                # what it waits for before it can run, and whether that end is past its
+                # window (docs/operations.md).
+                **self.projection().fields()}
+
+    def projection(self, now: datetime | None = None) -> Projection:
+        """Its projected end as read now (jobs.projection): never a moment already past
+        while it waits or runs."""
+        return projection.read(
+            running=self.status == Batch.Status.IN_PROGRESS and not self.stop_code,
+            end=self.expected_completion_at, planned_at=self.planned_at,
+            waits_for=self.waits_for, at_risk=self.at_risk, expires_at=self.expires_at,
+            now=now or timezone.now())
 
 
 class ShardQuerySet(models.QuerySet["Shard"]):

@@ -14,7 +14,7 @@ from django.utils.cache import get_conditional_response, patch_cache_control, se
 
 from jobs.api.base import api_view, json_body, paginate, parse_limit
 from jobs.engines import model_names
-from jobs.http.web import LIST_LIMIT, LIST_MAX_LIMIT, remember
+from jobs.http.web import LIST_LIMIT, LIST_MAX_LIMIT, REMEMBER_SECONDS, remember
 from jobs.lib.errors import ServiceError
 from jobs.models import Batch, LoraAdapter
 from jobs.queries import results as result_pages
@@ -47,11 +47,17 @@ def list_batches(request: HttpRequest, user: Any) -> HttpResponse:
     filtered = any(k == "status" or k.startswith("metadata[") for k in request.GET)
     newest = None if filtered else (
         lambda count: batches.newest_batches(owner=user, count=count, api=Batch.Api.OPENAI))
+    fresh: list[float] = []
+
+    def shown_on_page(batch: Batch) -> dict[str, Any]:
+        fresh.append(batch.projection().fresh_for)
+        return shown(batch)
+
     response = paginate(request, objects, default_limit=LIST_LIMIT,
-                        max_limit=LIST_MAX_LIMIT, newest=newest, shown=shown)
+                        max_limit=LIST_MAX_LIMIT, newest=newest, shown=shown_on_page)
     # The first page is replayed, while its batches are unchanged, to this client's next
-    # polls (batchweb.polls takes only that page).
-    remember(response)
+    # polls (batchweb.polls takes only that page), while their projections hold.
+    remember(response, seconds=min(fresh, default=REMEMBER_SECONDS))
     return response
 
 
@@ -75,14 +81,15 @@ def retrieve(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
     """The batch; a poller that sends back the ETag of its last answer gets 304 Not Modified
     (no body) while nothing it shows changed. The ETag is the body's hash, so it covers
     every field shown, counters and status alike."""
-    response = JsonResponse(shown(batches.get_openai_batch_for_user(owner=user,
-                                                                    batch_id=batch_id)))
+    batch = batches.get_openai_batch_for_user(owner=user, batch_id=batch_id)
+    response = JsonResponse(shown(batch))
     set_response_etag(response)
     # Revalidated on every use (a shared cache must never keep one owner's batch).
     patch_cache_control(response, private=True, no_cache=True)
     answer = get_conditional_response(request, etag=response["ETag"], response=response)
-    # Replayed, while the batch row is unchanged, to this client's next polls (batchweb.polls).
-    remember(answer or response)
+    # Replayed, while the batch row is unchanged, to this client's next polls (batchweb.polls),
+    # until its projected end would be past or its at-risk flag due (jobs.projection).
+    remember(answer or response, seconds=batch.projection().fresh_for)
     return answer or response
 
 

@@ -1,5 +1,6 @@
-"""Read-side numbers of the dashboard: progress, throughput (now, average, over time), ETA,
-and the run report (what a run cost and how it went).
+"""Read-side numbers of the dashboard: progress, throughput (now, average, over time) and
+the run report (what a run cost and how it went). When a batch is expected to end is the
+capacity plan's projection (Batch.projection), not an estimate of its own here.
 The throughput-over-time series is data only; `templatetags.dashboard.throughput_chart`
 draws it.
 
@@ -177,7 +178,6 @@ class BatchStats(BatchProgress):
     output_tokens: int
     rate_now: float | None  # requests per second over RECENT_WINDOW (running batches)
     rate_avg: float | None  # requests per second since the batch started running
-    eta_seconds: float | None
     elapsed_seconds: float | None
     report: Report
     # Requests per minute over time (CHART_BUCKETS buckets from in_progress to the end or
@@ -215,30 +215,11 @@ def _rates(batch: Batch, rows: list[ShardRow], now: datetime) -> tuple[
     return rate_now, rate_avg, elapsed
 
 
-def eta_seconds(batch: Batch, rows: list[ShardRow], remaining: int,
-                now: datetime) -> float | None:
-    """Seconds until the last request is done, from the recent throughput (the average
-    when nothing finished recently); None when there is no measure yet or it has ended."""
-    rate_now, rate_avg, _ = _rates(batch, rows, now)
-    return _eta(batch, remaining, rate_now, rate_avg)
-
-
-def _eta(batch: Batch, remaining: int, rate_now: float | None,
-         rate_avg: float | None) -> float | None:
-    if batch.is_ended or batch.status != Batch.Status.IN_PROGRESS:
-        return None
-    if remaining == 0:
-        return 0.0
-    rate = rate_now or rate_avg
-    return remaining / rate if rate else None
-
-
 def batch_stats(batch: Batch, *, now: datetime | None = None) -> BatchStats:
     now = now or timezone.now()
     rows = shard_rows([batch.pk]).get(batch.pk, [])
     progress = batch.progress()
     rate_now, rate_avg, elapsed = _rates(batch, rows, now)
-    remaining = BatchProgress.of(batch).remaining
     claims = sum(r.attempt for r in rows)
     failures = sum(r.failures for r in rows)
     json_retries = sum(r.json_retries for r in rows)
@@ -267,24 +248,8 @@ def batch_stats(batch: Batch, *, now: datetime | None = None) -> BatchStats:
     return BatchStats(
         total=batch.total, completed=progress["completed"], failed=progress["failed"],
         input_tokens=progress["input_tokens"], output_tokens=progress["output_tokens"],
-        rate_now=rate_now, rate_avg=rate_avg,
-        eta_seconds=_eta(batch, remaining, rate_now, rate_avg), elapsed_seconds=elapsed,
+        rate_now=rate_now, rate_avg=rate_avg, elapsed_seconds=elapsed,
         report=report, throughput=throughput_series(batch, rows, now), timeline=timeline(batch))
-
-
-def list_etas(batches: Iterable[Batch], *, now: datetime | None = None
-              ) -> dict[str, float | None]:
-    """ETA of every running batch of a page, with one query for all their shards."""
-    now = now or timezone.now()
-    running = [b for b in batches if b.status == Batch.Status.IN_PROGRESS]
-    if not running:
-        return {}
-    rows = shard_rows(b.pk for b in running)
-    etas = {}
-    for batch in running:
-        etas[batch.pk] = eta_seconds(batch, rows.get(batch.pk, []),
-                                     BatchProgress.of(batch).remaining, now)
-    return etas
 
 
 def throughput_series(batch: Batch, rows: list[ShardRow], now: datetime,

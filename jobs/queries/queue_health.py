@@ -5,7 +5,12 @@ A worker is *lost* when its RQ registration's heartbeat (refreshed every
 HEARTBEAT_SECONDS by batchworker's presence thread) is older than
 HEARTBEAT_TIMEOUT_SECONDS: the same rule by which the reconciler takes its shards away. A
 killed worker stays registered until its key expires (minutes), so a host whose machine
-died shows as a host whose every worker is lost, with the shards it still holds."""
+died shows as a host whose every worker is lost, with the shards it still holds.
+
+A worker is *busy* while it holds a running shard, whatever RQ says: RQ's job only claims
+a shard and hands it to the engine pipeline, which runs it on after the job has returned
+(RQ then calls the worker idle, with no current job). Its current job is then the oldest
+shard it holds. Its tokens per second are what its presence thread reports (jobs.fleet)."""
 
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from rq import Worker
 from engine.remote_limits import DEFAULT_CEILING, ServerState, server_state
 from jobs.capacity import ModelPlan, plans
 from jobs.engines import model_names, model_spec, model_specs
-from jobs.fleet import standby_models
+from jobs.fleet import WorkerRate, standby_models, worker_rates
 from jobs.lib import queues
 from jobs.models import Shard
 
@@ -38,12 +43,22 @@ class WorkerInfo:
     model: str = ""  # the model whose queues it takes ("" for none)
     heartbeat_age: timedelta | None = None
     lost: bool = False  # not heard of for HEARTBEAT_TIMEOUT_SECONDS
-    shards_held: int = 0  # running shards recorded under its name
+    held: list[str] = field(default_factory=list)  # running shards under its name, oldest first
+    rate: WorkerRate | None = None  # its throughput as its presence reports it
+
+    @property
+    def shards_held(self) -> int:
+        return len(self.held)
 
     @property
     def status(self) -> str:
-        """RQ's state (idle, busy, ...), or "lost"."""
-        return "lost" if self.lost else self.state
+        """"lost", "busy" while it holds a running shard, else RQ's state (idle, ...)."""
+        return "lost" if self.lost else "busy" if self.held else self.state
+
+    @property
+    def job(self) -> str | None:
+        """What it works on: RQ's current job, else the oldest shard it holds."""
+        return self.current_job or (self.held[0] if self.held else None)
 
 
 @dataclass
@@ -236,21 +251,21 @@ def _info(worker: Any, *, now: datetime, model: str) -> WorkerInfo:
                       lost=lost)
 
 
-def _hold(infos: list[WorkerInfo], running: dict[str, int]) -> None:
-    """Give each worker the count of running shards recorded under its name. A shard
-    records batchworker's name; RQ's registration has that name, or `<name>.<n>` once
-    batchworker re-registered after a Redis outage (the newest live one holds them)."""
+def _hold(infos: list[WorkerInfo], running: dict[str, list[str]]) -> None:
+    """Give each worker the running shards recorded under its name. A shard records
+    batchworker's name; RQ's registration has that name, or `<name>.<n>` once batchworker
+    re-registered after a Redis outage (the newest live one holds them)."""
     by_name: dict[str, list[WorkerInfo]] = {}
     for info in infos:
         by_name.setdefault(info.name, []).append(info)
         base, _, loop = info.name.rpartition(".")
         if base and loop.isdigit():
             by_name.setdefault(base, []).append(info)
-    for name, count in running.items():
+    for name, shard_ids in running.items():
         candidates = by_name.get(name)
         if candidates:
             holder = min(candidates, key=lambda w: (w.lost, w.heartbeat_age or timedelta.max))
-            holder.shards_held += count
+            holder.held.extend(shard_ids)
 
 
 def queue_health(*, now: datetime | None = None) -> Health:
@@ -281,6 +296,10 @@ def queue_health(*, now: datetime | None = None) -> Health:
             for priority, queue_name in zip(queues.PRIORITIES, queues.model_queue_names(name),
                                             strict=True):
                 health.depth[priority] = queues.queue(queue_name).count
+            rates = {rate.name: rate for rate in worker_rates(
+                connection, name, max_age=settings.BATCHWEB["HEARTBEAT_TIMEOUT_SECONDS"])}
+            for info in health.workers:
+                info.rate = rates.get(info.name)
     except Exception as exc:  # Redis down: the database half of the page still helps
         redis_ok, redis_error = False, f"{type(exc).__name__}: {exc}"
     stale = set(Shard.objects.stale(now).values_list("pk", flat=True))
@@ -299,10 +318,10 @@ def queue_health(*, now: datetime | None = None) -> Health:
                                     ).values("batch__model").annotate(n=Count("id")):
         model = row["batch__model"]
         models.setdefault(model, ModelHealth(model=model, depth={})).waiting_in_db = row["n"]
-    held: dict[str, int] = {}
+    held: dict[str, list[str]] = {}
     for model_health in models.values():
-        for running_shard in model_health.running:
-            held[running_shard.worker] = held.get(running_shard.worker, 0) + 1
+        for running_shard in model_health.running:  # oldest first
+            held.setdefault(running_shard.worker, []).append(running_shard.id)
     _hold(infos, held)
     for plan in plans(now=now):
         models.setdefault(plan.model, ModelHealth(model=plan.model, depth={})).plan = plan

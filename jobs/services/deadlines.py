@@ -1,5 +1,6 @@
 """The capacity plan's writes (the plan itself is jobs.capacity): on the reconciler's pass,
-each running batch's expected end, whether it is at risk and whether its shards go first
+each running batch's expected end (with when it was planned and what the batch waits for,
+which jobs.projection reads it by), whether it is at risk and whether its shards go first
 in line are written on its row; a batch whose shards become urgent has those already
 waiting moved to the front of its queue, and a batch newly at risk gets its owner's
 webhook event, once. docs/operations.md, "Capacity and deadlines"."""
@@ -43,12 +44,14 @@ def refresh(*, now: datetime | None = None) -> int:
                 # Its pace is counted from here (jobs.capacity._own_pace).
                 Batch.objects.filter(pk=batch.pk, pace_at__isnull=True).update(
                     pace_at=now, pace_answered=answered)
-            if (finish, item.at_risk, item.urgent) == (
-                    batch.expected_completion_at, batch.at_risk, batch.urgent):
+            if (finish, item.at_risk, item.urgent, item.waits_for) == (
+                    batch.expected_completion_at, batch.at_risk, batch.urgent,
+                    batch.waits_for):
                 continue
             # A new version: open pages and polls show it (jobs.services.progress).
             changed += Batch.objects.filter(pk=batch.pk, status=Batch.Status.IN_PROGRESS
                                             ).update(expected_completion_at=finish,
+                                                     planned_at=now, waits_for=item.waits_for,
                                                      at_risk=item.at_risk, urgent=item.urgent,
                                                      progress_version=F("progress_version")
                                                      + 1)

@@ -25,6 +25,7 @@ from django.http.response import HttpResponseBase
 from django.shortcuts import redirect, render
 from django.template.loader import render_to_string
 from django.urls import reverse
+from django.utils import timezone
 from django.utils.cache import get_conditional_response, patch_cache_control
 from django.utils.safestring import mark_safe
 from django.utils.text import slugify
@@ -118,28 +119,31 @@ def _poll(batch: Batch, url_name: str, version: str, seed: str = "") -> dict[str
             "version": version}
 
 
-def _row(batch: Batch, eta: float | None, seed: str = "") -> dict[str, Any]:
+def _row(batch: Batch, seed: str = "") -> dict[str, Any]:
     shares = dashboard.BatchProgress.of(batch)
-    return {"batch": batch, "progress": batch.progress(), "done": shares.done, "eta": eta,
+    # Its ETA is the capacity plan's projection, the API's `expected_completion_at`.
+    projection = batch.projection()
+    return {"batch": batch, "progress": batch.progress(), "done": shares.done,
+            "projection": projection, "eta": projection.seconds_left(timezone.now()),
             "pct": shares.percent, "pct_completed": shares.percent_completed,
             "pct_failed": shares.percent_failed,
             "poll": _poll(batch, "batch_row", batch_version(batch), seed)}
 
 
-def _rows(page_batches: list[Batch], etas: dict[str, float | None]) -> list[dict[str, Any]]:
+def _rows(page_batches: list[Batch]) -> list[dict[str, Any]]:
     """The list's rows; an ended batch's as its HTML (`html`), rendered once per process and
     version: nothing an ended batch's row shows moves any more (no ETA, no polling), and
     most rows of a list are ended batches."""
     rows = []
     for batch in page_batches:
         if not batch.is_ended:
-            rows.append(_row(batch, etas.get(batch.pk)))
+            rows.append(_row(batch))
             continue
         key = "batch-row:" + batch_version(batch, batch.endpoint, batch.created_at,
                                            sorted((batch.metadata or {}).items()))
         html = _ENDED_ROWS.get(key)
         if html is None:
-            html = render_to_string("jobs/batch_list.html#batch-row", {"row": _row(batch, None)})
+            html = render_to_string("jobs/batch_list.html#batch-row", {"row": _row(batch)})
             _ENDED_ROWS.set(key, html, ENDED_ROW_SECONDS)
         rows.append({"batch": batch, "html": mark_safe(html)})
     return rows
@@ -172,8 +176,8 @@ def batch_list(request: SignedInRequest) -> HttpResponse:
             batches = batches.filter(status=status)
         page = Paginator(batches, LIST_PAGE_SIZE).get_page(number)
         page_batches = list(page.object_list)
-    etas = dashboard.list_etas(page_batches)
-    context = {"page": page, "rows": _rows(page_batches, etas),
+    rows = _rows(page_batches)
+    context = {"page": page, "rows": rows,
                "status": status, "status_filters": STATUS_FILTERS}
     template = "jobs/batch_list.html"
     if request.htmx and not request.htmx.boosted:
@@ -181,8 +185,10 @@ def batch_list(request: SignedInRequest) -> HttpResponse:
     response = render(request, template, context)
     if first:
         # The table is replayed to this browser's next requests while its batches are
-        # unchanged (batchweb.polls), until the running ones' ETAs are due again.
-        remember(response, seconds=LIST_STALE_SECONDS)
+        # unchanged (batchweb.polls), until the running ones' ETAs are due again, and
+        # never past a projection's moment (jobs.projection).
+        remember(response, seconds=min([LIST_STALE_SECONDS, *(
+            row["projection"].fresh_for for row in rows if "projection" in row)]))
     return response
 
 
@@ -191,8 +197,7 @@ def batch_list(request: SignedInRequest) -> HttpResponse:
 def batch_row(request: SignedInRequest, batch_id: str) -> HttpResponse:
     """One row of the list, polled while the batch runs; 286 stops polling once it ended."""
     batch = _get_batch_for_user(request, batch_id)
-    eta = dashboard.list_etas([batch]).get(batch.pk)
-    context = {"row": _row(batch, eta, request.GET.get("seed", ""))}
+    context = {"row": _row(batch, request.GET.get("seed", ""))}
     if batch.is_ended:
         return HttpResponseStopPolling(
             render_to_string("jobs/batch_list.html#batch-row", context, request=request))
@@ -326,10 +331,17 @@ def _live_head(batch: Batch, user: Any) -> dict[str, Any]:
     summary, why the batch cannot progress, and what ran it (as `user` may see it: the
     owner, whose staff right is theirs alone). With the row they make its version."""
     blocker = _blocker(batch)
+    now = timezone.now()
+    projection = batch.projection(now)
     context = {**_detail_context(batch, "overview"), "blocker": blocker,
-               "engines": engines_of(batch, user=user)}
+               "engines": engines_of(batch, user=user), "projection": projection,
+               "eta": projection.seconds_left(now)}
     spot = context["spot"]
-    context["version"] = batch_version(batch, blocker, spot.marked, spot.good)
+    # The projection as shown: a waiting batch's end moves on with the clock, but what the
+    # page says of it (so long after a worker starts) does not.
+    shown = (projection.waits_for, projection.at_risk,
+             round(context["eta"] or 0) if projection.waits_for else projection.epoch)
+    context["version"] = batch_version(batch, blocker, spot.marked, spot.good, shown)
     return context
 
 
@@ -458,9 +470,10 @@ def batch_live(request: SignedInRequest, batch_id: str) -> HttpResponse:
     response["ETag"] = etag
     # Kept by the browser but checked with us on every poll (If-None-Match).
     patch_cache_control(response, private=True, no_cache=True)
-    # The same answer while the row is unchanged, until the time-derived figures are due,
-    # and while the queue's verdict on the batch stands.
-    remember(response, seconds=LIVE_STALE_SECONDS - now % LIVE_STALE_SECONDS,
+    # The same answer while the row is unchanged, until the time-derived figures or the
+    # projection are due, and while the queue's verdict on the batch stands.
+    remember(response, seconds=min(LIVE_STALE_SECONDS - now % LIVE_STALE_SECONDS,
+                                   head["projection"].fresh_for),
                    checks=((functools.partial(_blocker, batch), head["blocker"]),))
     return response
 

@@ -26,6 +26,7 @@ from tests.factories import (
     run_batch,
     run_shard,
     shared_prefix_lines,
+    wait_for,
 )
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -467,4 +468,120 @@ def test_batch_page_cards_fit_their_numbers(live_server, user, browser, tmp_path
     page.goto(f"{live_server.url}/batches/{batches['running'].pk}/")
     retry = page.locator("#retry-rate")
     assert "1 failed of 2 shard runs" in retry.locator("[title]").first.get_attribute("title")
+    context.close()
+
+
+def test_batch_page_eta_is_the_plans_projection(live_server, user, browser, tmp_path,
+                                                settings):
+    """The batch page's and list's ETA is the capacity plan's projection, the figure the API
+    gives as `expected_completion_at`: for a batch no worker serves, how long after a worker
+    starts (never a moment already past); for a running one, the same moment."""
+    from datetime import datetime, timedelta
+
+    from django.utils import timezone
+
+    from jobs import fleet
+    from jobs.lib import queues
+    from jobs.models import Batch
+    from jobs.services import deadlines
+    from jobs.templatetags.dashboard import duration
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    fleet.report_cold_start(queues.connection(), "echo-test", 90.0)
+    batch = make_batch(user, chat_lines(50), tmp_path, shard_size=10, settings=settings)
+    deadlines.refresh()
+    row = Batch.objects.get(pk=batch.pk)
+    waits = duration((row.expected_completion_at - row.planned_at).total_seconds())
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    sign_in(page, live_server.url)
+    for width in (1280, 390):
+        page.set_viewport_size({"width": width, "height": 900 if width > 400 else 844})
+        time.sleep(1.1)  # read later than planned: the wait is the same, the end moved on
+        page.goto(f"{live_server.url}/batches/{batch.pk}/")
+        assert page.locator("#eta").inner_text() == f"ETA {waits} after a worker starts"
+        expected = page.locator("#expected").inner_text()
+        assert expected == (f"expected {waits} after a worker starts (no worker of its "
+                            "model runs now: one is asked for, and the time it takes to "
+                            "start is counted)"), expected
+        page.screenshot(path=str(ARTIFACTS / f"batch-page-waiting-{width}.png"),
+                        full_page=True)
+        page.goto(f"{live_server.url}/")
+        assert page.locator(f"#row-{batch.pk} td.eta").inner_text() == (
+            f"{waits} after a worker starts")
+    # A worker serves it and 8 of 50 are answered, at its own pace since: the page's ETA
+    # is the moment the API gives.
+    fleet.report_rate(queues.connection(), "echo-test", fleet.WorkerRate(
+        name="w0", output_tokens_per_second=100, stamp=time.time()), 5)
+    Batch.objects.filter(pk=batch.pk).update(
+        completed=8, pace_at=timezone.now() - timedelta(seconds=30), pace_answered=2)
+    deadlines.refresh()
+    shown = Batch.objects.get(pk=batch.pk).to_openai()
+    assert shown["waits_for"] is None and shown["expected_completion_at"] > time.time()
+    page.set_viewport_size({"width": 1280, "height": 900})
+    page.goto(f"{live_server.url}/batches/{batch.pk}/")
+    moment = page.locator("#eta time").get_attribute("datetime")
+    assert datetime.fromisoformat(moment).timestamp() == shown["expected_completion_at"]
+    assert page.locator("#expected time").get_attribute("datetime") == moment
+    page.screenshot(path=str(ARTIFACTS / "batch-page-projected-1280.png"), full_page=True)
+    context.close()
+
+
+def test_queue_health_shows_a_busy_worker_its_shard_and_its_speed(
+        live_server, user, workers, browser, tmp_path, settings, django_user_model):
+    """A worker whose RQ job has handed its shard to the engine (RQ calls it idle, with no
+    current job) is busy with that shard; its tokens per second are shown, and the At-risk
+    cell says how many batches are at risk."""
+    from rq import Worker
+
+    from jobs import fleet
+    from jobs.lib import queues
+    from jobs.models import Shard
+    from jobs.queries import queue_health
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    django_user_model.objects.create_superuser("root", "root@example.com", "pw-root-123")
+    # One shard of 6 requests, all in the engine at once, each taking 4 s.
+    workers.start(env={"BATCHWEB_ECHO_SECONDS": "4", "BATCHWEB_ECHO_MAX_IN_FLIGHT": "16",
+                       "BATCHWEB_HEARTBEAT_SECONDS": "1"})
+    wait_for(lambda: Worker.count(connection=queues.connection()) == 1, timeout=60,
+             message="the worker to register")
+    batch = make_batch(user, chat_lines(6), tmp_path, settings=settings)
+
+    def handed_over():
+        shard = Shard.objects.filter(batch=batch, status=Shard.Status.RUNNING).first()
+        (rq_worker,) = Worker.all(connection=queues.connection())
+        return shard and rq_worker.get_state() == "idle" and shard
+
+    shard = wait_for(handed_over, timeout=30, every=0.1, message="a shard in the engine")
+    echo = next(m for m in queue_health.queue_health().models if m.model == "echo-test")
+    (info,) = echo.workers
+    assert (info.status, info.job, info.shards_held) == ("busy", shard.pk, 1)
+
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.goto(live_server.url + "/admin/login/")
+    page.fill("input[name=username]", "root")
+    page.fill("input[name=password]", "pw-root-123")
+    page.click("input[type=submit]")
+    page.goto(live_server.url + "/admin/jobs/shard/health/")
+    model = page.locator("#model-echo-test")
+    assert model.locator(".model-worker .worker-state").inner_text() == "busy"
+    assert model.locator(".model-worker .worker-job").inner_text() == shard.pk
+    assert page.locator("#hosts tr.worker .worker-state").inner_text() == "busy"
+    assert page.locator("#hosts tr.worker .worker-job").inner_text() == shard.pk
+    assert model.locator(".at-risk-count").inner_text().strip() == "0"
+    assert model.locator(".projected-on").inner_text() == "1 worker alive"
+    # Its speed once it has answered: what its presence thread reports.
+    wait_for(lambda: Shard.objects.get(pk=shard.pk).status == Shard.Status.DONE, timeout=30,
+             message="the shard to finish")
+    wait_for(lambda: any(r.output_tokens_per_second > 0 for r in fleet.worker_rates(
+        queues.connection(), "echo-test", max_age=30)), timeout=30, message="a measured rate")
+    for width in (1280, 390):
+        page.set_viewport_size({"width": width, "height": 900 if width > 400 else 844})
+        page.goto(live_server.url + "/admin/jobs/shard/health/")
+        page.screenshot(path=str(ARTIFACTS / f"queue-health-{width}.png"), full_page=True)
+    shown = model.locator(".model-worker .worker-rate").inner_text()
+    measured = re.fullmatch(r"([\d.]+) / ([\d.]+), (\d+)%", shown)
+    assert measured and float(measured[2]) > 0, shown
     context.close()

@@ -10,6 +10,9 @@ from typing import Any
 
 import pytest
 from django.utils import timezone
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from jobs import capacity, fleet
 from jobs.lib import queues
@@ -227,6 +230,7 @@ def test_an_at_risk_batch_is_flagged_and_its_webhook_sent_once(
 def test_a_running_batch_is_projected_at_its_own_pace(user, tmp_path, settings) -> None:
     """Its pace is counted from its first answers the plan saw, not from its start (the
     first answers wait for a whole generation)."""
+    workers(1)
     batch = running(user, tmp_path, settings, requests=100, max_tokens=10, hours=24)
     Batch.objects.filter(pk=batch.pk).update(completed=5)
     deadlines.refresh()
@@ -258,8 +262,9 @@ def test_a_young_batch_counts_the_requests_its_engines_hold(user, tmp_path, sett
             status=Shard.Status.RUNNING, started_at=now - timedelta(seconds=60))
     Batch.objects.filter(pk=batch.pk).update(
         completed=200, pace_at=now - timedelta(seconds=40), pace_answered=40)
-    (item,) = capacity.plan_model("echo-test", [Batch.objects.get(pk=batch.pk)], workers=[],
-                                  now=now).batches
+    alive = [fleet.WorkerRate(name="w0", output_tokens_per_second=100)]
+    (item,) = capacity.plan_model("echo-test", [Batch.objects.get(pk=batch.pk)],
+                                  workers=alive, now=now).batches
     assert (item.finish - now).total_seconds() == pytest.approx(1800 / 6.7, abs=0.5)
     # Answered at the same pace with nothing in flight, it is its answers' pace alone.
     Shard.objects.filter(batch=batch, status=Shard.Status.RUNNING).update(
@@ -267,8 +272,8 @@ def test_a_young_batch_counts_the_requests_its_engines_hold(user, tmp_path, sett
     Batch.objects.filter(pk=batch.pk).update(completed=200, pace_answered=40)
     for shard in shards[:2]:
         Shard.objects.filter(pk=shard.pk).update(started_at=now - timedelta(seconds=50))
-    (item,) = capacity.plan_model("echo-test", [Batch.objects.get(pk=batch.pk)], workers=[],
-                                  now=now).batches
+    (item,) = capacity.plan_model("echo-test", [Batch.objects.get(pk=batch.pk)],
+                                  workers=alive, now=now).batches
     assert (item.finish - now).total_seconds() == pytest.approx(1800 / 4, abs=0.5)
 
 
@@ -296,3 +301,127 @@ def test_both_faces_show_the_projection(user, tmp_path, settings, openai_client,
     again = anthropic_client.messages.batches.retrieve(message_batch.id)
     assert again.model_extra["expected_completion_at"] is not None
     assert again.model_extra["at_risk"] is False
+
+
+def test_a_batch_no_worker_serves_waits_for_one_on_both_faces(
+        user, tmp_path, settings, openai_client, anthropic_client) -> None:
+    """No worker of its model: the batch waits for the one the capacity signal asks for,
+    and is projected after that worker's cold start; read later, with no pass since, its end
+    has moved on by as long (never a moment already past), on both faces."""
+    history()
+    fleet.report_cold_start(queues.connection(), "echo-test", 40.0)
+    batch = running(user, tmp_path, settings, requests=100, max_tokens=100, hours=24)
+    deadlines.refresh()
+    row = Batch.objects.get(pk=batch.pk)
+    assert row.waits_for == "worker" and not row.at_risk
+    # 100 requests of 100 output tokens at 0.01 s each, after 40 s of cold start.
+    planned = (row.expected_completion_at - row.planned_at).total_seconds()
+    assert planned == pytest.approx(40 + 100, abs=1.5)
+    assert plan_of().workers_needed == 1 and plan_of().cold_start == 40.0
+    first = openai_client.batches.retrieve(batch.pk).model_extra
+    assert first["waits_for"] == "worker" and first["at_risk"] is False
+    import time
+
+    time.sleep(2.2)  # no pass meanwhile: the row is as the plan left it
+    again = openai_client.batches.retrieve(batch.pk).model_extra
+    now = timezone.now().timestamp()
+    assert again["expected_completion_at"] >= now + 130
+    assert again["expected_completion_at"] >= first["expected_completion_at"] + 2
+    listed = openai_client.batches.list().data[0].model_extra
+    assert listed["expected_completion_at"] >= now and listed["waits_for"] == "worker"
+    # The Anthropic face's own batch says the same.
+    message_batch = anthropic_client.messages.batches.create(requests=[
+        {"custom_id": "m", "params": {"model": "echo-test", "max_tokens": 10,
+                                      "messages": [{"role": "user", "content": "hi"}]}}])
+    from jobs.services.validation import run_validation
+
+    run_validation(batch_id=message_batch.id)
+    deadlines.refresh()
+    shown = anthropic_client.messages.batches.retrieve(message_batch.id).model_extra
+    assert shown["waits_for"] == "worker" and shown["at_risk"] is False
+    assert shown["expected_completion_at"] >= timezone.now().timestamp() + 40
+    # A worker comes: the next pass plans on it, and nothing waits any more.
+    workers(1)
+    deadlines.refresh()
+    assert not Batch.objects.filter(pk__in=[batch.pk, message_batch.id]).exclude(
+        waits_for="").exists()
+    assert openai_client.batches.retrieve(batch.pk).model_extra["waits_for"] is None
+
+
+def test_a_batch_that_cannot_make_its_window_without_a_worker_is_at_risk(
+        user, tmp_path, settings) -> None:
+    """Its window's target is 48 min away (an hour less the margin): with a cold start of
+    40 min and 10 min of work, even a worker starting now is late. And one that would make
+    it becomes at risk as it waits, without a pass: its end moves on with the clock, its
+    target (the window's end less 20% of the time left) more slowly."""
+    history()
+    fleet.report_cold_start(queues.connection(), "echo-test", 2400.0)
+    late = running(user, tmp_path, settings, requests=600, max_tokens=100, hours=1)
+    deadlines.refresh()
+    assert Batch.objects.get(pk=late.pk).at_risk
+    assert Batch.objects.get(pk=late.pk).to_openai()["at_risk"] is True
+    fleet.report_cold_start(queues.connection(), "echo-test", 60.0)
+    deadlines.refresh()
+    row = Batch.objects.get(pk=late.pk)
+    assert not row.at_risk and not row.projection().at_risk
+    # ~11 min of work after a 1 min cold start: 50 min later it would end ~61 min after
+    # the plan, past the target then (~58 min) and the window itself.
+    later = row.planned_at + timedelta(minutes=50)
+    read = row.projection(later)
+    assert read.at_risk and read.end is not None and read.end > later
+    assert read.end - later == row.expected_completion_at - row.planned_at
+
+
+WORKER_COUNTS = st.sampled_from([0, 0, 1, 3])
+
+
+@hypothesis_settings(max_examples=60, deadline=None,
+                     suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(workers_alive=WORKER_COUNTS, worker_speed=st.sampled_from([0.0, 5.0, 100.0]),
+       cold_start=st.one_of(st.none(), st.floats(0, 3600)),
+       window=st.floats(-120, 86400), done=st.floats(0, 1),
+       pace=st.one_of(st.none(), st.floats(0, 3600)), stale=st.floats(0, 200_000),
+       ledger=st.booleans())
+def test_a_projection_is_never_a_moment_already_past(
+        user, tmp_path, settings, workers_alive, worker_speed, cold_start, window, done, pace,
+        stale, ledger) -> None:
+    """Whatever the plan's inputs (no workers, workers that measured nothing yet, a cold
+    start reported or not, a window nearly over or already past, a batch that ran some, a
+    plan read long after it was written), a running batch's projected end, read at any
+    moment, is that moment or later; it says it waits for a worker exactly while none runs
+    its model, and it is at risk whenever that end is past its target."""
+    from jobs import projection
+
+    connection = queues.connection()
+    connection.delete(fleet.RATES_KEY.format(model="echo-test"),
+                      fleet.COLD_START_KEY.format(model="echo-test"))
+    UsageRecord.objects.all().delete()
+    if ledger:
+        history()
+    for i in range(workers_alive):
+        fleet.report_rate(connection, "echo-test", fleet.WorkerRate(
+            name=f"w{i}", output_tokens_per_second=worker_speed,
+            stamp=timezone.now().timestamp()), 5)
+    if cold_start is not None:
+        fleet.report_cold_start(connection, "echo-test", cold_start)
+    batch = Batch.objects.filter(owner=user).first() or running(
+        user, tmp_path, settings, requests=50, max_tokens=50, hours=24)
+    now = timezone.now()
+    answered = int(done * batch.total)
+    Batch.objects.filter(pk=batch.pk).update(
+        status=Batch.Status.IN_PROGRESS, completed=answered,
+        output_tokens=answered * 20, expires_at=now + timedelta(seconds=window),
+        pace_at=None if pace is None else now - timedelta(seconds=pace), pace_answered=0,
+        expected_completion_at=None, planned_at=None, waits_for="", at_risk=False)
+    deadlines.refresh(now=now)
+    row = Batch.objects.get(pk=batch.pk)
+    for moment in (now, now + timedelta(seconds=stale / 1000), now + timedelta(seconds=stale)):
+        read = row.projection(moment)
+        if answered >= row.total:
+            continue  # nothing left: the finalization, not the plan, ends it
+        assert read.end is not None and read.end >= moment
+        assert read.epoch is not None and read.epoch >= moment.timestamp()
+        assert read.waits_for == ("" if workers_alive else projection.WORKER)
+        target = projection.target_seconds(row.expires_at, moment)
+        if (read.end - moment).total_seconds() > target:
+            assert read.at_risk

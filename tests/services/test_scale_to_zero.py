@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from jobs import fleet
 from jobs.lib import queues
 from jobs.models import Batch, Shard
 from tests.factories import chat_line, jsonl, prometheus_values, wait_for
@@ -61,6 +62,12 @@ def test_a_batch_at_zero_workers_is_validated_then_asks_for_a_worker_that_runs_i
     assert shards.exists() and not shards.exclude(status=Shard.Status.QUEUED).exists()
     assert queues.queue(queues.shard_queue_name("echo-test", "default")).count >= 1
     assert workers_needed() >= 1
+    # Its object says what it waits for, and when it would end after that worker's cold
+    # start: never a moment already past (the control worker's reconciler plans it).
+    wait_for(lambda: Batch.objects.get(pk=created.id).waits_for == "worker", timeout=30,
+             message="the plan of a batch waiting for a worker")
+    waiting = openai_client.batches.retrieve(created.id).model_extra
+    assert waiting["waits_for"] == "worker" and waiting["expected_completion_at"] >= time.time()
 
     # The autoscaler's answer: a worker of the model comes and runs the batch; the
     # finalization and the plan's 0 follow.
@@ -69,6 +76,8 @@ def test_a_batch_at_zero_workers_is_validated_then_asks_for_a_worker_that_runs_i
                      == "completed" and b, timeout=90, message="completion")
     assert batch.request_counts.completed == 30
     assert workers_needed() == 0
+    # Its start is what the next batch waiting for a first worker is planned with.
+    assert fleet.cold_start_seconds(queues.connection(), "echo-test") is not None
 
     # SIGTERM stops it promptly and cleanly (a Deployment's rollout, a scale-down).
     proc.send_signal(signal.SIGTERM)

@@ -13,6 +13,7 @@ seems stuck, before it is killed.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -21,12 +22,14 @@ import sys
 import time
 from typing import Any
 
+import redis
 from django.conf import settings
 from django.core.checks import Tags
 from django.core.management.base import BaseCommand, CommandError
 
 from engine import load_engine
 from engine.base import ModelSpec
+from jobs import fleet
 from jobs.engines import model_spec
 from jobs.lib import queues
 from jobs.policy import close_engines
@@ -117,8 +120,13 @@ class Command(BaseCommand):
                 f"batchworker {name}: KV cache of {engine.prefix_cache_tokens} tokens"
                 + (f" (prefix planning assumes {override}: BATCHWEB_PREFIX_CACHE_TOKENS)"
                    if override else " (reported for prefix planning)"))
+        loaded = time.monotonic() - started
         self.stdout.write(f"batchworker {name}: ready on {', '.join(queue_names)} "
-                          f"({time.monotonic() - started:.1f} s to load)")
+                          f"({loaded:.1f} s to load)")
+        # What a batch waiting for this model's next first worker is planned with (Redis
+        # away: the worker rides it out, and the plan keeps the last one).
+        with contextlib.suppress(redis.RedisError):
+            fleet.report_cold_start(queues.connection(), spec.name, loaded)
         cold = False
         due: ModelSpec | None = None
         try:
