@@ -39,7 +39,7 @@ run: models
 	@echo "database: migrate, static files"
 	@$(PY) manage.py migrate --noinput -v0
 	@$(PY) manage.py collectstatic --noinput -v0
-	@echo "Demo account (dashboard at http://127.0.0.1:8000/):"
+	@echo "Demo account (dashboard at http://$${BATCHWEB_BIND:-127.0.0.1:8000}/):"
 	@$(PY) manage.py demouser
 	@BATCHWEB_HTTPS=0 $(PY) manage.py runservice
 

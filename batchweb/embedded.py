@@ -183,6 +183,22 @@ def ensure_redis(directory: Path) -> PrivateRedis | None:
     return server
 
 
+def redis_in_use(url: str) -> str:
+    """The Redis a process uses (`url`, settings.REDIS_URL) as its start line names it: the
+    password left out, and, when REDIS_URL is unset, that this is the settings' default (a
+    process started by hand beside `make run` does not find that one's private Redis)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password:
+        host = parts.netloc.rpartition("@")[2]
+        user = f"{parts.username}:" if parts.username else ":"
+        url = urlunsplit(parts._replace(netloc=f"{user}***@{host}"))
+    if os.environ.get("REDIS_URL"):
+        return f"{url} (REDIS_URL)"
+    return f"{url} (REDIS_URL is unset: the default, not the private Redis of `make run`)"
+
+
 def s3_storage_env(url: str, bucket: str, prefix: str = "") -> dict[str, str]:
     """The variables that store batchweb's files in `bucket` of a local S3 server at `url`,
     under `prefix`."""

@@ -8,6 +8,7 @@ quarter of a light request such as a poll of a batch.
 Before either, a poll of a batch that has not changed since Django last answered the same
 client is answered from that answer (batchweb.polls)."""
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,8 @@ from django.conf import settings
 from django.core.handlers.base import BaseHandler
 from django.core.handlers.wsgi import WSGIHandler
 from django.http import HttpRequest
+
+from batchweb.embedded import redis_in_use
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "batchweb.settings")
 
@@ -75,3 +78,7 @@ class Handler(WSGIHandler):
 
 django.setup(set_prefix=False)
 application = Handler()
+# A web server started by hand names the Redis it uses (the queues and the dashboard's
+# cache): without REDIS_URL it is the default, not the private Redis of `make run`.
+logging.getLogger("batchweb.wsgi").info("web process %d: Redis %s", os.getpid(),
+                                        redis_in_use(settings.REDIS_URL))

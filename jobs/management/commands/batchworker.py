@@ -27,6 +27,7 @@ from django.conf import settings
 from django.core.checks import Tags
 from django.core.management.base import BaseCommand, CommandError
 
+from batchweb.embedded import redis_in_use
 from engine import load_engine
 from engine.base import ModelSpec
 from jobs import fleet
@@ -85,6 +86,9 @@ class Command(BaseCommand):
         # still holds: then the first free `.rN` of it.
         name = options["name"] or free_name(
             f"{host}.{os.getpid()}.{'+'.join(s.name for s in specs)}")
+        # Which Redis it takes jobs from: one started by hand without REDIS_URL would
+        # otherwise wait silently on a Redis no batch is queued in.
+        self.stdout.write(f"batchworker {name}: Redis {redis_in_use(settings.REDIS_URL)}")
         # What a killed predecessor on this machine left in TMP_DIR.
         sweep_temp_dir()
         spec: ModelSpec | None = specs[0]

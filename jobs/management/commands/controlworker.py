@@ -26,6 +26,7 @@ from django.conf import settings
 from django.core.checks import Tags
 from django.core.management.base import BaseCommand
 
+from batchweb.embedded import redis_in_use
 from jobs.lib import queues
 from jobs.worker.periodic import Periodic
 from jobs.worker.presence import Presence, free_name
@@ -55,6 +56,7 @@ class Command(BaseCommand):
         presence.start()
         # Control jobs first (a new batch waits on its validation), webhooks after.
         queue_names = [queues.CONTROL_QUEUE, queues.WEBHOOK_QUEUE]
+        self.stdout.write(f"controlworker {name}: Redis {redis_in_use(settings.REDIS_URL)}")
         self.stdout.write(f"controlworker {name}: ready on {', '.join(queue_names)}")
         try:
             take_jobs(queue_names, name=name, presence=presence,

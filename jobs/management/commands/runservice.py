@@ -32,6 +32,7 @@ from batchweb.embedded import (
     InstanceLock,
     ensure_redis,
     keep_files_private,
+    redis_in_use,
 )
 from jobs.engines import model_specs
 
@@ -114,10 +115,16 @@ class Command(BaseCommand):
     help = "Run the web server and one worker per model, with a private Redis if needed."
 
     def add_arguments(self, parser: Any) -> None:
-        parser.add_argument("--bind", default=os.environ.get("BATCHWEB_BIND", "127.0.0.1:8000"))
+        parser.add_argument("--bind", default=os.environ.get("BATCHWEB_BIND", "127.0.0.1:8000"),
+                            metavar="HOST:PORT",
+                            help="Where the web server and the API listen (default "
+                                 "BATCHWEB_BIND, else 127.0.0.1:8000); 0.0.0.0:PORT for "
+                                 "every interface, [::1]:PORT for IPv6.")
         parser.add_argument("--models", default=os.environ.get("BATCHWEB_RUN_MODELS", ""),
-                            help="Comma-separated models to start workers for (default all).")
-        parser.add_argument("--web-workers", type=int, default=2)
+                            help="Comma-separated models to start workers for (default "
+                                 "BATCHWEB_RUN_MODELS, else every model).")
+        parser.add_argument("--web-workers", type=int, default=2,
+                            help="Web server processes (8 threads each; default 2).")
         parser.add_argument("--verbose", action="store_true",
                             help="Show every process's output here instead of in var/log/.")
 
@@ -145,8 +152,11 @@ class Command(BaseCommand):
         except EmbeddedRedisError as exc:
             lock.release()
             raise CommandError(str(exc)) from None
-        if redis is not None:
-            self.stdout.write(f"private Redis: {redis.url}")
+        # Which Redis every process it starts uses (REDIS_URL, exported to them): a worker
+        # started by hand beside it needs the same REDIS_URL to take its jobs.
+        self.stdout.write(f"private Redis: {redis.url} (a process started by hand beside this "
+                          f"one needs REDIS_URL={redis.url})" if redis is not None else
+                          f"Redis: {redis_in_use(settings.REDIS_URL)}")
         wanted = {m for m in options["models"].split(",") if m}
         models = [s.name for s in model_specs() if not wanted or s.name in wanted]
         commands = {"web": web_server(options["bind"], options["web_workers"])} | {
