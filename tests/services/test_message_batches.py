@@ -313,3 +313,21 @@ _json = st.recursive(
 def test_the_stream_reads_what_json_reads(items, indent, step, ascii_only) -> None:
     data = json.dumps({"requests": items}, indent=indent, ensure_ascii=ascii_only).encode()
     assert list(iter_requests(_Trickle(data, step), limit=len(data))) == items
+
+
+@pytest.mark.parametrize(("message", "param", "named", "named_param"), [
+    ("body.temperature must be between 0 and 1.", "body.temperature",
+     "params.temperature must be between 0 and 1.", "params.temperature"),
+    ("body.messages[0] must be an object with role 'user' or 'assistant' (the system "
+     "prompt is body.system).", "body.messages[0].role",
+     "params.messages[0] must be an object with role 'user' or 'assistant' (the system "
+     "prompt is params.system).", "params.messages[0].role"),
+    # What the user sent is quoted as sent; other words are not field paths.
+    ("The model 'body.x' is not served here; nobody.y", "body.model",
+     "The model 'body.x' is not served here; nobody.y", "params.model"),
+    ("Missing custom_id.", "custom_id", "Missing custom_id.", "custom_id"),
+])
+def test_a_message_batch_request_problem_names_its_params(message, param, named,
+                                                          named_param):
+    assert anthropic.params_named(LineError("invalid_parameter", message, param)) == \
+        LineError("invalid_parameter", named, named_param)
