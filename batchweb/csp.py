@@ -26,6 +26,8 @@ from pathlib import Path
 from django.conf import settings
 from django.http import HttpRequest, HttpResponseBase
 
+from jobs.api.base import API_PREFIX
+
 HEADER = "Content-Security-Policy"
 # Where the pages served but not written here come from: the admin's templates, the CSRF
 # failure's page, django-rq's; with DEBUG, Django's error pages too.
@@ -104,8 +106,10 @@ def policy() -> str:
 
 
 class ContentSecurityPolicyMiddleware:
-    """Sets the policy on every answer of the page chain (the API's JSON answers are read
-    by clients, not rendered). An answer that set its own keeps it."""
+    """Sets the policy on every page's answer. Not on the API's (under /v1/: JSON read by
+    clients, never rendered), which batchweb/wsgi.py serves through a chain without this
+    middleware: a chain with it must answer them alike. An answer that set its own policy
+    keeps it."""
 
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponseBase]) -> None:
         self.get_response = get_response
@@ -113,6 +117,6 @@ class ContentSecurityPolicyMiddleware:
 
     def __call__(self, request: HttpRequest) -> HttpResponseBase:
         response = self.get_response(request)
-        if HEADER not in response.headers:
+        if HEADER not in response.headers and not request.path_info.startswith(API_PREFIX):
             response.headers[HEADER] = self.header
         return response
