@@ -20,6 +20,7 @@ from django_htmx.middleware import HtmxDetails
 
 from jobs.lib.errors import ServiceError
 from jobs.models import File
+from jobs.services.grants import check_source_readable
 from jobs.storage.external import ObjectChanged
 from jobs.storage.objects import download_url, open_file
 from jobs.storage.temp import local_temp
@@ -98,7 +99,9 @@ def uploaded_path(uploaded: UploadedFile) -> Iterator[Path]:
 def download_response(file: File) -> HttpResponseBase:
     """The file's content, streamed in chunks, always as an attachment; or, with
     DOWNLOAD_REDIRECT on object storage, a redirect to a presigned URL of a few seconds
-    (callers have checked the owner)."""
+    (callers have checked the owner). A file registered by reference only while its
+    owner's grant still lets them read it (jobs.services.grants)."""
+    check_source_readable(file=file, param="file_id")
     url = download_url(file)
     if url:
         return HttpResponseRedirect(url)

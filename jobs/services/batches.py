@@ -28,7 +28,7 @@ from jobs.models import Batch, EvalSet, File, new_batch_id, new_message_batch_id
 from jobs.services import budgets, preflight
 from jobs.services.evals import eval_ceiling, find_set_for_user
 from jobs.services.files import get_file_for_user, parse_expires_after
-from jobs.services.grants import check_output_prefix, reach
+from jobs.services.grants import check_output_prefix, check_source_readable
 from jobs.services.quotas import check_quota
 
 WINDOW_PATTERN = re.compile(r"^([1-9][0-9]{0,3})h$")
@@ -102,11 +102,7 @@ def create_batch(*, owner: Any, input_file_id: Any, endpoint: Any, completion_wi
     input_file = get_file_for_user(owner=owner, file_id=input_file_id)
     if input_file.purpose != File.Purpose.BATCH:
         raise ServiceError("The input file must have purpose 'batch'.", param="input_file_id")
-    if input_file.source:
-        # Read in place with the service's credentials: only while a grant still lets
-        # its owner read there (an operator's revocation stops new batches on it).
-        reach(owner=owner, url=input_file.source, access="read", param="input_file_id",
-              folder=False)
+    check_source_readable(file=input_file, param="input_file_id")
     # The most it could cost, before the owner's lock is taken (a pass over the file,
     # cached): only where a budget applies.
     ceiling = (_ceiling(owner=owner, input_file=input_file, endpoint=endpoint,

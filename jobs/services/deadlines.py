@@ -8,14 +8,14 @@ webhook event, once. docs/operations.md, "Capacity and deadlines"."""
 from __future__ import annotations
 
 import logging
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import redis
 from django.db.models import F
 from django.utils import timezone
 
 from engine.remote_limits import set_floor, token_seconds
-from jobs.capacity import ModelPlan, plans, remote_floor
+from jobs.capacity import ModelPlan, Planned, plans, remote_floor
 from jobs.engines import model_specs
 from jobs.lib import queues
 from jobs.models import Batch, Shard
@@ -46,7 +46,7 @@ def refresh(*, now: datetime | None = None) -> int:
                     pace_at=now, pace_answered=answered)
             if (finish, item.at_risk, item.urgent, item.waits_for) == (
                     batch.expected_completion_at, batch.at_risk, batch.urgent,
-                    batch.waits_for):
+                    batch.waits_for) or _waits_as_long(item, finish, now):
                 continue
             # A new version: open pages and polls show it (jobs.services.progress).
             changed += Batch.objects.filter(pk=batch.pk, status=Batch.Status.IN_PROGRESS
@@ -66,6 +66,20 @@ def refresh(*, now: datetime | None = None) -> int:
                          finish, batch.expires_at)
                 batch_event(batch_id=batch.pk, type=AT_RISK_EVENT)
     return changed
+
+
+def _waits_as_long(item: Planned, finish: datetime | None, now: datetime) -> bool:
+    """Whether a waiting batch still waits as the row says, as long: its end moves on with
+    the clock as it is read (jobs.projection), so its row, and every poll's answer, stays
+    as it was rather than becoming a new version on every pass."""
+    batch = item.batch
+    if not (item.waits_for and finish and batch.expected_completion_at and batch.planned_at
+            and (item.waits_for, item.at_risk, item.urgent)
+            == (batch.waits_for, batch.at_risk, batch.urgent)):
+        return False
+    # Both ends are whole seconds, their plans' moments are not.
+    return abs((finish - now) - (batch.expected_completion_at - batch.planned_at)) < timedelta(
+        seconds=2)
 
 
 def publish_remote_floors(model_plans: list[ModelPlan], *, now: datetime) -> None:

@@ -1,5 +1,6 @@
 """Storage grants: which objects of their own buckets a user may name, in one rule for every
-path that does (a file registered by reference reads, a batch's output_prefix writes).
+path that does (a file registered by reference reads, and every later read of it checks
+again: `check_source_readable`; a batch's output_prefix writes).
 
 A name is reachable when it is a well-formed `s3://` name (jobs.storage.external's rule:
 no other scheme, no `..` or `.` segments, no empty segments), lies outside the service's
@@ -16,7 +17,7 @@ from typing import Any, Literal
 from django.db.models import Q
 
 from jobs.lib.errors import ServiceError
-from jobs.models import StorageGrant
+from jobs.models import File, StorageGrant
 from jobs.storage.external import S3Location, inside_own_storage, parse_s3_url
 
 Access = Literal["read", "write"]
@@ -62,6 +63,17 @@ def reach(*, owner: Any, url: Any, access: Access, param: str, folder: bool) -> 
         + (f" (prefixes you may {access}: {', '.join(mine)})." if mine
            else "; ask an operator for a storage grant."),
         param=param, code="storage_not_granted")
+
+
+def check_source_readable(*, file: File, param: str) -> None:
+    """Every reader of a file registered by reference (`File.source`) checks this first: a
+    batch created on it, a rerun of its batch, its download (API and dashboard), its
+    check, a copy of it (an eval set, another model's input). It is read with the
+    service's credentials only while a grant still lets its owner read there, so an
+    operator's revocation stops every new read (a batch already running keeps its input).
+    A ServiceError (400) naming `param` otherwise; a stored file passes."""
+    if file.source:
+        reach(owner=file.owner, url=file.source, access="read", param=param, folder=False)
 
 
 def check_output_prefix(*, owner: Any, value: Any) -> str:

@@ -20,6 +20,7 @@ from jobs.lib.heavy import Guard, cached, version
 from jobs.models import ContentRule, File, LoraAdapter, Shard
 from jobs.services.budgets import Estimate
 from jobs.services.files import create_input_file
+from jobs.services.grants import check_source_readable
 from jobs.services.validation import InputReport, check_batch_input
 from jobs.storage.lines import iter_lines
 from jobs.storage.objects import open_file
@@ -58,6 +59,7 @@ def check_file(file: File, *, endpoint: str | None = None, strict: bool = False,
     what decides it: the file's content, the endpoint asked for, the enabled content rules
     (any change to one makes a new key) and this deployment's limits, models and adapters; so
     picking the same file again costs one cache read. `guard` is entered only to check."""
+    check_source_readable(file=file, param="file_id")
     depends = version(file.sha256 or file.storage_name, endpoint, strict, _rules_version(),
                       sorted(settings.BATCHWEB.items()), served_endpoints(),
                       sorted(LoraAdapter.objects.usable().items()))
@@ -107,6 +109,7 @@ def estimate_seconds(requests: int, rate: float | None) -> float | None:
 def with_model(*, file: File, model: str, owner: Any) -> File:
     """A new input file: `file` with every request's body.model set to `model`, streamed
     line by line. Lines are re-serialized, so their formatting may change, not their data."""
+    check_source_readable(file=file, param="file_id")
     with local_temp(".model") as path:
         with open(path, "wb") as target, open_file(file) as stream:
             for line in iter_lines(stream, max_line_bytes=settings.BATCHWEB["MAX_LINE_BYTES"]):

@@ -560,7 +560,11 @@ def batch_download(request: SignedInRequest, batch_id: str, kind: str) -> HttpRe
         file = get_file_for_user(owner=request.user, file_id=file_id)
     except ServiceError:
         raise Http404("The file was deleted or has expired.") from None
-    return download_response(file)
+    try:
+        return download_response(file)
+    except ServiceError as exc:  # read in place: its grant revoked, or its object replaced
+        messages.error(request, exc.message)
+        return redirect("batch_detail", batch_id=batch.pk)
 
 
 # --- tabs ---

@@ -329,6 +329,9 @@ def test_a_batch_no_worker_serves_waits_for_one_on_both_faces(
     assert again["expected_completion_at"] >= first["expected_completion_at"] + 2
     listed = openai_client.batches.list().data[0].model_extra
     assert listed["expected_completion_at"] >= now and listed["waits_for"] == "worker"
+    # A pass while it still waits as long leaves its row, and every poll's answer, as it was.
+    assert deadlines.refresh() == 0
+    assert Batch.objects.get(pk=batch.pk).progress_version == row.progress_version
     # The Anthropic face's own batch says the same.
     message_batch = anthropic_client.messages.batches.create(requests=[
         {"custom_id": "m", "params": {"model": "echo-test", "max_tokens": 10,
