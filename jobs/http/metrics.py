@@ -40,8 +40,12 @@ setting), or a signed-in staff user.
     batchweb_batches_eval_drift                     batches an eval run flagged: it scored
                                                     below its set's baseline by more than
                                                     the set's threshold
-    batchweb_eval_runs{eval_set,model,status}       eval runs by set, model and status;
-    batchweb_eval_score{eval_set,model}             the newest scored run's score (0 to 1)
+    batchweb_eval_runs{eval_set,model,status}       eval runs by set, model and status
+                                                    (eval_set: the set's id, evalset_N; only
+                                                    runs whose batch is active or of the
+                                                    last 24 hours, at most 100 sets)
+    batchweb_eval_score{eval_set,model}             the newest scored run's score (0 to 1),
+                                                    for the same sets
     batchweb_workers_needed{model}                  the fewest workers of the model that
                                                     finish every running batch inside its
                                                     window, less the capacity margin; 0
@@ -80,7 +84,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, F, Sum
+from django.db.models import Count, F, Max, Q, Sum
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from django.views.decorators.http import require_GET
@@ -370,28 +374,41 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
 
 
 def eval_metrics() -> Iterator[Metric]:
-    """Drift: the batches flagged, and each set's runs and newest score on each model."""
-    from jobs.models import Batch, EvalRun
+    """Drift: the batches flagged, and the shown sets' runs and newest score on each
+    model."""
+    from jobs.models import EvalRun, EvalSet
+    from jobs.services.evals import public_id
 
     drift = GaugeMetricFamily("batchweb_batches_eval_drift",
                               "Batches an eval run scored below its baseline.")
     drift.add_metric([], Batch.objects.filter(eval_drift=True).count())
     yield drift
-    runs = GaugeMetricFamily("batchweb_eval_runs", "Eval runs by set, model and status.",
+    since = timezone.now() - EVAL_WINDOW
+    lately = EvalRun.objects.filter(Q(batch__status__in=Batch.ACTIVE) | Q(created_at__gte=since)
+                                    | Q(scored_at__gte=since))
+    newest = (lately.values("eval_set_id").annotate(newest=Max("created_at"))
+              .order_by("-newest").values_list("eval_set_id", flat=True)[:EVAL_SETS_SHOWN])
+    shown = {pk: public_id(eval_set) for pk, eval_set in
+             EvalSet.objects.in_bulk(list(newest)).items()}
+    runs = GaugeMetricFamily("batchweb_eval_runs",
+                             f"Eval runs by set id, model and status: those whose batch is "
+                             f"active or that started or were scored in the last "
+                             f"{EVAL_WINDOW.total_seconds() / 3600:g} hours.",
                              labels=["eval_set", "model", "status"])
-    for name, model, status, n in (EvalRun.objects.order_by()
-                                   .values_list("eval_set__name", "base_model", "status")
-                                   .annotate(n=Count("id"))):
-        runs.add_metric([name, model, status], n)
+    for set_id, model, status, n in (lately.filter(eval_set_id__in=shown).order_by()
+                                     .values_list("eval_set_id", "base_model", "status")
+                                     .annotate(n=Count("id"))):
+        runs.add_metric([shown[set_id], model, status], n)
     yield runs
     score = GaugeMetricFamily("batchweb_eval_score",
-                              "The newest scored eval run's score, by set and model.",
-                              labels=["eval_set", "model"])
-    seen: set[tuple[str, str]] = set()
-    for name, model, value in (EvalRun.objects.filter(status=EvalRun.Status.SCORED)
-                               .order_by("-scored_at")
-                               .values_list("eval_set__name", "base_model", "score")[:1000]):
-        if (name, model) not in seen:
-            seen.add((name, model))
-            score.add_metric([name, model], value or 0.0)
+                              "The newest scored eval run's score, by set id and model (the "
+                              "sets of batchweb_eval_runs).", labels=["eval_set", "model"])
+    seen: set[tuple[int, str]] = set()
+    for set_id, model, value in (EvalRun.objects.filter(status=EvalRun.Status.SCORED,
+                                                        eval_set_id__in=shown)
+                                 .order_by("-scored_at")
+                                 .values_list("eval_set_id", "base_model", "score")[:1000]):
+        if (set_id, model) not in seen:
+            seen.add((set_id, model))
+            score.add_metric([shown[set_id], model], value or 0.0)
     yield score

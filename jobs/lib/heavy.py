@@ -15,6 +15,7 @@ from django.core.cache import cache
 from redis.exceptions import LockError
 
 from jobs.lib import queues
+from jobs.lib.errors import ServiceError
 
 T = TypeVar("T")
 
@@ -56,10 +57,29 @@ def cached(key: str, compute: Callable[[], T], *, guard: Guard | None = None) ->
 def one_per_user(user_id: Any) -> Iterator[None]:
     """At most one heavy computation per user at a time, across web processes and hosts
     (a Redis lock); a second one raises Busy at once instead of waiting for a thread."""
+    with _held(user_id, Busy()):
+        yield
+
+
+@contextmanager
+def one_per_user_or_refuse(user_id: Any, *, doing: str) -> Iterator[None]:
+    """`one_per_user` for the services' heavy work (a batch's ceiling, a rerun, a
+    registration by reference, an eval set): a second one of the same user is refused at
+    once as a ServiceError 429 in the API's rate-limit shape (a message on a page), saying
+    what the first is `doing`. Not reentrant: a service that holds it lets it go before it
+    calls another that takes it."""
+    with _held(user_id, ServiceError(f"Another of your requests is {doing}; retry in a "
+                                     "moment.", status=429, code="rate_limit_exceeded")):
+        yield
+
+
+@contextmanager
+def _held(user_id: Any, refusal: Exception) -> Iterator[None]:
+    """The user's lock of heavy work (a Redis lock), or `refusal` raised when it is taken."""
     lock = queues.connection().lock(f"batchweb:heavy:{user_id}", timeout=LOCK_SECONDS,
                                     blocking=False)
     if not lock.acquire():
-        raise Busy
+        raise refusal
     try:
         yield
     finally:

@@ -138,18 +138,16 @@ def create_batch(*, owner: Any, input_file_id: Any, endpoint: Any, completion_wi
 def _ceiling(*, owner: Any, input_file: File, endpoint: str,
              eval_set: EvalSet | None) -> budgets.Estimate:
     """The batch's cost ceiling (its input's preflight, plus the attached set's requests),
-    computed under the per-user guard of heavy work: one user's creates cannot keep every
-    web process reading files."""
-    try:
-        report = preflight.check_file(input_file, endpoint=endpoint,
-                                      guard=heavy.one_per_user(owner.pk)).report
-    except heavy.Busy:
-        raise ServiceError("Another of your requests is checking a file; retry in a moment.",
-                           status=429, code="rate_limit_exceeded") from None
+    each cached and computed under the per-user guard of heavy work: one user's creates
+    cannot keep every web process reading files."""
+    def guard() -> heavy.Guard:
+        return heavy.one_per_user_or_refuse(owner.pk, doing="checking a file")
+
+    report = preflight.check_file(input_file, endpoint=endpoint, guard=guard()).report
     cost = report.cost
     if eval_set is not None and report.model:
         cost = cost.plus(eval_ceiling(eval_set=eval_set, model=report.model,
-                                      first_model=report.first_model))
+                                      first_model=report.first_model, guard=guard()))
     return cost
 
 

@@ -27,7 +27,7 @@ from jobs.lib.errors import ServiceError
 from jobs.models import Batch, File
 from jobs.services.grants import reach
 from jobs.storage.backends import CHUNK
-from jobs.storage.external import S3Location, open_writer
+from jobs.storage.external import S3Location, open_writer, shown_reason
 from jobs.storage.objects import open_file
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,13 @@ def _write(batch: Batch) -> list[str]:
 def _failed(batch: Batch, exc: Exception) -> None:
     conf = settings.BATCHWEB
     attempts = batch.delivery_attempts + 1
-    reason = exc.message if isinstance(exc, ServiceError) else f"{type(exc).__name__}: {exc}"
+    # The batch's object and page show the reason: never the storage's address, which the
+    # log keeps for the operator (jobs.storage.external.shown_reason).
+    reason = exc.message if isinstance(exc, ServiceError) else shown_reason(exc)
     retry = attempts < conf["DELIVERY_MAX_ATTEMPTS"]
-    log.warning("batch %s: delivery to %s failed (attempt %d%s): %s", batch.pk,
-                batch.output_prefix, attempts, "" if retry else ", the last", reason)
+    log.warning("batch %s: delivery to %s failed (attempt %d%s): %s: %s", batch.pk,
+                batch.output_prefix, attempts, "" if retry else ", the last",
+                type(exc).__name__, exc)
     # Never over a success (an operator's retry may have run beside this attempt).
     Batch.objects.filter(pk=batch.pk).exclude(
         delivery_status=Batch.DeliveryStatus.DELIVERED).update(

@@ -47,13 +47,16 @@ from django.utils import timezone
 from engine.endpoints import CHAT, EMBEDDINGS, REGISTRY, check_body
 from jobs import evalrules
 from jobs.formats.wire import RequestLine
-from jobs.lib import queues
+from jobs.lib import heavy, queues
 from jobs.lib.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.models import Batch, EvalRun, EvalSet, File
 from jobs.prompts import ceiling, room_for
 from jobs.quality import output_texts
-from jobs.services.budgets import Estimate, estimate
+from jobs.services.budgets import Estimate, estimate, lock_owner
 from jobs.services.files import get_file_for_user, store_file
+from jobs.services.grants import check_source_readable
+from jobs.services.quotas import check_quota
+from jobs.storage.external import shown_reason
 from jobs.storage.lines import iter_lines
 from jobs.storage.objects import open_file, open_range, save_local
 from jobs.storage.temp import local_temp
@@ -102,7 +105,11 @@ def _lines(stream: IO[bytes]) -> Iterator[tuple[int, Any]]:
         if line.content is None:  # longer than a line may be
             yield line.number, None
         elif line.content.strip():
-            yield line.number, json.loads(line.content)
+            try:
+                item = json.loads(line.content)
+            except RecursionError:  # nested deeper than Python parses: as JSON that does not
+                raise ValueError(f"line {line.number} is nested too deeply") from None
+            yield line.number, item
 
 
 def _item_problem(item: Any, *, rule: str, url: str | None,
@@ -158,19 +165,39 @@ def create_eval_set(*, name: str, path: str | Path, rule: str, owner: Any = None
     url, count = check_set_file(path=path, rule=rule)
     with open(path, "rb") as stream:
         digest = hashlib.file_digest(stream, "sha256").hexdigest()
+    size = Path(path).stat().st_size
     storage_name = save_local(path, "evalsets")
     try:
         # A savepoint: a caller's transaction (the admin's) goes on after a refusal.
         with transaction.atomic():
+            if owner is not None:
+                _admit_own_set(owner=owner, size=size)
             return EvalSet.objects.create(
                 name=name, owner=owner, url=url, storage_name=storage_name,
-                bytes=Path(path).stat().st_size, item_count=count, sha256=digest, rule=rule,
+                bytes=size, item_count=count, sha256=digest, rule=rule,
                 tolerance=tolerance, embedding_model=embedding_model, similarity=similarity,
                 drift_threshold=drift_threshold, watch_models=list(watch_models or []))
     except IntegrityError:
         default_storage.delete(storage_name)
         raise ServiceError(f"An eval set named {name!r} exists already.", param="name") \
             from None
+    except ServiceError:
+        default_storage.delete(storage_name)
+        raise
+
+
+def _admit_own_set(*, owner: Any, size: int, lock: bool = True) -> None:
+    """Refuse a user's new set of `size` bytes past MAX_OWN_SETS or their stored-bytes
+    quota (a set is a stored copy, counted as their files are: jobs.services.quotas).
+    With `lock` (inside the transaction that creates the set), checked under the owner's
+    lock, as a batch's quotas are, so that two creates at the same instant cannot both take
+    the last room; without, an early refusal before the set's file is checked."""
+    if lock:
+        lock_owner(owner)
+    if EvalSet.objects.filter(owner=owner).count() >= MAX_OWN_SETS:
+        raise ServiceError(f"You have {MAX_OWN_SETS} eval sets, the most one user may keep; "
+                           "delete one first.", code="too_many_eval_sets")
+    check_quota(owner=owner, file_bytes=size)
 
 
 def check_set_file(*, path: str | Path, rule: str) -> tuple[str, int]:
@@ -188,7 +215,7 @@ def check_set_file(*, path: str | Path, rule: str) -> tuple[str, int]:
                 seen.add(item["custom_id"])
                 if len(seen) > MAX_ITEMS:
                     raise ServiceError(f"A set holds at most {MAX_ITEMS} items.", param="file")
-        except ValueError as exc:  # not UTF-8, or JSON that does not parse
+        except ValueError as exc:  # not UTF-8, JSON that does not parse, or nested too deeply
             raise ServiceError(f"The file is not JSONL: {exc}", param="file") from None
     if not seen:
         raise ServiceError("The set holds no items.", param="file")
@@ -238,12 +265,23 @@ def _option(value: Any, *, param: str, default: float, low: float,
     return float(value)
 
 
+def _heavy_turn(owner: Any) -> heavy.Guard:
+    """A set is checked line by line and stored: one of a user's at a time (429)."""
+    return heavy.one_per_user_or_refuse(owner.pk, doing="creating an eval set")
+
+
 def create_own_eval_set(*, owner: Any, name: Any, path: str | Path, rule: Any,
-                        tolerance: Any = None, embedding_model: Any = None,
-                        similarity: Any = None, drift_threshold: Any = None) -> EvalSet:
-    """A user's own set (the API and the dashboard), from a local JSONL the caller owns:
-    the rule's options checked as a client may send them, at most MAX_OWN_SETS a user. Only
-    the operator's sets watch models (the admin)."""
+                        **options: Any) -> EvalSet:
+    """A user's own set (the dashboard), from a local JSONL the caller owns: the rule's
+    options checked as a client may send them, at most MAX_OWN_SETS a user, its bytes in
+    their stored-bytes quota. Only the operator's sets watch models (the admin)."""
+    with _heavy_turn(owner):
+        return _create_own(owner=owner, name=name, path=path, rule=rule, **options)
+
+
+def _create_own(*, owner: Any, name: Any, path: str | Path, rule: Any,
+                tolerance: Any = None, embedding_model: Any = None,
+                similarity: Any = None, drift_threshold: Any = None) -> EvalSet:
     if not isinstance(rule, str):
         raise ServiceError(f"rule must be one of {', '.join(evalrules.RULES)}.", param="rule")
     if embedding_model is not None and not isinstance(embedding_model, str):
@@ -254,12 +292,11 @@ def create_own_eval_set(*, owner: Any, name: Any, path: str | Path, rule: Any,
     checked_threshold = _option(drift_threshold, param="drift_threshold", default=0.05, low=0,
                                 high=1)
     limit = settings.BATCHWEB["MAX_FILE_BYTES"]
-    if Path(path).stat().st_size > limit:
+    size = Path(path).stat().st_size
+    if size > limit:
         raise ServiceError(f"The file is larger than {limit} bytes.", status=413,
                            code="file_too_large", param="file")
-    if EvalSet.objects.filter(owner=owner).count() >= MAX_OWN_SETS:
-        raise ServiceError(f"You have {MAX_OWN_SETS} eval sets, the most one user may keep; "
-                           "delete one first.", code="too_many_eval_sets")
+    _admit_own_set(owner=owner, size=size, lock=False)
     return create_eval_set(name=name, path=path, rule=rule, owner=owner,
                            tolerance=checked_tolerance, embedding_model=embedding_model or "",
                            similarity=checked_similarity, drift_threshold=checked_threshold)
@@ -275,10 +312,11 @@ def create_eval_set_from_file(*, owner: Any, file_id: Any, **fields: Any) -> Eva
     if file.purpose != File.Purpose.BATCH:
         raise ServiceError("The file must be one you uploaded (purpose 'batch').",
                            param="file_id")
-    with local_temp(".evalset") as path:
+    check_source_readable(file=file, param="file_id")
+    with _heavy_turn(owner), local_temp(".evalset") as path:
         with open(path, "wb") as target, open_file(file) as stream:
             shutil.copyfileobj(stream, target)
-        return create_own_eval_set(owner=owner, path=path, **fields)
+        return _create_own(owner=owner, path=path, **fields)
 
 
 def delete_eval_set(*, eval_set: EvalSet, user: Any) -> None:
@@ -306,17 +344,31 @@ def delete_eval_set(*, eval_set: EvalSet, user: Any) -> None:
         locked.delete()
 
 
-def eval_ceiling(*, eval_set: EvalSet, model: str, first_model: str | None) -> Estimate:
+def eval_ceiling(*, eval_set: EvalSet, model: str, first_model: str | None,
+                 guard: heavy.Guard | None = None) -> Estimate:
     """The most a run of the set beside a batch of `model` could cost: its requests as the
     run sends them (named `first_model`, the batch's first request's model), priced as
-    that model's (jobs.services.budgets). Streamed: a set holds at most MAX_ITEMS."""
+    that model's (jobs.services.budgets). A pass over the set (streamed: it holds at most
+    MAX_ITEMS) made under `guard` only the first time: a stored set never changes, so its
+    tokens are cached by its content, the model as served and this deployment's limits;
+    the price is applied to them at every call."""
+    from jobs.engines import model_spec
+
     named = first_model or model
-    room = room_for(model)
-    tokens = [0, 0]
-    with open_range(eval_set.storage_name, 0) as stream:
-        for _, item in _lines(stream):
-            line = RequestLine(item["custom_id"], eval_set.url, {**item["body"], "model": named})
-            tokens = [a + b for a, b in zip(tokens, ceiling(line, room), strict=True)]
+
+    def count() -> list[int]:
+        room = room_for(model)
+        tokens = [0, 0]
+        with open_range(eval_set.storage_name, 0) as stream:
+            for _, item in _lines(stream):
+                line = RequestLine(item["custom_id"], eval_set.url,
+                                   {**item["body"], "model": named})
+                tokens = [a + b for a, b in zip(tokens, ceiling(line, room), strict=True)]
+        return tokens
+
+    depends = heavy.version(eval_set.sha256, named, model_spec(model),
+                            sorted(settings.BATCHWEB.items()))
+    tokens = heavy.cached(f"evalceiling:{eval_set.pk}:{depends}", count, guard=guard)
     return estimate(model=model, ceilings={named: tokens})
 
 
@@ -380,8 +432,9 @@ def _start_run(*, eval_set: EvalSet, batch: Batch, trigger: str,
         run_batch = _run_batch(run, eval_set, batch)
     except Exception as exc:
         log.exception("eval run %s could not start", run.pk)
+        # Shown on the batch page: never the storage's address (the log has it).
         EvalRun.objects.filter(pk=run.pk).update(status=EvalRun.Status.ERROR,
-                                                 error=f"{type(exc).__name__}: {exc}")
+                                                 error=shown_reason(exc))
         refresh_batch(batch_id=batch.pk)
         return run
     EvalRun.objects.filter(pk=run.pk).update(run_batch=run_batch)

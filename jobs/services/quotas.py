@@ -8,10 +8,11 @@ row (see `Quota`). What counts:
   one is needed, waiting does not help).
 - max_stored_bytes: the sum of `File.bytes` over all of the user's files (input, output and
   error files; not those registered by reference, read in place from the user's own
-  bucket), plus the declared size of each pending upload (its parts are on their way
-  to it, and completing it must not need more room), plus the parts left of uploads no
-  longer pending until cleanup deletes them, plus the new file (429: delete files or wait
-  for them to expire).
+  bucket), plus the bytes of their own eval sets (each a stored copy of its JSONL, which
+  outlives the file it was made from), plus the declared size of each pending upload (its
+  parts are on their way to it, and completing it must not need more room), plus the parts
+  left of uploads no longer pending until cleanup deletes them, plus the new file or set
+  (429: delete files or sets, or wait for files to expire).
 - open uploads: at most BATCHWEB_MAX_OPEN_UPLOADS pending uploads per user (a site-wide
   setting, 429), so reserving storage through uploads that are never completed is bounded.
 - max_active_batches: the user's batches validating, in progress, finalizing or cancelling,
@@ -43,7 +44,17 @@ from django.db.models import F, Q, Sum
 from django.utils import timezone
 
 from jobs.lib.errors import ServiceError
-from jobs.models import Batch, EvalRun, File, Quota, Shard, Upload, UploadPart, UsageRecord
+from jobs.models import (
+    Batch,
+    EvalRun,
+    EvalSet,
+    File,
+    Quota,
+    Shard,
+    Upload,
+    UploadPart,
+    UsageRecord,
+)
 
 LABELS = {
     "max_file_bytes": "file size",
@@ -129,9 +140,10 @@ def stored_bytes(owner: Any, *, but_upload: str | None = None) -> int:
         upload__status=Upload.Status.PENDING, upload__expires_at__gt=now)
     if but_upload is not None:
         pending = pending.exclude(pk=but_upload)
-    # A file registered by reference is read in place: it takes no room here.
+    # A file registered by reference is read in place: it takes no room here. An eval set
+    # is a copy in the service's storage, whatever it was made from.
     return (total(File.objects.filter(owner=owner, source="")) + total(pending)
-            + total(leftover_parts))
+            + total(leftover_parts) + total(EvalSet.objects.filter(owner=owner)))
 
 
 def _open_uploads(owner: Any, *, now: datetime) -> Any:
@@ -185,7 +197,8 @@ def check_quota(*, owner: Any, file_bytes: int | None = None,
         if limit is not None and stored and held + file_bytes > limit:
             raise _refuse("max_stored_bytes", f"you store {held:,} of {limit:,} bytes "
                                               f"allowed; this file adds {file_bytes:,}. "
-                                              "Delete files or wait for them to expire.")
+                                              "Delete files or eval sets, or wait for "
+                                              "files to expire.")
     if batch_requests is not None:
         limit = limits["max_requests_per_batch"]
         with_set = f" (with {eval_requests:,} of its eval set)" if eval_requests else ""

@@ -12,8 +12,10 @@ deleting the File never deletes the object.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from jobs.lib import heavy
 from jobs.lib.errors import ServiceError
 from jobs.models import File
 from jobs.services.files import (
@@ -24,8 +26,10 @@ from jobs.services.files import (
     scan_jsonl,
 )
 from jobs.services.grants import reach
-from jobs.storage.external import ObjectChanged, ObjectRef, head
+from jobs.storage.external import ObjectChanged, ObjectRef, head, shown_reason
 from jobs.storage.objects import open_range
+
+log = logging.getLogger(__name__)
 
 
 def register_reference(*, owner: Any, source: Any, purpose: Any,
@@ -47,7 +51,9 @@ def register_reference(*, owner: Any, source: Any, purpose: Any,
     try:
         expires_at = _admit_input(owner=owner, purpose=purpose, expires_after=expires_after,
                                   size=info.size, stored=False)
-        with open_range(ref, 0) as stream:
+        # A pass over the whole object: one of a user's heavy requests at a time (429).
+        with heavy.one_per_user_or_refuse(owner.pk, doing="reading a file"), \
+                open_range(ref, 0) as stream:
             scan = _check_requests(scan_jsonl(stream))
     except ServiceError as exc:
         # The upload's own refusals (size, JSONL, limits), about this field.
@@ -67,7 +73,9 @@ def register_reference(*, owner: Any, source: Any, purpose: Any,
 
 
 def _unreadable(url: str, exc: Exception) -> ServiceError:
-    # The storage's own words (AccessDenied, NoSuchBucket, a connection refused): they
-    # name no secret, and tell the operator what to fix.
-    return ServiceError(f"source: the service cannot read {url} ({type(exc).__name__}: "
-                        f"{str(exc)[:300]}).", param="source", code="source_unreadable")
+    # The bucket's own refusal (AccessDenied, NoSuchBucket) tells the user what to ask
+    # for; anything else (a connection refused names the storage's internal address) only
+    # its kind, the detail in the operator's log.
+    log.warning("reading %s failed: %s: %s", url, type(exc).__name__, exc)
+    return ServiceError(f"source: the service cannot read {url} ({shown_reason(exc)}).",
+                        param="source", code="source_unreadable")

@@ -27,10 +27,12 @@ from django.db import transaction
 
 from jobs.formats.result_lines import failed_custom_ids, iter_input_matches
 from jobs.formats.wire import Code
+from jobs.lib import heavy
 from jobs.lib.errors import ServiceError, wrong_state
 from jobs.models import Batch, File
 from jobs.services.batches import MAX_METADATA_PAIRS, create_batch
 from jobs.services.files import create_input_file, delete_file
+from jobs.services.grants import check_source_readable
 from jobs.storage.external import ObjectChanged
 from jobs.storage.objects import open_file
 from jobs.storage.temp import local_temp
@@ -118,8 +120,12 @@ def rerun_requests(*, batch: Batch, owner: Any, kinds: Collection[str] = RETRYAB
     if source is None:
         raise ServiceError("The input file of this batch was deleted; it cannot be rerun.",
                            code="input_file_deleted", param="input_file_id")
+    check_source_readable(file=source, param="input_file_id")
     written = 0
-    with local_temp(".rerun") as path:
+    # The copy is a pass over the input and a check of the new file: one of a user's at a
+    # time. Let go before create_batch, whose own check takes the same guard.
+    with heavy.one_per_user_or_refuse(owner.pk, doing="rerunning a batch"), \
+            local_temp(".rerun") as path:
         try:
             with open(path, "wb") as target, open_file(source) as stream:
                 for _custom_id, raw in iter_input_matches(stream, wanted.__contains__):

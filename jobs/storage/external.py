@@ -8,7 +8,8 @@ named by `s3://bucket/key`, read in place and written to with the service's cred
   objects are read (one Range GET, streamed), but only the version that was registered:
   the GET asks for its ETag (If-Match) and its answer is checked (ETag and whole size), so
   a replaced object raises `ObjectChanged` instead of handing out other data;
-- `open_writer` writes an object streamed, as a multipart upload of PART_BYTES at a time.
+- `open_writer` writes an object streamed, as a multipart upload of PART_BYTES at a time;
+- `shown_reason` is what a user is told of a failure of any of these (never an address).
 
 Nothing here knows users or grants: jobs.services.grants decides who may name what.
 """
@@ -196,6 +197,24 @@ def client_for(credentials: str) -> Any:
 
 def _error_code(exc: Any) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def shown_reason(exc: BaseException) -> str:
+    """What a user is told of a failed storage call: the bucket's own refusal (its code and
+    message, e.g. "AccessDenied: Access Denied"), a changed object's story, or else only
+    the kind of failure. Connection errors name the endpoint they tried ("Could not connect
+    to the endpoint URL: http://<host>:9000/..."), an address of the operator's network:
+    the caller logs that detail for the operator, users never see it."""
+    from botocore.exceptions import ClientError
+
+    if isinstance(exc, ObjectChanged):
+        return str(exc)
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        code = str(error.get("Code", "")) or type(exc).__name__
+        message = str(error.get("Message", ""))[:200]
+        return f"{code}: {message}" if message else code
+    return f"{type(exc).__name__} (the operator's log has the detail)"
 
 
 def head(location: S3Location, *, credentials: str) -> ObjectInfo | None:

@@ -44,9 +44,9 @@ def eval_set_list(request: SignedInRequest) -> HttpResponse:
                     drift_threshold=data.get("drift_threshold"))
             except ServiceError as exc:
                 # A field's own problem beside it; a line's (whatever it names) beside the
-                # file; the limit above the form.
+                # file; a limit (sets, stored bytes, one at a time) above the form.
                 field = (exc.param if exc.param in form.fields else
-                         None if exc.code == "too_many_eval_sets" else "upload")
+                         "upload" if exc.param else None)
                 form.add_error(field, exc.message)
             else:
                 messages.success(request, f"Created the eval set {created.name} "

@@ -265,7 +265,8 @@ def test_drift_shows_on_the_page_the_list_the_api_and_metrics(make_pipeline, run
     settings.BATCHWEB = {**settings.BATCHWEB, "METRICS_TOKEN": "scrape"}
     metrics = site.get("/metrics", HTTP_AUTHORIZATION="Bearer scrape").content.decode()
     assert "batchweb_batches_eval_drift 1.0" in metrics
-    assert 'batchweb_eval_score{eval_set="capitals",model="echo-test"} 0.6' in metrics
+    assert (f'batchweb_eval_score{{eval_set="evalset_{eval_set.pk}",model="echo-test"}} 0.6'
+            in metrics)
 
 
 def test_a_run_is_accepted_as_the_baseline_by_the_sets_owner(make_pipeline, run_with_eval,
