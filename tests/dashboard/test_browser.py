@@ -177,8 +177,10 @@ def test_upload_watch_inspect_download_rerun(live_server, user, workers, browser
     page.click("nav.tabs >> text=Results")
     page.fill("#search-result-list", "req-17")
     page.click("form.search button")
+    # A function, not an expression: Playwright evaluates an expression with eval, which
+    # the pages' Content-Security-Policy refuses.
     page.wait_for_function(
-        "document.querySelectorAll('#result-list article').length === 1")
+        "() => document.querySelectorAll('#result-list article').length === 1")
     found = page.locator("#result-list").inner_text()
     assert "req-17" in found and "hello number 17" in found and "echo: hello number 17" in found
     assert page.evaluate("location.search").startswith("?q=req-17")
