@@ -373,6 +373,14 @@ def metrics_view(request: HttpRequest) -> HttpResponse:
     return HttpResponse(render_metrics(), content_type=CONTENT_TYPE_LATEST)
 
 
+# Eval sets are users' data: their series are labelled by the set's id as the API shows it
+# (unique, where two owners' sets may share a name), and only for the sets of runs whose
+# batch is active or that started or were scored within EVAL_WINDOW, the newest
+# EVAL_SETS_SHOWN of them, so the series a scrape holds stay few whatever users create.
+EVAL_WINDOW = timedelta(hours=24)
+EVAL_SETS_SHOWN = 100
+
+
 def eval_metrics() -> Iterator[Metric]:
     """Drift: the batches flagged, and the shown sets' runs and newest score on each
     model."""
@@ -383,14 +391,6 @@ def eval_metrics() -> Iterator[Metric]:
                               "Batches an eval run scored below its baseline.")
     drift.add_metric([], Batch.objects.filter(eval_drift=True).count())
     yield drift
-# Eval sets are users' data: their series are labelled by the set's id as the API shows it
-# (unique, where two owners' sets may share a name), and only for the sets of runs whose
-# batch is active or that started or were scored within EVAL_WINDOW, the newest
-# EVAL_SETS_SHOWN of them, so the series a scrape holds stay few whatever users create.
-EVAL_WINDOW = timedelta(hours=24)
-EVAL_SETS_SHOWN = 100
-
-
     since = timezone.now() - EVAL_WINDOW
     lately = EvalRun.objects.filter(Q(batch__status__in=Batch.ACTIVE) | Q(created_at__gte=since)
                                     | Q(scored_at__gte=since))
