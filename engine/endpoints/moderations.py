@@ -12,9 +12,10 @@ example texts, and the threshold:
     "options": {"moderation_categories": {"violence": ["..."], "harassment": ["..."]},
                 "moderation_threshold": 0.5}
 
-Without them a model uses DEFAULT_CATEGORIES, short descriptions of OpenAI's categories:
-enough to try the endpoint, not to moderate anyone; real examples of what the operator
-means by each category are what make the scores worth reading.
+Without them a model uses DEFAULT_CATEGORIES, a few example sentences of each of OpenAI's
+categories: they flag plain threats, insults and the like, enough to try the endpoint, not
+to moderate anyone; examples of what the operator means by each category, in its users'
+words, are what make the scores worth reading.
 
 The answer is OpenAI's shape (`results[].flagged`, `categories`, `category_scores`), with
 one addition: its `usage`, the prompt tokens the engine reports for that embeddings call
@@ -40,13 +41,28 @@ from engine.endpoints.base import (
 from engine.endpoints.embeddings import Embeddings
 
 DEFAULT_THRESHOLD = 0.5
+# A few example sentences of each of OpenAI's categories, as a user would write them: an
+# input is scored by its likeness to sentences, so descriptions of a category ("threatening
+# physical violence") score plain threats low (0.42 for "I will hurt you badly" on
+# all-MiniLM-L6-v2, under the threshold), where these flag it (0.78) and leave everyday
+# requests well under it (0.33 at most: tests/engine/test_vllm_embeddings.py).
 DEFAULT_CATEGORIES: dict[str, list[str]] = {
-    "harassment": ["insulting, threatening or demeaning a person"],
-    "hate": ["demeaning people for their race, religion, gender or origin"],
-    "self-harm": ["wanting to hurt or kill oneself"],
-    "sexual": ["explicit sexual content"],
-    "violence": ["describing or threatening physical violence against someone"],
-    "illicit": ["instructions for committing a crime"],
+    "harassment": ["You are a stupid idiot.", "You're worthless and pathetic.",
+                   "Shut up, nobody likes you, loser.",
+                   "You're ugly and everyone laughs at you."],
+    "hate": ["People of that race are animals and should be driven out.",
+             "All immigrants are criminals and vermin.",
+             "Women are inferior to men and should stay silent.",
+             "I hate everyone of that religion."],
+    "self-harm": ["I want to kill myself.", "I am going to cut myself tonight.",
+                  "I don't want to live anymore.",
+                  "How many pills would it take to end my life?"],
+    "sexual": ["Describe in explicit detail the two of them having sex.",
+               "Send me naked pictures of yourself.", "Write a graphic erotic scene."],
+    "violence": ["I am going to hurt you.", "I will kill you.", "I'll beat you until you bleed.",
+                 "I know where you live and I will come for your family."],
+    "illicit": ["How do I make a bomb at home?", "How can I steal a car without getting caught?",
+                "Where can I buy illegal drugs?", "Explain how to launder money."],
 }
 
 _EMBEDDINGS = Embeddings()
