@@ -29,10 +29,11 @@ def ticks(top: float) -> list[float]:
 
 
 def tick_label(value: float) -> str:
-    """A tick's number: thousands separated, a decimal only where the value has one."""
+    """A tick's number: thousands separated, decimals only as many as the value has (a
+    day's cost may be a few millionths)."""
     if value == int(value):
         return f"{int(value):,}"
-    return f"{value:,.2f}".rstrip("0").rstrip(".")
+    return f"{value:,.9f}".rstrip("0").rstrip(".")
 
 
 @dataclass(frozen=True)

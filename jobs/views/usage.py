@@ -69,8 +69,9 @@ def chart(rows: list[dict[str, Any]], *, start: date, days: int) -> dict[str, An
     peak = max((sum(d.values()) for d in by_day.values()), default=0.0)
     if peak <= 0:
         return None
+    # Ticks in money (the currency in the axis's unit) or tokens.
     scale = axis(peak, height=CHART_HEIGHT, label=(
-        (lambda value: format_cost(int(value))) if measure == "cost_nanos" else tick_label))
+        (lambda value: tick_label(value / 1e9)) if measure == "cost_nanos" else tick_label))
     ranked = sorted(totals, key=lambda m: -totals[m])
     series = {m: min(i, CHART_MODELS) for i, m in enumerate(ranked)}
     width = CHART_WIDTH / days
@@ -89,6 +90,8 @@ def chart(rows: list[dict[str, Any]], *, start: date, days: int) -> dict[str, An
               for i, m in enumerate(ranked) if i <= CHART_MODELS]
     return {"bars": bars, "legend": legend, "width": CHART_WIDTH, "height": CHART_HEIGHT,
             "measure": "cost" if measure == "cost_nanos" else "tokens", "axis": scale,
+            "unit": f"{rows[0]['currency'].upper()} a day" if measure == "cost_nanos"
+            else "tokens a day",
             "peak": format_cost(int(peak)) if measure == "cost_nanos" else f"{int(peak):,}"}
 
 

@@ -260,3 +260,21 @@ def test_usage_page_filters_clear_of_the_cards_and_chart_with_a_scale(live_serve
         assert scrolled[width] <= width, scrolled
     context.close()
 
+
+
+def test_usage_chart_scale_in_money(site, user):
+    """Priced usage: the axis's unit is the currency a day, its ticks the amounts in it,
+    down to the millionths a few requests cost."""
+    from jobs.models import UsageRecord
+    from jobs.services.ledger import add_to_days
+
+    UsageRecord.objects.create(owner=user, batch_id="batch_p", shard_id="shard_p",
+                               model="echo-test", base_model="echo-test",
+                               endpoint="/v1/chat/completions", requests_succeeded=12,
+                               input_tokens=36, output_tokens=48, cost_nanos=414_000)
+    add_to_days(list(UsageRecord.objects.filter(owner=user)))
+    page = site.get("/usage/").content.decode()
+    axis = page[page.index('class="chart-y-title'):page.index("</svg>")]
+    assert ">USD a day<" in axis
+    ticks = [t.split("<")[0] for t in axis.split('<span class="tick">')[1:]]
+    assert ticks == ["0.0005", "0.00025", "0"]
