@@ -509,8 +509,9 @@ def test_batch_page_eta_is_the_plans_projection(live_server, user, browser, tmp_
         page.screenshot(path=str(ARTIFACTS / f"batch-page-waiting-{width}.png"),
                         full_page=True)
         page.goto(f"{live_server.url}/")
-        assert page.locator(f"#row-{batch.pk} td.eta").inner_text() == (
-            f"{waits} after a worker starts")
+        assert page.locator(f"#row-{batch.pk} td.eta").inner_text() == waits
+        assert page.locator(f"#row-{batch.pk} .waiting").inner_text() == "waits for a worker"
+        page.screenshot(path=str(ARTIFACTS / f"batch-list-waiting-{width}.png"), full_page=True)
     # A worker serves it and 8 of 50 are answered, at its own pace since: the page's ETA
     # is the moment the API gives.
     fleet.report_rate(queues.connection(), "echo-test", fleet.WorkerRate(
