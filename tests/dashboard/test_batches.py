@@ -306,7 +306,8 @@ def test_batch_page_running_and_live_partial(site, user, tmp_path, settings):
     Shard.objects.filter(batch=batch, index=1).update(
         status="running", attempt=2, failures=1, recomputed=10,
         started_at=now - timedelta(seconds=5),
-        completed=4, failed=1, input_tokens=20, output_tokens=12, heartbeat_at=now)
+        completed=4, failed=1, ran_ok=4, ran_failed=1, input_tokens=20, output_tokens=12,
+        heartbeat_at=now)
     refresh_progress(batch_id=batch.pk)  # as the worker's heartbeat does
     page = site.get(reverse("batch_detail", args=[batch.pk])).content.decode()
     assert "15</strong> of 30 requests" in page
