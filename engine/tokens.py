@@ -11,10 +11,13 @@ message for pieces that split differently where text and template meet.
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
 from typing import Any
 
 from engine.base import ModelSpec
 from engine.endpoints import endpoint, text_parts
+from engine.endpoints.base import TOOL_TOKENS
 
 # Tokens a message's text and the template around it can add by splitting differently
 # where they meet than each does alone.
@@ -37,10 +40,13 @@ class PromptCounter:
     def __init__(self, spec: ModelSpec) -> None:
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.path)
-        template = spec.options.get("chat_template")
-        self.chat_template: str | None = template if isinstance(template, str) else None
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            spec.options.get("tokenizer") or spec.path)
+        self.chat_template = chat_template(spec.options.get("chat_template"))
         self._overheads: dict[tuple[str, ...], int] = {}
+        # A fast tokenizer refuses to be used by two threads at once ("Already borrowed"):
+        # a web process checks several files' budgets on its threads.
+        self._lock = threading.Lock()
 
     def count(self, url: str, body: dict[str, Any]) -> int:
         """The prompt's tokens, exactly (for several prompts or inputs: the largest)."""
@@ -48,6 +54,28 @@ class PromptCounter:
         if found.kind == "chat":
             return len(self._chat_ids(_messages(found.messages(body))))
         return max((self._plain_count(p) for p in found.prompts(body)), default=0)
+
+    def prompt_bound(self, url: str, body: dict[str, Any]) -> int | None:
+        """An upper bound of the prompt tokens the engine counts for a request, media
+        aside: a chat prompt rendered by the model's own template with its tools
+        (`Endpoint.template_input`, as vLLM hands them over), plus JOIN_SLACK a message
+        and TOOL_TOKENS a tool or tool call for what vLLM's request models add that this
+        rendering does not (defaults such as a tool's `strict`, ids); the other kinds'
+        prompts counted one by one, each with its special tokens. None where the template
+        cannot render the prompt (the engine then refuses it too): the caller falls back
+        to the bound without a tokenizer."""
+        found = endpoint(url)
+        with self._lock:
+            if found.kind != "chat":
+                return sum(self._plain_count(p) + JOIN_SLACK for p in found.prompts(body))
+            shown = found.template_input(body)
+            try:
+                tokens = len(self._render(shown.messages, shown.tools or None))
+            except Exception:  # a template's own raise_exception, a role order it refuses
+                return None
+        calls = sum(len(m.get("tool_calls") or ()) for m in shown.messages)
+        return (tokens + JOIN_SLACK * len(shown.messages)
+                + TOOL_TOKENS * (len(shown.tools) + calls))
 
     def bound(self, estimate: int, messages: int) -> int:
         """A loose upper bound of the count of a prompt of `messages` messages (0 for a plain
@@ -82,9 +110,13 @@ class PromptCounter:
     # --- helpers ---
 
     def _chat_ids(self, messages: list[tuple[str, str]]) -> list[int]:
+        return self._render([{"role": role, "content": text} for role, text in messages])
+
+    def _render(self, messages: list[dict[str, Any]],
+                tools: list[Any] | None = None) -> list[int]:
         ids = self.tokenizer.apply_chat_template(
-            [{"role": role, "content": text} for role, text in messages],
-            chat_template=self.chat_template, add_generation_prompt=True, tokenize=True)
+            messages, tools=tools, chat_template=self.chat_template,
+            add_generation_prompt=True, tokenize=True)
         if not isinstance(ids, list):  # newer transformers return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
@@ -103,3 +135,13 @@ class PromptCounter:
         if isinstance(prompt, str):
             return len(self.tokenizer(prompt)["input_ids"])
         return len(prompt) if isinstance(prompt, list) else 0
+
+
+def chat_template(option: Any) -> str | None:
+    """A model's `chat_template` option as vLLM reads it: a file's path, or the template
+    itself; None: the tokenizer's own."""
+    if not isinstance(option, str) or not option:
+        return None
+    if "{" not in option and Path(option).is_file():
+        return Path(option).read_text()
+    return option

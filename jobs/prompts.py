@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from django.conf import settings
 
+from engine.base import ModelSpec
 from engine.endpoints import endpoint
+from engine.tokens import PromptCounter
 from jobs.engines import model_spec
 from jobs.formats.wire import RequestLine
 
@@ -40,12 +43,15 @@ def estimate_tokens(line: RequestLine, chars: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class Room:
-    """What a model leaves a request's output: its context (the registry's max_model_len;
-    None where it does not say) less the prompt, at most the service's cap
-    (BATCHWEB_MAX_TOKENS_CAP)."""
+    """What a model leaves a request: its context (the registry's max_model_len; None where
+    it does not say) less the prompt, at most the service's cap (BATCHWEB_MAX_TOKENS_CAP);
+    and how its prompts are bounded: by its own tokenizer and chat template where this host
+    has them (`counter`), each media part at `media_tokens`."""
 
     context: int | None
     cap: int
+    counter: PromptCounter | None = None
+    media_tokens: int = 0
 
     def after(self, prompt_tokens: int) -> int:
         if self.context is None:
@@ -56,14 +62,53 @@ class Room:
 def room_for(model: str | None) -> Room:
     """The room of a served model's requests (an adapter's are its base model's)."""
     spec = model_spec(model) if model else None
-    context = spec.options.get("max_model_len") if spec is not None else None
-    return Room(context=int(context) if context else None,
-                cap=int(settings.BATCHWEB["MAX_TOKENS_CAP"]))
+    options = spec.options if spec is not None else {}
+    context = int(options["max_model_len"]) if options.get("max_model_len") else None
+    cap = int(settings.BATCHWEB["MAX_TOKENS_CAP"])
+    # What one image, audio clip or file may cost at most: the registry's
+    # `max_tokens_per_media`, else all of the model's context.
+    media = options.get("max_tokens_per_media") or context or cap
+    return Room(context=context, cap=cap, counter=counter_for(spec), media_tokens=int(media))
+
+
+_COUNTERS: dict[tuple[str, str, str], PromptCounter | None] = {}
+_COUNTERS_LOCK = threading.Lock()
+
+
+def counter_for(spec: ModelSpec | None) -> PromptCounter | None:
+    """The prompt counter of a model whose tokenizer this host has (a vLLM model's files,
+    or a remote model's `tokenizer` option), loaded once per process; None for the others
+    (the test engine, a remote model that names none) or where transformers is not
+    installed (a web image without the engine)."""
+    if spec is None:
+        return None
+    source = spec.options.get("tokenizer") or (spec.path if spec.backend == "vllm" else "")
+    if not source:
+        return None
+    key = (spec.name, str(source), str(spec.options.get("chat_template") or ""))
+    with _COUNTERS_LOCK:
+        if key not in _COUNTERS:
+            try:
+                _COUNTERS[key] = PromptCounter(spec)
+            except (ImportError, OSError):
+                _COUNTERS[key] = None
+        return _COUNTERS[key]
+
+
+def prompt_bound(line: RequestLine, room: Room) -> int:
+    """The most prompt tokens the engine can count for a request: by the model's own
+    tokenizer and template where `room` has them, else one token per byte
+    (`Endpoint.prompt_bound`); each media part at the model's `media_tokens`."""
+    found = endpoint(line.url)
+    tokens = room.counter.prompt_bound(line.url, line.body) if room.counter else None
+    if tokens is None:
+        tokens = found.prompt_bound(line.body)
+    return tokens + room.media_tokens * found.media(line.body)
 
 
 class Ceiling(NamedTuple):
-    """The most a request can use: its prompt's tokens (`Endpoint.prompt_bound`) and its
-    output tokens, all answers together."""
+    """The most a request can use: its prompt's tokens (`prompt_bound`) and its output
+    tokens, all answers together."""
 
     input_tokens: int
     output_tokens: int
@@ -74,17 +119,21 @@ def ceiling(line: RequestLine, room: Room) -> Ceiling:
     the one it runs with (`output_room`), never 0. A refused line never runs: nothing."""
     if line.refused is not None:
         return Ceiling(0, 0)
-    found = endpoint(line.url)
-    prompt = found.prompt_bound(line.body)
-    return Ceiling(prompt, found.output_ceiling(line.body, room=room.after(prompt)))
+    prompt = prompt_bound(line, room)
+    return Ceiling(prompt, endpoint(line.url).output_ceiling(line.body,
+                                                            room=room.after(prompt)))
 
 
 def output_room(line: RequestLine, room: Room) -> int:
     """The output limit of one answer `ceiling` counted for a request that names none: the
     worker hands it to the engine with the request (`EngineRequest.output_room`), which
     sends it on as the request's limit (else the engine would generate up to the model's
-    context, past what the budget counted)."""
-    return room.after(endpoint(line.url).prompt_bound(line.body))
+    context, past what the budget counted). 0 for a request with a limit of its own (the
+    engine sends that one): its prompt is not bounded again."""
+    found = endpoint(line.url)
+    if found.named_limit(line.body) is not None or found.default_limit is not None:
+        return 0
+    return room.after(prompt_bound(line, room))
 
 
 def dedup_key(line: RequestLine) -> bytes | None:

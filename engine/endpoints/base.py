@@ -7,6 +7,7 @@ An endpoint object is stateless: one instance per url, in the registry
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -32,14 +33,23 @@ VLLM_SAMPLING_FIELDS = frozenset({
 # completions' and Anthropic's max_tokens, Responses' max_output_tokens. In the order an
 # engine reads them (chat's max_completion_tokens before its older max_tokens).
 MAX_TOKENS_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
-# What a prompt's text can cost in tokens at most, whatever its script: a tokenizer makes
-# at most one token of each UTF-8 byte, and far fewer for any real text (English ~1 in 4,
-# Chinese and Japanese ~1 in 2-3, emoji 1-2 in 4); half the bytes holds for all of them,
-# where a quarter of the characters undercounts CJK and emoji several times.
-BYTES_PER_TOKEN_BOUND = 2
 # Tokens a chat template adds around one message (role markers, separators) at most, for
 # the templates of the models served here (SmolLM2's and Llama's add 4-6).
 TEMPLATE_TOKENS = 8
+# A chat template's own text once a prompt (a default system prompt when the first message
+# is not one: SmolLM2's ~20 tokens, Llama 3.1's and Qwen's about as many), for a model whose
+# template cannot be rendered here.
+TEMPLATE_FIXED_TOKENS = 64
+# What a template may add around each tool, tool call or tool result beyond their JSON
+# (markers such as <tool_call>, an id, a "Tool result: " prefix vLLM's Anthropic layer writes).
+TOOL_TOKENS = 16
+# A template's fixed text when a request has tools (the instructions that introduce them;
+# Qwen's and Hermes's are ~100-150 tokens), for a model whose template cannot be rendered here.
+TOOLS_PREAMBLE_TOKENS = 512
+# Content part and block types that are media: each costs what its model makes of it
+# (`Room.media_tokens`), not its bytes.
+MEDIA_TYPES = frozenset({"image_url", "input_audio", "file", "video_url", "audio_url", "image",
+                         "input_image", "input_file"})
 
 
 class Refusal(NamedTuple):
@@ -78,6 +88,64 @@ def text_parts(value: Any) -> list[str]:
         elif isinstance(item, dict) and isinstance(item.get("text"), str):
             parts.append(item["text"])
     return parts
+
+
+class TemplateInput(NamedTuple):
+    """A chat prompt as a template renders it (`Endpoint.template_input`)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[Any]
+
+
+def dicts(value: Any) -> list[dict[str, Any]]:
+    """The objects of a list field (a body not yet validated may hold anything there)."""
+    return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
+
+
+def json_bytes(value: Any) -> int:
+    """The UTF-8 bytes of `value` as a chat template's `tojson` writes it, at its widest
+    (indented by 4, as Llama's templates do; others write it compact)."""
+    return len(json.dumps(value, ensure_ascii=False, indent=4).encode())
+
+
+def tool_call(call_id: Any, name: Any, arguments: Any) -> dict[str, Any]:
+    """An assistant's tool call as vLLM hands it to a template: its `arguments` parsed
+    from their JSON text where they are JSON (templates write them with `tojson`)."""
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError, RecursionError):
+            arguments = json.loads(arguments)
+    return {"id": call_id or "", "type": "function",
+            "function": {"name": name if isinstance(name, str) else "",
+                         "arguments": arguments if arguments is not None else {}}}
+
+
+def template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """One OpenAI chat message as a template receives it: its text parts joined with
+    newlines (as vLLM joins them for a text model), its tool calls (`tool_call`), and a
+    tool result's `tool_call_id` and `name`."""
+    shown: dict[str, Any] = {"role": str(message.get("role", "user")),
+                             "content": "\n".join(text_parts(message.get("content")))}
+    calls = message.get("tool_calls")
+    if isinstance(calls, list) and calls:
+        shown["tool_calls"] = [
+            tool_call(c.get("id"), (c.get("function") or {}).get("name"),
+                      (c.get("function") or {}).get("arguments"))
+            for c in calls if isinstance(c, dict)]
+    for key in ("tool_call_id", "name"):
+        if isinstance(message.get(key), str):
+            shown[key] = message[key]
+    return shown
+
+
+def count_media(value: Any) -> int:
+    """Media parts in a content value, nested ones included (an Anthropic tool result's)."""
+    if isinstance(value, list):
+        return sum(count_media(item) for item in value)
+    if isinstance(value, dict):
+        if value.get("type") in MEDIA_TYPES:
+            return 1
+        return count_media(value.get("content"))
+    return 0
 
 
 def openai_error(status: int, message: str, param: str | None = None, *,
@@ -333,16 +401,44 @@ class Endpoint:
                         for item in value if not isinstance(item, str | dict))
         return "\n".join(parts), sum(map(len, parts)) + 4 * token_ids
 
+    def template_input(self, body: dict[str, Any]) -> TemplateInput:
+        """The prompt as a chat template receives it from vLLM, for the "chat" kind: its
+        messages in OpenAI's chat shape (`template_message`) and its function tools in
+        chat's shape. Used only to bound the prompt's tokens (`prompt_bound`, and
+        `engine.tokens.PromptCounter.prompt_bound` with the model's own template).
+        Endpoints whose prompt has tools, tool calls or tool results say how they map."""
+        return TemplateInput([template_message(m) for m in self.messages(body)
+                              if isinstance(m, dict)], [])
+
+    def media(self, body: dict[str, Any]) -> int:
+        """How many media parts (images, audio, files) the prompt holds, nested ones
+        included: each costs what its model makes of it, not its bytes."""
+        return sum(count_media(value) for value in self.prompt_values(body))
+
     def prompt_bound(self, body: dict[str, Any]) -> int:
-        """An upper bound of the request's prompt tokens in any script (what the budget's
-        ceiling counts, and what is subtracted from the model's context to give a request
-        its output room): half the UTF-8 bytes of its texts, one token per token id, and
-        TEMPLATE_TOKENS for each message or input."""
+        """An upper bound of the request's prompt tokens, media aside, for a model whose
+        tokenizer is not at hand: a tokenizer never makes more tokens of a text than its
+        UTF-8 bytes (byte-level BPE, SentencePiece with byte fallback, WordPiece), so one
+        token per byte of every text the template renders (message texts, and the JSON of
+        tools and tool calls as `tojson` writes it, indented), plus TEMPLATE_TOKENS a
+        message or input, TEMPLATE_FIXED_TOKENS for a chat template's own text, and
+        TOOL_TOKENS a tool or call and TOOLS_PREAMBLE_TOKENS for its text about tools.
+        Loose (English runs ~4 bytes a token): a model with a tokenizer is bounded by it
+        instead (`engine.tokens`)."""
+        if self.kind == "chat":
+            shown = self.template_input(body)
+            size = TEMPLATE_FIXED_TOKENS + sum(len(m["content"].encode()) + TEMPLATE_TOKENS
+                                               for m in shown.messages)
+            calls = [m["tool_calls"] for m in shown.messages if m.get("tool_calls")]
+            size += sum(json_bytes(c) + TOOL_TOKENS * len(c) for c in calls)
+            if shown.tools:
+                size += (json_bytes(shown.tools) + TOOL_TOKENS * len(shown.tools)
+                         + TOOLS_PREAMBLE_TOKENS)
+            return max(1, size)
         values = self.prompt_values(body)
         size = 0
         for value in values:
-            texts = text_parts(value)
-            size += -(-sum(len(text.encode()) for text in texts) // BYTES_PER_TOKEN_BOUND)
+            size += sum(len(text.encode()) for text in text_parts(value))
             if isinstance(value, list):  # token ids, or token arrays
                 size += sum(len(item) if isinstance(item, list) else 1 for item in value
                             if not isinstance(item, str | dict))

@@ -13,7 +13,9 @@ from engine.endpoints.base import (
     Endpoint,
     Generation,
     Refusal,
+    TemplateInput,
     VllmServing,
+    dicts,
 )
 from engine.endpoints.media import check_parts
 
@@ -87,6 +89,14 @@ class Chat(Endpoint):
         # yet validated may hold other items there).
         messages = body.get("messages")
         return messages if isinstance(messages, list) else []
+
+    def template_input(self, body: dict[str, Any]) -> TemplateInput:
+        """Its messages and `tools`, and the older `functions` as tools (vLLM renders
+        either where its request model keeps them)."""
+        shown = super().template_input(body)
+        tools = dicts(body.get("tools")) + [{"type": "function", "function": f}
+                                            for f in dicts(body.get("functions"))]
+        return shown._replace(tools=tools)
 
     def prompt_text(self, body: dict[str, Any]) -> tuple[str, int]:
         messages = body["messages"]

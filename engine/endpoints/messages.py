@@ -15,10 +15,13 @@ from engine.endpoints.base import (
     Endpoint,
     Generation,
     Refusal,
+    TemplateInput,
     VllmServing,
+    dicts,
     is_int,
     show_messages,
     text_parts,
+    tool_call,
 )
 from engine.endpoints.media import media_problem
 
@@ -152,6 +155,32 @@ class Messages(Endpoint):
         head = [{"role": "system", "content": "".join(text_parts(system))}] if system else []
         messages = body.get("messages")
         return head + (messages if isinstance(messages, list) else [])
+
+    def template_input(self, body: dict[str, Any]) -> TemplateInput:
+        """As vLLM's Anthropic layer turns it into a chat request: its system message, each
+        message's text and thinking blocks as its text, its `tool_use` blocks as tool
+        calls, each `tool_result` as a tool message of its own, and its `tools` as
+        function tools (`input_schema` their parameters)."""
+        shown: list[dict[str, Any]] = []
+        for message in dicts(self.messages(body)):
+            content = message.get("content")
+            blocks = dicts(content)
+            texts = text_parts(content) + [b["thinking"] for b in blocks
+                                           if isinstance(b.get("thinking"), str)]
+            turn: dict[str, Any] = {"role": str(message.get("role", "user")),
+                                    "content": "\n".join(texts)}
+            calls = [tool_call(b.get("id"), b.get("name"), b.get("input"))
+                     for b in blocks if b.get("type") == "tool_use"]
+            if calls:
+                turn["tool_calls"] = calls
+            shown.append(turn)
+            shown += [{"role": "tool", "tool_call_id": str(b.get("tool_use_id") or ""),
+                       "content": "\n".join(text_parts(b.get("content")))}
+                      for b in blocks if b.get("type") == "tool_result"]
+        tools = [{"type": "function", "function": {
+            "name": t.get("name"), "description": t.get("description"),
+            "parameters": t.get("input_schema")}} for t in dicts(body.get("tools"))]
+        return TemplateInput(shown, tools)
 
     def error_body(self, status: int, openai: dict[str, Any]) -> dict[str, Any]:
         return anthropic_error(status, openai["error"]["message"])

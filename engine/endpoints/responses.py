@@ -13,8 +13,13 @@ from engine.endpoints.base import (
     Endpoint,
     Generation,
     Refusal,
+    TemplateInput,
     VllmServing,
+    dicts,
     show_messages,
+    template_message,
+    text_parts,
+    tool_call,
 )
 from engine.endpoints.media import check_parts
 
@@ -191,6 +196,36 @@ class Responses(Endpoint):
                 elif item.get("type") in ("function_call_output", "custom_tool_call_output"):
                     found.append({"role": "tool", "content": item.get("output")})
         return found
+
+    def template_input(self, body: dict[str, Any]) -> TemplateInput:
+        """As vLLM turns it into chat messages: its messages (`messages`), each
+        `function_call` item as an assistant's tool call, the texts of reasoning items as
+        an assistant's text, and its function tools in chat's shape."""
+        shown: list[dict[str, Any]] = []
+        value = body.get("input")
+        items = dicts(value) if isinstance(value, list) else []
+        messages = iter(self.messages(body))
+        if isinstance(body.get("instructions"), str) and body["instructions"]:
+            shown.append(template_message(next(messages)))
+        if isinstance(value, str):
+            shown.append(template_message(next(messages)))
+        for item in items:
+            kind = item.get("type")
+            if isinstance(item.get("role"), str) or kind in (
+                    "function_call_output", "custom_tool_call_output"):
+                shown.append(template_message(next(messages)))
+            elif kind in ("function_call", "custom_tool_call"):
+                shown.append({"role": "assistant", "content": "", "tool_calls": [tool_call(
+                    item.get("call_id"), item.get("name"),
+                    item.get("arguments", item.get("input")))]})
+            elif kind == "reasoning":
+                texts = [t for part in ("summary", "content")
+                         for t in text_parts(item.get(part))]
+                shown.append({"role": "assistant", "content": "\n".join(texts)})
+        tools = [{"type": "function", "function": {
+            "name": t.get("name"), "description": t.get("description"),
+            "parameters": t.get("parameters")}} for t in dicts(body.get("tools"))]
+        return TemplateInput(shown, tools)
 
     def engine_body(self, body: dict[str, Any], *,
                     options: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -67,14 +67,14 @@ class PromptSizeRules:
         return list(range(len(chunk)))  # each line bounded again, or counted (over)
 
     def _counter(self, model: Any) -> PromptCounter | None:
-        """The model's prompt token counter, loaded once; None for a model without a
-        tokenizer (or not served here: validation refuses its lines anyway)."""
+        """The model's prompt token counter (`jobs.prompts.counter_for`, loaded once a
+        process); None for a model without a tokenizer (or not served here: validation
+        refuses its lines anyway)."""
         if not isinstance(model, str):
             return None
         if model not in self.counters:
             from jobs.engines import model_spec
+            from jobs.prompts import counter_for
 
-            spec = model_spec(model)
-            self.counters[model] = (PromptCounter(spec) if spec is not None and
-                                    spec.backend == "vllm" and spec.path else None)
+            self.counters[model] = counter_for(model_spec(model))
         return self.counters[model]

@@ -209,3 +209,52 @@ def test_adapter_requests_are_charged_at_the_adapters_price(user, tmp_path, sett
     assert (base.requests_succeeded, base.requests_failed, base.input_tokens) == (2, 1, 2000)
     assert base.cost_nanos == 2_200_000 and base.currency == "usd"
     assert lora.engine_seconds + base.engine_seconds == pytest.approx(4.0)
+
+
+# 240,000 bytes each way a prompt carries them: as message text, as tool descriptions, as a
+# tool result. Each is rendered into the prompt, so each counts in the budget's bound.
+BULK = "tool description words " * 10_000
+
+
+def tool_heavy_chat(i: int) -> dict:
+    return chat_line(f"t{i}", "hi", max_tokens=1, tools=[{"type": "function", "function": {
+        "name": "lookup", "description": BULK, "parameters": {"type": "object"}}}])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_tools_count_in_the_budget_as_text_does(openai_client, user, prices):
+    """Twenty lines of 240 kB of tool descriptions and max_tokens 1 were accepted on a $1
+    budget with a ceiling of $0.0002: tools were not counted. At $1 per million input
+    tokens (half of $2), 4.8 MB of tools is more than the budget, as 4.8 MB of text is."""
+    set_budget(user, "1")
+    for lines in ([tool_heavy_chat(i) for i in range(20)],
+                  [chat_line(f"x{i}", BULK, max_tokens=1) for i in range(20)]):
+        file = upload(openai_client, jsonl(lines))
+        with pytest.raises(openai.RateLimitError) as caught:
+            openai_client.batches.create(input_file_id=file.id,
+                                         endpoint="/v1/chat/completions",
+                                         completion_window="24h")
+        assert caught.value.body["code"] == "cost_per_month_exceeded"
+    assert not Batch.objects.exists()
+    file = upload(openai_client, jsonl([tool_heavy_chat(0)]))  # one fits
+    openai_client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                 completion_window="24h")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_anthropic_tools_and_tool_results_count_in_the_budget(anthropic_client, user, prices):
+    set_budget(user, "1")
+    tools = [{"name": "lookup", "description": BULK, "input_schema": {"type": "object"}}]
+    result = [{"role": "user", "content": "hi"},
+              {"role": "assistant", "content": [
+                  {"type": "tool_use", "id": "toolu_1", "name": "lookup", "input": {"q": "x"}}]},
+              {"role": "user", "content": [
+                  {"type": "tool_result", "tool_use_id": "toolu_1", "content": BULK}]}]
+    for params in ({"tools": tools, "messages": [{"role": "user", "content": "hi"}]},
+                   {"messages": result}):
+        with pytest.raises(anthropic.RateLimitError) as caught:
+            anthropic_client.messages.batches.create(requests=[
+                {"custom_id": f"m{i}", "params": {"model": "echo-test", "max_tokens": 1,
+                                                  **params}} for i in range(20)])
+        assert caught.value.status_code == 429
+    assert not Batch.objects.exists()
