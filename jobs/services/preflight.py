@@ -85,15 +85,16 @@ def _preflight(report: InputReport) -> Preflight:
 
 
 def model_throughput(model: str, *, now: datetime | None = None) -> float | None:
-    """Requests per second this deployment recently sustained for a model: the requests of
-    its shards that finished within MODEL_HISTORY, over the time from the first of them
-    starting to the last finishing (so shards running side by side count once). None
-    when there is no such history."""
+    """Requests per second this deployment recently sustained for a model: the requests the
+    engine ran for its shards that finished within MODEL_HISTORY (not the lines refused
+    before running nor dedup copies, which take no engine time), over the time from the
+    first of them starting to the last finishing (so shards running side by side count
+    once). None when there is no such history."""
     now = now or timezone.now()
     agg = Shard.objects.filter(
         batch__model=model, status=Shard.Status.DONE, started_at__isnull=False,
         finished_at__gte=now - MODEL_HISTORY).aggregate(
-        requests=Sum("completed"), failed=Sum("failed"), first=Min("started_at"),
+        requests=Sum("ran_ok"), failed=Sum("ran_failed"), first=Min("started_at"),
         last=Max("finished_at"))
     requests = (agg["requests"] or 0) + (agg["failed"] or 0)
     if not requests or agg["first"] is None:

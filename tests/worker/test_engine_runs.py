@@ -8,6 +8,7 @@ import pytest
 
 from jobs.models import Batch, Shard
 from jobs.queries.dashboard import batch_stats
+from jobs.services.preflight import model_throughput
 from tests.factories import chat_line, finalized, run_all_shards, wait_for
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -40,6 +41,8 @@ def test_a_batch_of_refused_lines_ran_nothing(make_batch, make_pipeline):
     assert (batch.failed, len(err)) == (3, 3)
     stats = batch_stats(batch)
     assert stats.rate_avg == 0 and not any(stats.throughput)
+    # Nor do they make the model look fast to the next batch's estimate.
+    assert model_throughput("echo-test") is None
 
 
 def test_mean_context_and_throughput_count_dedup_copies_once(make_batch, make_pipeline):
