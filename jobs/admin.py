@@ -270,7 +270,9 @@ class UsageRecordAdmin(admin.ModelAdmin):
     def cost_display(self, obj: UsageRecord) -> str:
         from jobs.services.pricing import format_cost
 
-        return format_cost(obj.cost_nanos, obj.currency)
+        # The prices it was charged at: none of them set is "not priced", as on every page.
+        return format_cost(obj.cost_nanos, obj.currency, priced=any(
+            (obj.input_price, obj.cached_price, obj.output_price)))
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -312,13 +314,16 @@ def _by_user_and_model(queryset: QuerySet[UsageRecord]) -> list[dict[str, Any]]:
     from django.db.models import Sum
 
     from jobs.queries.usage import SUMS
-    from jobs.services.pricing import format_cost
+    from jobs.services.pricing import format_cost, priced_models
 
     sums = (queryset.order_by().values("owner__username", "model", "currency")
             .annotate(**{name: Sum(name) for name in SUMS}).order_by("-cost_nanos"))
     rows: list[dict[str, Any]] = [dict(row) for row in sums]
+    # As the Usage page: priced if charged, or if its model has a price now.
+    priced = priced_models({row["model"] for row in rows})
     for row in rows:
-        row["cost"] = format_cost(row["cost_nanos"] or 0, row["currency"])
+        row["cost"] = format_cost(row["cost_nanos"] or 0, row["currency"],
+                                  priced=bool(row["cost_nanos"]) or row["model"] in priced)
     return rows
 
 

@@ -352,7 +352,7 @@ class Batch(models.Model):
     # When the plan wrote those, and what the batch waits for before anything of it can
     # run ("" once a worker runs its model): read together by `projection`.
     planned_at = models.DateTimeField(null=True, blank=True)
-    waits_for = models.CharField(max_length=16, blank=True, default="")
+    waits_for = models.CharField(max_length=16, blank=True, default="", db_default="")
     # When the plan first saw answers of it, and how many: its pace is counted from there.
     pace_at = models.DateTimeField(null=True, blank=True)
     pace_answered = models.PositiveIntegerField(default=0)
@@ -598,8 +598,8 @@ class Shard(models.Model):
     # request once, so neither the dedup copies answered with it nor the lines validation
     # kept from running or a stop wrote unrun. Throughput and the mean context length
     # count these: the others take no engine time and no input tokens.
-    ran_ok = models.PositiveIntegerField(default=0)
-    ran_failed = models.PositiveIntegerField(default=0)
+    ran_ok = models.PositiveIntegerField(default=0, db_default=0)
+    ran_failed = models.PositiveIntegerField(default=0, db_default=0)
     input_tokens = models.BigIntegerField(default=0)
     output_tokens = models.BigIntegerField(default=0)
     cached_tokens = models.BigIntegerField(default=0)

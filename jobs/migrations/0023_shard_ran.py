@@ -17,8 +17,8 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.AddField(model_name="shard", name="ran_ok",
-                            field=models.PositiveIntegerField(default=0)),
+                            field=models.PositiveIntegerField(default=0, db_default=0)),
         migrations.AddField(model_name="shard", name="ran_failed",
-                            field=models.PositiveIntegerField(default=0)),
+                            field=models.PositiveIntegerField(default=0, db_default=0)),
         migrations.RunPython(from_counts, migrations.RunPython.noop),
     ]

@@ -13,5 +13,5 @@ class Migration(migrations.Migration):
             field=models.DateTimeField(blank=True, null=True)),
         migrations.AddField(
             model_name="batch", name="waits_for",
-            field=models.CharField(blank=True, default="", max_length=16)),
+            field=models.CharField(blank=True, default="", db_default="", max_length=16)),
     ]

@@ -48,3 +48,16 @@ def test_the_check_and_the_budget_say_not_priced_without_a_price(user):
     ceiling = estimate(model="echo-test", ceilings={"echo-test": [100, 50]})
     assert ceiling.ceiling == "0.000200 USD"  # (100 x 2 + 50 x 4) / 1e6, half off
     assert budget_for(user).show_charged == "0.00 USD"
+
+
+def test_the_admins_ledger_says_it_the_same_way(admin_client, user):
+    from django.utils import timezone
+
+    from jobs.models import UsageRecord
+
+    UsageRecord.objects.create(
+        owner=user, batch_id="batch_free", shard_id="shard_free", model="echo-test",
+        base_model="echo-test", endpoint="/v1/chat/completions", requests_succeeded=2,
+        input_tokens=10, output_tokens=4, recorded_at=timezone.now())
+    page = admin_client.get("/admin/jobs/usagerecord/").content.decode()
+    assert "not priced" in page and "0.000000" not in page
