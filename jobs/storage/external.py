@@ -200,21 +200,23 @@ def _error_code(exc: Any) -> str:
 
 
 def shown_reason(exc: BaseException) -> str:
-    """What a user is told of a failed storage call: the bucket's own refusal (its code and
-    message, e.g. "AccessDenied: Access Denied"), a changed object's story, or else only
-    the kind of failure. Connection errors name the endpoint they tried ("Could not connect
-    to the endpoint URL: http://<host>:9000/..."), an address of the operator's network:
-    the caller logs that detail for the operator, users never see it."""
-    from botocore.exceptions import ClientError
+    """What a user is told of a failure that may be storage's: the bucket's own refusal (its
+    code and message, e.g. "AccessDenied: Access Denied"); only the kind of a failure of the
+    connection (botocore's and urllib3's name the endpoint they tried, "Could not connect to
+    the endpoint URL: http://<host>:9000/...", an address of the operator's network: the
+    caller logs that detail for the operator); any other exception as it is (a changed
+    object, a full disk)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+    from urllib3.exceptions import HTTPError
 
-    if isinstance(exc, ObjectChanged):
-        return str(exc)
     if isinstance(exc, ClientError):
         error = exc.response.get("Error", {})
         code = str(error.get("Code", "")) or type(exc).__name__
         message = str(error.get("Message", ""))[:200]
         return f"{code}: {message}" if message else code
-    return f"{type(exc).__name__} (the operator's log has the detail)"
+    if isinstance(exc, BotoCoreError | HTTPError):
+        return f"{type(exc).__name__} (the operator's log has the detail)"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def head(location: S3Location, *, credentials: str) -> ObjectInfo | None:

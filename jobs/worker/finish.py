@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+from jobs.storage.external import shown_reason
 from jobs.worker.db import ShardStore
 from jobs.worker.part_storage import delete_stored, store_parts
 from jobs.worker.state import WorkerState
@@ -33,7 +34,8 @@ def finish(state: WorkerState, work: ShardWork, *, store: ShardStore) -> None:
     except Exception as exc:
         log.exception("could not store results of shard %s", work.shard_id)
         delete_stored(stored)
-        store.fail(work, f"storing results failed: {type(exc).__name__}: {exc}")
+        # The reason ends up in the users' error lines: never the storage's address.
+        store.fail(work, f"storing results failed: {shown_reason(exc)}")
     finally:
         work.checkpoint_lock.release()
         work.discard()

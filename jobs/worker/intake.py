@@ -16,7 +16,7 @@ from jobs.models import Shard
 from jobs.prefix_keys import prefix_key
 from jobs.prompts import output_room
 from jobs.services.shard_input import shard_requests
-from jobs.storage.external import ObjectChanged
+from jobs.storage.external import ObjectChanged, shown_reason
 from jobs.worker.adapters import AdapterFolders
 from jobs.worker.db import ShardStore
 from jobs.worker.finish import finish
@@ -79,7 +79,9 @@ class Intake:
             state.drop(work)
             if not isinstance(exc, SystemExit | KeyboardInterrupt):
                 log.exception("shard %s failed while submitting", shard_id)
-                self.store.fail(work, f"{type(exc).__name__}: {exc}",
+                # The reason ends up in the users' error lines: never the storage's
+                # address (the log above has it).
+                self.store.fail(work, shown_reason(exc),
                                 input_changed=str(exc) if isinstance(exc, ObjectChanged)
                                 else "")
             raise
