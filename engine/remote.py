@@ -119,6 +119,10 @@ RENAMED = {
 }
 # Answers that mean "too busy now": retried, and the limit is cut.
 THROTTLED = (429, 503)
+# With an SLO, how often a worker looks whether the steering asked for requests in flight
+# above the limit to be aborted, and for how long after it asked.
+SHED_POLL_SECONDS = 0.2
+SHED_SECONDS = 5.0
 # The lowest seen latency drifts up by this factor a minute, so one lucky request does not
 # hold the limit down for ever.
 FLOOR_DRIFT = 1.25
@@ -312,6 +316,8 @@ class RemoteEngine(LoopEngine):
         self._tasks: dict[str, asyncio.Task[tuple[int, dict[str, Any]]]] = {}
         self._aborted: set[str] = set()
         self._held: set[str] = set()
+        # The attempt in flight on each lease held: what _shed aborts.
+        self._posts: dict[str, asyncio.Future[_Attempt]] = {}
         self._waiters: deque[asyncio.Future[str]] = deque()
         self._floor = float("inf")
         self._floor_at = time.monotonic()
@@ -396,7 +402,8 @@ class RemoteEngine(LoopEngine):
                             self._loop.create_task(self._keep_leases())]
         if self._steering is not None:
             # The SLO steers the limit; vLLM's queue is no longer the signal.
-            self._background.append(self._loop.create_task(self._steering.run()))
+            self._background += [self._loop.create_task(self._steering.run()),
+                                 self._loop.create_task(self._shed())]
         elif self.metrics_url:
             self._background.append(self._loop.create_task(self._watch_metrics()))
         await self._check_model()
@@ -562,6 +569,39 @@ class RemoteEngine(LoopEngine):
         except Exception as e:
             log.warning("remote %s: state not recorded (%s)", self.base_url, e)
 
+    async def _shed(self) -> None:
+        """With an SLO: where the steering asked within SHED_SECONDS (online users back
+        after a lull, or even one batch request breaking the SLO), this worker's share of
+        the requests in flight above the limit is aborted, newest first (the least work
+        lost); each goes back to wait for a slot and runs again, not counted as a retry.
+        vLLM aborts a request whose connection closes, so online users wait for no more
+        than the step in progress."""
+        while True:
+            await asyncio.sleep(SHED_POLL_SECONDS)
+            mine = [p for p in self._posts.values() if not p.done()]
+            if not mine:
+                continue
+            try:
+                pipe = self._redis.pipeline()
+                pipe.hmget(self._state_key, "limit", "shed_at")
+                pipe.zcard(self._leases_key)
+                (limit, shed_at), in_flight = await pipe.execute()
+            except Exception:
+                continue
+            if time.time() - float(shed_at or 0) > SHED_SECONDS:
+                continue
+            going = [p for p in mine if p.cancelled() or (
+                isinstance(p, asyncio.Task) and p.cancelling())]
+            live = [p for p in mine if p not in going]
+            excess = int(in_flight) - len(going) - math.floor(float(limit or self.ceiling))
+            count = min(len(live), math.ceil(excess * len(mine) / max(1, int(in_flight))))
+            for post in live[len(live) - count:] if count > 0 else []:
+                post.cancel()
+            if count > 0:
+                log.info("remote %s: %d batch request(s) aborted to run later: the SLO's "
+                         "limit is %s", self.base_url, count, limit.decode() if limit else "")
+                await self._note(count="shed")
+
     async def _watch_metrics(self) -> None:
         """Where the server is vLLM: cut the limit while its queue holds requests and not
         all of its requests are ours (others, interactive ones first, are waiting or
@@ -631,11 +671,26 @@ class RemoteEngine(LoopEngine):
         waits = 0
         while True:
             lease = await self._take_slot()
-            started = time.monotonic()
+            started, sent_at = time.monotonic(), time.time()
+            post = asyncio.ensure_future(self._post(url, req.url, body))
+            self._posts[lease] = post
             try:
-                attempt = await self._post(url, req.url, body)
+                attempt: _Attempt | None = await post
+                if self._steering is not None and attempt is not None and \
+                        attempt.kind == "answer" and attempt.status == 200:
+                    # Its time to first token comes out of the server's histogram (what
+                    # is left there is online users'), recorded before its lease goes.
+                    await self._steering.answered(attempt.body, sent_at=sent_at)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # the request itself is aborted
+                attempt = None  # shed (_shed): run again when a slot is free
             finally:
+                self._posts.pop(lease, None)
                 await self._give_slot(lease)
+            if attempt is None:
+                continue
             elapsed = time.monotonic() - started
             if attempt.kind == "unreachable":
                 # Waited for, without a limit: the server is down or not there yet.
@@ -647,9 +702,7 @@ class RemoteEngine(LoopEngine):
                 await asyncio.sleep(backoff_seconds(min(waits, 10), base=self.backoff_base,
                                                     cap=self.backoff_max))
                 continue
-            answered = attempt.kind == "answer" and attempt.status == 200
-            # Our answers are counted: the server's count less ours is online traffic.
-            await self._note(count="answered" if answered else "", reached_at=time.time())
+            await self._note(reached_at=time.time())
             throttled = attempt.kind != "answer" or attempt.status in THROTTLED
             if not throttled:
                 if attempt.status == 200:

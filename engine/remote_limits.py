@@ -12,14 +12,16 @@ held in Redis, and the bound itself moves (AIMD) with what the server answers.
   server's capacity in a few rounds, not thousands of requests), then +1/limit each (one
   slot per round of the limit, as TCP's congestion avoidance) from the threshold the last
   cut left. x BETA on a 429, a 503, a timeout, a reset, or vLLM's own queue holding
-  requests not ours; never above the ceiling nor below 1, and cut at most once per
+  requests not ours; never above the ceiling nor below 1 (the SLO alone pauses it at
+  0), and cut at most once per
   COOLDOWN_SECONDS (a burst of 429s is one signal, not ten halvings).
 - The same hash counts backoffs and errors and remembers when the server was last busy or
   unreachable, for queue health, /metrics and the batch page (`server_state`).
 - With an SLO (engine/remote_slo.py) the limit is steered by the online latency measured
   there instead of growing per request; the cuts above still apply. The hash then also
   holds the SLO, the latency measured, the deadline floor (`set_floor`, written by the
-  reconciler's pass) and why the limit is where it is.
+  reconciler's pass) and why the limit is where it is; "paused" (0) where even one
+  batch request in flight breaks the SLO while online users are there.
 
 Keys: batchweb:remote:<server id>:leases and :state; the server id is a digest of the base
 URL, so every worker that names the same URL shares them.
@@ -43,11 +45,11 @@ COOLDOWN_SECONDS = 2.0
 RECENT_SECONDS = 30
 
 # Why a server's limit is where it is (ServerState.reason).
-REASONS = ("throttled", "slo", "deadline_floor", "ceiling", "no_online_traffic", "measuring",
-           "adaptive")
+REASONS = ("throttled", "slo", "paused", "deadline_floor", "ceiling", "no_online_traffic",
+           "measuring", "adaptive")
 
 # KEYS: leases, state. ARGV: lease id, lease ms, initial limit, ceiling.
-# 1 and the lease taken when in flight < the limit, else 0.
+# 1 and the lease taken when in flight < the limit, else 0 (a limit of 0: paused).
 ACQUIRE = """
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
@@ -58,7 +60,7 @@ if limit == nil then
   redis.call('HSET', KEYS[2], 'limit', ARGV[3])
 end
 limit = math.min(limit, tonumber(ARGV[4]))
-if redis.call('ZCARD', KEYS[1]) < math.max(1, math.floor(limit)) then
+if redis.call('ZCARD', KEYS[1]) < math.floor(limit) then
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
   redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[2]))
   return 1
@@ -96,7 +98,7 @@ else
   if now - last < tonumber(ARGV[3]) then
     return tostring(limit)
   end
-  limit = math.max(1, limit * tonumber(ARGV[4]))
+  limit = math.max(math.min(1, limit), limit * tonumber(ARGV[4]))
   redis.call('HSET', KEYS[1], 'cut_at', now, 'threshold', tostring(limit))
   redis.call('HINCRBY', KEYS[1], 'cuts', 1)
 end
@@ -131,14 +133,18 @@ class ServerState:
     condition: str
     last_error: str
     # Why the limit is where it is: "throttled" (cut on a 429, 503, timeout, reset or a
-    # queue lately), "slo" (held by the online latency), "deadline_floor" (kept above where
+    # queue lately), "slo" (held by the online latency), "paused" (0: even one batch
+    # request in flight breaks the SLO while online users are there; a lull resumes it),
+    # "deadline_floor" (kept above where
     # the SLO would put it, for a batch's window), "ceiling", "no_online_traffic" (no
     # online request to protect lately), "measuring" (no latency alone yet), "adaptive"
     # (no SLO: AIMD on latency).
     reason: str = "adaptive"
     slo_ms: float | None = None  # the time to first token held (at slo_percentile)
     slo_percentile: float | None = None
-    online_ms: float | None = None  # what probes measured lately, at that percentile
+    online_ms: float | None = None  # what was measured lately, at that percentile
+    slo_samples: float | None = None  # online samples that measure holds
+    slo_measure: str = ""  # "histogram" (the server's, less ours) or "probes"
     alone_ms: float | None = None  # the same with no batch request in flight
     itl_slo_ms: float | None = None
     online_itl_ms: float | None = None
@@ -148,6 +154,12 @@ class ServerState:
     def slo_traded(self) -> bool:
         """The SLO is being given up for a batch's window."""
         return self.reason == "deadline_floor"
+
+    @property
+    def paused(self) -> bool:
+        """No batch request goes to the server: online users are there and even one
+        breaks the SLO."""
+        return self.reason == "paused"
 
 
 def server_state(client: Any, base_url: str, *, ceiling: float) -> ServerState:
@@ -173,7 +185,9 @@ def server_state(client: Any, base_url: str, *, ceiling: float) -> ServerState:
     limit = min(float(fields.get("limit") or ceiling), ceiling)
     # The prober writes its figures every few seconds: older ones are no one's now.
     steering = now - float(fields.get("slo_seen_at") or 0) < RECENT_SECONDS
-    if now - float(fields.get("cut_at") or 0) / 1000 < RECENT_SECONDS:
+    if steering and fields.get("reason") == "paused":
+        reason = "paused"  # what holds the batch back now, whatever cut it before
+    elif now - float(fields.get("cut_at") or 0) / 1000 < RECENT_SECONDS:
         reason = "throttled"
     elif steering:
         reason = fields.get("reason") or "slo"
@@ -187,6 +201,8 @@ def server_state(client: Any, base_url: str, *, ceiling: float) -> ServerState:
                        slo_ms=_number(fields, "slo_ms", steering),
                        slo_percentile=_number(fields, "slo_percentile", steering),
                        online_ms=_number(fields, "online_ms", steering),
+                       slo_samples=_number(fields, "slo_samples", steering),
+                       slo_measure=fields.get("slo_measure", "") if steering else "",
                        alone_ms=_number(fields, "alone_ms", steering),
                        itl_slo_ms=_number(fields, "itl_slo_ms", steering),
                        online_itl_ms=_number(fields, "online_itl_ms", steering),

@@ -3,27 +3,39 @@ requests in flight there steered by it (docs/remote-engine.md, "Online latency")
 
 Batch requests fill what online traffic leaves of a shared `vllm serve`; each one in a
 step makes that step longer, and so every online user's time to first token. The limit of
-engine/remote_limits.py is steered here by what an online user sees:
+engine/remote_limits.py is steered here by what online users see, at the SLO's percentile
+(p99 by default) over a window with enough samples to know one:
 
-- **What online users see**: a probe, one tiny streamed request at online priority (one
-  output token; a few where an inter-token SLO is set) every `slo_probe_interval` seconds,
-  timed from the POST to its first token. It is an online request like any other, so it
-  waits for the step in progress and then shares a step with the batch's requests, as
-  theirs do. One worker probes a server at a time (a Redis lock), and every worker reads
-  the samples from Redis.
-- **Whether any online user is there**: the server's own count of finished requests
-  (vLLM's `vllm:request_success_total`) less ours (batch answers and probes). With no
-  online request lately the SLO protects no one: the limit goes up to the ceiling, and
-  it comes back down to where the SLO last held as soon as online requests show again.
-  A server without vLLM's metrics is taken to always have online users.
-- **The controller**: between the latency alone (the same percentile of probes sent with
-  no batch request in flight) and the SLO, the limit grows while the measured percentile
-  is in the lower half of that room, holds in the band below `slo_band` of it, and is cut
-  (in proportion, at least 15%, at most half) once it crosses `slo_band`: before the SLO
-  is passed, not after a 429.
+- **The measure**: vLLM's own histogram of time to first token
+  (`vllm:time_to_first_token_seconds`, every request the server served), read from its
+  /metrics at each tick, less our batch requests' own share: a server started with
+  `--enable-per-request-metrics` says each answer's time to first token, which the
+  workers put in a Redis stream (`Ours`), and the prober takes them out of the
+  histogram bucket by bucket. Where our answers do not say (another server, the flag
+  off) the measure is the probes alone: one tiny streamed request at online priority
+  every `slo_probe_interval` seconds, timed from the POST to its first token, which
+  also measure the latency *alone* (no batch request in flight) and stand guard from
+  the client's side.
+- **Whether any online user is there now**: the server's requests running and waiting
+  (vLLM's gauges) beyond our leases. With none for LULL_SECONDS the limit fills the lull
+  (doubling per tick up to the fill cap, the ceiling at first) and, when online users
+  come back, drops at once to where the SLO held, aborting the batch requests above it
+  (engine/remote.py sheds them; they run again later). The fill cap halves whenever the
+  SLO's budget over BUDGET_SECONDS (the share of online samples past it) is spent, and
+  doubles back when it is left mostly unspent. A server without vLLM's metrics is taken
+  to always have online users.
+- **The controller**: between the latency alone and the SLO, the measured percentile of
+  the samples since the limit last moved decides once there are enough of them (ten for
+  a p90, a hundred for a p99): grown where the step's share of the room (in proportion
+  to the limit) stays under `slo_band`, held up to it, cut past it; and cut at once,
+  before a full window, when more samples are past the SLO than a full window may have.
+  A limit of 1 that must be cut goes to 0 (paused) while online users are there: even
+  one batch request in flight breaks the SLO; it is tried again after
+  PAUSE_RETRY_SECONDS, and a lull resumes the batch meanwhile.
 - **The deadline floor**: the concurrency the server's batches need to meet their windows
   (jobs/capacity.py's plan, written to the server's state by the reconciler's pass). The
-  SLO never cuts below it; the reason then says the SLO is traded for a deadline.
+  SLO never cuts below it, nor pauses under it; the reason then says the SLO is traded
+  for a deadline.
 
 The 429/503/timeout cuts of remote_limits.ADJUST still apply on top.
 """
@@ -34,11 +46,12 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -50,26 +63,30 @@ from engine.endpoints import CHAT, COMPLETIONS
 log = logging.getLogger(__name__)
 
 OPTIONS: dict[str, Any] = {
-    "ttft_slo_ms": None, "ttft_slo_factor": None, "ttft_slo_percentile": 90.0,
-    "itl_slo_ms": None, "slo_probe_interval": 2.0, "slo_band": 0.8, "online_priority": 0,
+    "ttft_slo_ms": None, "ttft_slo_factor": None, "ttft_slo_percentile": 99.0,
+    "itl_slo_ms": None, "slo_probe_interval": 1.0, "slo_band": 0.8, "online_priority": 0,
 }
-# Samples kept per server, newest first (a minute at the default interval).
-SAMPLES_KEPT = 30
-# Decisions read the samples taken since the last change of the limit, at least this many
-# for a growth (a cut needs one sample past the band).
-GROW_SAMPLES = 3
+# A percentile decides a growth once a window holds this many samples past it (at p99,
+# 100 samples: the percentile is then the second largest, not one slow step's maximum).
+TAIL_SAMPLES = 1
+# Probe samples kept per server, newest first (enough for a p99 and its guard).
+PROBES_KEPT = 200
 # Probes sent with no batch request in flight that make the latency alone.
-ALONE_KEPT = 20
+ALONE_KEPT = 100
 ALONE_FIRST = 5
-# Online requests seen within this many seconds: the SLO applies.
-ONLINE_HOLD_SECONDS = 20.0
-# Seconds of counts summed to tell online requests from the skew between the server's
-# count and ours (requests it counted whose answer has not reached us yet), and how many
-# requests in them, at least, are online traffic.
-ONLINE_WINDOW_SECONDS = 5.0
-ONLINE_MIN_REQUESTS = 3
+# Histogram windows are kept this long at most (the budget's window and a decision's).
+BUDGET_SECONDS = 600.0
+# No online request in the server for this long: a lull, filled with batch requests.
+LULL_SECONDS = 3.0
+# Quiet this long: the fill cap, lowered by bursts that spent the budget, is the ceiling
+# again (the traffic that lowered it is gone).
+QUIET_SECONDS = 300.0
+# Paused with online users there: one batch request is tried again after this long.
+PAUSE_RETRY_SECONDS = 300.0
 # A deadline floor older than this was written by no live reconciler: ignored.
 FLOOR_FRESH_SECONDS = 120.0
+# Our answers' times to first token kept in the stream (the prober reads them each tick).
+OURS_KEPT = 10000
 
 
 @dataclass(frozen=True)
@@ -84,6 +101,16 @@ class Slo:
     band: float
     online_priority: int | None
     endpoint: str  # what the probe asks: chat where served, else completions
+
+    @property
+    def budget(self) -> float:
+        """The share of online samples that may be past the SLO (0.01 at p99)."""
+        return 1 - self.percentile / 100
+
+    @property
+    def enough(self) -> int:
+        """Samples a window needs before its percentile decides a growth."""
+        return math.ceil(TAIL_SAMPLES / self.budget - 1e-9)
 
 
 def number_option(name: str, option: str, value: Any, *, low: float,
@@ -123,7 +150,7 @@ def parse(name: str, options: dict[str, Any], endpoints: Sequence[str]) -> Slo |
             name, "ttft_slo_factor", factor, low=1,
             what="a multiple above 1 of the time to first token alone"),
         percentile=number_option(name, "ttft_slo_percentile", get("ttft_slo_percentile"), low=0,
-                           high=100, what="a percentile between 0 and 100 (e.g. 90)"),
+                           high=100, what="a percentile between 0 and 100 (e.g. 99)"),
         itl_ms=None if itl is None else number_option(name, "itl_slo_ms", itl, low=0,
                                                 what="milliseconds above 0"),
         interval=number_option(name, "slo_probe_interval", get("slo_probe_interval"), low=0.05,
@@ -140,10 +167,67 @@ def percentile(values: Sequence[float], p: float) -> float:
 
 
 @dataclass(frozen=True)
+class Tail:
+    """A window of online samples as the controller reads it: how many, the SLO's
+    percentile of them (ms), and how many are past the SLO."""
+
+    n: float
+    value_ms: float | None
+    over: float
+
+    def certain_over(self, slo: Slo) -> bool:
+        """More samples past the SLO than a full window may hold: the percentile of any
+        window holding these is past it, however many samples come next."""
+        return self.over > slo.budget * max(self.n, slo.enough) + 1e-6
+
+
+def samples_tail(values_ms: Sequence[float], p: float, target_ms: float | None) -> Tail:
+    """The tail of exact samples (the probes'): nearest rank."""
+    if not values_ms:
+        return Tail(0, None, 0)
+    over = sum(v > target_ms for v in values_ms) if target_ms is not None else 0
+    return Tail(len(values_ms), percentile(values_ms, p), over)
+
+
+def histogram_tail(edges: Sequence[float], counts: Sequence[float], p: float,
+                   target_ms: float | None) -> Tail:
+    """The tail of a histogram (upper edges in seconds, ascending, the last +Inf; counts
+    per bucket), read as Prometheus' histogram_quantile does: linear within a bucket.
+    A bucket edge at the SLO makes its count past the SLO exact."""
+    n = sum(counts)
+    if n <= 0:
+        return Tail(0, None, 0)
+    rank = p / 100 * n
+    value = lower = 0.0
+    seen = 0.0
+    for edge, count in zip(edges, counts, strict=True):
+        if count > 0 and seen + count >= rank:
+            value = lower if math.isinf(edge) else lower + (edge - lower) * (
+                (rank - seen) / count)
+            break
+        seen += count
+        lower = lower if math.isinf(edge) else edge
+    over = 0.0
+    if target_ms is not None:
+        target, lower = target_ms / 1000, 0.0
+        for edge, count in zip(edges, counts, strict=True):
+            if lower >= target:
+                over += count
+            elif edge > target:
+                over += count if math.isinf(edge) else count * (edge - target) / (
+                    edge - lower)
+            lower = edge
+    return Tail(n, value * 1000, over)
+
+
+@dataclass(frozen=True)
 class Decision:
     limit: float
-    # "slo", "deadline_floor", "ceiling", "no_online_traffic", "measuring"
+    # "slo", "paused", "deadline_floor", "ceiling", "no_online_traffic", "measuring"
     reason: str
+    # The requests in flight above the new limit are aborted, not run to their end: online
+    # users are back after a lull, or even one batch request breaks the SLO.
+    shed: bool = False
 
 
 def pressure(measured: float, *, alone: float, target: float) -> float:
@@ -152,40 +236,64 @@ def pressure(measured: float, *, alone: float, target: float) -> float:
     return (measured - alone) / room
 
 
-def decide(*, pressure_now: float | None, latest_over: bool, samples: int, band: float,
+def decide(*, pressure_now: float | None, over: bool, enough: bool, band: float,
            limit: float, ceiling: float, floor: float, binding: bool, online: bool,
-           slo_limit: float | None, draining: bool = False) -> Decision:
+           slo_limit: float | None, fill_cap: float | None = None, draining: bool = False,
+           retry: bool = False, pressure_cut: float | None = None) -> Decision:
     """The next limit. `pressure_now`: the measured percentile's place between alone and
-    the SLO (None: nothing to go by yet); `latest_over`: the newest sample is past the SLO
-    itself; `binding`: the limit, not the batch, bounds the requests in flight (growing an
-    unused limit says nothing of what it would do); `slo_limit`: where the SLO last held;
+    the SLO (None: nothing to go by yet); `pressure_cut`: the same where a cut is decided,
+    where it reads lower (the measure's samples that may be ours left out); `over`: more
+    samples past the SLO than a full window may hold; `enough`: the window holds enough
+    samples for its percentile to decide a growth; `binding`: the limit, not the batch,
+    bounds the requests in flight (growing an unused limit says nothing of what it would
+    do); `slo_limit`: where the
+    SLO last held; `fill_cap`: how high a lull is filled (the ceiling where None);
     `draining`: more requests are in flight than the limit (a cut not yet felt: the
-    requests above it still run to their end, and cutting again would overshoot)."""
-    floor = min(floor, ceiling)
+    requests above it still run to their end, and cutting again would overshoot);
+    `retry`: paused long enough to try one batch request again."""
+    # A floor asks for requests in flight: at least one (never paused under it).
+    floor = min(max(floor, 1.0), ceiling) if floor > 0 else 0.0
     if not online:
-        grown = min(ceiling, max(limit * 2, limit + 1)) if binding else limit
+        top = ceiling if fill_cap is None else max(min(ceiling, fill_cap), slo_limit or 0.0)
+        grown = min(top, max(limit * 2, limit + 1)) if binding else min(limit, top)
         new = max(grown, floor)
         return Decision(new, "ceiling" if new >= ceiling else "no_online_traffic")
+
+    def held(new: float, shed: bool = False) -> Decision:
+        if new < floor:
+            return Decision(floor, "deadline_floor")
+        return Decision(new, "paused" if new < 1 else "slo", shed)
+
     if slo_limit is not None and limit > slo_limit:
-        # Online users are back: straight to where the SLO held, not down in steps.
-        new = max(slo_limit, floor, 1.0)
-        return Decision(new, "deadline_floor" if new > slo_limit else "slo")
+        # Online users are back: straight to where the SLO held, the excess aborted.
+        return held(slo_limit, shed=True)
     if pressure_now is None:
         new = max(limit, floor)
-        return Decision(new, "deadline_floor" if new > limit else "measuring")
-    if (latest_over or pressure_now >= band) and draining:
-        new = max(limit, floor)
-        return Decision(new, "deadline_floor" if new > limit else "slo")
-    if latest_over or pressure_now >= band:
-        worst = max(pressure_now, band, 1.0 if latest_over else 0.0)
-        cut = max(0.5, min(0.85, band / worst * 0.85))
-        new = max(1.0, limit * cut)
-        if new < floor:
-            return Decision(max(floor, 1.0), "deadline_floor")
-        return Decision(new, "slo")
-    if pressure_now < band / 2 and samples >= GROW_SAMPLES and binding:
-        new = min(ceiling, limit + max(1.0, 0.1 * limit))
-        return Decision(max(new, floor), "ceiling" if new >= ceiling else "slo")
+        if new > limit:
+            return Decision(new, "deadline_floor")
+        return Decision(new, "paused" if new < 1 else "measuring")
+    cut_at = pressure_now if pressure_cut is None else pressure_cut
+    cut = over or (enough and cut_at >= band)
+    if limit < 1:
+        # Paused: tried again only after a while, with the time paused as its window.
+        if retry and not cut and enough and pressure_now < band / 2:
+            return held(1.0)
+        return held(0.0)
+    if cut and limit <= 1:
+        return held(0.0, shed=True)  # one batch request breaks the SLO: none
+    if cut and draining:
+        return held(limit)
+    if cut:
+        worst = max(cut_at, band, 1.0 if over else 0.0)
+        return held(max(1.0, limit * max(0.5, min(0.85, band / worst * 0.85))))
+    if enough and binding:
+        # Far below the band the step is larger: a p99's window is long to wait for. A
+        # step is taken where the room it uses, in proportion to the requests in flight
+        # (a CPU server's steps grow so), stays under the band.
+        step = 0.5 if pressure_now < band / 4 else 0.1
+        new = min(ceiling, limit + max(1.0, step * limit))
+        if pressure_now * new / limit < band:
+            return Decision(max(new, floor), "ceiling" if new >= ceiling else "slo")
     new = max(limit, floor)
     if new > limit:
         return Decision(new, "deadline_floor")
@@ -206,28 +314,62 @@ return ARGV[2]
 """
 
 
-def keys(base_url: str) -> tuple[str, str, str]:
-    """(probe lock, samples, samples alone) keys of the server at `base_url`."""
+def keys(base_url: str) -> tuple[str, str, str, str]:
+    """(probe lock, probe samples, samples alone, our answers' times to first token)
+    keys of the server at `base_url`."""
     prefix = f"{limits.KEY_PREFIX}{limits.server_id(base_url)}"
-    return f"{prefix}:prober", f"{prefix}:probes", f"{prefix}:alone"
+    return f"{prefix}:prober", f"{prefix}:probes", f"{prefix}:alone", f"{prefix}:ours"
 
 
-def vllm_successes(text: str, model: str) -> float | None:
-    """vLLM's count of requests finished for `model` (every finish reason summed); None
-    when the text has none."""
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+TTFT_BUCKET = "vllm:time_to_first_token_seconds_bucket"
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """What the prober reads of vLLM's /metrics for one model (every engine summed)."""
+
+    running: float
+    waiting: float
+    # The TTFT histogram, cumulative: upper edges (seconds, ascending, +Inf last) and the
+    # count at or below each; empty where the page has none.
+    edges: tuple[float, ...] = ()
+    cumulative: tuple[float, ...] = ()
+
+
+def vllm_scrape(text: str, model: str) -> Scrape | None:
+    """The running and waiting gauges and the TTFT histogram of `model` in vLLM's
+    Prometheus text; None when the text has no such gauges (not vLLM)."""
+    gauges = {"vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0}
     found = False
-    total = 0.0
+    buckets: dict[float, float] = {}
     for line in text.splitlines():
-        if not line.startswith("vllm:request_success_total"):
+        if not line.startswith(("vllm:num_requests_", TTFT_BUCKET)):
             continue
-        if 'model_name="' in line and f'model_name="{model}"' not in line:
+        name, _, rest = line.partition("{")
+        labels_text, _, value = rest.rpartition("}") if rest else ("", "", line.split()[-1])
+        name = name.split()[0]
+        labels = dict(_LABEL.findall(labels_text))
+        if labels.get("model_name", model) != model:
             continue
         try:
-            total += float(line.rsplit(" ", 1)[1])
+            number = float(value.split()[0])
         except (IndexError, ValueError):
             continue
-        found = True
-    return total if found else None
+        if name in gauges:
+            gauges[name] += number
+            found = True
+        elif name == TTFT_BUCKET and "le" in labels:
+            try:
+                edge = float(labels["le"])
+            except ValueError:
+                continue
+            buckets[edge] = buckets.get(edge, 0.0) + number
+    if not found:
+        return None
+    edges = tuple(sorted(buckets))
+    return Scrape(gauges["vllm:num_requests_running"], gauges["vllm:num_requests_waiting"],
+                  edges, tuple(buckets[e] for e in edges))
 
 
 @dataclass(frozen=True)
@@ -249,24 +391,130 @@ class Sample:
             return None
 
 
+@dataclass
+class Tick:
+    at: float  # when the server's page was read
+    # The server's counts per bucket since the tick before, less those of our answers
+    # whose first token came within it (taken out as our answers come in).
+    online: list[float]
+    leases: frozenset[bytes]  # ours held while the page was read
+
+
+def without_top(counts: Sequence[float], drop: float) -> tuple[float, ...]:
+    """`counts` with `drop` samples taken from its highest buckets."""
+    out = list(counts)
+    for i in range(len(out) - 1, -1, -1):
+        if drop <= 0:
+            break
+        taken = min(out[i], drop)
+        out[i] -= taken
+        drop -= taken
+    return tuple(out)
+
+
+def without_like(counts: Sequence[float], drop: float,
+                 like: Sequence[float]) -> tuple[float, ...]:
+    """`counts` with `drop` samples taken out spread as `like`'s are (unchanged where
+    `like` holds none)."""
+    total = sum(like)
+    if not total:
+        return tuple(counts)
+    return tuple(max(0.0, c - drop * w / total) for c, w in zip(counts, like, strict=True))
+
+
+@dataclass
+class Histogram:
+    """The online part of vLLM's TTFT histogram, per tick: the server's counts since the
+    tick before less our answers' (the probes stay: they are online requests).
+
+    The server counts a request's first token when it comes, we when its answer does: each
+    answer of ours is taken out of the tick its first token came in (when it was sent,
+    plus its time to first token). Our requests still in flight may have had theirs, counted by
+    the server and not yet by us: a window holds at most as many of those as it has
+    leases of ours still held, in buckets not known yet. `window` says how many, and the
+    controller reads the window two ways: without them spread as our answers' times are
+    (for a growth), and without them taken from its top (for a cut: none on them)."""
+
+    edges: tuple[float, ...] = ()
+    last: tuple[float, ...] = ()  # the server's cumulative counts at the last tick
+    begun: float = 0.0  # the first read: first tokens before it are in no tick
+    ours_id: str = ""  # the last of our answers taken out
+    ticks: deque[Tick] = field(default_factory=deque)
+    early: list[tuple[float, int]] = field(default_factory=list)  # for the next tick
+    timed: bool = False  # an answer of ours with its time was taken out
+    ours: list[float] = field(default_factory=list)  # our answers per bucket, all told
+
+    def take_out(self, first_at: float, bucket: int) -> None:
+        """One answer of ours, out of the tick its first token came in."""
+        self.timed = True
+        if len(self.ours) != len(self.edges):
+            self.ours = [0.0] * len(self.edges)
+        self.ours[bucket] += 1
+        if first_at <= self.begun:
+            return  # in the first read's counts, which no window holds
+        for index in range(len(self.ticks) - 1, -1, -1):
+            before = self.ticks[index - 1].at if index else self.begun
+            if first_at > before:
+                if first_at > self.ticks[index].at:
+                    break  # after the newest read: the next tick's
+                self.ticks[index].online[bucket] -= 1
+                return
+        else:
+            return  # before the oldest tick kept
+        self.early.append((first_at, bucket))
+
+    def add(self, tick: Tick) -> None:
+        self.ticks.append(tick)
+        early, self.early = self.early, []
+        for first_at, bucket in early:
+            self.ours[bucket] -= 1  # counted once, when it came
+            self.take_out(first_at, bucket)
+
+    def window(self, since: float, held: set[bytes]) -> tuple[tuple[float, ...], int]:
+        """Online counts per bucket since `since` (none below 0), and how many of our
+        leases held now were held at a tick in it (at most that many of our first tokens
+        are still in those counts)."""
+        sums = [0.0] * len(self.edges)
+        pending: set[bytes] = set()
+        for tick in self.ticks:
+            if tick.at > since:
+                for i, c in enumerate(tick.online):
+                    sums[i] += c
+                pending |= tick.leases & held
+        return tuple(max(0.0, s) for s in sums), len(pending)
+
+    def bucket(self, seconds: float) -> int:
+        for i, edge in enumerate(self.edges):
+            if seconds <= edge:
+                return i
+        return len(self.edges) - 1
+
+
 class Steering:
-    """The SLO's half of a remote engine, on its event loop: probes while it holds the
-    server's probe lock, keeps the latency alone, and steers the shared limit. `ready` is
-    set once a time alone is known where the SLO is a multiple of it (or could not be
-    measured): the engine grants no slot before, so the first probes see no batch."""
+    """The SLO's half of a remote engine, on its event loop: probes and reads the server's
+    metrics while it holds the server's probe lock, keeps the latency alone, and steers
+    the shared limit. `ready` is set once a time alone is known where the SLO is a
+    multiple of it (or could not be measured): the engine grants no slot before, so the
+    first probes see no batch. Every engine records its own answers' times to first token
+    (`answered`), whichever engine probes."""
 
     def __init__(self, *, slo: Slo, engine: Any) -> None:
         self.slo = slo
         self.engine = engine  # the RemoteEngine: its HTTP and Redis clients, keys, auth
-        self.lock_key, self.samples_key, self.alone_key = keys(engine.base_url)
+        self.lock_key, self.samples_key, self.alone_key, self.ours_key = keys(engine.base_url)
         self.me = uuid.uuid4().hex
         self.ready = asyncio.Event()
-        self._counts: deque[float] = deque(
-            maxlen=max(2, math.ceil(ONLINE_WINDOW_SECONDS / slo.interval)))
-        self._last: tuple[float, float] | None = None  # (server's successes, ours)
-        self._online_at = -math.inf
+        self.filling = False  # a lull is being filled: online users' return looked for often
         self._metrics_ok = True
+        self._scraped = False
         self._target_ms: float | None = None  # the SLO in ms, once known
+        self._histogram = Histogram()
+        # Taken as online until a first lull is seen.
+        self._present_at = time.monotonic()
+        self._untimed: int | None = None
+        self._untimed_at = -math.inf
+        self._budget_since = time.time()
+        self._filled = False  # a lull was filled up to the fill cap since the cap moved
 
     # -- the probe ------------------------------------------------------------------
 
@@ -318,6 +566,32 @@ class Steering:
                if len(stamps) > 1 else None)
         return (stamps[0] - started) * 1000, itl
 
+    # -- our answers ----------------------------------------------------------------
+
+    async def answered(self, body: dict[str, Any], *, sent_at: float) -> None:
+        """One of our batch answers, to a request POSTed at `sent_at` (time.time()): its
+        time to first token as the server counted it (vLLM's per-request metrics: queue
+        time and time to first token once scheduled), for the prober to take out of the
+        server's histogram, at the tick its first token came in; counted as untimed where
+        the answer does not say (the histogram is then no measure of online users)."""
+        metrics = body.get("metrics")
+        ttft = metrics.get("time_to_first_token_ms") if isinstance(metrics, dict) else None
+        redis = self.engine._redis
+        try:
+            if isinstance(ttft, int | float) and not isinstance(ttft, bool):
+                queued = metrics.get("queue_time_ms") if isinstance(metrics, dict) else 0
+                queued = queued if isinstance(queued, int | float) and not isinstance(
+                    queued, bool) else 0
+                seconds = (ttft + queued) / 1000
+                await redis.xadd(self.ours_key, {
+                    "s": f"{seconds:.6f}", "at": f"{sent_at + seconds:.6f}"},
+                    maxlen=OURS_KEPT, approximate=True)
+            else:
+                await redis.hincrby(self.engine._state_key, "untimed", 1)
+        except Exception as e:
+            log.warning("remote %s: an answer's time to first token not recorded (%s)",
+                        self.engine.base_url, e)
+
     # -- the loop -------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -326,11 +600,17 @@ class Steering:
             await self._first_alone(redis)
         finally:
             self.ready.set()
+        probed = -math.inf
         while True:
-            await asyncio.sleep(self.slo.interval)
+            # While a lull is filled, online users' return is looked for four times a
+            # probe interval: each tick of delay is batch work they find in their way.
+            await asyncio.sleep(self.slo.interval / (4 if self.filling else 1))
             try:
                 if await self._lead(redis):
-                    await self._tick(redis)
+                    probe = time.monotonic() - probed >= self.slo.interval * 0.9
+                    if probe:
+                        probed = time.monotonic()
+                    await self._tick(redis, probe=probe)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # Redis or the server gone: the next tick tries again
@@ -364,104 +644,223 @@ class Steering:
     async def _keep(self, redis: Any, sample: Sample) -> None:
         pipe = redis.pipeline()
         pipe.lpush(self.samples_key, sample.encode())
-        pipe.ltrim(self.samples_key, 0, SAMPLES_KEPT - 1)
+        pipe.ltrim(self.samples_key, 0, PROBES_KEPT - 1)
         if sample.ours == 0:
             pipe.lpush(self.alone_key, sample.encode())
             pipe.ltrim(self.alone_key, 0, ALONE_KEPT - 1)
         pipe.hincrby(self.engine._state_key, "probes", 1)
         await pipe.execute()
 
-    async def _online(self, redis: Any) -> bool:
-        """Whether online requests finished lately: the server's count less ours."""
+    async def _scrape(self) -> Scrape | None:
+        """vLLM's metrics now; None without them (no metrics_url, not vLLM's page, or it
+        did not answer: online users are then taken to be there)."""
         if not self.engine.metrics_url or not self._metrics_ok:
-            return True
+            return None
         try:
             status, raw = await self.engine._get(self.engine.metrics_url,
                                                  self.engine._metrics_auth,
                                                  timeout=httpx.Timeout(5.0))
         except Exception:
-            return True
-        served = vllm_successes(raw.decode("utf-8", "replace"), self.engine.model) \
+            return None
+        found = vllm_scrape(raw.decode("utf-8", "replace"), self.engine.model) \
             if status == 200 else None
-        if served is None:
-            self._metrics_ok = status == 200 and self._last is not None
-            return True
-        fields = await redis.hmget(self.engine._state_key, "answered", "probes")
-        ours = sum(float(v or 0) for v in fields)
-        if self._last is not None:
-            self._counts.append((served - self._last[0]) - (ours - self._last[1]))
-        self._last = (served, ours)
-        now = time.monotonic()
-        if len(self._counts) < (self._counts.maxlen or 0):
-            return True  # a first window not read yet: taken as online
-        if sum(self._counts) >= ONLINE_MIN_REQUESTS:
-            self._online_at = now
-        return now - self._online_at < ONLINE_HOLD_SECONDS
+        if found is None:
+            # A page that never was vLLM's is not asked again.
+            self._metrics_ok = self._scraped
+            return None
+        self._scraped = True
+        return found
 
-    async def _tick(self, redis: Any) -> None:
-        state_key = self.engine._state_key
-        ours = int(await redis.zcard(self.engine._leases_key))
-        got = await self.probe()
-        if got is not None:
-            await self._keep(redis, Sample(time.time(), got[0], got[1], ours))
-        online = await self._online(redis)
+    async def _take_histogram(self, redis: Any, scrape: Scrape, read_at: float,
+                              leases: frozenset[bytes]) -> None:
+        """The server's TTFT counts since the last tick, and our answers since then taken
+        out of the ticks their first tokens came in."""
+        h = self._histogram
+        if not scrape.edges:
+            h.ticks.clear()
+            return
+        if scrape.edges != h.edges or any(c < last for c, last in
+                                          zip(scrape.cumulative, h.last, strict=True)):
+            # A first read, another page (new buckets) or a restarted server: a baseline.
+            newest = await redis.xrevrange(self.ours_key, count=1)
+            self._histogram = Histogram(edges=scrape.edges, last=scrape.cumulative,
+                                        begun=read_at,
+                                        ours_id=_text(newest[0][0]) if newest else "0-0")
+            return
+        served = [c - last for c, last in zip(scrape.cumulative, h.last, strict=True)]
+        h.last = scrape.cumulative
+        h.add(Tick(read_at, [served[0]] + [served[i] - served[i - 1]
+                                           for i in range(1, len(served))], leases))
+        for entry_id, fields in await redis.xrange(self.ours_key, min=f"({h.ours_id}",
+                                                   max="+"):
+            h.ours_id = _text(entry_id)
+            try:
+                h.take_out(float(fields[b"at"]), h.bucket(float(fields[b"s"])))
+            except (KeyError, ValueError):
+                continue
+        while h.ticks and h.ticks[0].at < read_at - BUDGET_SECONDS:
+            h.begun = h.ticks.popleft().at
+
+    async def _tick(self, redis: Any, *, probe: bool = True) -> None:
+        state_key, leases_key = self.engine._state_key, self.engine._leases_key
+        if probe:
+            ours = int(await redis.zcard(leases_key))
+            got = await self.probe()
+            if got is not None:
+                await self._keep(redis, Sample(time.time(), got[0], got[1], ours))
+        before = await redis.zrange(leases_key, 0, -1)
+        scrape = await self._scrape()
+        read_at = time.time()
         pipe = redis.pipeline()
+        pipe.zrange(leases_key, 0, -1)
         pipe.lrange(self.samples_key, 0, -1)
         pipe.lrange(self.alone_key, 0, -1)
-        pipe.hmget(state_key, "limit", "steered_at", "floor", "floor_at", "slo_limit")
-        pipe.zcard(self.engine._leases_key)
-        raw_samples, raw_alone, fields, in_flight = await pipe.execute()
+        pipe.hmget(state_key, "limit", "steered_at", "floor", "floor_at", "slo_limit",
+                   "fill_cap", "paused_at", "untimed")
+        after, raw_samples, raw_alone, fields = await pipe.execute()
+        now, clock = time.time(), time.monotonic()
+        in_flight = len(after)
+        # Online requests in the server now: its running and waiting beyond every lease
+        # held while it was read (each of ours there holds one from before its POST to
+        # after its answer).
+        present = scrape is None or \
+            scrape.running + scrape.waiting > len(set(before) | set(after))
+        if present:
+            self._present_at = clock
+        online = clock - self._present_at < LULL_SECONDS
+        untimed = int(fields[7] or 0)
+        if self._untimed is not None and untimed != self._untimed:
+            self._untimed_at = clock
+        self._untimed = untimed
+        if scrape is not None:
+            await self._take_histogram(redis, scrape, read_at,
+                                       frozenset(before) | frozenset(after))
         samples = [s for s in map(Sample.decode, raw_samples) if s is not None]
         alone = [s for s in map(Sample.decode, raw_alone) if s is not None]
         ceiling = float(self.engine.ceiling)
         limit = min(float(fields[0] or self.engine.initial), ceiling)
         steered_at = float(fields[1] or 0)
-        floor = float(fields[2] or 0) if time.time() - float(fields[3] or 0) \
+        floor = float(fields[2] or 0) if now - float(fields[3] or 0) \
             < FLOOR_FRESH_SECONDS else 0.0
         # Where the SLO last held with online users there; where it never held, the
         # limit a server not yet seen starts at.
         slo_limit = float(fields[4]) if fields[4] else float(self.engine.initial)
-        recent = [s for s in samples if s.at > steered_at and s.ours > 0]
+        fill_cap = float(fields[5]) if fields[5] else ceiling
+        if clock - self._present_at >= QUIET_SECONDS:
+            fill_cap = ceiling  # the bursts that lowered it are long gone
         p = self.slo.percentile
         alone_ttft = percentile([s.ttft_ms for s in alone], p) if alone else None
         target = self.slo.ttft_ms
         if target is None and self.slo.factor is not None and alone_ttft:
             target = self.slo.factor * alone_ttft
         self._target_ms = target
-        measured = percentile([s.ttft_ms for s in recent], p) if recent else None
+        # The measure: the server's histogram where every answer of ours said its time to
+        # first token this long; else the probes.
+        h = self._histogram
+        by_histogram = h.timed and bool(h.ticks) and \
+            clock - self._untimed_at >= BUDGET_SECONDS
+        self._budget_since = max(self._budget_since, now - BUDGET_SECONDS)
+        recent = [s for s in samples if s.at > steered_at]
+        probes = samples_tail([s.ttft_ms for s in recent], p, target)
+        if by_histogram:
+            # Read two ways (Histogram): our first tokens possibly not taken out yet spread
+            # as our answers' are, for a growth; taken from the top, for a cut.
+            held = set(after)
+            counts, pending = h.window(steered_at, held)
+            tail = histogram_tail(h.edges, without_like(counts, pending, h.ours), p, target)
+            low = histogram_tail(h.edges, without_top(counts, pending), p, target)
+            counts, pending = h.window(self._budget_since, held)
+            budget_high = histogram_tail(h.edges, without_like(counts, pending, h.ours), p,
+                                         target)
+            budget = histogram_tail(h.edges, without_top(counts, pending), p, target)
+        else:
+            tail = low = probes
+            budget = budget_high = samples_tail(
+                [s.ttft_ms for s in samples if s.at > self._budget_since], p, target)
         itl = percentile([s.itl_ms for s in recent if s.itl_ms is not None], p) \
             if any(s.itl_ms is not None for s in recent) else None
         now_pressure: float | None = None
-        latest_over = False
-        if target is not None and measured is not None:
-            now_pressure = pressure(measured, alone=min(alone_ttft or 0, target), target=target)
-            latest_over = recent[0].ttft_ms > target
+        cut_pressure: float | None = None
+        over = False
+        if target is not None and tail.value_ms is not None:
+            base = min(alone_ttft or 0, target)
+            now_pressure = pressure(tail.value_ms, alone=base, target=target)
+            cut_pressure = now_pressure if low.value_ms is None else pressure(
+                low.value_ms, alone=base, target=target)
+            # The probes stand guard from the client's side (the server's histogram
+            # starts at its front end).
+            over = low.certain_over(self.slo) or probes.certain_over(self.slo)
             if self.slo.itl_ms is not None and itl is not None:
                 alone_itl = [s.itl_ms for s in alone if s.itl_ms is not None]
                 base = min(percentile(alone_itl, p), self.slo.itl_ms) if alone_itl else 0.0
-                now_pressure = max(now_pressure, pressure(itl, alone=base,
-                                                          target=self.slo.itl_ms))
-                latest_over = latest_over or (recent[0].itl_ms or 0) > self.slo.itl_ms
-        decision = decide(pressure_now=now_pressure, latest_over=latest_over,
-                          samples=len(recent), band=self.slo.band, limit=limit,
-                          ceiling=ceiling, floor=floor,
-                          binding=int(in_flight) + 1 >= int(limit), online=online,
-                          slo_limit=slo_limit, draining=int(in_flight) > max(1, int(limit)))
-        shown = {"slo_percentile": p, "online": int(online), "floor_now": floor,
-                 "slo_ms": "" if target is None else round(target, 1),
-                 "online_ms": "" if measured is None else round(measured, 1),
-                 "alone_ms": "" if alone_ttft is None else round(alone_ttft, 1),
-                 "itl_slo_ms": self.slo.itl_ms or "",
-                 "online_itl_ms": "" if itl is None else round(itl, 1),
-                 "slo_seen_at": round(time.time(), 3)}
+                itl_pressure = pressure(itl, alone=base, target=self.slo.itl_ms)
+                now_pressure = max(now_pressure, itl_pressure)
+                cut_pressure = max(cut_pressure, itl_pressure)
+                over = over or samples_tail(
+                    [s.itl_ms for s in recent if s.itl_ms is not None], p,
+                    self.slo.itl_ms).certain_over(self.slo)
+        paused_at = float(fields[6] or 0)
+        decision = decide(pressure_now=now_pressure, pressure_cut=cut_pressure, over=over,
+                          enough=tail.n >= self.slo.enough, band=self.slo.band, limit=limit,
+                          ceiling=ceiling, floor=floor, binding=in_flight + 1 >= int(limit),
+                          online=online, slo_limit=slo_limit, fill_cap=fill_cap,
+                          draining=in_flight > max(1, int(limit)),
+                          retry=bool(paused_at) and now - paused_at >= PAUSE_RETRY_SECONDS)
+        spent = budget.over / (self.slo.budget * budget.n) if budget.n else 0.0
+        spent_high = budget_high.over / (self.slo.budget * budget_high.n) \
+            if budget_high.n else 0.0
+        fill_cap = self._fill_cap(fill_cap, spent=spent, spent_high=spent_high,
+                                  enough=budget.n >= self.slo.enough,
+                                  online=online, slo_limit=slo_limit, ceiling=ceiling,
+                                  now=now)
+        if not online and decision.limit >= fill_cap:
+            self._filled = True
+        shown: dict[str, Any] = {
+            "slo_percentile": p, "online": int(online), "floor_now": floor,
+            "slo_ms": "" if target is None else round(target, 1),
+            "online_ms": "" if low.value_ms is None else round(low.value_ms, 1),
+            "alone_ms": "" if alone_ttft is None else round(alone_ttft, 1),
+            "itl_slo_ms": self.slo.itl_ms or "",
+            "online_itl_ms": "" if itl is None else round(itl, 1),
+            "slo_samples": round(tail.n), "slo_measure": "histogram" if by_histogram
+            else "probes", "budget_spent": round(spent, 3), "fill_cap": round(fill_cap, 3),
+            "slo_seen_at": round(now, 3)}
         if online and decision.reason != "measuring":
             # Where the SLO holds now: where the limit comes back to when online users
-            # return after a quiet spell.
+            # return after a lull.
             shown["slo_limit"] = round(decision.limit, 3)
+            if decision.limit >= 1:
+                shown["paused_at"] = ""
+            elif slo_limit >= 1 or not paused_at:
+                shown["paused_at"] = round(now, 3)  # the SLO's level is now none
         await redis.hset(state_key, mapping={k: str(v) for k, v in shown.items()})
+        self.filling = not online and decision.limit > slo_limit
         if abs(decision.limit - limit) > 1e-6:
-            await self.engine._steer(keys=[state_key], args=[
-                repr(limit), repr(decision.limit), decision.reason, ceiling,
-                repr(time.time())])
+            steered = await self.engine._steer(keys=[state_key], args=[
+                repr(limit), repr(decision.limit), decision.reason, ceiling, repr(now)])
+            if decision.shed and abs(float(steered) - decision.limit) < 1e-6:
+                await redis.hset(state_key, "shed_at", repr(now))
         else:
             await redis.hset(state_key, "reason", decision.reason)
+
+    def _fill_cap(self, cap: float, *, spent: float, spent_high: float, enough: bool,
+                  online: bool, slo_limit: float, ceiling: float, now: float) -> float:
+        """How high the next lull is filled: halved when the SLO's budget over the last
+        BUDGET_SECONDS is spent (online users coming back found too much of the batch in
+        their way), doubled when a lull was filled to it and the budget is mostly unspent
+        (`spent` without our first tokens still in flight, `spent_high` with them).
+        Each move starts the budget's window afresh."""
+        if not online or not enough:
+            return cap
+        if spent > 1 and cap > slo_limit:
+            self._budget_since, self._filled = now, False
+            half = cap / 2
+            return max(slo_limit, half if half >= 1 else 0.0)
+        if spent_high < 0.25 and self._filled and cap < ceiling:
+            self._budget_since, self._filled = now, False
+            return min(ceiling, max(1.0, cap * 2))
+        return cap
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

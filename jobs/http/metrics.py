@@ -66,12 +66,15 @@ setting), or a signed-in staff user.
     batchweb_remote_backoffs_total{server}          retries waited for
     batchweb_remote_errors_total{server}            requests failed with its error
     batchweb_remote_limit_reason{server,reason}     1 for why the limit is where it is
-                                                    (slo, deadline_floor, ceiling, ...)
+                                                    (slo, paused, deadline_floor, ceiling,
+                                                    ...)
     batchweb_remote_ttft_slo_seconds{server}        its online TTFT SLO, at
                                                     batchweb_remote_ttft_slo_percentile
-    batchweb_remote_online_ttft_seconds{server}     what probes measure now (at that
+    batchweb_remote_online_ttft_seconds{server}     online users' TTFT now (at that
                                                     percentile), ..._alone_ttft_seconds
                                                     with no batch request in flight
+    batchweb_remote_online_ttft_samples{server,     the samples that figure holds, and its
+        measure}                                    measure (histogram | probes)
     batchweb_remote_deadline_floor{server}          requests in flight its batches' windows
                                                     need (the SLO steers no lower)
 """
@@ -287,7 +290,9 @@ def remote_metrics(health: Health) -> Iterator[Metric]:
                                  labels=labels)
     reason = GaugeMetricFamily("batchweb_remote_limit_reason",
                                "1 for why a remote server's limit is where it is "
-                               "(deadline_floor: its SLO traded for a batch's window).",
+                               "(deadline_floor: its SLO traded for a batch's window; "
+                               "paused: 0, even one batch request breaks the SLO while "
+                               "online users are there).",
                                labels=["server", "reason"])
     slo = GaugeMetricFamily("batchweb_remote_ttft_slo_seconds",
                             "The online time to first token a remote server's limit holds.",
@@ -295,8 +300,11 @@ def remote_metrics(health: Health) -> Iterator[Metric]:
     slo_percentile = GaugeMetricFamily("batchweb_remote_ttft_slo_percentile",
                                        "The percentile the SLO is held at.", labels=labels)
     online = GaugeMetricFamily("batchweb_remote_online_ttft_seconds",
-                               "Time to first token of online-priority probes lately, at "
-                               "the SLO's percentile.", labels=labels)
+                               "Online users' time to first token lately, at the SLO's "
+                               "percentile.", labels=labels)
+    samples = GaugeMetricFamily("batchweb_remote_online_ttft_samples",
+                                "Online samples that figure holds, by its measure.",
+                                labels=["server", "measure"])
     alone = GaugeMetricFamily("batchweb_remote_alone_ttft_seconds",
                               "The same with no batch request in flight.", labels=labels)
     floor = GaugeMetricFamily("batchweb_remote_deadline_floor",
@@ -313,6 +321,8 @@ def remote_metrics(health: Health) -> Iterator[Metric]:
                 family.add_metric([state.base_url], value / 1000)
         if state.slo_percentile is not None:
             slo_percentile.add_metric([state.base_url], state.slo_percentile)
+        if state.slo_samples is not None:
+            samples.add_metric([state.base_url, state.slo_measure], state.slo_samples)
         in_flight.add_metric([state.base_url], state.in_flight)
         limit.add_metric([state.base_url], state.limit)
         ceiling.add_metric([state.base_url], server.ceiling)
@@ -321,7 +331,7 @@ def remote_metrics(health: Health) -> Iterator[Metric]:
         backoffs.add_metric([state.base_url], state.backoffs)
         errors.add_metric([state.base_url], state.errors)
     yield from (in_flight, limit, ceiling, condition, backoffs, errors, reason, slo,
-                slo_percentile, online, alone, floor)
+                slo_percentile, online, samples, alone, floor)
 
 
 def capacity_metrics(health: Health) -> Iterator[Metric]:

@@ -7,8 +7,11 @@ floor when a batch's window needs it, saying so."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,10 +29,17 @@ from engine.remote import RemoteEngine
 from engine.remote_limits import keys, server_state, set_floor
 from engine.remote_slo import (
     Decision,
+    Histogram,
+    Scrape,
+    Tail,
+    Tick,
     decide,
+    histogram_tail,
     parse,
     percentile,
-    vllm_successes,
+    samples_tail,
+    vllm_scrape,
+    without_top,
 )
 from engine.remote_slo import (
     keys as slo_keys,
@@ -38,40 +48,92 @@ from engine.remote_slo import (
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
+# vLLM's own TTFT buckets are coarse around a fast server's SLO (0.1 s, then 0.25 s); the
+# fake server exports finer ones, as `vllm serve --custom-histogram-buckets` would.
+EDGES = (*(round(0.01 * i, 2) for i in range(1, 101)), 2.5, 5.0, 10.0)
+
+
 class SlowingServer:
-    """An OpenAI-like server: a batch request (not streamed) takes `duration` seconds; a
-    streamed request (an online one, the probe) gets its first token after `base` plus
+    """An OpenAI-like server: a batch request (not streamed) has its first token
+    `batch_ttft` seconds after it came (slow on purpose: at low priority, batch requests
+    wait), its answer `duration` seconds later; a streamed request (the probe) and each of the
+    made-up online users (`online` a second) get their first token after `base` plus
     `per_request` seconds per batch request in flight, as a CPU server's step grows with
-    its batch. Its /metrics counts finished requests as vLLM does, plus `online` made-up
-    online requests a second."""
+    its batch. Its /metrics is vLLM's: requests running and waiting, and every request's
+    time to first token in a histogram; with `timed`, each batch answer says its own
+    (vLLM's --enable-per-request-metrics)."""
 
     def __init__(self, *, base: float = 0.02, per_request: float = 0.01,
-                 duration: float = 0.2, online: float = 5.0) -> None:
+                 duration: float = 0.2, online: float = 20.0, batch_ttft: float = 0.4,
+                 timed: bool = True) -> None:
         self.base, self.per_request, self.duration = base, per_request, duration
-        self.online = online
+        self.online, self.batch_ttft, self.timed = online, batch_ttft, timed
         self.lock = threading.Lock()
         self.in_flight = 0
-        self.finished = 0
-        self.online_done = 0.0
-        self.started = time.monotonic()
-        self.ttfts: list[tuple[float, float]] = []  # (when, seconds) of streamed requests
+        self.most_in_flight = 0
+        self.aborted = 0
+        self.streaming = 0
+        self.streamed = 0  # streamed requests (probes) ever
+        self.online_until: list[float] = []  # when each made-up online user's request ends
+        self.buckets = [0] * (len(EDGES) + 1)  # the last: +Inf
+        # (when it came, seconds to its first token) of online requests and probes, as the
+        # server counts them: what the SLO is about.
+        self.ttfts: list[tuple[float, float]] = []
+        self.closed = threading.Event()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self._online_users, daemon=True).start()
 
     def set_online(self, rate: float) -> None:
         with self.lock:
-            self.online_done = self._online_now()
-            self.started = time.monotonic()
             self.online = rate
 
-    def _online_now(self) -> float:
-        return self.online_done + self.online * (time.monotonic() - self.started)
-
     def close(self) -> None:
+        self.closed.set()
         self.server.shutdown()
         self.server.server_close()
+
+    def _observe(self, seconds: float) -> None:
+        index = next((i for i, edge in enumerate(EDGES) if seconds <= edge), len(EDGES))
+        self.buckets[index] += 1
+
+    def _online_ttft(self) -> float:
+        return self.base + self.per_request * self.in_flight
+
+    def _online_users(self) -> None:
+        while not self.closed.is_set():
+            with self.lock:
+                rate = self.online
+                if rate:
+                    wait = self._online_ttft()
+                    now = time.monotonic()
+                    self._observe(wait)
+                    self.ttfts.append((now, wait))
+                    # Each runs a second in the server (its answer), so online users are
+                    # there without a gap even where a loaded machine stalls this thread.
+                    self.online_until.append(now + wait + 1.0)
+            time.sleep(1 / rate if rate else 0.05)
+
+    def metrics(self) -> str:
+        labels = 'engine="0",model_name="remote-test"'
+        with self.lock:
+            now = time.monotonic()
+            self.online_until = [t for t in self.online_until if t > now]
+            running = self.in_flight + self.streaming + len(self.online_until)
+            lines = [f"vllm:num_requests_running{{{labels}}} {running}.0",
+                     f"vllm:num_requests_waiting{{{labels}}} 0.0"]
+            total = 0
+            for edge, count in zip((*EDGES, "+Inf"), self.buckets, strict=True):
+                total += count
+                lines.append(f'vllm:time_to_first_token_seconds_bucket{{{labels},'
+                             f'le="{edge}"}} {total}.0')
+            lines.append(f"vllm:time_to_first_token_seconds_count{{{labels}}} {total}.0")
+        return "\n".join(lines) + "\n"
+
+    def online_p99(self, since: float) -> float:
+        return percentile([ttft for when, ttft in self.ttfts if when > since], 99)
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         fake = self
@@ -94,37 +156,63 @@ class SlowingServer:
                 if self.path.endswith("/models"):
                     self._send(json.dumps({"data": [{"id": "remote-test"}]}).encode())
                 else:
-                    with fake.lock:
-                        done = fake.finished + int(fake._online_now())
-                    self._send((f'vllm:request_success_total{{finished_reason="stop",'
-                                f'model_name="remote-test"}} {done}.0\n').encode(),
-                               "text/plain")
+                    self._send(fake.metrics().encode(), "text/plain")
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if body.get("stream"):
                     return self._stream()
+                ttft = fake.batch_ttft * random.uniform(0.8, 1.2)
+                decoding = fake.duration * random.uniform(0.5, 1.5)
                 with fake.lock:
                     fake.in_flight += 1
-                # Answers of different lengths: they end spread out, as a batch's do.
-                time.sleep(fake.duration * random.uniform(0.5, 1.5))
-                with fake.lock:
-                    fake.in_flight -= 1
-                    fake.finished += 1
-                self._send(json.dumps({
+                    fake.most_in_flight = max(fake.most_in_flight, fake.in_flight)
+                try:
+                    answered = self._wait(ttft)
+                    if answered:
+                        with fake.lock:
+                            fake._observe(ttft)  # its first token, counted as vLLM does
+                        # Answers of different lengths: they end spread out, as a batch's do.
+                        answered = self._wait(decoding)
+                finally:
+                    with fake.lock:
+                        fake.in_flight -= 1
+                if not answered:  # the worker closed the connection: aborted, as vLLM does
+                    with fake.lock:
+                        fake.aborted += 1
+                    return
+                answer: dict[str, Any] = {
                     "id": "x", "object": "chat.completion", "model": "remote-test",
                     "choices": [{"index": 0, "finish_reason": "stop", "message": {
                         "role": "assistant", "content": "ok"}}],
                     "usage": {"prompt_tokens": 5, "completion_tokens": 8,
-                              "total_tokens": 13}}).encode())
+                              "total_tokens": 13}}
+                if fake.timed:
+                    answer["metrics"] = {
+                        "queue_time_ms": ttft * 250, "time_to_first_token_ms": ttft * 750,
+                        "generation_time_ms": decoding * 1000}
+                self._send(json.dumps(answer).encode())
+
+            def _wait(self, seconds: float) -> bool:
+                """Sleeps `seconds`; False as soon as the client closes the connection."""
+                end = time.monotonic() + seconds
+                while (left := end - time.monotonic()) > 0:
+                    ready, _, _ = select.select([self.connection], [], [], min(left, 0.02))
+                    if ready and not self.connection.recv(1, socket.MSG_PEEK):
+                        return False
+                return True
 
             def _stream(self) -> None:
                 with fake.lock:
-                    wait = fake.base + fake.per_request * fake.in_flight
+                    fake.streamed += 1
+                    fake.streaming += 1
+                    wait = fake._online_ttft()
+                    came = time.monotonic()
                 time.sleep(wait)
                 with fake.lock:
-                    fake.ttfts.append((time.monotonic(), wait))
-                    fake.finished += 1
+                    fake.streaming -= 1
+                    fake._observe(wait)
+                    fake.ttfts.append((came, wait))
                 chunk = json.dumps({"choices": [{"index": 0, "delta": {"content": "H"}}]})
                 self._send(f"data: {chunk}\n\ndata: [DONE]\n\n".encode(), "text/event-stream")
 
@@ -206,27 +294,33 @@ def limits_over(url: str, seconds: float) -> list[float]:
     return seen
 
 
-def test_the_limit_settles_where_the_slo_holds(made):
-    # TTFT = 20 ms + 10 ms per batch request in flight: 120 ms holds up to 10 in flight.
-    server = make_server(made)
-    engine = make_engine(made, server.url, ttft_slo_ms=120)
+@pytest.fixture
+def lull(monkeypatch):
+    """The seconds without online requests that make a lull, shortened from 3 s to the
+    probes' own scale here (0.1 s apart): the rule is the same."""
+    monkeypatch.setattr(remote_slo, "LULL_SECONDS", 1.0)
+
+
+def test_the_limit_settles_where_the_slo_holds_at_its_percentile(made):
+    # TTFT = 20 ms + 20 ms per batch request in flight: 220 ms at p99 holds up to 10 in
+    # flight. The batch's own first tokens (400 ms, past the SLO) are in the server's
+    # histogram too, and taken out.
+    server = make_server(made, per_request=0.02)
+    engine = make_engine(made, server.url, ttft_slo_ms=220)
     made.append(Drain(engine))
-    wait_for(lambda: state(server.url).online_ms is not None and len(server.ttfts) > 40)
-    seen = limits_over(server.url, 4.0)
-    # Never far past the 10 the SLO allows (a loaded test machine's probes may come back
-    # slow and cut it lower, which still holds the SLO).
-    assert max(seen) <= 12 and min(seen) >= 1, seen
-    late = [ttft for when, ttft in server.ttfts if when > time.monotonic() - 3.0]
-    assert percentile(late, 90) <= 0.120
-    # Between a change of the limit and the next probe back the reason reads "measuring"
-    # (no sample under the new limit yet): a loaded machine's probes can be caught there.
-    wait_for(lambda: state(server.url).reason == "slo", 10)
+    # Past where the SLO's room is half used (5 in flight, with the latency alone here):
+    # the percentile of the server's own samples lets the limit grow.
+    wait_for(lambda: state(server.url).online_ms is not None
+             and state(server.url).limit >= 5, seconds=90)
+    settled = time.monotonic()
+    seen = limits_over(server.url, 5.0)
+    # Never past the 10 the SLO allows (a loaded test machine's probes, which stand guard
+    # from the client's side, may come back slow and cut it lower: that still holds it).
+    assert max(seen) <= 10 and min(seen) >= 1, seen
+    assert server.online_p99(settled) <= 0.220
     now = state(server.url)
-    assert now.slo_ms == 120 and now.slo_percentile == 90
-    # The probes' own figure is over the SLO only where a loaded test machine slowed the
-    # probes themselves (the server's TTFTs above hold it), and then the limit is cut.
-    assert now.online_ms is not None
-    assert now.online_ms <= 120 or now.limit < 10, now
+    assert now.slo_ms == 220 and now.slo_percentile == 99
+    assert now.slo_measure == "histogram" and (now.slo_samples or 0) > 0, now
 
 
 def test_a_server_that_does_not_slow_down_reaches_the_ceiling(made):
@@ -236,45 +330,92 @@ def test_a_server_that_does_not_slow_down_reaches_the_ceiling(made):
     engine = make_engine(made, server.url, ttft_slo_ms=400, max_concurrency=16)
     made.append(Drain(engine))
     wait_for(lambda: state(server.url, 16).limit >= 16
-             and state(server.url, 16).slo_ms is not None)
+             and state(server.url, 16).slo_ms is not None, seconds=90)
     assert state(server.url, 16).reason == "ceiling"
     assert server.in_flight <= 16
 
 
 def test_without_online_traffic_the_batch_goes_up_and_comes_back_when_users_return(
-        made, monkeypatch):
-    # The windows in which online requests are looked for, shortened from 5 and 20 s to
-    # the probes' own scale here (0.1 s apart): the rule is the same.
-    monkeypatch.setattr(remote_slo, "ONLINE_WINDOW_SECONDS", 1.0)
-    monkeypatch.setattr(remote_slo, "ONLINE_HOLD_SECONDS", 3.0)
+        made, lull):
     server = make_server(made, online=0.0)
     engine = make_engine(made, server.url, ttft_slo_ms=120, max_concurrency=16)
     made.append(Drain(engine))
-    # No one to protect (once the first seconds, taken as online, are past): the SLO
-    # does not hold the batch back.
+    # No one to protect (once the first second, taken as online, is past): the SLO does
+    # not hold the batch back.
     wait_for(lambda: state(server.url, 16).limit >= 16
              and state(server.url, 16).slo_ms is not None, seconds=60)
     assert state(server.url, 16).reason == "ceiling"
-    server.set_online(5.0)
+    server.set_online(20.0)
+    # Straight back to where the SLO held (the limit it started at), the batch requests
+    # above it aborted rather than run to their end.
     wait_for(lambda: state(server.url, 16).limit <= 12)
     assert state(server.url, 16).reason in ("slo", "measuring")
+    wait_for(lambda: server.in_flight <= 12)
+
+
+@pytest.mark.django_db
+def test_where_one_batch_request_breaks_the_slo_it_pauses_and_resumes_in_a_lull(
+        made, lull, admin_client, settings):
+    from tests.factories import prometheus_values
+
+    # One batch request in flight: 20 + 300 ms, past an SLO of 150 ms. Batch requests of
+    # 1-3 s: online users coming back find them running.
+    server = make_server(made, per_request=0.3, duration=2.0)
+    settings.BATCHWEB_MODELS = [*settings.BATCHWEB_MODELS, {
+        "name": "remote-test", "backend": "remote", "endpoints": [CHAT],
+        "options": {"base_url": server.url, "max_concurrency": 32, "ttft_slo_ms": 150}}]
+    engine = make_engine(made, server.url, ttft_slo_ms=150)
+    made.append(Drain(engine))
+    wait_for(lambda: state(server.url).reason == "paused", seconds=60)
+    assert state(server.url).limit == 0 and state(server.url).paused
+    # Nothing of the batch left in the server while online users are there.
+    wait_for(lambda: server.in_flight == 0, seconds=10)
+    quiet = time.monotonic()
+    time.sleep(2.0)
+    assert state(server.url).limit == 0 and server.online_p99(quiet) <= 0.150
+
+    values = prometheus_values(admin_client.get("/metrics").content.decode())
+    assert values[("batchweb_remote_limit_reason", (("reason", "paused"),
+                                                    ("server", server.url)))] == 1
+    assert values[("batchweb_remote_limit", (("server", server.url),))] == 0
+    page = admin_client.get("/admin/jobs/shard/health/").content.decode()
+    assert "paused" in page and "even one breaks the SLO" in page
+
+    # A lull: the batch fills it.
+    server.set_online(0.0)
+    wait_for(lambda: state(server.url).limit >= 2 and server.in_flight >= 1, seconds=30)
+    assert state(server.url).reason in ("no_online_traffic", "ceiling")
+    # Online users back: paused again at once, what was in flight aborted to run later.
+    aborted = server.aborted
+    server.set_online(20.0)
+    wait_for(lambda: state(server.url).reason == "paused", seconds=30)
+    wait_for(lambda: server.in_flight == 0, seconds=10)
+    assert server.aborted > aborted
+    # Aborted, not failed: the requests run again (none ended with an error).
+    assert state(server.url).errors == 0
 
 
 def test_a_multiple_of_the_time_alone_is_measured_before_the_batch(made):
-    server = make_server(made, base=0.04)
+    # A server whose answers do not say their time to first token: the probes measure.
+    server = make_server(made, base=0.04, timed=False)
     engine = make_engine(made, server.url, ttft_slo_factor=2.0)
     made.append(Drain(engine))
     wait_for(lambda: state(server.url).slo_ms is not None)
     now = state(server.url)
     # 40 ms, and what HTTP and the interpreter lock (the server, the engine's loop and the
-    # batch's thread share this process) add to it on a loaded test machine: alone, not
-    # with the batch in flight, where it would be 40 ms + 10 ms for each of up to 32.
-    assert now.alone_ms is not None and 40 <= now.alone_ms < 150
+    # batch's thread share this process) add to it on a loaded test machine: probes sent
+    # before the first batch request, with none in flight.
+    assert now.alone_ms is not None and now.alone_ms >= 40
     assert now.slo_ms == pytest.approx(2 * now.alone_ms, rel=0.01)
+    alone = [remote_slo.Sample.decode(raw) for raw in redis.Redis.from_url(REDIS_URL).lrange(
+        slo_keys(server.url)[2], 0, -1)]
+    assert len(alone) >= remote_slo.ALONE_FIRST
+    assert all(s is not None and s.ours == 0 for s in alone)
     # The SLO holds up to (SLO - 40 ms) / 10 ms batch requests in flight.
     wait_for(lambda: len(server.ttfts) > 60)
     seen = limits_over(server.url, 3.0)
     assert max(seen) <= (now.slo_ms - 40) / 10 + 2, seen
+    wait_for(lambda: state(server.url).slo_measure == "probes", seconds=10)
 
 
 def test_the_deadline_floor_holds_the_limit_above_the_slo_and_says_so(made):
@@ -300,7 +441,7 @@ def test_without_an_slo_nothing_probes(made):
     list(engine.run([EngineRequest(request_id="a", url=CHAT, body={
         "model": "remote-test", "messages": [{"role": "user", "content": "hi"}]})]))
     time.sleep(0.5)
-    assert server.ttfts == [] and state(server.url).reason == "adaptive"
+    assert server.streamed == 0 and state(server.url).reason == "adaptive"
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -323,16 +464,28 @@ def test_an_slo_needs_a_model_that_generates():
     with pytest.raises(EngineError, match="an SLO needs a model serving"):
         parse("m", {"ttft_slo_ms": 100}, (EMBEDDINGS,))
     slo = parse("m", {"ttft_slo_factor": 1.5}, (CHAT,))
-    assert slo is not None and slo.percentile == 90 and slo.factor == 1.5
+    assert slo is not None and slo.percentile == 99 and slo.factor == 1.5
+    assert slo.enough == 100 and slo.budget == pytest.approx(0.01)
 
 
 def test_decisions():
-    base = {"samples": 5, "band": 0.8, "ceiling": 32.0, "floor": 0.0, "binding": True,
-            "online": True, "slo_limit": None, "latest_over": False}
-    assert decide(pressure_now=0.1, limit=8.0, **base) == Decision(9.0, "slo")
-    assert decide(pressure_now=0.6, limit=8.0, **base) == Decision(8.0, "slo")
+    base = {"over": False, "enough": True, "band": 0.8, "ceiling": 32.0, "floor": 0.0,
+            "binding": True, "online": True, "slo_limit": None}
+    assert decide(pressure_now=0.3, limit=8.0, **base) == Decision(9.0, "slo")
+    # Far below the band: a larger step (a p99's window is long to wait for).
+    assert decide(pressure_now=0.1, limit=8.0, **base) == Decision(12.0, "slo")
+    # A step that would take the percentile past the band (in proportion to the limit)
+    # is not taken.
+    assert decide(pressure_now=0.6, limit=8.0, **base) == Decision(9.0, "slo")
+    assert decide(pressure_now=0.75, limit=8.0, **base) == Decision(8.0, "slo")
     assert decide(pressure_now=2.0, limit=8.0, **base).limit == 4.0
     assert decide(pressure_now=0.9, limit=8.0, **base).limit < 8.0
+    # Too few samples for the percentile: no growth, and no cut on its say alone...
+    assert decide(pressure_now=0.1, limit=8.0, **{**base, "enough": False}).limit == 8.0
+    assert decide(pressure_now=0.9, limit=8.0, **{**base, "enough": False}).limit == 8.0
+    # ...but more samples past the SLO than a full window may hold cut at once.
+    assert decide(pressure_now=0.5, limit=8.0, **{**base, "enough": False,
+                                                  "over": True}).limit < 8.0
     # A cut not felt yet (more in flight than the limit) is not cut again.
     assert decide(pressure_now=2.0, limit=8.0, draining=True, **base).limit == 8.0
     assert decide(pressure_now=2.0, limit=8.0, **{**base, "floor": 6.0}) == Decision(
@@ -340,15 +493,87 @@ def test_decisions():
     assert decide(pressure_now=0.1, limit=8.0, **{**base, "binding": False}).limit == 8.0
     assert decide(pressure_now=None, limit=8.0, **{**base, "online": False}) == Decision(
         16.0, "no_online_traffic")
-    assert decide(pressure_now=None, limit=32.0, **{**base, "slo_limit": 6.0}).limit == 6.0
+    # Online users back after a lull: where the SLO held, the excess aborted.
+    assert decide(pressure_now=None, limit=32.0, **{**base, "slo_limit": 6.0}) == Decision(
+        6.0, "slo", shed=True)
 
 
-def test_vllm_success_count():
-    text = ('vllm:request_success_total{finished_reason="stop",model_name="a"} 3.0\n'
-            'vllm:request_success_total{finished_reason="length",model_name="a"} 2.0\n'
-            'vllm:request_success_total{finished_reason="stop",model_name="b"} 7.0\n')
-    assert vllm_successes(text, "a") == 5.0
-    assert vllm_successes("other 1\n", "a") is None
+def test_pause_decisions():
+    base = {"over": False, "enough": True, "band": 0.8, "ceiling": 32.0, "floor": 0.0,
+            "binding": True, "online": True, "slo_limit": None}
+    # At 1, a cut is a pause: even one batch request breaks the SLO; the one in flight
+    # is aborted.
+    assert decide(pressure_now=1.5, limit=1.0, **base) == Decision(0.0, "paused", shed=True)
+    assert decide(pressure_now=0.5, limit=1.0, **{**base, "over": True}).limit == 0.0
+    # Paused with online users there: it stays paused, however quiet it looks...
+    assert decide(pressure_now=0.0, limit=0.0, **base) == Decision(0.0, "paused")
+    # ...until a retry is due.
+    assert decide(pressure_now=0.0, limit=0.0, retry=True, **base) == Decision(1.0, "slo")
+    assert decide(pressure_now=0.0, limit=0.0, **{**base, "slo_limit": 0.0}).limit == 0.0
+    # A lull fills up to the fill cap, then the ceiling once it is not lowered.
+    lull = {**base, "online": False, "slo_limit": 0.0}
+    assert decide(pressure_now=None, limit=0.0, **lull) == Decision(1.0, "no_online_traffic")
+    assert decide(pressure_now=None, limit=4.0, fill_cap=6.0, **lull).limit == 6.0
+    assert decide(pressure_now=None, limit=16.0, **lull) == Decision(32.0, "ceiling")
+    # Users back: paused again, the lull's batch requests aborted.
+    assert decide(pressure_now=None, limit=16.0, **{**base, "slo_limit": 0.0}) == Decision(
+        0.0, "paused", shed=True)
+    # Never paused under a deadline floor: it holds one request at least, saying so.
+    assert decide(pressure_now=1.5, limit=1.0, **{**base, "floor": 0.4}) == Decision(
+        1.0, "deadline_floor")
+    assert decide(pressure_now=None, limit=16.0, **{**base, "slo_limit": 0.0,
+                                                   "floor": 3.0}) == Decision(
+        3.0, "deadline_floor")
+
+
+def test_a_histograms_tail():
+    edges = (0.1, 0.2, 0.3, math.inf)
+    # 100 samples: 90 under 100 ms, 8 in 100-200 ms, 2 in 200-300 ms.
+    tail = histogram_tail(edges, (90, 8, 2, 0), 99, 250)
+    assert tail.n == 100
+    assert tail.value_ms == pytest.approx(250)  # halfway through the 200-300 ms bucket
+    assert tail.over == pytest.approx(1)  # half of that bucket is past 250 ms
+    assert histogram_tail(edges, (90, 8, 2, 0), 99, 200).over == pytest.approx(2)
+    assert histogram_tail(edges, (0, 0, 0, 0), 99, 200).value_ms is None
+    slo = parse("m", {"ttft_slo_ms": 100}, (CHAT,))
+    assert slo is not None
+    # p99: one sample in 100 may be past the SLO; two in 10 already spend a full window's.
+    assert not Tail(100, 90.0, 1).certain_over(slo)
+    assert Tail(10, 90.0, 2).certain_over(slo)
+    assert samples_tail([10.0] * 98 + [300.0, 400.0], 99, 200) == Tail(100, 300.0, 2)
+
+
+def test_vllms_metrics_page():
+    text = ('# HELP vllm:num_requests_running x\n'
+            'vllm:num_requests_running{engine="0",model_name="a"} 3.0\n'
+            'vllm:num_requests_running{engine="1",model_name="a"} 1.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="a"} 2.0\n'
+            'vllm:num_requests_running{engine="0",model_name="b"} 7.0\n'
+            'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="a"} 4.0\n'
+            'vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="a"} 5.0\n'
+            'vllm:time_to_first_token_seconds_bucket{engine="1",le="0.1",model_name="a"} 1.0\n'
+            'vllm:time_to_first_token_seconds_bucket{engine="1",le="+Inf",model_name="a"} 1.0\n')
+    scrape = vllm_scrape(text, "a")
+    assert scrape == Scrape(running=4.0, waiting=2.0, edges=(0.1, math.inf),
+                            cumulative=(5.0, 6.0))
+    assert vllm_scrape("other 1\n", "a") is None
+
+
+def test_our_answers_come_out_of_the_ticks_their_first_tokens_came_in():
+    edges = (0.1, 0.3, math.inf)
+    h = Histogram(edges=edges, begun=0.0)
+    h.add(Tick(1.0, [5, 2, 0], frozenset({b"a", b"b"})))
+    h.add(Tick(2.0, [5, 1, 0], frozenset({b"b", b"c"})))
+    h.take_out(0.5, 1)  # "a" answered: its first token (250 ms) came in the first tick
+    h.take_out(2.5, 1)  # one whose first token came after the newest read: the next tick's
+    h.take_out(-1.0, 1)  # before the first read: in no tick
+    # "b" and "c" still in flight: two of the samples may be their first tokens.
+    counts, pending = h.window(0.0, {b"b", b"c"})
+    assert counts == (10, 2, 0) and pending == 2
+    assert without_top(counts, pending) == (10, 0, 0)  # read without them, for a cut
+    assert h.window(1.0, {b"b", b"c"}) == ((5, 1, 0), 2)
+    h.add(Tick(3.0, [0, 1, 0], frozenset()))
+    assert h.window(2.0, set()) == ((0, 0, 0), 0)  # the early answer went to its tick
 
 
 @pytest.mark.django_db
@@ -396,13 +621,13 @@ def test_queue_health_and_metrics_say_the_slo_is_traded_for_a_deadline(made, adm
     assert values[("batchweb_remote_limit_reason", (("reason", "slo"),
                                                     ("server", server.url)))] == 0
     assert values[("batchweb_remote_ttft_slo_seconds", label)] == pytest.approx(0.12)
-    assert values[("batchweb_remote_ttft_slo_percentile", label)] == 90
+    assert values[("batchweb_remote_ttft_slo_percentile", label)] == 99
     assert values[("batchweb_remote_deadline_floor", label)] == 20
     assert values[("batchweb_remote_online_ttft_seconds", label)] > 0
     assert values[("batchweb_remote_limit", label)] >= 20
 
     page = admin_client.get("/admin/jobs/shard/health/").content.decode()
-    assert "SLO traded for a deadline" in page and "120 ms p90" in page
+    assert "SLO traded for a deadline" in page and "120 ms p99" in page
 
 
 @pytest.mark.django_db
