@@ -21,18 +21,23 @@ limit first finds its level in an unmeasured window, and each measured window st
 the batch flows (SETTLE). Rounds alternate the two server settings.
 
 --part interactive --slo-factors 2,1.25: the online latency SLO (engine/remote_slo.py), on
-a server with priority scheduling. Per round: the client alone (its p99 TTFT is the
-"alone" the SLO is a multiple of: ttft_slo_ms = factor x that, at p99); the batch with
-today's limit and no client (its tokens/s: the no-online-traffic baseline); the batch with
-the first factor's SLO and no client (does the controller hold it back?); then, per factor,
-the batch with that SLO started afresh beside the client, which runs through the settling
-time too (SLO_SETTLE: the limit finds its level) and is measured after it. Reported: the
-client's p99 TTFT against the SLO, and the batch's tokens/s beside the client as a share of
-the SLO batch's, and of today's, with no client. Here the client runs in a process of its
-own, as online users do (in the batch worker's process it would wait on that interpreter's
-lock too). `--pin`: the engine's compute on core 1, the server's front end and this
-process on core 0 (pin_apart); `--server-flags`: more `vllm serve` flags (e.g.
-`--long-prefill-token-threshold 48`).
+a server with priority scheduling, judged against the best fixed limit. Per round: the
+client alone (its p99 TTFT is the "alone" the SLO is a multiple of: ttft_slo_ms = factor x
+that, at p99); the batch at a fixed ceiling with no client (its tokens/s: the idle rate
+every share below is of); the batch with the first factor's SLO and no client (does the
+controller hold it back?); then, per online pattern (--patterns: steady, one request every
+--every seconds; bursty, --burst-on seconds of seeded Poisson arrivals at that mean rate
+then --burst-off seconds of none), the batch with each factor's SLO started afresh beside
+the client, and the oracle: each fixed max_concurrency of --oracle (0: no batch) beside
+the same client (the same seed), the best one that holds each SLO being the bar. Each run
+settles for SLO_SETTLE seconds, then is measured for --seconds. Reported, medians over the
+rounds: the client's p99 TTFT against the SLO (rounds met), the batch's share of its idle
+rate for the controller and for the oracle, and their ratio. Here the client runs in a
+process of its own, as online users do (in the batch worker's process it would wait on
+that interpreter's lock too). `--pin`: the engine's compute on core 1, the server's front
+end and this process on core 0 (pin_apart); `--server-flags`: more `vllm serve` flags (e.g.
+`--long-prefill-token-threshold 48 --enable-per-request-metrics`, without which the
+controller measures by its probes alone: docs/remote-engine.md).
 
 Every engine here holds /tmp/engine.lock: run as `flock /tmp/engine.lock .venv/bin/python
 bench/remote_engine.py ...`.
@@ -42,14 +47,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import itertools
 import json
+import math
 import os
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -215,11 +225,35 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
 # --- interactive protection -------------------------------------------------------------
 
 
+def arrivals(pattern: str, seconds: float, every: float, *, seed: int = 0,
+             on: float = 20.0, off: float = 20.0) -> list[float]:
+    """When the online client sends its requests, in seconds from its start, over
+    `seconds`: "steady", one every `every` seconds; "bursty", `on` seconds of traffic then
+    `off` seconds of none, in turn, the requests of each burst a Poisson process of the
+    same mean rate (seeded: the controller and each fixed limit meet the same users)."""
+    if pattern == "steady":
+        return [i * every for i in range(math.ceil(seconds / every))]
+    if pattern != "bursty":
+        raise ValueError(f"no online pattern {pattern!r}")
+    rng = random.Random(seed)
+    times: list[float] = []
+    start = 0.0
+    while start < seconds:
+        end = min(seconds, start + on)
+        at = start + rng.expovariate(1 / every)
+        while at < end:
+            times.append(at)
+            at += rng.expovariate(1 / every)
+        start = end + off
+    return times
+
+
 async def interactive_client(url: str, seconds: float, every: float,
-                             skip: float = 0.0) -> dict[str, Any]:
-    """Short streamed chats sent every `every` seconds for `skip` + `seconds`: each one's
-    (TTFT, latency) of those sent after `skip`, and the output tokens they had (to tell the
-    batch's from the server's count)."""
+                             skip: float = 0.0, pattern: str = "steady", seed: int = 0,
+                             on: float = 20.0, off: float = 20.0) -> dict[str, Any]:
+    """Short streamed chats sent as `pattern` says (`arrivals`) for `skip` + `seconds`:
+    each one's (TTFT, latency) of those sent after `skip`, and the output tokens they had
+    (to tell the batch's from the server's count)."""
     samples: list[tuple[float, float]] = []
     tokens = 0
     begun = time.monotonic()
@@ -246,24 +280,25 @@ async def interactive_client(url: str, seconds: float, every: float,
 
     async with httpx.AsyncClient(timeout=120) as client:
         tasks = []
-        deadline = time.monotonic() + skip + seconds
-        i = 0
-        while time.monotonic() < deadline:
+        for i, at in enumerate(arrivals(pattern, skip + seconds, every, seed=seed, on=on,
+                                        off=off)):
+            await asyncio.sleep(max(0.0, begun + at - time.monotonic()))
             tasks.append(asyncio.create_task(one(client, i)))
-            i += 1
-            await asyncio.sleep(every)
+        await asyncio.sleep(max(0.0, begun + skip + seconds - time.monotonic()))
         await asyncio.gather(*tasks)
     return {"samples": samples, "tokens": tokens}
 
 
-def online_client(url: str, seconds: float, every: float, skip: float = 0.0
-                  ) -> dict[str, Any]:
+def online_client(url: str, seconds: float, every: float, skip: float = 0.0,
+                  pattern: str = "steady", seed: int = 0, on: float = 20.0,
+                  off: float = 20.0) -> dict[str, Any]:
     """interactive_client in a process of its own: online users do not share the batch
     worker's interpreter, so its lock and event loop are no part of their time to first
     token."""
     code = ("import asyncio, json, sys; from bench.remote_engine import interactive_client; "
             "print(json.dumps(asyncio.run(interactive_client(*json.loads(sys.argv[1])))))")
-    done = subprocess.run([sys.executable, "-c", code, json.dumps([url, seconds, every, skip])],
+    given = [url, seconds, every, skip, pattern, seed, on, off]
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(given)],
                           cwd=Path(__file__).resolve().parents[1], capture_output=True,
                           text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -396,8 +431,59 @@ def interactive_round(policy: str, args: argparse.Namespace, batch: list[EngineR
     return row
 
 
-def slo_round(args: argparse.Namespace, batch: list[EngineRequest], scratch: Path
-              ) -> dict[str, Any]:
+def endless(batch: list[EngineRequest]) -> Iterator[EngineRequest]:
+    """The batch's requests over and over (a round's many runs drain more than one pass),
+    each pass after the first with its pass number in front of every prompt, so that none
+    finds its prompt cached from a pass before."""
+    for n in itertools.count():
+        for req in batch:
+            if n == 0:
+                yield req
+                continue
+            messages = [{**m, "content": f"({n}) {m['content']}"} if i == 0 else m
+                        for i, m in enumerate(req.body["messages"])]
+            yield dataclasses.replace(req, request_id=f"{req.request_id}-{n}",
+                                      body={**req.body, "messages": messages})
+
+
+def fixed_options(limit: int) -> dict[str, Any]:
+    """A limit that stays where it is put: starts at its ceiling, grows past nothing,
+    watches no queue (the oracle's fixed max_concurrency)."""
+    return {"initial_concurrency": limit, "metrics_url": "", "latency_tolerance": 1e9}
+
+
+def beside_client(args: argparse.Namespace, url: str, source: Any, idle_tok_s: float,
+                  ceiling: int, pattern: str, seed: int, **options: Any) -> dict[str, Any]:
+    """A batch started afresh beside the online client in `pattern`, both through the
+    settling time (SLO_SETTLE, unmeasured) and a window of args.seconds: the client's p99
+    TTFT over the window, and the batch's tokens/s as a share of `idle_tok_s`. A ceiling
+    of 0 runs no batch (the client's own p99 in that pattern)."""
+    client = {"every": args.every, "skip": SLO_SETTLE, "pattern": pattern, "seed": seed,
+              "on": args.burst_on, "off": args.burst_off}
+    if ceiling == 0:
+        beside = online_client(url, args.seconds, **client)
+        return {"ttft_p99_ms": percentiles(beside["samples"])["ttft_p99"] * 1000,
+                "n": len(beside["samples"]), "batch_tok_s": 0.0, "share": 0.0}
+    reset_limit(url)
+    drain = BatchDrain(url, source, ceiling, **options)
+    done: list[dict[str, Any]] = []
+    try:
+        thread = threading.Thread(target=lambda: done.append(drain.run(args.seconds,
+                                                                       settle=SLO_SETTLE)))
+        thread.start()
+        beside = online_client(url, args.seconds, **client)
+        thread.join()
+    finally:
+        drain.close()
+    batch_tok_s = (done[0]["generated"] - beside["tokens"]) / args.seconds
+    return {"ttft_p99_ms": percentiles(beside["samples"])["ttft_p99"] * 1000,
+            "n": len(beside["samples"]), "batch_tok_s": batch_tok_s,
+            "share": batch_tok_s / idle_tok_s, "limit_mean": done[0]["limit_mean"],
+            "in_flight_mean": done[0]["in_flight_mean"], "reasons": done[0]["reasons"]}
+
+
+def slo_round(args: argparse.Namespace, batch: list[EngineRequest], scratch: Path,
+              seed: int) -> dict[str, Any]:
     """One round of the SLO measurement (the module's docstring)."""
     seqs, batched = llm_class_batch_sizes(1)
     factors = [float(f) for f in args.slo_factors.split(",")]
@@ -407,67 +493,63 @@ def slo_round(args: argparse.Namespace, batch: list[EngineRequest], scratch: Pat
         pin_apart(server)
     row: dict[str, Any] = {"policy": "priority", "max_num_seqs": seqs,
                            "max_num_batched_tokens": batched, "pinned": args.pin,
-                           "server_flags": args.server_flags}
-    source = iter(batch)
+                           "server_flags": args.server_flags, "seed": seed}
+    source = endless(batch)
     try:
         reset_limit(server.url)
         asyncio.run(interactive_client(server.url, 5, args.every))  # warm up
         alone = percentiles(online_client(server.url, args.seconds, args.every)["samples"])
         row["alone"] = alone
-        today = BatchDrain(server.url, source, args.ceiling)
+        slo = {f: f * alone["ttft_p99"] * 1000 for f in factors}
+        # The batch's idle rate: at the ceiling, fixed, no online client.
+        idle = BatchDrain(server.url, source, args.ceiling, **fixed_options(args.ceiling))
         try:
-            today.run(min(20.0, args.seconds))  # the limit finds its level, unmeasured
-            row["today_idle"] = today.run(args.seconds, settle=SETTLE)
+            row["ceiling_idle"] = idle.run(args.seconds, settle=SETTLE)
         finally:
-            today.close()
-        for index, factor in enumerate(factors):
-            reset_limit(server.url)
-            slo_ms = factor * alone["ttft_p99"] * 1000
-            drain = BatchDrain(server.url, source, args.ceiling, ttft_slo_ms=slo_ms,
+            idle.close()
+        idle_tok_s = row["ceiling_idle"]["generated"] / args.seconds
+        row["idle_tok_s"] = idle_tok_s
+        # The controller with no online client: it should not hold the batch back.
+        reset_limit(server.url)
+        alone_slo = BatchDrain(server.url, source, args.ceiling, ttft_slo_ms=slo[factors[0]],
                                ttft_slo_percentile=99, slo_probe_interval=args.probe_every)
-            mine: dict[str, Any] = {"factor": factor, "slo_ms": slo_ms}
-            try:
-                if index == 0:  # no online traffic: the controller should not hold it back
-                    mine["idle"] = drain.run(args.seconds, settle=SETTLE)
-                    # The client's phase starts afresh (a server with online traffic all
-                    # along); the way down from the ceiling when users arrive after a
-                    # quiet spell is another figure (docs/remote-engine.md).
-                    drain.close()
-                    reset_limit(server.url)
-                    drain = BatchDrain(server.url, source, args.ceiling, ttft_slo_ms=slo_ms,
-                                       ttft_slo_percentile=99,
-                                       slo_probe_interval=args.probe_every)
-                done: list[dict[str, Any]] = []
-                thread = threading.Thread(
-                    target=lambda d=drain, out=done: out.append(d.run(args.seconds,
-                                                                 settle=SLO_SETTLE)))
-                thread.start()
-                beside = online_client(server.url, args.seconds, args.every,
-                                       skip=SLO_SETTLE)
-                thread.join()
-            finally:
-                drain.close()
-            mine["with_batch"] = percentiles(beside["samples"])
-            mine["batch_busy"] = {**done[0], "generated": done[0]["generated"]
-                                  - beside["tokens"]}
-            mine["ttft_p99_ms"] = mine["with_batch"]["ttft_p99"] * 1000
-            mine["slo_met"] = mine["ttft_p99_ms"] <= slo_ms
-            row[f"slo_{factor:g}"] = mine
-            print(json.dumps(mine), flush=True)
+        try:
+            row["slo_idle"] = alone_slo.run(args.seconds, settle=SETTLE)
+        finally:
+            alone_slo.close()
+        row["no_online_ratio"] = row["slo_idle"]["generated"] / args.seconds / idle_tok_s
+        for pattern in args.patterns.split(","):
+            mine: dict[str, Any] = {}
+            for factor in factors:
+                got = beside_client(args, server.url, source, idle_tok_s, args.ceiling,
+                                    pattern, seed, ttft_slo_ms=slo[factor],
+                                    ttft_slo_percentile=99,
+                                    slo_probe_interval=args.probe_every)
+                mine[f"slo_{factor:g}"] = {"slo_ms": slo[factor], "controller": got,
+                                           "slo_met": got["ttft_p99_ms"] <= slo[factor]}
+                print(json.dumps({pattern: {f"slo_{factor:g}": mine[f"slo_{factor:g}"]}}),
+                      flush=True)
+            # The oracle: each fixed limit in turn (up to the first that holds no SLO
+            # asked for), in the same pattern and seed.
+            sweep = []
+            for limit in (int(x) for x in args.oracle.split(",")):
+                got = beside_client(args, server.url, source, idle_tok_s, limit, pattern,
+                                    seed, **fixed_options(limit))
+                sweep.append({"limit": limit, **got})
+                print(json.dumps({pattern: {"oracle": sweep[-1]}}), flush=True)
+                if got["ttft_p99_ms"] > max(slo.values()):
+                    break
+            mine["oracle_sweep"] = sweep
+            for factor in factors:
+                held = [r for r in sweep if r["ttft_p99_ms"] <= slo[factor]]
+                best = max(held, key=lambda r: r["share"]) if held else None
+                entry = mine[f"slo_{factor:g}"]
+                entry["oracle"] = best
+                entry["over_oracle"] = (entry["controller"]["share"] / best["share"]
+                                        if best and best["share"] else None)
+            row[pattern] = mine
     finally:
         server.stop()
-    today_tok_s = row["today_idle"]["generated"] / args.seconds
-    first = row[f"slo_{factors[0]:g}"]
-    slo_idle_tok_s = first["idle"]["generated"] / args.seconds
-    row["today_idle_tok_s"] = today_tok_s
-    row["slo_idle_tok_s"] = slo_idle_tok_s
-    row["no_online_ratio"] = slo_idle_tok_s / today_tok_s
-    for factor in factors:
-        mine = row[f"slo_{factor:g}"]
-        busy = mine["batch_busy"]["generated"] / args.seconds
-        mine["batch_busy_tok_s"] = busy
-        mine["share_of_slo_idle"] = busy / slo_idle_tok_s
-        mine["share_of_today_idle"] = busy / today_tok_s
     print(json.dumps(row), flush=True)
     return row
 
@@ -475,22 +557,38 @@ def slo_round(args: argparse.Namespace, batch: list[EngineRequest], scratch: Pat
 def slo_interactive(args: argparse.Namespace) -> dict[str, Any]:
     batch = engine_requests(harness.make_requests(args.batch, 32, 64), "smol")
     rows = []
-    for _ in range(args.rounds):
+    for index in range(args.rounds):
         with tempfile.TemporaryDirectory(prefix="bench-remote-") as folder:
-            rows.append(slo_round(args, batch, Path(folder)))
+            rows.append(slo_round(args, batch, Path(folder), args.seed + index))
+
+    def median(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else None
+
     summary: dict[str, Any] = {
         "no_online_ratio": statistics.median(r["no_online_ratio"] for r in rows),
         "alone_ttft_p99_ms": statistics.median(r["alone"]["ttft_p99"] * 1000 for r in rows)}
-    for factor in (float(f) for f in args.slo_factors.split(",")):
-        mine = [r[f"slo_{factor:g}"] for r in rows]
-        summary[f"slo_{factor:g}"] = {
-            key: statistics.median(m[key] for m in mine)
-            for key in ("slo_ms", "ttft_p99_ms", "share_of_slo_idle", "share_of_today_idle",
-                        "batch_busy_tok_s")}
-        summary[f"slo_{factor:g}"]["rounds_met"] = sum(m["slo_met"] for m in mine)
+    for pattern in args.patterns.split(","):
+        for factor in (float(f) for f in args.slo_factors.split(",")):
+            mine = [r[pattern][f"slo_{factor:g}"] for r in rows]
+            summary[f"{pattern}_slo_{factor:g}"] = {
+                "slo_ms": statistics.median(m["slo_ms"] for m in mine),
+                "controller_ttft_p99_ms": statistics.median(
+                    m["controller"]["ttft_p99_ms"] for m in mine),
+                "controller_share": statistics.median(m["controller"]["share"] for m in mine),
+                "rounds_met": sum(m["slo_met"] for m in mine),
+                "oracle_limit": median([m["oracle"]["limit"] if m["oracle"] else None
+                                        for m in mine]),
+                "oracle_ttft_p99_ms": median([m["oracle"]["ttft_p99_ms"] if m["oracle"]
+                                              else None for m in mine]),
+                "oracle_share": median([m["oracle"]["share"] if m["oracle"] else None
+                                        for m in mine]),
+                "controller_over_oracle": median([m["over_oracle"] for m in mine])}
     return {"rounds": rows, "summary": summary, "batch_requests": args.batch,
             "seconds": args.seconds, "every": args.every, "ceiling": args.ceiling,
-            "probe_every": args.probe_every, "slo_settle": SLO_SETTLE}
+            "probe_every": args.probe_every, "slo_settle": SLO_SETTLE,
+            "patterns": args.patterns, "oracle": args.oracle, "burst_on": args.burst_on,
+            "burst_off": args.burst_off}
 
 
 def interactive(args: argparse.Namespace) -> dict[str, Any]:
@@ -545,6 +643,22 @@ def main() -> None:
                         help="interactive with an SLO: the engine on core 1, the rest on 0")
     parser.add_argument("--server-flags", default="",
                         help="interactive with an SLO: more `vllm serve` flags")
+    parser.add_argument("--patterns", default="steady,bursty",
+                        help="interactive with an SLO: the online client's patterns "
+                        "(steady: one request every --every seconds; bursty: "
+                        "--burst-on seconds of Poisson arrivals at that mean rate, then "
+                        "--burst-off seconds of none)")
+    parser.add_argument("--burst-on", type=float, default=20.0,
+                        help="interactive with an SLO, bursty: seconds of traffic")
+    parser.add_argument("--burst-off", type=float, default=20.0,
+                        help="interactive with an SLO, bursty: seconds of none")
+    parser.add_argument("--seed", type=int, default=1,
+                        help="interactive with an SLO: the bursty pattern's seed (round i "
+                        "uses seed + i, the same for the controller and every fixed limit)")
+    parser.add_argument("--oracle", default="0,1,2,4,8,16",
+                        help="interactive with an SLO: the fixed max_concurrency values "
+                        "swept for the best that holds each SLO (ascending; the sweep "
+                        "stops at the first past every SLO)")
     harness.add_json_option(parser)
     args = parser.parse_args()
     # The same for every path and every engine process (run_batch's, the server's).
