@@ -106,7 +106,25 @@ class Stack:
 
     def api_key(self) -> str:
         """A user and its API key, as `make run` makes them (`manage.py demouser`)."""
-        return self.manage("demouser").split("API key:")[1].split()[0]
+        return self.demo_user()[1]
+
+    def demo_user(self) -> tuple[str, str]:
+        """`manage.py demouser`: the user `demo`'s new password and a new API key."""
+        out = self.manage("demouser")
+        return out.split("login:")[1].split()[2], out.split("API key:")[1].split()[0]
+
+    def signed_in(self, password: str) -> Any:
+        """An HTTP client signed in to the dashboard as `demo` (its session cookie)."""
+        import httpx
+
+        browser = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30)
+        page = browser.get("/accounts/login/").text
+        token = re.search(r'name="csrfmiddlewaretoken" value="([^"]+)"', page)
+        assert token, page[:500]
+        done = browser.post("/accounts/login/", data={
+            "username": "demo", "password": password, "csrfmiddlewaretoken": token.group(1)})
+        assert done.status_code == 302, done.text[:500]
+        return browser
 
     def _spawn(self, name: str, command: list[str]) -> subprocess.Popen:
         self.workdir.mkdir(parents=True, exist_ok=True)

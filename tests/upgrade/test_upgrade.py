@@ -2,13 +2,15 @@
 update does it, on PostgreSQL, Redis and a storage folder that outlive the processes.
 
 The previous release's web server, control worker and two workers (its tree, from this
-repository's history) run a batch until it is mid-shard with results checkpointed; each
-process gets SIGTERM and its grace period (the workers drain, handing back what they
-hold); this release migrates the database and starts its own processes, and beside them
-one of the previous release's workers stays, as during a rolling update. The batch
-completes, and a second one submitted to the mixed fleet too: every custom_id once, the
-counts and the usage ledger exact, no saved result computed again, both releases' workers
-taking shards, and the API answering every poll but those of the web server's restart."""
+repository's history) run a batch until it is mid-shard with results checkpointed. This
+release's migrations run first, with all of them running on: a second batch is created
+through the old web server and validated by the old control worker on the migrated schema.
+Then each old process gets SIGTERM and its grace period (the workers drain, handing back
+what they hold), this release's processes start, and beside them one of the previous
+release's workers stays, as during a rolling update; a third batch goes to that mixed
+fleet. All three complete: every custom_id once, the counts and the usage ledger exact, no
+saved result computed again, both releases' workers taking shards, and both APIs and the
+batch's page answering every poll but those of the web server's restart."""
 
 from __future__ import annotations
 
@@ -43,23 +45,39 @@ ENV = {"BATCHWEB_SHARD_SIZE": "200", "BATCHWEB_ECHO_SECONDS": "0.4",
 
 
 class Poller:
-    """One API client (no retries) reading the batch every 0.2 s; when each poll failed."""
+    """Every 0.2 s, with no retries: the batch through the OpenAI API, the Message Batches
+    list through the Anthropic API, and the batch's page signed in; when each failed."""
 
-    def __init__(self, client: Any, batch_id: str) -> None:
-        self.client, self.batch_id = client, batch_id
+    def __init__(self, stack: Stack, key: str, password: str, batch_id: str) -> None:
+        import anthropic
+
+        base = f"http://127.0.0.1:{stack.port}"
+        self.checks = {
+            "openai": lambda: stack.openai(key, max_retries=0).batches.retrieve(batch_id),
+            "anthropic": lambda: anthropic.Anthropic(
+                base_url=base, api_key=key, max_retries=0).messages.batches.list(limit=1),
+            "page": self.page,
+        }
+        self.browser = stack.signed_in(password)
+        self.batch_id = batch_id
         self.ok = 0
-        self.failed: list[float] = []
+        self.failed: list[tuple[str, float]] = []
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)
         self.thread.start()
 
+    def page(self) -> None:
+        answer = self.browser.get(f"/batches/{self.batch_id}/")
+        assert answer.status_code == 200 and self.batch_id in answer.text, answer.status_code
+
     def run(self) -> None:
         while not self.done.is_set():
-            try:
-                self.client.batches.retrieve(self.batch_id)
-                self.ok += 1
-            except Exception:
-                self.failed.append(time.monotonic())
+            for name, check in self.checks.items():
+                try:
+                    check()
+                    self.ok += 1
+                except Exception:
+                    self.failed.append((name, time.monotonic()))
             time.sleep(0.2)
 
     def stop(self) -> None:
@@ -119,13 +137,13 @@ def test_the_previous_release_upgraded_under_a_running_batch(previous, tmp_path:
             old = stack(old_tree, "old")
             assert module_file(old).startswith(str(old_tree))
             old.manage("migrate", "--noinput", "-v0")
-            key = old.api_key()
+            password, key = old.demo_user()
             web = old.web()
             old.control()
             old_workers = [old.worker(name=f"old-{i}") for i in range(2)]
             client = old.openai(key, max_retries=0)
             first, first_ids = submit(client, "a")
-            poller = Poller(old.openai(key, max_retries=0), first)
+            poller = Poller(old, key, password, first)
 
             def mid_shard() -> bool:
                 running = old.query("SELECT count(*) FROM jobs_shard WHERE batch_id = %s "
@@ -185,14 +203,15 @@ def test_the_previous_release_upgraded_under_a_running_batch(previous, tmp_path:
             workers = dict(new.query(
                 "SELECT worker, count(*) FROM jobs_shard WHERE batch_id IN (%s, %s, %s) "
                 "AND status = 'done' GROUP BY worker", first, second, third))
-            outside = [t for t in poller.failed if not stopped <= t <= restarted + 1]
-            report(f"upgrade: {len(saved)}/{2 * N} results saved before the update ({resumed} "
-                  f"shards handed back mid-way, the rest finished in the drain), {again} "
-                  f"computed again; polls answered {poller.ok}, failed during the web "
-                  f"restart {len(poller.failed) - len(outside)} "
-                  f"({restarted - stopped:.1f} s), failed outside it {len(outside)}; "
-                  f"processes killed at the grace period {old.killed}; shards done by "
-                  f"worker {workers}")
+            outside = [(name, t) for name, t in poller.failed
+                       if not stopped <= t <= restarted + 1]
+            report(f"upgrade: {len(saved)}/{2 * N} results saved before the update "
+                   f"({resumed} shards handed back mid-way, the rest finished in the "
+                   f"drain), {again} computed again; polls (OpenAI, Anthropic, page) "
+                   f"answered {poller.ok}, failed during the web restart "
+                   f"{len(poller.failed) - len(outside)} ({restarted - stopped:.1f} s), "
+                   f"failed outside it {len(outside)}; processes killed at the grace "
+                   f"period {old.killed}; shards done by worker {workers}")
             assert again == 0
             assert outside == []
             assert old.killed == 0
