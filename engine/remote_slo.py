@@ -300,6 +300,24 @@ def decide(*, pressure_now: float | None, over: bool, enough: bool, band: float,
     return Decision(new, "ceiling" if new >= ceiling else "slo")
 
 
+def next_fill_cap(cap: float, *, spent: float, spent_high: float, enough: bool,
+                  online: bool, filled: bool, slo_limit: float, ceiling: float) -> float:
+    """How high the next lull is filled: halved when the SLO's budget over its window is
+    spent (`spent`: the share of online samples past the SLO over the share allowed,
+    without our first tokens still in flight: online users coming back found too much of
+    the batch in their way), doubled when a lull was filled to it (`filled`) and under a
+    quarter of the budget is spent (`spent_high`: with those first tokens). Never below
+    where the SLO holds; a half under 1 is none (a lull is not filled)."""
+    if not online or not enough:
+        return cap
+    if spent > 1 and cap > slo_limit:
+        half = cap / 2
+        return max(slo_limit, half if half >= 1 else 0.0)
+    if spent_high < 0.25 and filled and cap < ceiling:
+        return min(ceiling, max(1.0, cap * 2))
+    return cap
+
+
 # KEYS: state. ARGV: the limit read, the new limit, reason, ceiling, now (the prober's
 # clock, which its samples carry). Written only if no one changed the limit meanwhile (a
 # 429's cut since is kept).
@@ -809,10 +827,11 @@ class Steering:
         spent = budget.over / (self.slo.budget * budget.n) if budget.n else 0.0
         spent_high = budget_high.over / (self.slo.budget * budget_high.n) \
             if budget_high.n else 0.0
-        fill_cap = self._fill_cap(fill_cap, spent=spent, spent_high=spent_high,
-                                  enough=budget.n >= self.slo.enough,
-                                  online=online, slo_limit=slo_limit, ceiling=ceiling,
-                                  now=now)
+        moved = next_fill_cap(fill_cap, spent=spent, spent_high=spent_high,
+                              enough=budget.n >= self.slo.enough, online=online,
+                              filled=self._filled, slo_limit=slo_limit, ceiling=ceiling)
+        if moved != fill_cap:  # each move starts the budget's window afresh
+            fill_cap, self._budget_since, self._filled = moved, now, False
         if not online and decision.limit >= fill_cap:
             self._filled = True
         shown: dict[str, Any] = {
@@ -843,23 +862,6 @@ class Steering:
         else:
             await redis.hset(state_key, "reason", decision.reason)
 
-    def _fill_cap(self, cap: float, *, spent: float, spent_high: float, enough: bool,
-                  online: bool, slo_limit: float, ceiling: float, now: float) -> float:
-        """How high the next lull is filled: halved when the SLO's budget over the last
-        BUDGET_SECONDS is spent (online users coming back found too much of the batch in
-        their way), doubled when a lull was filled to it and the budget is mostly unspent
-        (`spent` without our first tokens still in flight, `spent_high` with them).
-        Each move starts the budget's window afresh."""
-        if not online or not enough:
-            return cap
-        if spent > 1 and cap > slo_limit:
-            self._budget_since, self._filled = now, False
-            half = cap / 2
-            return max(slo_limit, half if half >= 1 else 0.0)
-        if spent_high < 0.25 and self._filled and cap < ceiling:
-            self._budget_since, self._filled = now, False
-            return min(ceiling, max(1.0, cap * 2))
-        return cap
 
 
 def _text(value: Any) -> str:

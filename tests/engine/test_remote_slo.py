@@ -35,6 +35,7 @@ from engine.remote_slo import (
     Tick,
     decide,
     histogram_tail,
+    next_fill_cap,
     parse,
     percentile,
     samples_tail,
@@ -524,6 +525,26 @@ def test_pause_decisions():
     assert decide(pressure_now=None, limit=16.0, **{**base, "slo_limit": 0.0,
                                                    "floor": 3.0}) == Decision(
         3.0, "deadline_floor")
+
+
+def test_the_fill_cap_spends_the_slos_budget():
+    base = {"enough": True, "online": True, "filled": False, "slo_limit": 1.0,
+            "ceiling": 32.0}
+    # The budget spent (more samples past the SLO than the percentile allows): lulls are
+    # filled half as high, never below where the SLO holds, and not at all under 1.
+    assert next_fill_cap(32.0, spent=1.5, spent_high=1.5, **base) == 16.0
+    assert next_fill_cap(2.0, spent=1.5, spent_high=1.5, **base) == 1.0
+    assert next_fill_cap(1.0, spent=1.5, spent_high=1.5, **{**base, "slo_limit": 0.0}) == 0.0
+    # Too few samples to know, or no one online: as it was.
+    assert next_fill_cap(32.0, spent=1.5, spent_high=1.5, **{**base, "enough": False}) == 32
+    assert next_fill_cap(32.0, spent=1.5, spent_high=1.5, **{**base, "online": False}) == 32
+    # Mostly unspent after a lull filled to it: twice as high, up to the ceiling.
+    assert next_fill_cap(8.0, spent=0.1, spent_high=0.1, **{**base, "filled": True}) == 16
+    assert next_fill_cap(8.0, spent=0.1, spent_high=0.1, **base) == 8.0
+    assert next_fill_cap(8.0, spent=0.1, spent_high=0.5, **{**base, "filled": True}) == 8.0
+    assert next_fill_cap(0.0, spent=0.1, spent_high=0.1, **{**base, "filled": True,
+                                                            "slo_limit": 0.0}) == 1.0
+    assert next_fill_cap(32.0, spent=0.0, spent_high=0.0, **{**base, "filled": True}) == 32
 
 
 def test_a_histograms_tail():
