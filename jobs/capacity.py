@@ -30,8 +30,10 @@ Each batch has a target: its window's end less BATCHWEB_CAPACITY_MARGIN of the t
 - **Waiting for a worker.** With no live worker of its model, nothing of a batch runs: it
   waits for the worker the capacity signal asks for (`workers_needed` is 1 at least), and
   is projected on that one worker after its cold start (the model's last one, reported by
-  its worker; COLD_START_SECONDS before any). Its row says so (`waits_for`), and as it
-  waits its end moves on with the clock (jobs.projection, the rule every reader asks).
+  its worker; COLD_START_SECONDS before any), or, once a worker of the model is loading
+  its engine, after what is left of it (`Startup`). Its row says which (`waits_for`), and
+  as it waits its end moves on with the clock (jobs.projection, the rule every reader
+  asks).
 - **At risk**: projected past its target, on the workers alive now (one after its cold
   start, when none is): flagged on its page, list, API object and /metrics, and its
   owner's webhook gets one `batchweb.batch.at_risk` event.
@@ -187,9 +189,9 @@ class ModelPlan:
     workers: list[fleet.WorkerRate]  # its live workers
     rates: Rates
     batches: list[Planned] = field(default_factory=list)
-    # Without a live worker: the cold start (seconds) of the one asked for, which every
+    # Without a live worker: how far the first one is from taking shards, which every
     # batch waits for first.
-    cold_start: float | None = None
+    startup: Startup | None = None
 
     @property
     def workers_needed(self) -> int:
@@ -198,6 +200,25 @@ class ModelPlan:
     @property
     def at_risk(self) -> list[Planned]:
         return [p for p in self.batches if p.at_risk]
+
+
+@dataclass(frozen=True)
+class Startup:
+    """How far the first worker of a model without any is from taking its shards."""
+
+    cold_start: float  # seconds a worker's start takes (the model's last one)
+    starting_for: float | None = None  # seconds since one began loading; None: none is
+
+    @property
+    def wait(self) -> float:
+        if self.starting_for is None:
+            return self.cold_start
+        # One that takes longer than the last is expected any moment.
+        return max(0.0, self.cold_start - self.starting_for)
+
+    @property
+    def waits_for(self) -> str:
+        return projection.WORKER if self.starting_for is None else projection.START
 
 
 def workers_needed(planned: Iterable[Planned], *, now: datetime) -> int:
@@ -222,10 +243,10 @@ def deadline_order() -> bool:
 
 
 def plan_model(model: str, batches: list[Batch], *, workers: list[fleet.WorkerRate],
-               now: datetime, cold_start: float | None = None) -> ModelPlan:
+               now: datetime, startup: Startup | None = None) -> ModelPlan:
     """The plan of `model`'s running batches on its live `workers`; with none, on the one
-    the capacity signal asks for, once it started (`cold_start` seconds; by default the
-    model's last reported, else COLD_START_SECONDS)."""
+    the capacity signal asks for, once it started (`startup`; by default as Redis says,
+    `model_startup`)."""
     rates = model_rates(model, workers=workers, now=now)
     ordered = deadline_order()
     capacity = float(max(len(workers), 1))
@@ -235,10 +256,10 @@ def plan_model(model: str, batches: list[Batch], *, workers: list[fleet.WorkerRa
     # worker, first the cold start of the one asked for.
     offset = 0.0
     if not workers:
-        offset = result.cold_start = (cold_start_seconds(model) if cold_start is None
-                                      else cold_start)
+        result.startup = startup or model_startup(model, now=now)
+        offset = result.startup.wait
         for item in result.batches:
-            item.waits_for = projection.WORKER
+            item.waits_for = result.startup.waits_for
     for priority in queues.PRIORITIES:
         group = [p for p in result.batches if p.batch.priority == priority and p.remaining > 0]
         late = []
@@ -350,14 +371,19 @@ def running_batches() -> dict[str, list[Batch]]:
     return found
 
 
-def cold_start_seconds(model: str) -> float:
-    """How long a first worker of `model` is expected to take to start: its last worker's
-    cold start, else COLD_START_SECONDS (also when Redis cannot say)."""
+def model_startup(model: str, *, now: datetime) -> Startup:
+    """How far a first worker of `model` is from taking shards: its last worker's cold
+    start (COLD_START_SECONDS before any, or when Redis cannot say), and how long ago one
+    began to load its engine, if one did within twice that (an older one died loading)."""
     try:
-        reported = fleet.cold_start_seconds(queues.connection(), model)
+        connection = queues.connection()
+        reported = fleet.cold_start_seconds(connection, model)
+        cold_start = COLD_START_SECONDS if reported is None else reported
+        since = fleet.starting_since(connection, model, max_age=2 * cold_start + float(
+            settings.BATCHWEB["HEARTBEAT_TIMEOUT_SECONDS"]))
     except redis.RedisError:
-        reported = None
-    return COLD_START_SECONDS if reported is None else reported
+        return Startup(COLD_START_SECONDS)
+    return Startup(cold_start, None if since is None else max(0.0, now.timestamp() - since))
 
 
 def live_workers(model: str) -> list[fleet.WorkerRate]:

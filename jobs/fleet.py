@@ -111,13 +111,46 @@ def worker_rates(connection: redis.Redis, model: str, *, max_age: float) -> list
 # cold start, seconds): what a batch waiting for a first worker is projected to wait.
 COLD_START_KEY = "batchweb:cold-start:{model}"
 COLD_START_DAYS = 30
+# Per model, its workers loading their engine now: worker name -> when it began (epoch).
+STARTING_KEY = "batchweb:starting:{model}"
 
 
-def report_cold_start(connection: redis.Redis, model: str, seconds: float) -> None:
-    """Say that a worker of `model` took `seconds` to become ready (kept COLD_START_DAYS:
-    the next first worker of it, maybe days later, is likely to take as long)."""
-    connection.set(COLD_START_KEY.format(model=model), f"{seconds:.1f}",
-                   ex=COLD_START_DAYS * 86400)
+def report_starting(connection: redis.Redis, model: str, name: str) -> None:
+    """Say that worker `name` begins to load `model`'s engine (until `report_cold_start`)."""
+    key = STARTING_KEY.format(model=model)
+    pipe = connection.pipeline()
+    pipe.hset(key, name, f"{time.time():.0f}")
+    pipe.expire(key, 86400)
+    pipe.execute()
+
+
+def report_cold_start(connection: redis.Redis, model: str, seconds: float, *,
+                      name: str = "") -> None:
+    """Say that a worker of `model` (`name`, no longer starting) took `seconds` to become
+    ready (kept COLD_START_DAYS: the next first worker of it, maybe days later, is likely
+    to take as long)."""
+    pipe = connection.pipeline()
+    pipe.set(COLD_START_KEY.format(model=model), f"{seconds:.1f}", ex=COLD_START_DAYS * 86400)
+    if name:
+        pipe.hdel(STARTING_KEY.format(model=model), name)
+    pipe.execute()
+
+
+def starting_since(connection: redis.Redis, model: str, *, max_age: float) -> float | None:
+    """When the newest worker of `model` still loading its engine began (epoch); None when
+    none began within `max_age` seconds (an older one died loading: forgotten)."""
+    key = STARTING_KEY.format(model=model)
+    newest = None
+    for raw_name, value in connection.hgetall(key).items():
+        try:
+            began = float(value)
+        except ValueError:
+            began = 0.0
+        if time.time() - began > max_age:
+            connection.hdel(key, raw_name)
+        elif newest is None or began > newest:
+            newest = began
+    return newest
 
 
 def cold_start_seconds(connection: redis.Redis, model: str) -> float | None:

@@ -10,6 +10,8 @@ runs its model:
 - WORKER: no live worker serves its model. The capacity signal
   (`batchweb_workers_needed`, 1 at least while anything of the model waits) asks for one;
   the end counts that worker's cold start, then the batch's work on it.
+- START: none serves it yet, but one is loading its engine: the end counts what is left
+  of its cold start.
 Nothing of a waiting batch runs, so the time since the plan adds to its end: read later
 (the next pass has not come, or no process runs the reconciler any more), the end has moved
 on by as long, and once it passes the batch's target the batch is at risk. A batch that
@@ -27,10 +29,15 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 
-# What a waiting batch waits for (Batch.waits_for), in words for its page.
+# What a waiting batch waits for (Batch.waits_for), in words for its pages: at length, the
+# few words after its ETA, and its label in a list.
 WORKER = "worker"
-WAITS = {WORKER: "no worker of its model runs now: one is asked for, and the time it "
-                 "takes to start is counted"}
+START = "start"
+WAITS = {WORKER: "counting the start of a worker, which is asked for (none of its model "
+                 "runs now)",
+         START: "counting what is left of the start of a worker of its model, loading now"}
+CONDITIONS = {WORKER: "if a worker starts now", START: "as a worker starts"}
+LABELS = {WORKER: "waits for a worker", START: "a worker is starting"}
 
 
 def target_seconds(expires_at: datetime | None, now: datetime) -> float:
@@ -71,6 +78,15 @@ class Projection:
     def waiting(self) -> str:
         """What it waits for, in words ("" when it runs)."""
         return WAITS.get(self.waits_for, self.waits_for)
+
+    @property
+    def condition(self) -> str:
+        """What its ETA counts on, in a few words ("" when it runs)."""
+        return CONDITIONS.get(self.waits_for, "")
+
+    @property
+    def label(self) -> str:
+        return LABELS.get(self.waits_for, self.waits_for)
 
 
 def read(*, running: bool, end: datetime | None, planned_at: datetime | None,

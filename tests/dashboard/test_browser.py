@@ -501,11 +501,10 @@ def test_batch_page_eta_is_the_plans_projection(live_server, user, browser, tmp_
         page.set_viewport_size({"width": width, "height": 900 if width > 400 else 844})
         time.sleep(1.1)  # read later than planned: the wait is the same, the end moved on
         page.goto(f"{live_server.url}/batches/{batch.pk}/")
-        assert page.locator("#eta").inner_text() == f"ETA {waits} after a worker starts"
+        assert page.locator("#eta").inner_text() == f"ETA {waits} if a worker starts now"
         expected = page.locator("#expected").inner_text()
-        assert expected == (f"expected {waits} after a worker starts (no worker of its "
-                            "model runs now: one is asked for, and the time it takes to "
-                            "start is counted)"), expected
+        assert expected == (f"expected in {waits}, counting the start of a worker, which is "
+                            "asked for (none of its model runs now)"), expected
         page.screenshot(path=str(ARTIFACTS / f"batch-page-waiting-{width}.png"),
                         full_page=True)
         page.goto(f"{live_server.url}/")

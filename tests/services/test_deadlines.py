@@ -317,7 +317,7 @@ def test_a_batch_no_worker_serves_waits_for_one_on_both_faces(
     # 100 requests of 100 output tokens at 0.01 s each, after 40 s of cold start.
     planned = (row.expected_completion_at - row.planned_at).total_seconds()
     assert planned == pytest.approx(40 + 100, abs=1.5)
-    assert plan_of().workers_needed == 1 and plan_of().cold_start == 40.0
+    assert plan_of().workers_needed == 1 and plan_of().startup == capacity.Startup(40.0)
     first = openai_client.batches.retrieve(batch.pk).model_extra
     assert first["waits_for"] == "worker" and first["at_risk"] is False
     import time
@@ -349,6 +349,40 @@ def test_a_batch_no_worker_serves_waits_for_one_on_both_faces(
     assert not Batch.objects.filter(pk__in=[batch.pk, message_batch.id]).exclude(
         waits_for="").exists()
     assert openai_client.batches.retrieve(batch.pk).model_extra["waits_for"] is None
+
+
+def test_a_worker_loading_its_engine_leaves_what_is_left_of_its_start(
+        user, tmp_path, settings) -> None:
+    """A worker of the model began loading its engine 60 s ago and the last one took
+    100 s: the batch waits for the 40 s left, then its work (100 requests of 100 output
+    tokens at 0.01 s: 100 s). Once that worker is ready and reports itself, nothing waits."""
+    from jobs import projection
+
+    history()
+    connection = queues.connection()
+    starting = fleet.STARTING_KEY.format(model="echo-test")
+    fleet.report_cold_start(connection, "echo-test", 100.0)
+    batch = running(user, tmp_path, settings, requests=100, max_tokens=100, hours=24)
+    fleet.report_starting(connection, "echo-test", "w0")
+    connection.hset(starting, "w0", f"{timezone.now().timestamp() - 60:.0f}")
+    deadlines.refresh()
+    row = Batch.objects.get(pk=batch.pk)
+    assert row.waits_for == projection.START
+    assert (row.expected_completion_at - row.planned_at).total_seconds() == pytest.approx(
+        40 + 100, abs=2)
+    assert plan_of().startup.starting_for == pytest.approx(60, abs=2)
+    assert row.to_openai()["waits_for"] == "start"
+    # One that began long ago died loading, and is forgotten: it waits for a worker again.
+    connection.hset(starting, "w0", f"{timezone.now().timestamp() - 3600:.0f}")
+    deadlines.refresh()
+    assert Batch.objects.get(pk=batch.pk).waits_for == projection.WORKER
+    # Ready: no longer starting; alive, it runs the batch.
+    fleet.report_starting(connection, "echo-test", "w0")
+    fleet.report_cold_start(connection, "echo-test", 95.0, name="w0")
+    assert connection.hlen(starting) == 0
+    workers(1)
+    deadlines.refresh()
+    assert Batch.objects.get(pk=batch.pk).projection().waits_for == ""
 
 
 def test_a_batch_that_cannot_make_its_window_without_a_worker_is_at_risk(
@@ -384,20 +418,22 @@ WORKER_COUNTS = st.sampled_from([0, 0, 1, 3])
        cold_start=st.one_of(st.none(), st.floats(0, 3600)),
        window=st.floats(-120, 86400), done=st.floats(0, 1),
        pace=st.one_of(st.none(), st.floats(0, 3600)), stale=st.floats(0, 200_000),
-       ledger=st.booleans())
+       starting=st.one_of(st.none(), st.floats(0, 7200)), ledger=st.booleans())
 def test_a_projection_is_never_a_moment_already_past(
         user, tmp_path, settings, workers_alive, worker_speed, cold_start, window, done, pace,
-        stale, ledger) -> None:
+        stale, starting, ledger) -> None:
     """Whatever the plan's inputs (no workers, workers that measured nothing yet, a cold
-    start reported or not, a window nearly over or already past, a batch that ran some, a
-    plan read long after it was written), a running batch's projected end, read at any
-    moment, is that moment or later; it says it waits for a worker exactly while none runs
-    its model, and it is at risk whenever that end is past its target."""
+    start reported or not, a worker loading its engine for a while or for longer than the
+    last one took, a window nearly over or already past, a batch that ran some, a plan read
+    long after it was written), a running batch's projected end, read at any moment, is
+    that moment or later; it says it waits for a worker exactly while none runs its model,
+    and it is at risk whenever that end is past its target."""
     from jobs import projection
 
     connection = queues.connection()
     connection.delete(fleet.RATES_KEY.format(model="echo-test"),
-                      fleet.COLD_START_KEY.format(model="echo-test"))
+                      fleet.COLD_START_KEY.format(model="echo-test"),
+                      fleet.STARTING_KEY.format(model="echo-test"))
     UsageRecord.objects.all().delete()
     if ledger:
         history()
@@ -407,6 +443,9 @@ def test_a_projection_is_never_a_moment_already_past(
             stamp=timezone.now().timestamp()), 5)
     if cold_start is not None:
         fleet.report_cold_start(connection, "echo-test", cold_start)
+    if starting is not None:
+        connection.hset(fleet.STARTING_KEY.format(model="echo-test"), "loading",
+                        f"{timezone.now().timestamp() - starting:.0f}")
     batch = Batch.objects.filter(owner=user).first() or running(
         user, tmp_path, settings, requests=50, max_tokens=50, hours=24)
     now = timezone.now()
@@ -424,7 +463,10 @@ def test_a_projection_is_never_a_moment_already_past(
             continue  # nothing left: the finalization, not the plan, ends it
         assert read.end is not None and read.end >= moment
         assert read.epoch is not None and read.epoch >= moment.timestamp()
-        assert read.waits_for == ("" if workers_alive else projection.WORKER)
+        assert read.waits_for in (
+            {""} if workers_alive else {projection.WORKER, projection.START})
+        if not workers_alive and starting is None:
+            assert read.waits_for == projection.WORKER
         target = projection.target_seconds(row.expires_at, moment)
         if (read.end - moment).total_seconds() > target:
             assert read.at_risk

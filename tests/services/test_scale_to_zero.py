@@ -76,8 +76,10 @@ def test_a_batch_at_zero_workers_is_validated_then_asks_for_a_worker_that_runs_i
                      == "completed" and b, timeout=90, message="completion")
     assert batch.request_counts.completed == 30
     assert workers_needed() == 0
-    # Its start is what the next batch waiting for a first worker is planned with.
+    # Its start is what the next batch waiting for a first worker is planned with, and it
+    # is no longer starting.
     assert fleet.cold_start_seconds(queues.connection(), "echo-test") is not None
+    assert not queues.connection().hlen(fleet.STARTING_KEY.format(model="echo-test"))
 
     # SIGTERM stops it promptly and cleanly (a Deployment's rollout, a scale-down).
     proc.send_signal(signal.SIGTERM)

@@ -110,6 +110,8 @@ class Command(BaseCommand):
         queue_names = [*queue_names, queues.WEBHOOK_QUEUE]
         started = time.monotonic()
         self.stdout.write(f"batchworker {name}: loading {spec.name} ({spec.backend})")
+        with contextlib.suppress(redis.RedisError):  # a batch waiting for it counts it
+            fleet.report_starting(queues.connection(), spec.name, name)
         engine = load_engine(spec)
         pipeline = Pipeline(engine, worker_name=name)
         pipeline.start()
@@ -130,7 +132,7 @@ class Command(BaseCommand):
         # What a batch waiting for this model's next first worker is planned with (Redis
         # away: the worker rides it out, and the plan keeps the last one).
         with contextlib.suppress(redis.RedisError):
-            fleet.report_cold_start(queues.connection(), spec.name, loaded)
+            fleet.report_cold_start(queues.connection(), spec.name, loaded, name=name)
         cold = False
         due: ModelSpec | None = None
         try:
