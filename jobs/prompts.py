@@ -9,8 +9,9 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from django.conf import settings
 
@@ -46,12 +47,14 @@ class Room:
     """What a model leaves a request: its context (the registry's max_model_len; None where
     it does not say) less the prompt, at most the service's cap (BATCHWEB_MAX_TOKENS_CAP);
     and how its prompts are bounded: by its own tokenizer and chat template where this host
-    has them (`counter`), each media part at `media_tokens`."""
+    has them (`counter`), each media part at `media_tokens`; its registry `options`, which
+    an endpoint served through another's call builds that call from."""
 
     context: int | None
     cap: int
     counter: PromptCounter | None = None
     media_tokens: int = 0
+    options: Mapping[str, Any] = field(default_factory=dict)
 
     def after(self, prompt_tokens: int) -> int:
         if self.context is None:
@@ -68,7 +71,8 @@ def room_for(model: str | None) -> Room:
     # What one image, audio clip or file may cost at most: the registry's
     # `max_tokens_per_media`, else all of the model's context.
     media = options.get("max_tokens_per_media") or context or cap
-    return Room(context=context, cap=cap, counter=counter_for(spec), media_tokens=int(media))
+    return Room(context=context, cap=cap, counter=counter_for(spec), media_tokens=int(media),
+                options=options)
 
 
 _COUNTERS: dict[tuple[str, str, str], PromptCounter | None] = {}
@@ -98,12 +102,20 @@ def counter_for(spec: ModelSpec | None) -> PromptCounter | None:
 def prompt_bound(line: RequestLine, room: Room) -> int:
     """The most prompt tokens the engine can count for a request: by the model's own
     tokenizer and template where `room` has them, else one token per byte
-    (`Endpoint.prompt_bound`); each media part at the model's `media_tokens`."""
-    found = endpoint(line.url)
-    tokens = room.counter.prompt_bound(line.url, line.body) if room.counter else None
+    (`Endpoint.prompt_bound`); each media part at the model's `media_tokens`. What the
+    worker sends is bounded, not only the line: an endpoint served through another's call
+    counts that call."""
+    url, body = line.url, line.body
+    found = endpoint(url)
+    if found.serving_url != url:
+        # It runs as another endpoint's call (a moderation as one embeddings call of its
+        # inputs and the model's category examples): that call is what the engine counts.
+        url, body = found.serving_url, found.engine_body(body, options=room.options)
+        found = endpoint(url)
+    tokens = room.counter.prompt_bound(url, body) if room.counter else None
     if tokens is None:
-        tokens = found.prompt_bound(line.body)
-    return tokens + room.media_tokens * found.media(line.body)
+        tokens = found.prompt_bound(body)
+    return tokens + room.media_tokens * found.media(body)
 
 
 class Ceiling(NamedTuple):

@@ -258,3 +258,24 @@ def test_anthropic_tools_and_tool_results_count_in_the_budget(anthropic_client, 
                                                   **params}} for i in range(20)])
         assert caught.value.status_code == 429
     assert not Batch.objects.exists()
+
+
+def test_a_media_part_counts_at_what_its_model_may_make_of_it():
+    """An image costs what the model makes of it, not its URL's bytes: each media part
+    counts at the room's `media_tokens` (the registry's max_tokens_per_media, else the
+    model's whole context), nested ones (an Anthropic tool result's) included."""
+    from engine.endpoints import CHAT, MESSAGES
+    from jobs.formats.wire import RequestLine
+    from jobs.prompts import Room, prompt_bound
+
+    room = Room(context=4096, cap=4096, media_tokens=1000)
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    text_only = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    with_images = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, image, image]}]}
+    assert (prompt_bound(RequestLine("a", CHAT, with_images), room)
+            >= prompt_bound(RequestLine("a", CHAT, text_only), room) + 2000)
+    block = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
+    nested = {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [block]}]}]}
+    assert prompt_bound(RequestLine("m", MESSAGES, nested), room) >= 1000

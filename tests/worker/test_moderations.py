@@ -12,7 +12,9 @@ import pytest
 from engine.endpoints import REGISTRY
 from engine.endpoints.base import ModelOptionsError, cosine, echo_vector
 from engine.endpoints.moderations import DEFAULT_CATEGORIES, categories_of
+from jobs.formats.wire import RequestLine
 from jobs.models import Price, UsageRecord
+from jobs.prompts import prompt_bound, room_for
 from jobs.services import quotas
 from jobs.tasks import validate_batch
 from tests.factories import assert_exactly_once, jsonl, upload, wait_status
@@ -78,6 +80,11 @@ def test_a_moderations_batch_runs_on_a_worker_process(openai_client, workers):
     assert sum(r.input_tokens for r in records) == batch.usage.input_tokens
     assert sum(r.cost_nanos for r in records) == batch.usage.input_tokens * 2000  # $2 / M
     assert quotas.usage_for(records[0].owner)["tokens_per_day"] == batch.usage.input_tokens
+    # The budget's bound counts the call the engine ran, category examples included.
+    room = room_for("echo-test")
+    for x in lines:
+        bound = prompt_bound(RequestLine(x["custom_id"], MODERATIONS, x["body"]), room)
+        assert bodies[x["custom_id"]]["usage"]["prompt_tokens"] <= bound
 
 
 def test_moderation_lines_a_model_cannot_run_are_file_problems(openai_client, settings):
