@@ -13,9 +13,10 @@ lock on the owner's row, so two creates of one owner cannot both take the same r
 The ceiling is the most a batch could cost: for each request, a bound of the prompt tokens
 the engine will count (`jobs.prompts.prompt_bound`: rendered by the model's own tokenizer
 and chat template, tools, tool calls and results included, where this host has them; else
-one token per UTF-8 byte of everything the template renders) and its output limit (the one it names, else the one it is sent to the engine with: the model's
-context less the prompt, at most the service's cap), times its answers; priced at the
-price of the model each request names (an adapter's own), without the cached discount;
+one token per UTF-8 byte of everything the template renders) and its output limit (the
+one it names, else the one it is sent to the engine with: the model's context less the
+prompt, at most the service's cap), times its answers; priced at the price of the model
+each request names (an adapter's own), without the cached discount;
 plus, for an attached eval set, the same for the set's requests. Accepted batches cannot
 together be charged past the budget.
 
