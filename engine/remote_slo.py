@@ -489,9 +489,12 @@ class Histogram:
             self.take_out(first_at, bucket)
 
     def window(self, since: float, held: set[bytes]) -> tuple[tuple[float, ...], int]:
-        """Online counts per bucket since `since` (none below 0), and how many of our
-        leases held now were held at a tick in it (at most that many of our first tokens
-        are still in those counts)."""
+        """Online counts per bucket since `since`, and how many of our leases held now
+        were held at a tick in it (at most that many of our first tokens are still in
+        those counts). Our answer's time to first token is a little shorter than the
+        server's count of it (which starts at the request's arrival in its front end and
+        ends when the front end has the token): where a bucket is left below 0, the
+        deficit is ours counted a bucket or more higher, and is taken from there."""
         sums = [0.0] * len(self.edges)
         pending: set[bytes] = set()
         for tick in self.ticks:
@@ -499,7 +502,11 @@ class Histogram:
                 for i, c in enumerate(tick.online):
                     sums[i] += c
                 pending |= tick.leases & held
-        return tuple(max(0.0, s) for s in sums), len(pending)
+        deficit = 0.0
+        for i, count in enumerate(sums):
+            sums[i] = max(0.0, count + deficit)
+            deficit = min(0.0, count + deficit)
+        return tuple(sums), len(pending)
 
     def bucket(self, seconds: float) -> int:
         for i, edge in enumerate(self.edges):
