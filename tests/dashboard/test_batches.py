@@ -901,7 +901,7 @@ def test_message_batch_page_labels_it_and_previews_messages(site, user, tmp_path
     assert "system: Be brief." in results_page and "user: hello there" in results_page
     assert "echo: hello there" in results_page
     errors_page = site.get(reverse("batch_errors", args=[batch.pk])).content.decode()
-    assert "body.top_k must be a non-negative integer." in errors_page
+    assert "params.top_k must be a non-negative integer." in errors_page
     assert "(Anthropic)" in site.get(reverse("batch_list")).content.decode()
 
 
