@@ -61,8 +61,10 @@ chaos: models
 deploy-test: models
 	BATCHWEB_DEPLOY=1 $(PY) -m pytest tests/deploy/test_stack.py -m deploy -s $(PYTEST_ARGS)
 
+# ruff, then the layer rules of docs/architecture.md (import-linter, .importlinter: < 1 s).
 lint: install
 	.venv/bin/ruff check .
+	.venv/bin/lint-imports --no-cache
 
 typecheck: install
 	.venv/bin/mypy
