@@ -81,7 +81,8 @@ check: lint
 	@$(MAKE) --no-print-directory -j2 typecheck fast-tests
 
 fast-tests: install
-	$(PY) -m batchweb.embedded $(PY) -m pytest -q -m "not engine and not models and not chaos" \
+	$(PY) -m batchweb.embedded $(PY) -m pytest -q \
+		-m "not engine and not models and not chaos and not upgrade" \
 		-n 4 --dist worksteal $(PYTEST_ARGS)
 
 # The benchmarks that fit in ~15 minutes on a 2-core machine, at reduced sizes (the full
