@@ -33,7 +33,10 @@ PLAN = re.compile(r"^\s*#\s*two-step plan:\s*(\S.*)$", re.IGNORECASE | re.MULTIL
 def baseline(root: Path, commit: str) -> set[str]:
     """The migrations the previous release shipped (from the repository's history)."""
     listed = subprocess.run(["git", "ls-tree", "--name-only", f"{commit}:jobs/migrations"],
-                            cwd=root, capture_output=True, text=True, check=True)
+                            cwd=root, capture_output=True, text=True)
+    if listed.returncode != 0:
+        sys.exit(f"migrations: the previous release's commit {commit} (deploy/previous-release)"
+                 f" is not in this clone's history; fetch it whole ({listed.stderr.strip()})")
     return {name.removesuffix(".py") for name in listed.stdout.split()
             if name.endswith(".py") and name != "__init__.py"}
 
