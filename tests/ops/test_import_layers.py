@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.factories import ROOT
+ROOT = Path(__file__).resolve().parents[2]
 
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 PACKAGES = ("batchweb", "jobs", "engine")
