@@ -18,12 +18,14 @@ engine/remote_limits.py is steered here by what online users see, at the SLO's p
   the client's side.
 - **Whether any online user is there now**: the server's requests running and waiting
   (vLLM's gauges) beyond our leases. With none for LULL_SECONDS the limit fills the lull
-  (doubling per tick up to the fill cap, the ceiling at first) and, when online users
-  come back, drops at once to where the SLO held, aborting the batch requests above it
-  (engine/remote.py sheds them; they run again later). The fill cap halves whenever the
-  SLO's budget over BUDGET_SECONDS (the share of online samples past it) is spent, and
-  doubles back when it is left mostly unspent. A server without vLLM's metrics is taken
-  to always have online users.
+  (doubling per tick up to the fill cap; the ceiling where no online user was seen for
+  QUIET_SECONDS) and, when online users come back, drops at once to where the SLO held,
+  aborting the batch requests above it (engine/remote.py sheds them; they run again
+  later). The fill cap starts where the SLO holds, halves from what users coming back met
+  where they met the SLO broken (ONSET_SECONDS), and doubles after a lull they came back
+  from unharmed while under half of the SLO's budget over BUDGET_SECONDS (the share of
+  online samples the percentile lets past it) is spent. A server without vLLM's metrics
+  is taken to always have online users.
 - **The controller**: between the latency alone and the SLO, the measured percentile of
   the samples since the limit last moved decides once there are enough of them (ten for
   a p90, a hundred for a p99): grown where the step's share of the room (in proportion
@@ -78,9 +80,13 @@ ALONE_FIRST = 5
 BUDGET_SECONDS = 600.0
 # No online request in the server for this long: a lull, filled with batch requests.
 LULL_SECONDS = 3.0
-# Quiet this long: the fill cap, lowered by bursts that spent the budget, is the ceiling
-# again (the traffic that lowered it is gone).
+# Online users seen within this long: a lull between them is filled up to the fill cap
+# (which starts where the SLO holds and doubles after each lull users came back from
+# unharmed); none seen for this long: up to the ceiling.
 QUIET_SECONDS = 300.0
+# Online users coming back after a lull are judged over this long: those that came in it
+# met the lull's batch requests until they were aborted.
+ONSET_SECONDS = 10.0
 # Paused with online users there: one batch request is tried again after this long.
 PAUSE_RETRY_SECONDS = 300.0
 # A deadline floor older than this was written by no live reconciler: ignored.
@@ -300,20 +306,21 @@ def decide(*, pressure_now: float | None, over: bool, enough: bool, band: float,
     return Decision(new, "ceiling" if new >= ceiling else "slo")
 
 
-def next_fill_cap(cap: float, *, spent: float, spent_high: float, enough: bool,
-                  online: bool, filled: bool, slo_limit: float, ceiling: float) -> float:
-    """How high the next lull is filled: halved when the SLO's budget over its window is
-    spent (`spent`: the share of online samples past the SLO over the share allowed,
-    without our first tokens still in flight: online users coming back found too much of
-    the batch in their way), doubled when a lull was filled to it (`filled`) and under a
-    quarter of the budget is spent (`spent_high`: with those first tokens). Never below
-    where the SLO holds; a half under 1 is none (a lull is not filled)."""
-    if not online or not enough:
-        return cap
-    if spent > 1 and cap > slo_limit:
-        half = cap / 2
+def next_fill_cap(cap: float, *, onset_bad: bool | None, reached: float, spent: float,
+                  enough: bool, slo_limit: float, ceiling: float) -> float:
+    """How high the next lull is filled. `onset_bad`: whether online users coming back
+    after the last lull (which reached `reached`) met a time to first token past the SLO
+    before its batch requests were aborted (None: no lull ended since); `spent`: the share
+    of online samples past the SLO over the share the percentile allows, over the budget's
+    window (`enough`: it holds enough samples to say). Halved from what users met where
+    they met the SLO broken (never below where the SLO holds; a half under 1 is none: lulls
+    are not filled); doubled after a lull filled to it that users came back from
+    unharmed, while under half the budget is spent: each try of a higher fill may cost
+    the budget a slow sample or two."""
+    if onset_bad:
+        half = min(cap, reached) / 2
         return max(slo_limit, half if half >= 1 else 0.0)
-    if spent_high < 0.25 and filled and cap < ceiling:
+    if onset_bad is False and reached >= cap and enough and spent < 0.5 and cap < ceiling:
         return min(ceiling, max(1.0, cap * 2))
     return cap
 
@@ -488,8 +495,9 @@ class Histogram:
             self.ours[bucket] -= 1  # counted once, when it came
             self.take_out(first_at, bucket)
 
-    def window(self, since: float, held: set[bytes]) -> tuple[tuple[float, ...], int]:
-        """Online counts per bucket since `since`, and how many of our leases held now
+    def window(self, since: float, held: set[bytes], until: float = math.inf
+               ) -> tuple[tuple[float, ...], int]:
+        """Online counts per bucket since `since` (to `until`), and how many of our leases held now
         were held at a tick in it (at most that many of our first tokens are still in
         those counts). Our answer's time to first token is a little shorter than the
         server's count of it (which starts at the request's arrival in its front end and
@@ -498,7 +506,7 @@ class Histogram:
         sums = [0.0] * len(self.edges)
         pending: set[bytes] = set()
         for tick in self.ticks:
-            if tick.at > since:
+            if since < tick.at <= until:
                 for i, c in enumerate(tick.online):
                     sums[i] += c
                 pending |= tick.leases & held
@@ -539,7 +547,12 @@ class Steering:
         self._untimed: int | None = None
         self._untimed_at = -math.inf
         self._budget_since = time.time()
-        self._filled = False  # a lull was filled up to the fill cap since the cap moved
+        self._seen_at = -math.inf  # online users last seen in the server's own counts
+        self._last_at = time.time()  # the last tick
+        # A lull now: (when the last tick with online users was, the highest limit since);
+        # users back from one: the same, judged ONSET_SECONDS after.
+        self._lull: tuple[float, float] | None = None
+        self._onset: tuple[float, float] | None = None
 
     # -- the probe ------------------------------------------------------------------
 
@@ -752,7 +765,13 @@ class Steering:
             scrape.running + scrape.waiting > len(set(before) | set(after))
         if present:
             self._present_at = clock
+            if scrape is not None:
+                self._seen_at = clock
         online = clock - self._present_at < LULL_SECONDS
+        if not online and self._lull is None:
+            self._lull = (self._last_at, float(fields[0] or 0))
+        elif online and self._lull is not None:
+            self._onset, self._lull = self._lull, None
         untimed = int(fields[7] or 0)
         if self._untimed is not None and untimed != self._untimed:
             self._untimed_at = clock
@@ -770,9 +789,9 @@ class Steering:
         # Where the SLO last held with online users there; where it never held, the
         # limit a server not yet seen starts at.
         slo_limit = float(fields[4]) if fields[4] else float(self.engine.initial)
-        fill_cap = float(fields[5]) if fields[5] else ceiling
-        if clock - self._present_at >= QUIET_SECONDS:
-            fill_cap = ceiling  # the bursts that lowered it are long gone
+        # Where the SLO holds (one request at least) until lulls show how much more users
+        # coming back can meet.
+        fill_cap = float(fields[5]) if fields[5] else max(1.0, slo_limit)
         p = self.slo.percentile
         alone_ttft = percentile([s.ttft_ms for s in alone], p) if alone else None
         target = self.slo.ttft_ms
@@ -795,12 +814,10 @@ class Steering:
             tail = histogram_tail(h.edges, without_like(counts, pending, h.ours), p, target)
             low = histogram_tail(h.edges, without_top(counts, pending), p, target)
             counts, pending = h.window(self._budget_since, held)
-            budget_high = histogram_tail(h.edges, without_like(counts, pending, h.ours), p,
-                                         target)
             budget = histogram_tail(h.edges, without_top(counts, pending), p, target)
         else:
             tail = low = probes
-            budget = budget_high = samples_tail(
+            budget = samples_tail(
                 [s.ttft_ms for s in samples if s.at > self._budget_since], p, target)
         itl = percentile([s.itl_ms for s in recent if s.itl_ms is not None], p) \
             if any(s.itl_ms is not None for s in recent) else None
@@ -825,22 +842,37 @@ class Steering:
                     [s.itl_ms for s in recent if s.itl_ms is not None], p,
                     self.slo.itl_ms).certain_over(self.slo)
         paused_at = float(fields[6] or 0)
+        onset_bad: bool | None = None
+        reached = 0.0
+        if self._onset is not None and now - self._onset[0] >= ONSET_SECONDS \
+                and target is not None:
+            came, until = self._onset[0], self._onset[0] + ONSET_SECONDS
+            bad = float(sum(s.ttft_ms > target for s in samples if came < s.at <= until))
+            if by_histogram:
+                counts, pending = h.window(came, set(after), until)
+                bad += histogram_tail(h.edges, without_top(counts, pending), p,
+                                      target).over
+            onset_bad, reached = bad >= 1, self._onset[1]
+            self._onset = None
+        spent = budget.over / (self.slo.budget * budget.n) if budget.n else 0.0
+        moved = next_fill_cap(fill_cap, onset_bad=onset_bad,
+                              reached=reached,
+                              spent=spent, enough=budget.n >= self.slo.enough,
+                              slo_limit=slo_limit, ceiling=ceiling)
+        moved_cap = moved != fill_cap
+        if moved_cap:  # each move starts the budget's window afresh
+            fill_cap, self._budget_since = moved, now
+        quiet = clock - self._seen_at >= QUIET_SECONDS
         decision = decide(pressure_now=now_pressure, pressure_cut=cut_pressure, over=over,
                           enough=tail.n >= self.slo.enough, band=self.slo.band, limit=limit,
                           ceiling=ceiling, floor=floor, binding=in_flight + 1 >= int(limit),
-                          online=online, slo_limit=slo_limit, fill_cap=fill_cap,
+                          online=online, slo_limit=slo_limit,
+                          fill_cap=None if quiet else fill_cap,
                           draining=in_flight > max(1, int(limit)),
                           retry=bool(paused_at) and now - paused_at >= PAUSE_RETRY_SECONDS)
-        spent = budget.over / (self.slo.budget * budget.n) if budget.n else 0.0
-        spent_high = budget_high.over / (self.slo.budget * budget_high.n) \
-            if budget_high.n else 0.0
-        moved = next_fill_cap(fill_cap, spent=spent, spent_high=spent_high,
-                              enough=budget.n >= self.slo.enough, online=online,
-                              filled=self._filled, slo_limit=slo_limit, ceiling=ceiling)
-        if moved != fill_cap:  # each move starts the budget's window afresh
-            fill_cap, self._budget_since, self._filled = moved, now, False
-        if not online and decision.limit >= fill_cap:
-            self._filled = True
+        if self._lull is not None:
+            self._lull = (self._lull[0], max(self._lull[1], decision.limit))
+        self._last_at = now
         shown: dict[str, Any] = {
             "slo_percentile": p, "online": int(online), "floor_now": floor,
             "slo_ms": "" if target is None else round(target, 1),
@@ -849,8 +881,9 @@ class Steering:
             "itl_slo_ms": self.slo.itl_ms or "",
             "online_itl_ms": "" if itl is None else round(itl, 1),
             "slo_samples": round(tail.n), "slo_measure": "histogram" if by_histogram
-            else "probes", "budget_spent": round(spent, 3), "fill_cap": round(fill_cap, 3),
-            "slo_seen_at": round(now, 3)}
+            else "probes", "budget_spent": round(spent, 3), "slo_seen_at": round(now, 3)}
+        if moved_cap:
+            shown["fill_cap"] = round(fill_cap, 3)
         if online and decision.reason != "measuring":
             # Where the SLO holds now: where the limit comes back to when online users
             # return after a lull.
