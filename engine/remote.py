@@ -44,7 +44,9 @@ request still failing after max_retries ends as a failed request carrying the se
 error. A server that cannot be reached at all is waited for (backoff capped at
 backoff_max), never a failed request: the batch waits (its page says so) until the server
 is back, the batch is cancelled or it expires. `abort` cancels the HTTP request, which
-closes its connection; `vllm serve` then aborts the request in its engine.
+closes its connection; `vllm serve` then aborts the request in its engine. With an SLO the
+steering may ask for the requests in flight above the limit to be aborted the same way
+(`_shed`): they wait for a slot again and run later.
 
 What a failed request's error line says is ours or the server's own JSON error, never the
 server's URL nor an exception's text (they name hosts, ports and paths); those go to the

@@ -300,9 +300,11 @@ def limits_over(url: str, seconds: float) -> list[float]:
 
 @pytest.fixture
 def lull(monkeypatch):
-    """The seconds without online requests that make a lull, shortened from 3 s to the
-    probes' own scale here (0.1 s apart): the rule is the same."""
+    """The seconds without online requests that make a lull, and those over which users
+    back from one are judged, shortened from 3 and 10 s to the probes' own scale here
+    (0.1 s apart): the rules are the same."""
     monkeypatch.setattr(remote_slo, "LULL_SECONDS", 1.0)
+    monkeypatch.setattr(remote_slo, "ONSET_SECONDS", 2.0)
 
 
 def test_the_limit_settles_where_the_slo_holds_at_its_percentile(made):
@@ -398,6 +400,13 @@ def test_where_one_batch_request_breaks_the_slo_it_pauses_and_resumes_in_a_lull(
     assert server.aborted > aborted
     # Aborted, not failed: the requests run again (none ended with an error).
     assert state(server.url).errors == 0
+    # The first users back met the lull's request before it was aborted: the next lull
+    # is not filled at all (half of one request is none).
+    client = redis.Redis.from_url(REDIS_URL)
+    wait_for(lambda: client.hget(keys(server.url)[1], "fill_cap") == b"0.0", seconds=30)
+    server.set_online(0.0)
+    time.sleep(2.0)
+    assert max(limits_over(server.url, 2.0)) == 0 and server.in_flight == 0
 
 
 def test_a_multiple_of_the_time_alone_is_measured_before_the_batch(made):
