@@ -197,6 +197,7 @@ def lines_to_fix(*, batch: Batch, owner: Any) -> Iterator[bytes]:
     source = File.objects.filter(pk=batch.input_file_id, owner=owner).first()
     if not wanted or source is None:
         return iter(())
+    check_source_readable(file=source, param="input_file_id")
     return _lines_of(source, wanted)
 
 
