@@ -82,7 +82,7 @@ check: lint
 
 fast-tests: install
 	$(PY) -m batchweb.embedded $(PY) -m pytest -q \
-		-m "not engine and not models and not chaos and not upgrade" \
+		-m "not engine and not models and not chaos and not upgrade and not bench" \
 		-n 4 --dist worksteal $(PYTEST_ARGS)
 
 # The benchmarks that fit in ~15 minutes on a 2-core machine, at reduced sizes (the full

@@ -16,14 +16,21 @@ figures: the benchmark gets it from the processes' CPU time less the sum of the 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import django
 from django.db import connection
 
-from batchweb.polls import REMEMBERED
-from batchweb.wsgi import application as _service
+# Django is set up before the service's modules are imported: the poll memo's module reads
+# models (the sessions') as it is imported.
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "batchweb.settings")
+django.setup(set_prefix=False)
+
+from batchweb.polls import REMEMBERED  # noqa: E402
+from batchweb.wsgi import application as _service  # noqa: E402
 
 
 class _Queries:

@@ -49,8 +49,8 @@ def load(url: str, rows: int, now: datetime) -> None:
                      for owner in users}
         columns = ("owner_id, api_key_id, batch_id, shard_id, model, base_model, endpoint, "
                    "requests_succeeded, requests_failed, input_tokens, cached_tokens, "
-                   "output_tokens, cost_nanos, currency, input_price, cached_price, "
-                   "output_price, engine_seconds, recorded_at")
+                   "output_tokens, reasoning_tokens, cost_nanos, currency, input_price, "
+                   "cached_price, output_price, engine_seconds, eval_run, recorded_at")
         year = 365 * 86400
         with db.cursor().copy(f"COPY jobs_usagerecord ({columns}) FROM STDIN") as copy:
             for i in range(rows):
@@ -63,16 +63,17 @@ def load(url: str, rows: int, now: datetime) -> None:
                     owner, key, f"batch_{i // 20:024x}", f"shard_{i:024x}", model,
                     model if model.startswith("model") else "model-0", endpoint,
                     rng.randint(100, 1000), rng.randint(0, 5), tokens_in, cached, tokens_out,
-                    (tokens_in + 4 * tokens_out) * 1000, "usd", 1, 0.5, 4,
-                    rng.uniform(1, 300), now - timedelta(seconds=rng.randint(0, year))))
+                    0, (tokens_in + 4 * tokens_out) * 1000, "usd", 1, 0.5, 4,
+                    rng.uniform(1, 300), False,
+                    now - timedelta(seconds=rng.randint(0, year))))
         # The daily sums, as jobs.services.ledger.add_to_days adds each row to them.
         sums = ("requests_succeeded, requests_failed, input_tokens, cached_tokens, "
-                "output_tokens, cost_nanos, engine_seconds")
+                "output_tokens, reasoning_tokens, cost_nanos, engine_seconds")
         db.execute(f"INSERT INTO jobs_usageday (day, owner_id, api_key_id, model, endpoint, "
-                   f"currency, {sums}) SELECT (recorded_at AT TIME ZONE 'UTC')::date, "
-                   f"owner_id, coalesce(api_key_id, 0), model, endpoint, currency, "
+                   f"currency, eval_run, {sums}) SELECT (recorded_at AT TIME ZONE 'UTC')::date, "
+                   f"owner_id, coalesce(api_key_id, 0), model, endpoint, currency, eval_run, "
                    + ", ".join(f"sum({c})" for c in sums.split(", "))
-                   + " FROM jobs_usagerecord GROUP BY 1, 2, 3, 4, 5, 6")
+                   + " FROM jobs_usagerecord GROUP BY 1, 2, 3, 4, 5, 6, 7")
         db.execute("ANALYZE jobs_usagerecord")
         db.execute("ANALYZE jobs_usageday")
         print("daily sums:", db.execute("SELECT count(*) FROM jobs_usageday").fetchone()[0],
@@ -126,7 +127,7 @@ def measure(url: str, runs: int, now: datetime) -> dict[str, float]:
     django.setup()
     from django.contrib.auth import get_user_model
 
-    from jobs.api.usage import COMPLETIONS
+    from jobs.api.usage import KINDS
     from jobs.http.metrics import _usage_metrics
     from jobs.queries import usage
     from jobs.services.quotas import cost_nanos_since, period_starts
@@ -147,7 +148,7 @@ def measure(url: str, runs: int, now: datetime) -> dict[str, float]:
             timed(runs, page(year, busy.pk, ["model", "currency"])),
         "completions usage API, busiest user, 365 days by day and key": timed(runs, lambda: (
             usage.bucketed(usage.Filters(owner_id=busy.pk, start=year[0], end=year[1],
-                                         endpoints=COMPLETIONS), bucket_width="1d",
+                                         endpoints=KINDS["completions"]), bucket_width="1d",
                            group_by=["api_key_id"]))),
         "costs API, staff (every user), 30 days by day and model":
             timed(runs, page(month, None, ["currency", "model"])),
