@@ -8,15 +8,19 @@ the OpenAI response body the output (or error) file will carry for it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.endpoints import CHAT, COMPLETIONS
 from engine.prefix_limit import PromptBlocks
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # The status an aborted request's EngineResult carries (nginx's "client closed request");
 # callers look at `aborted` first.
@@ -164,6 +168,9 @@ class LoopEngine(Engine):
     # Requests cancelled through `abort` (their tasks may end otherwise than cancelled).
     _aborted: set[str]
     _closed: bool
+    _thread: threading.Thread
+    # How long `close` waits for the loop's thread once its shutdown has run.
+    close_timeout: float = 30
 
     @abstractmethod
     def _serve(self, req: EngineRequest) -> Coroutine[Any, Any, Any]:
@@ -173,6 +180,31 @@ class LoopEngine(Engine):
     def _outcome(self, request_id: str, task: asyncio.Task[Any]) -> EngineResult | Failed:
         """What a request's task that ended by itself (not aborted) comes to; `Failed`
         fails the whole run."""
+
+    @abstractmethod
+    async def _shutdown(self) -> None:
+        """Ends the requests on the loop and releases what the engine holds, on the loop."""
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs `coro` on the engine's loop from another thread and waits for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def close(self) -> None:
+        """Shuts the engine down (`_shutdown`), then stops its loop and thread. Once only:
+        a failed shutdown is logged, and the loop stops all the same."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop.is_running():
+            try:
+                self._call(self._shutdown())
+            except Exception:
+                log.exception("%s engine %s: shutdown", self.thread_prefix, self.spec.name)
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(timeout=self.close_timeout)
+        if not self._loop.is_running():
+            self._loop.close()
 
     def run(self, requests: Iterable[EngineRequest]) -> Iterator[EngineResult]:
         if self._closed:

@@ -72,8 +72,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
@@ -91,7 +90,6 @@ from engine.endpoints import REGISTRY
 from engine.endpoints.base import ModelOptionsError, openai_error
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # A response body past this fails its request: a few times the largest legitimate answer
 # (a long list of embeddings as JSON), and a bound on what a broken or hostile server can
@@ -379,9 +377,6 @@ class RemoteEngine(LoopEngine):
                               "is not set")
         return key
 
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
     # -- start / stop -------------------------------------------------------------------
 
     async def _start(self) -> None:
@@ -446,21 +441,6 @@ class RemoteEngine(LoopEngine):
             if response.status_code != 200:
                 return response.status_code, b""
             return 200, await read_bounded(response, MAX_PAGE_BYTES)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._loop.is_running():
-            try:
-                self._call(self._shutdown())
-            except Exception:
-                log.exception("remote engine %s: shutdown", self.spec.name)
-            finally:
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                self._thread.join(timeout=30)
-        if not self._loop.is_running():
-            self._loop.close()
 
     async def _shutdown(self) -> None:
         pending = {*self._tasks.values(), *getattr(self, "_background", [])}

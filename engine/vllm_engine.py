@@ -37,11 +37,10 @@ import importlib
 import json
 import os
 import threading
-from collections.abc import Coroutine
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from engine import compile_cache
 from engine.base import (
@@ -55,7 +54,6 @@ from engine.base import (
 from engine.endpoints import REGISTRY
 from engine.prefix_limit import PromptBlocks, block_keys
 
-T = TypeVar("T")
 
 def _changes_the_answer(name: str, value: Any, body: dict[str, Any]) -> bool:
     """Whether honouring `name` = `value` could give another answer than ignoring it."""
@@ -178,6 +176,8 @@ class _Serving:
 
 class VllmEngine(LoopEngine):
     thread_prefix = "vllm"
+    # An engine core winding down its worker processes takes longer than an HTTP client.
+    close_timeout = 60
 
     def __init__(self, spec: ModelSpec) -> None:
         if not spec.path:
@@ -271,9 +271,6 @@ class VllmEngine(LoopEngine):
 
     # -- start / stop -----------------------------------------------------------------
 
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
     async def _start(self, options: dict[str, Any]) -> None:
         # Imported here: only the worker process that runs a model ever imports vLLM.
         from starlette.datastructures import State
@@ -339,19 +336,6 @@ class VllmEngine(LoopEngine):
                 call=getattr(serving, endpoint.vllm.method) if endpoint.vllm.method else serving,
                 dropped=tuple(n for n in endpoint.droppable if n not in fields))
         return servings
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._loop.is_running():
-            try:
-                self._call(self._shutdown())
-            finally:
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                self._thread.join(timeout=60)
-        if not self._loop.is_running():
-            self._loop.close()
 
     async def _shutdown(self) -> None:
         for task in list(self._tasks.values()):
