@@ -132,7 +132,7 @@ def _run(command: list[str], timeout: float) -> tuple[int, str]:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 out, _ = proc.communicate()
-            pytest.fail(f"bench/{command[1]} still running after {timeout:.0f} s:\n"
+            pytest.fail(f"{command[1]} still running after {timeout:.0f} s:\n"
                         + out[-4000:])
     return proc.returncode, out
 
