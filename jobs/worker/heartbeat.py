@@ -7,10 +7,9 @@ from __future__ import annotations
 import logging
 
 from jobs.formats.checkpoint import Progress
-from jobs.services import shards as shard_service
+from jobs.worker.db import ShardStore
 from jobs.worker.loop import Loop
 from jobs.worker.state import WorkerState
-from jobs.worker.timings import timed
 
 log = logging.getLogger(__name__)
 
@@ -18,8 +17,9 @@ log = logging.getLogger(__name__)
 class Heartbeat(Loop):
     name = "heartbeat"
 
-    def __init__(self, state: WorkerState, *, every: float) -> None:
+    def __init__(self, state: WorkerState, *, store: ShardStore, every: float) -> None:
         self.state = state
+        self.store = store
         self.every = every
         super().__init__()
 
@@ -39,10 +39,8 @@ class Heartbeat(Loop):
                 with work.lock:
                     snapshot = Progress(**work.progress.as_fields())
                     unsaved = work.computed - work.saved_computed if counting else None
-                with timed("heartbeat"):
-                    mine, stop_code = shard_service.heartbeat(
-                        shard_id=work.shard_id, attempt=work.attempt, progress=snapshot,
-                        unsaved=unsaved, batch_id=work.batch_id)
+                mine, stop_code = self.store.heartbeat(work, progress=snapshot,
+                                                       unsaved=unsaved)
             finally:
                 if counting:
                     work.checkpoint_lock.release()

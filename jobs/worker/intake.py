@@ -8,16 +8,10 @@ import logging
 import queue
 from collections.abc import Callable
 
-from django.db import close_old_connections
-
 from engine.base import EngineRequest
-from jobs.formats.wire import Code, RequestLine
 from jobs.models import Shard
-from jobs.prefix_keys import prefix_key
-from jobs.prompts import output_room
 from jobs.services.shard_input import shard_requests
 from jobs.storage.external import ObjectChanged, shown_reason
-from jobs.worker.adapters import AdapterFolders
 from jobs.worker.db import ShardStore
 from jobs.worker.finish import finish
 from jobs.worker.served import Served
@@ -37,11 +31,10 @@ def current_intake() -> Intake:
 
 class Intake:
     def __init__(self, state: WorkerState, *, store: ShardStore, served: Served,
-                 adapters: AdapterFolders, top_up: Callable[[str], None]) -> None:
+                 top_up: Callable[[str], None]) -> None:
         self.state = state
         self.store = store
         self.served = served
-        self.adapters = adapters
         # Called with the batch of each claimed shard: its next shards go to Redis.
         self.top_up = top_up
 
@@ -60,7 +53,6 @@ class Intake:
         state = self.state
         if state.broken is not None:
             raise RuntimeError(f"engine failed: {state.broken}")
-        close_old_connections()
         shard = self.store.claim(shard_id)
         if shard is None:
             return
@@ -112,56 +104,19 @@ class Intake:
         # other, each with its group's key: the engine has the group's first request
         # compute the prefix before the rest, which then find it in its prefix cache.
         grouped = shard.lines_from is not None
-        missing: set[str] = set()  # adapters found unregistered during this shard
         with shard_requests(shard, work.skip | work.adopted) as requests:
-            for number, request in requests:
-                if work.stopped:
+            for number, line in work.lines_to_run(requests):
+                adapter_path = self.served.adapter_folder(shard, work, line.model)
+                request = work.engine_request(number, line, adapter_path=adapter_path,
+                                              grouped=grouped)
+                if request is not None and not self._put(request, work):
                     return False
-                with work.lock:
-                    if work.write_unrunnable(request["custom_id"], number):
-                        continue
-                line = RequestLine(request["custom_id"], request["url"], request["body"])
-                adapter_path = ""
-                if line.model != shard.batch.model:  # validation let only its adapters by
-                    adapter_path = self._adapter_folder(line.model, shard.batch.model,
-                                                        missing)
-                    if not adapter_path:
-                        with work.lock:
-                            work.write_failure(
-                                line.custom_id, number, Code.MODEL_NOT_FOUND,
-                                f"The adapter '{line.model}' of '{shard.batch.model}' is no "
-                                "longer registered.")
-                        continue
-                    self.served.adapter_used(shard, line.model, adapter_path)
-                key = prefix_key(line) if grouped else None
-                engine_request = EngineRequest(request_id=work.request_id(number),
-                                               url=line.url, body=line.body,
-                                               adapter_path=adapter_path,
-                                               cache_salt=work.cache_salt,
-                                               prefix=(key.digest or 1) if key else 0,
-                                               # The output limit the budget counted.
-                                               output_room=output_room(line, work.room))
-                with work.lock:
-                    work.pending[engine_request.request_id] = line
-                if not self._put(engine_request, work):
-                    with work.lock:
-                        del work.pending[engine_request.request_id]
-                    return False
-        return True
-
-    def _adapter_folder(self, name: str, base_model: str, missing: set[str]) -> str:
-        """The local folder of a LoRA adapter a line names, "" when it is not registered
-        (asked once per shard, not once per line)."""
-        if name in missing:
-            return ""
-        folder = self.adapters.folder(name, base_model=base_model)
-        if folder is None:
-            missing.add(name)
-        return folder or ""
+        return not work.stopped
 
     def _put(self, request: EngineRequest, work: ShardWork) -> bool:
-        """Hand a request to the engine; False, not handed in, when the attempt stops
-        running (dropped, handed back) or the worker closes while it waits."""
+        """Hand a request to the engine; False, not handed in (nor in flight any longer),
+        when the attempt stops running (dropped, handed back) or the worker closes while it
+        waits."""
         # Blocks while the engine is full: this is the backpressure that bounds memory.
         # Counted before it goes in, so its result can never be counted first.
         state = self.state
@@ -170,6 +125,8 @@ class Intake:
             if state.broken is not None:
                 raise RuntimeError(f"engine failed: {state.broken}")
             if work.stopped or state.closing.is_set():
+                with work.lock:
+                    work.pending.pop(request.request_id, None)
                 state.idle.request_finished(request.request_id)
                 return False
             try:

@@ -31,7 +31,7 @@ class Pipeline:
         conf = settings.BATCHWEB
         self.state = state = WorkerState(engine, inbox_size=inbox_size)
         self.store = store = ShardStore(worker=worker_name)
-        adapters = AdapterFolders()
+        adapters = AdapterFolders(store=store)
         self.top_up = TopUp()
         self.checkpointer = Checkpointer(state, store=store,
                                          every_seconds=conf["CHECKPOINT_SECONDS"],
@@ -39,9 +39,9 @@ class Pipeline:
         self.dispatcher = Dispatcher(state, store=store, adapters=adapters,
                                      notice_unsaved=self.checkpointer.notice)
         self.intake = Intake(state, store=store,
-                             served=Served(engine, worker_name=worker_name),
-                             adapters=adapters, top_up=self.top_up.request)
-        self.heartbeat = Heartbeat(state, every=conf["HEARTBEAT_SECONDS"])
+                             served=Served(engine, store=store, adapters=adapters),
+                             top_up=self.top_up.request)
+        self.heartbeat = Heartbeat(state, store=store, every=conf["HEARTBEAT_SECONDS"])
         self.periodic = Periodic(
             state.closing,
             reconcile_every=(conf["RECONCILE_SECONDS"] if reconcile_every is None

@@ -2,36 +2,34 @@
 claims (and on the shard's batch), the LoRA adapters the shard's requests load, and the eval
 runs a claim starts (jobs.services.evals): the set the batch's owner attached, and once per
 worker, the operator's sets watching the model when this worker serves a model hash or
-engine version none has run them for."""
+engine version none has run them for. Written through the worker's `ShardStore`; the
+adapters are prepared by `adapters`."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from typing import Any
 
-from engine.provenance import adapter_record, serving_key
-from jobs.models import LoraAdapter, Shard
-from jobs.services import evals, what_ran
-from jobs.worker.db import with_db_retry
+from engine.provenance import serving_key
+from jobs.models import Shard
+from jobs.worker.adapters import AdapterFolders
+from jobs.worker.db import ShardStore
+from jobs.worker.work import ShardWork
 
 log = logging.getLogger(__name__)
 
 
 class Served:
-    def __init__(self, engine: Any, *, worker_name: str) -> None:
+    def __init__(self, engine: Any, *, store: ShardStore, adapters: AdapterFolders) -> None:
         self.engine = engine
-        self.worker_name = worker_name
+        self.store = store
+        self.adapters = adapters
         self._lock = threading.Lock()
         # The engine's record, read once (its content hash is cached beside the model).
         self._record: dict[str, Any] | None = None
         # Whether the operator's watching sets were looked at for this engine yet.
         self._watched = False
-        # The adapters recorded per shard attempt ("<shard>:<attempt>" -> names), and
-        # each adapter's record (its folder hashed once per worker).
-        self._noted: dict[str, set[str]] = {}
-        self._adapters: dict[str, dict[str, str]] = {}
 
     def record(self) -> dict[str, Any]:
         with self._lock:
@@ -44,16 +42,13 @@ class Served:
         attempt), then start the eval runs the claim is the first to need. A run that
         cannot start never fails the shard."""
         record = self.record()
-        with_db_retry(functools.partial(what_ran.record_claim, shard=shard,
-                                        worker=self.worker_name, engine=record))
+        self.store.record_claim(shard, engine=record)
         with self._lock:
             # An engine that cannot say what it is (no record) has no serving key to watch.
             watch = not self._watched and bool(record)
-            self._noted = {key: names for key, names in self._noted.items()
-                           if not key.startswith(f"{shard.pk}:")}
         try:
-            started = with_db_retry(lambda: evals.start_runs(
-                batch=shard.batch, serving_key=serving_key(record), watch=watch))
+            started = self.store.start_evals(shard, serving_key=serving_key(record),
+                                             watch=watch)
         except Exception:
             log.exception("shard %s: could not start its batch's eval runs", shard.pk)
             return
@@ -61,20 +56,16 @@ class Served:
             with self._lock:
                 self._watched = True
 
-    def adapter_used(self, shard: Shard, name: str, folder: str) -> None:
-        """A request of the shard's attempt names a LoRA adapter, about to go in: its source
-        and content hash join the shard's provenance and the batch's (once per attempt)."""
-        key = f"{shard.pk}:{shard.attempt}"
-        with self._lock:
-            if name in self._noted.setdefault(key, set()):
-                return
-        adapter = self._adapters.get(name)
-        if adapter is None:
-            source = with_db_retry(lambda: LoraAdapter.objects.filter(name=name).values_list(
-                "source", flat=True).first()) or ""
-            adapter = self._adapters[name] = adapter_record(name, source, folder)
-        with_db_retry(functools.partial(what_ran.record_adapter, shard=shard,
-                                        worker=self.worker_name, engine=self.record(),
-                                        adapter=adapter))
-        with self._lock:
-            self._noted.setdefault(key, set()).add(name)
+    def adapter_folder(self, shard: Shard, work: ShardWork, model: str) -> str | None:
+        """The folder of the LoRA adapter a line of the shard names as its `model` ("" for
+        the batch's model); None when that adapter is no longer registered. Each adapter
+        is resolved once per attempt (kept on its work), not once per line: prepared on
+        this host, and recorded in the attempt's provenance and its batch's."""
+        if model == work.model:  # validation let only the model's adapters by
+            return ""
+        if model not in work.adapter_paths:
+            adapter = self.adapters.prepared(model, base_model=work.model)
+            if adapter is not None:
+                self.store.record_adapter(shard, engine=self.record(), adapter=adapter.record)
+            work.adapter_paths[model] = adapter.folder if adapter else None
+        return work.adapter_paths[model]

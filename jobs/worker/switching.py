@@ -11,24 +11,21 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from django.db.models import Min
 from django.utils import timezone
 
 from engine.base import ModelSpec
-from jobs.lib import queues
-from jobs.models import Shard
+from jobs.worker.db import ShardStore
 
 
-def model_due(others: list[ModelSpec], *, waited_seconds: float) -> ModelSpec | None:
+def model_due(others: list[ModelSpec], *, waited_seconds: float, store: ShardStore
+              ) -> ModelSpec | None:
     """Among `others`, the model whose oldest shard waiting in Redis went in first, if it
     went in at least `waited_seconds` ago; else None."""
     cutoff = timezone.now() - timedelta(seconds=waited_seconds)
     oldest = None
     due = None
     for spec in others:
-        since = Shard.objects.filter(
-            status=Shard.Status.QUEUED, queue_name__in=queues.model_queue_names(spec.name),
-            enqueued_at__lte=cutoff).aggregate(since=Min("enqueued_at"))["since"]
+        since = store.queued_since(spec.name, before=cutoff)
         if since is not None and (oldest is None or since < oldest):
             oldest, due = since, spec
     return due

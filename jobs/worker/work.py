@@ -15,15 +15,18 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
-from engine.base import EngineResult
+from engine.base import EngineRequest, EngineResult
 from engine.endpoints import reasoning_of, usage_of
 from engine.prefix_limit import PrefixLimit
 from jobs.formats.checkpoint import Checkpoint, Progress, ShardUsage
-from jobs.formats.wire import RequestLine, failure_line, response_line, unrun_message
+from jobs.formats.wire import Code, RequestLine, failure_line, response_line, unrun_message
 from jobs.models import Shard
-from jobs.prompts import Room
+from jobs.prefix_keys import prefix_key
+from jobs.prompts import Room, output_room
 from jobs.quality import flags_for
 from jobs.services.shard_input import Screened, ShardInput
 
@@ -77,6 +80,9 @@ class ShardWork:
     model: str = ""
     # The prefix cache salt of the batch owner's requests (shard_input.prefix_cache_salt).
     cache_salt: str = ""
+    # The LoRA adapters its lines name, each resolved once per attempt (by the intake):
+    # name -> its folder on this host, None when it is no longer registered.
+    adapter_paths: dict[str, str | None] = field(default_factory=dict)
     out: PartBuffer = field(default_factory=PartBuffer)
     err: PartBuffer = field(default_factory=PartBuffer)
     # Quality flags: one {"custom_id", "flags"} line per flagged request.
@@ -194,6 +200,20 @@ class ShardWork:
                                input_tokens=tokens_in, cached_tokens=cached,
                                output_tokens=tokens_out, reasoning_tokens=reasoning)
 
+    def lines_to_run(self, requests: Iterable[tuple[int, dict[str, Any]]]
+                     ) -> Iterator[tuple[int, RequestLine]]:
+        """The lines of `requests` (line number, request object) that go to the engine;
+        those that do not run get their error lines instead (`write_unrunnable`). Ends
+        when the attempt stops running (dropped, handed back)."""
+        for number, request in requests:
+            if self.stopped:
+                return
+            with self.lock:
+                # Before the line is read as a request: a refused one need not be one.
+                if self.write_unrunnable(request["custom_id"], number):
+                    continue
+            yield number, RequestLine(request["custom_id"], request["url"], request["body"])
+
     def write_unrunnable(self, custom_id: str, line: int) -> bool:
         """With the lock held: write the error lines of a line this attempt will not run
         (its batch is stopping, or validation kept it from running). False for a line to
@@ -201,25 +221,48 @@ class ShardWork:
         if self.stop_code:
             self.write_unrun(custom_id, line, self.stop_code)
         elif line in self.screened:
-            self.write_screened(custom_id, line)
+            self._write_errors(custom_id, line, self.screened[line].error_line)
         else:
             return False
         return True
-
-    def write_screened(self, custom_id: str, line: int) -> None:
-        for cid in [custom_id, *self.copies.get(line, ())]:
-            self.err.write(self.screened[line].error_line(cid))
-            self.progress.failed += 1
-        self.answered.add(line)
 
     def write_unrun(self, custom_id: str, line: int, code: str) -> None:
         self.write_failure(custom_id, line, code, unrun_message(code))
 
     def write_failure(self, custom_id: str, line: int, code: str, message: str) -> None:
+        self._write_errors(custom_id, line, lambda cid: failure_line(cid, code, message))
+
+    def _write_errors(self, custom_id: str, line: int, error_line: Callable[[str], bytes]
+                      ) -> None:
+        # With the lock held: the line's error line under its custom_id and its copies'.
         for cid in [custom_id, *self.copies.get(line, ())]:
-            self.err.write(failure_line(cid, code, message))
+            self.err.write(error_line(cid))
             self.progress.failed += 1
         self.answered.add(line)
+
+    def engine_request(self, line: int, request: RequestLine, *, adapter_path: str | None,
+                       grouped: bool) -> EngineRequest | None:
+        """The line's request as it goes into the engine, in flight (`pending`) from now
+        on. `adapter_path`: the folder of the adapter it names ("" for the batch's model),
+        None when that adapter is no longer registered: the line gets its error line
+        instead, and no request. `grouped`: the shard runs a prefix group's requests next
+        to each other, each with its group's key."""
+        if adapter_path is None:
+            with self.lock:
+                self.write_failure(request.custom_id, line, Code.MODEL_NOT_FOUND,
+                                   f"The adapter '{request.model}' of '{self.model}' is no "
+                                   "longer registered.")
+            return None
+        key = prefix_key(request) if grouped else None
+        engine_request = EngineRequest(request_id=self.request_id(line), url=request.url,
+                                       body=request.body, adapter_path=adapter_path,
+                                       cache_salt=self.cache_salt,
+                                       prefix=(key.digest or 1) if key else 0,
+                                       # The output limit the budget counted.
+                                       output_room=output_room(request, self.room))
+        with self.lock:
+            self.pending[engine_request.request_id] = request
+        return engine_request
 
     def parts(self) -> tuple[PartBuffer, PartBuffer, PartBuffer]:
         return self.out, self.err, self.flags

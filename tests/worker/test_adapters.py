@@ -12,6 +12,7 @@ from django.urls import reverse
 from engine.prepare import prepare_adapter
 from jobs.models import Batch, LoraAdapter, Shard
 from jobs.tasks import validate_batch
+from jobs.worker.adapters import Adapter, AdapterFolders
 from tests.factories import chat_line, finalized, jsonl, new_batch, run_all_shards, upload
 from tests.lora import build_wheel, write_adapter_config
 
@@ -69,6 +70,28 @@ def test_an_adapter_removed_after_validation_fails_only_its_lines(make_batch, ma
     assert {r["custom_id"]: r["error"]["code"] for r in err} == {
         "tuned": "model_not_found", "tuned-2": "model_not_found"}
     assert "echo-tuned" in err[0]["error"]["message"]
+
+
+def test_an_adapter_is_resolved_once_per_shard_not_per_line(make_batch, make_pipeline,
+                                                            adapter, monkeypatch):
+    # Two shards of three lines: each asks for the adapter once, registered or not.
+    lines = [chat_line(f"tuned-{n}", f"hi {n}", model="echo-tuned") for n in range(5)]
+    batch = make_batch([*lines, chat_line("base", "hi")], shard_size=3)
+    pipeline = make_pipeline(enable_lora=True)
+    adapters = pipeline.intake.served.adapters
+    asked: list[str] = []
+
+    def prepared(name: str, **kwargs: str) -> Adapter | None:
+        asked.append(name)
+        return AdapterFolders.prepared(adapters, name, **kwargs)
+
+    monkeypatch.setattr(adapters, "prepared", prepared)
+    run_all_shards(pipeline, batch)
+    done, out, err = finalized(batch)
+    assert err == [] and len(out) == 6
+    assert asked == ["echo-tuned", "echo-tuned"]
+    for shard in Shard.objects.filter(batch=batch):
+        assert [a["name"] for a in shard.provenance["adapters"]] == ["echo-tuned"]
 
 
 def test_validation_refuses_unknown_adapters_and_another_models(openai_client, settings,

@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from jobs.models import Shard
 from jobs.queries import queue_health
+from jobs.worker.db import ShardStore
 from jobs.worker.switching import model_due
 from tests.factories import (
     assert_exactly_once,
@@ -90,15 +91,16 @@ def test_a_model_is_due_once_its_oldest_shard_waited_long_enough(user, tmp_path,
 
     other = model_spec("echo-other")
     assert other is not None
+    store = ShardStore(worker="w")
     batch = make_batch(user, lines_for("echo-other", 3), tmp_path, settings=settings)
     shard = Shard.objects.get(batch=batch)
     # Not yet in Redis (fair share keeps it in the database): nothing is due.
     Shard.objects.filter(pk=shard.pk).update(enqueued_at=None)
-    assert model_due([other], waited_seconds=5) is None
+    assert model_due([other], waited_seconds=5, store=store) is None
     Shard.objects.filter(pk=shard.pk).update(enqueued_at=timezone.now())
-    assert model_due([other], waited_seconds=5) is None
+    assert model_due([other], waited_seconds=5, store=store) is None
     Shard.objects.filter(pk=shard.pk).update(
         enqueued_at=timezone.now() - timedelta(seconds=6))
-    assert model_due([other], waited_seconds=5) == other
+    assert model_due([other], waited_seconds=5, store=store) == other
     Shard.objects.filter(pk=shard.pk).update(status=Shard.Status.RUNNING)
-    assert model_due([other], waited_seconds=5) is None
+    assert model_due([other], waited_seconds=5, store=store) is None

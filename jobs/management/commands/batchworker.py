@@ -36,7 +36,6 @@ from jobs.lib import queues
 from jobs.policy import close_engines
 from jobs.services.cleanup import sweep_temp_dir
 from jobs.worker import rq_worker
-from jobs.worker.db import with_db_retry
 from jobs.worker.pipeline import Pipeline
 from jobs.worker.presence import Presence, free_name
 from jobs.worker.switching import model_due
@@ -170,7 +169,7 @@ class Command(BaseCommand):
             # Idle: switch only with nothing of this model claimed or in flight.
             if pipeline.state.works:
                 return None
-            return with_db_retry(lambda: model_due(others, waited_seconds=switch_after))
+            return model_due(others, waited_seconds=switch_after, store=pipeline.store)
 
         return rq_worker.take_jobs(
             queue_names, name=name, presence=presence, host=host,
