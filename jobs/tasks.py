@@ -1,8 +1,10 @@
-"""RQ entry points: every job batchweb enqueues names a function here. Each takes ids only,
-looks the rows up and calls a service: a job's payload never carries user data, and
+"""RQ entry points: every job batchweb enqueues names a function here. Each takes ids only
+and hands them to one call: a service, which looks the rows up, or for `run_shard` the
+engine pipeline of the `batchworker` process that took the job (its intake, which claims
+the shard through the worker's ShardStore). A job's payload never carries user data, and
 replaying a job is harmless.
 
-The reconciler is not one of them: every worker's heartbeat thread runs it in-process
+The reconciler is not one of them: every worker's periodic thread runs it in-process
 every few seconds (`jobs.worker`), so no job ever needs to start it."""
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ def deliver_results(batch_id: str) -> bool:
 
 def run_shard(shard_id: str) -> None:
     """Hand a shard to this worker's engine pipeline. Only `batchworker` processes (which
-    load an engine) listen on shard queues."""
+    load an engine) listen on shard queues; RQ runs the job in that process (a
+    SimpleWorker), beside the pipeline, whose intake is the process's one while it runs."""
     from jobs.worker.intake import current_intake
 
     current_intake().run_shard(shard_id)
