@@ -17,7 +17,6 @@ from jobs.models import Batch, Shard
 from jobs.services.stopping import cancel_batch
 from jobs.tasks import validate_batch
 from jobs.worker import part_storage
-from jobs.worker.idle import IdleMeter
 from tests.factories import (
     chat_line,
     finalized,
@@ -239,19 +238,6 @@ def test_a_part_that_cannot_be_stored_fails_only_that_attempt(
     done, out, err = finalized(batch)
     assert done.status == "completed" and err == []
     assert sorted(r["custom_id"] for r in out) == sorted(f"w{i}" for i in range(6))
-
-
-def test_idle_accounting_is_never_negative():
-    meter = IdleMeter()
-    assert (meter.window(), meter.fraction()) == (0.0, 0.0)
-    # A worker stopped with requests handed in but no result out yet: no window, not
-    # "0.00% of -4610.0s" (the clock's origin to the first request).
-    meter.request_started()
-    assert meter.window() == 0.0 and meter.fraction() == 0.0
-    meter.request_finished()
-    meter.request_started()
-    meter.request_finished()
-    assert meter.window() >= 0.0 and 0.0 <= meter.fraction() <= 1.0
 
 
 def test_the_stop_log_line_reports_a_non_negative_window(make_pipeline, caplog):

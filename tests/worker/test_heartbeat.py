@@ -1,0 +1,74 @@
+"""The heartbeat (`jobs.worker.heartbeat`): each beat keeps this worker's shards alive with
+their progress, drops a shard whose attempt is no longer the running one, and stops the
+requests of a shard whose batch was cancelled. On a pipeline's own heartbeat (its thread
+not started: the test beats), on the test database."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from engine.base import ModelSpec
+from engine.echo import EchoEngine
+from jobs.formats.wire import Code, RequestLine
+from jobs.models import Batch, Shard
+from jobs.services.stopping import cancel_batch
+from jobs.worker.pipeline import Pipeline
+from jobs.worker.work import ShardWork
+from tests.factories import chat_lines
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def pipeline() -> Iterator[Pipeline]:
+    engine = EchoEngine(ModelSpec(name="echo-test", backend="echo"))
+    yield Pipeline(engine, worker_name="w1", inbox_size=4, reconcile_every=0)
+    engine.close()
+
+
+def running(pipeline: Pipeline, batch: Batch) -> ShardWork:
+    shard = pipeline.store.claim(Shard.objects.get(batch=batch).pk)
+    assert shard is not None
+    work = pipeline.store.open(shard)
+    pipeline.state.register(work)
+    return work
+
+
+def test_a_beat_records_the_shards_progress(pipeline, make_batch: Callable[..., Batch]):
+    work = running(pipeline, make_batch(chat_lines(3), shard_size=10))
+    before = Shard.objects.get(pk=work.shard_id).heartbeat_at
+    with work.lock:
+        work.progress.completed = 2
+        work.progress.input_tokens = 17
+    pipeline.heartbeat.beat()
+    shard = Shard.objects.get(pk=work.shard_id)
+    assert (shard.completed, shard.input_tokens) == (2, 17)
+    assert shard.heartbeat_at is not None and (before is None or shard.heartbeat_at > before)
+    assert pipeline.state.current_works() == [work] and not work.dead
+
+
+def test_a_shard_taken_over_is_dropped(pipeline, make_batch: Callable[..., Batch]):
+    work = running(pipeline, make_batch(chat_lines(2), shard_size=10))
+    work.out.write(b"a result of the lost attempt\n")
+    # Presumed dead meanwhile: its shard runs under another attempt now.
+    pipeline.store.release(work, unsaved=0)
+    pipeline.store.claim(work.shard_id)
+    pipeline.heartbeat.beat()
+    assert work.dead and pipeline.state.current_works() == []
+    assert bytes(work.out.held) == b""
+    # The other attempt's row is left as it is.
+    assert Shard.objects.get(pk=work.shard_id).attempt == work.attempt + 1
+
+
+def test_a_cancelled_batchs_shard_stops_its_requests(pipeline,
+                                                     make_batch: Callable[..., Batch]):
+    batch = make_batch(chat_lines(2), shard_size=10)
+    work = running(pipeline, batch)
+    work.pending[work.request_id(0)] = RequestLine("r0", "/v1/chat/completions", {})
+    cancel_batch(batch=batch)
+    pipeline.heartbeat.beat()
+    assert work.stop_code == Code.BATCH_CANCELLED
+    # Still this worker's, to write its lines' error lines and finish.
+    assert not work.dead and pipeline.state.current_works() == [work]
