@@ -85,6 +85,13 @@ fast-tests: install
 		-m "not engine and not models and not chaos and not upgrade and not bench" \
 		-n 4 --dist worksteal $(PYTEST_ARGS)
 
+# The quick tier (docs/testing.md): the tests that touch no database, Redis, process or
+# server, marked `quick` by tests/conftest.py from the fixtures and markers each uses
+# (~500 tests, under a minute on 2 cores). No engine, models or Redis needed.
+.PHONY: quick
+quick: install
+	$(PY) -m pytest -q -m quick $(PYTEST_ARGS)
+
 # The benchmarks that fit in ~15 minutes on a 2-core machine, at reduced sizes (the full
 # sizes and bench/scale_out.py run on their own; bench/RESULTS.md has the numbers).
 # bench/fleet.py needs the machine's PostgreSQL (127.0.0.1:5432) and uses PgBouncer if

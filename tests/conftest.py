@@ -1,11 +1,15 @@
 """Shared fixtures: users and keys, the official openai client against a live server, a real
-Redis (flushed per test), real `batchworker` processes on the test database, and a webhook
-receiver on loopback with the settings that let the service call it."""
+Redis (flushed per test that may reach it), real `batchworker` processes on the test
+database, and a webhook receiver on loopback with the settings that let the service call it.
+And the quick tier (`make quick`, `-m quick`): the tests that touch no database, Redis,
+process or server, marked here from the fixtures and markers they use."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from itertools import islice
@@ -23,15 +27,88 @@ EPOCH = time.time()
 WORKER_FIXTURES = {"workers", "service", "gpu_host", "make_pipeline"}
 
 
+# What keeps a test out of the quick tier: the database (pytest-django's marker and
+# fixtures; a live server has one), a fixture that starts processes or servers (a module's
+# own asks for `starts_processes`), a marker of a test that does so itself (`processes`) or
+# talks to Redis itself (`redis`), or of a tier of its own; and tests/bench/, whose tests
+# run the benchmarks as processes.
+DATABASE_FIXTURES = {"db", "transactional_db", "django_db_reset_sequences",
+                     "django_db_serialized_rollback", "live_server"}
+PROCESS_FIXTURES = WORKER_FIXTURES | {"smol_server", "receiver", "starts_processes"}
+NOT_QUICK_MARKERS = {"django_db", "processes", "redis", "engine", "models", "chaos",
+                     "upgrade", "browser", "bench", "deploy"}
+PROCESS_DIRS = {Path(__file__).parent / "bench"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "quick: touches no database, Redis, process or server; set by "
+        "tests/conftest.py from the fixtures and markers a test uses (`make quick`)")
+    config.addinivalue_line(
+        "markers", "processes: starts processes or servers itself (not through a "
+        "fixture): not in the quick tier")
+    config.addinivalue_line(
+        "markers", "redis: talks to Redis itself, without the database: not in the quick "
+        "tier, and Redis is flushed before it")
+
+
+def is_quick(item: pytest.Item) -> bool:
+    if any(mark.name in NOT_QUICK_MARKERS for mark in item.iter_markers()):
+        return False
+    if PROCESS_DIRS.intersection(item.path.parents):
+        return False
+    return not (DATABASE_FIXTURES | PROCESS_FIXTURES).intersection(
+        getattr(item, "fixturenames", ()))
+
+
+# What a quick test may not do; the audit hook below fails one that tries, so a test that
+# needs any of it is told to say so (it would otherwise slow the tier, or leave Redis
+# unflushed for the next test).
+QUICK_FORBIDS = {
+    "subprocess.Popen": "starts a process", "os.fork": "forks", "os.forkpty": "forks",
+    "os.posix_spawn": "starts a process", "os.spawn": "starts a process",
+    "os.exec": "runs a program", "os.system": "runs a program",
+    "socket.bind": "opens a server socket", "socket.connect": "connects to a server"}
+_quick_running: list[str] = []  # the quick test being set up, run or torn down, if any
+
+
+def _quick_guard(event: str, args: tuple[Any, ...]) -> None:
+    # The test's own thread only: a thread left by an earlier test is that test's.
+    if (_quick_running and event in QUICK_FORBIDS
+            and threading.current_thread() is threading.main_thread()):
+        raise RuntimeError(
+            f"{_quick_running[0]} is in the quick tier but {QUICK_FORBIDS[event]} "
+            f"({event}{args[:2]!r}): give it the fixture that does so, or mark it "
+            "`processes` (or `redis`; tests/conftest.py)")
+
+
+sys.addaudithook(_quick_guard)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    quick = item.get_closest_marker("quick") is not None
+    if quick:
+        _quick_running.append(item.nodeid)
+    try:
+        return (yield)
+    finally:
+        if quick:
+            _quick_running.clear()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`make check`), give every process the same share of the tests that
-    wait on workers, at the head of its share.
+    """Mark the quick tier (`is_quick`). Then, under pytest-xdist (`make check`), give every
+    process the same share of the tests that wait on workers, at the head of its share.
 
     Work stealing hands each process a contiguous slice of the collection and later moves
     tests from the end of a busy process's queue to an idle one. Left in file order, the
     slow tests bunch in the slices of a few modules and the run ends waiting on one process;
     at the heads of the slices they run first, while the quick tests behind them are still
     there to be stolen."""
+    for item in items:
+        if is_quick(item):
+            item.add_marker(pytest.mark.quick)
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if count < 2:
         return
@@ -47,6 +124,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         left -= size
         share.extend(islice(quick, max(0, size - len(share))))
     items[:] = [item for share in shares for item in share] + list(quick)
+
+
+@pytest.fixture(scope="session")
+def starts_processes() -> None:
+    """Asked for by a fixture that starts processes or servers (or talks to Redis): the
+    tests using it are not in the quick tier."""
 
 
 @pytest.fixture(scope="session")
@@ -85,17 +168,19 @@ def django_db_setup(django_db_setup: None, django_db_blocker: Any) -> Iterator[N
 
 
 @pytest.fixture(autouse=True)
-def _clean_redis() -> Iterator[None]:
-    """An empty Redis for each test, and nothing this process remembers of an earlier one's.
+def _clean_redis(request: pytest.FixtureRequest) -> Iterator[None]:
+    """An empty Redis for each test that may reach it, and nothing this process remembers of
+    an earlier one's. A quick test reaches none (the guard above fails one that connects).
 
     The web side keeps a model's progress blocker for a few seconds (jobs.queries.queue_health):
     left over from the test before (whose workers were alive), it would expire in the middle
     of this one, and a batch page would see its version change with nothing changed."""
-    from jobs.lib import queues
-    from jobs.queries import queue_health
+    if request.node.get_closest_marker("quick") is None:
+        from jobs.lib import queues
+        from jobs.queries import queue_health
 
-    queues.connection().flushdb()
-    queue_health._blockers.clear()
+        queues.connection().flushdb()
+        queue_health._blockers.clear()
     yield
 
 

@@ -233,6 +233,7 @@ def test_what_the_dockerfile_copies_and_runs_exists() -> None:
     assert (DEPLOY / "seaweedfs.sh").exists()
 
 
+@pytest.mark.processes
 def test_the_image_installs_pyprojects_dependencies() -> None:
     import subprocess
     import tomllib
@@ -284,6 +285,7 @@ def test_the_health_check_passes_on_a_live_server_and_fails_otherwise(
         "http://127.0.0.1:9/: ")
 
 
+@pytest.mark.processes
 def test_the_health_check_asks_as_https_and_never_follows_a_redirect() -> None:
     # With BATCHWEB_HTTPS on, Django redirects a request the proxy did not mark as https
     # to https://<host>/, which would leave the container. (SecurityMiddleware reads the
@@ -526,6 +528,7 @@ def compose_command() -> list[str] | None:
     return None
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(compose_command() is None, reason="needs Docker Compose v2")
 def test_compose_itself_renders_every_batchweb_container_confined(tmp_path: Path) -> None:
     """The files as Compose merges them (the anchors, compose.cpu.yaml's `extends`), by

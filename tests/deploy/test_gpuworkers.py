@@ -86,6 +86,7 @@ def test_no_gpu_or_a_gpu_twice_is_refused(explicit: str, environ: dict[str, str]
         visible_devices(explicit=explicit, environ=environ, listing=listing)
 
 
+@pytest.mark.processes
 def test_without_nvidia_smi_the_operator_is_told_what_to_set(monkeypatch: Any) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(CommandError, match="nvidia-smi is not installed.*CUDA_VISIBLE_DEVICES"):
@@ -153,6 +154,7 @@ def test_a_name_rq_still_holds_is_not_reused() -> None:
     assert free_name("h.gpu1.m", held.__contains__) == "h.gpu1.m"
 
 
+@pytest.mark.redis
 def test_registered_reads_rqs_worker_registration() -> None:
     from jobs.lib import queues
 
@@ -260,6 +262,7 @@ def signal_later(supervisor: Supervisor, log: Path, *, started: int, times: int 
     threading.Thread(target=go, daemon=True).start()
 
 
+@pytest.mark.processes
 @pytest.mark.usefixtures("restore_signals")
 def test_each_child_gets_its_gpu_and_one_sigterm_drains_it(tmp_path: Path) -> None:
     log = tmp_path / "events"
@@ -275,6 +278,7 @@ def test_each_child_gets_its_gpu_and_one_sigterm_drains_it(tmp_path: Path) -> No
     assert all(p.poll() is not None for p in supervisor.procs.values())
 
 
+@pytest.mark.processes
 @pytest.mark.usefixtures("restore_signals")
 def test_a_second_signal_is_forwarded_too(tmp_path: Path) -> None:
     log = tmp_path / "events"
@@ -286,6 +290,7 @@ def test_a_second_signal_is_forwarded_too(tmp_path: Path) -> None:
     assert sorted(terms) == ["h.gpu0.m", "h.gpu0.m", "h.gpu1.m", "h.gpu1.m"]
 
 
+@pytest.mark.processes
 @pytest.mark.usefixtures("restore_signals")
 def test_a_dead_child_is_restarted_under_a_name_rq_does_not_hold(tmp_path: Path) -> None:
     log = tmp_path / "events"
@@ -314,6 +319,7 @@ def test_a_dead_child_is_restarted_under_a_name_rq_does_not_hold(tmp_path: Path)
     assert any("h.gpu0.m exited with 3; restarting" in m for m in messages)
 
 
+@pytest.mark.processes
 @pytest.mark.usefixtures("restore_signals")
 def test_a_child_that_keeps_dying_stops_everything(tmp_path: Path) -> None:
     log = tmp_path / "events"
@@ -327,6 +333,7 @@ def test_a_child_that_keeps_dying_stops_everything(tmp_path: Path) -> None:
     assert ["term", "h.gpu0.m"] in events(log) and ["exit", "h.gpu0.m"] in events(log)
 
 
+@pytest.mark.processes
 @pytest.mark.usefixtures("restore_signals")
 def test_a_child_that_ignores_sigterm_is_killed_after_the_drain(tmp_path: Path) -> None:
     log = tmp_path / "events"

@@ -27,7 +27,7 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
 @pytest.fixture
-def proxies() -> Iterator[list[FaultProxy]]:
+def proxies(starts_processes: None) -> Iterator[list[FaultProxy]]:
     made: list[FaultProxy] = []
     yield made
     for proxy in made:
@@ -35,7 +35,7 @@ def proxies() -> Iterator[list[FaultProxy]]:
 
 
 @pytest.fixture
-def engines() -> Iterator[list[RemoteEngine]]:
+def engines(starts_processes: None) -> Iterator[list[RemoteEngine]]:
     made: list[RemoteEngine] = []
     yield made
     for engine in made:

@@ -134,7 +134,7 @@ def wait_for(condition: Callable[[], bool], seconds: float) -> bool:
 
 
 @pytest.fixture
-def servers() -> Iterator[Callable[[], Server]]:
+def servers(starts_processes: None) -> Iterator[Callable[[], Server]]:
     made: list[Server] = []
 
     def make() -> Server:
@@ -147,14 +147,14 @@ def servers() -> Iterator[Callable[[], Server]]:
 
 
 @pytest.fixture
-def proxy() -> Iterator[FaultProxy]:
+def proxy(starts_processes: None) -> Iterator[FaultProxy]:
     made = FaultProxy()
     yield made
     made.close()
 
 
 @pytest.fixture
-def engine_for() -> Iterator[Callable[..., RemoteEngine]]:
+def engine_for(starts_processes: None) -> Iterator[Callable[..., RemoteEngine]]:
     made: list[RemoteEngine] = []
 
     def make(url: str, **options: Any) -> RemoteEngine:

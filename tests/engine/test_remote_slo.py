@@ -224,7 +224,7 @@ class SlowingServer:
 
 
 @pytest.fixture
-def made() -> Iterator[list[Any]]:
+def made(starts_processes: None) -> Iterator[list[Any]]:
     things: list[Any] = []
     yield things
     for thing in reversed(things):

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# Its tests run lint-imports as a process.
+pytestmark = pytest.mark.processes
+
 ROOT = Path(__file__).resolve().parents[2]
 
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"

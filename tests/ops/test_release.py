@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
 from django.urls import reverse
 from packaging.version import Version
 
@@ -28,6 +29,7 @@ def test_the_version_is_pyprojects() -> None:
     assert release.version() == pyproject_version()
 
 
+@pytest.mark.processes
 def test_manage_py_batchwebversion_prints_it() -> None:
     done = subprocess.run([sys.executable, "manage.py", "batchwebversion"], cwd=ROOT,
                           text=True, capture_output=True, check=True, env=os.environ.copy())
@@ -53,6 +55,7 @@ def test_the_changelog_starts_with_this_release() -> None:
     assert first and first.group(1) == pyproject_version()
 
 
+@pytest.mark.processes
 def test_the_previous_release_is_older_and_in_history() -> None:
     previous = previous_release()
     assert pyproject_of(previous.commit)["project"]["version"] == previous.version

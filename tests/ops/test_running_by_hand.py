@@ -43,6 +43,7 @@ def manage(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.processes
 def test_manage_help_lists_the_commands_in_a_fresh_checkout(tmp_path: Path) -> None:
     """Without a key (no SECRET_KEY, no var/secret_key) the settings refuse to load; help
     still lists batchweb's own commands beside Django's, and says what the key is for."""
@@ -65,6 +66,7 @@ def test_manage_help_lists_the_commands_in_a_fresh_checkout(tmp_path: Path) -> N
     assert not (clone / "var" / "secret_key").exists()
 
 
+@pytest.mark.processes
 def test_runservice_says_what_bind_and_its_other_options_do() -> None:
     done = subprocess.run([sys.executable, "manage.py", "runservice", "--help"], cwd=ROOT,
                           capture_output=True, text=True, check=True, timeout=120)

@@ -60,6 +60,7 @@ def _message_batch_limits(**env: str) -> list[int]:
     return json.loads(result.stdout)
 
 
+@pytest.mark.processes
 def test_message_batches_default_to_anthropics_limits_unless_the_operator_sets_them() -> None:
     # Anthropic's 100,000 requests and 256 MB, results kept 29 days; OpenAI's 50,000 beside.
     assert _message_batch_limits() == [100_000, 256 * 1024 * 1024, 50_000, 29]
@@ -71,6 +72,7 @@ def test_message_batches_default_to_anthropics_limits_unless_the_operator_sets_t
         7, 256 * 1024 * 1024, 1000]
 
 
+@pytest.mark.processes
 def test_the_service_refuses_to_start_on_a_typo() -> None:
     result = _import_settings(BATCHWEB_SHARD_SIZE="1,000")
     assert result.returncode != 0
@@ -78,6 +80,7 @@ def test_the_service_refuses_to_start_on_a_typo() -> None:
     assert "BATCHWEB_SHARD_SIZE" in result.stderr
 
 
+@pytest.mark.processes
 def test_settings_create_nothing_and_load_no_engine(tmp_path: Path) -> None:
     var = tmp_path / "var"
     result = subprocess.run(
@@ -110,6 +113,7 @@ def _database_options(**env: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.processes
 def test_postgres_sessions_ask_the_server_to_notice_a_dead_host() -> None:
     url = "postgres://batchweb@db.internal:5432/batchweb"
     # A quarter of the heartbeat timeout: a dead host's sessions (and their locks) are

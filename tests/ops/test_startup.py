@@ -16,6 +16,7 @@ from jobs.models import Batch
 from tests.factories import ROOT
 
 
+@pytest.mark.processes
 def test_a_worker_starts_without_the_admin_jsonschema_or_numpy() -> None:
     code = ("import json, sys, django; django.setup(); "
             "import jobs.management.commands.batchworker; "

@@ -134,7 +134,7 @@ class CountingProxy:
 
 
 @pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: Any) -> Iterator[PrivateS3]:
+def s3_server(tmp_path_factory: Any, starts_processes: None) -> Iterator[PrivateS3]:
     if boto3 is None:
         pytest.skip("moto[server] and boto3 are not installed (pip install -e '.[test]')")
     server = PrivateS3(tmp_path_factory.mktemp("s3"))

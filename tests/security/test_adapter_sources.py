@@ -70,6 +70,7 @@ def test_a_direct_url_source_runs_nothing_on_the_worker(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.processes
 def test_a_wheel_must_match_the_sources_hash(tmp_path, monkeypatch):
     folder = write_adapter_config(tmp_path / "src")
     wheel = build_wheel(folder, tmp_path / "wheels", name="batchweb-hashed-lora", version="2.0")

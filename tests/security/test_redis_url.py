@@ -16,6 +16,9 @@ import pytest
 
 from tests.factories import ROOT, free_port
 
+# Its tests start redis-server processes.
+pytestmark = pytest.mark.processes
+
 PASSWORD = "s3cret-Redis-pw"
 
 

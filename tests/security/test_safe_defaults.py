@@ -15,6 +15,9 @@ import pytest
 from batchweb.embedded import SECRET_KEY_FILE, ensure_secret_key
 from tests.factories import ROOT
 
+# Its tests start the service's settings in processes of their own.
+pytestmark = pytest.mark.processes
+
 GOOD_KEY = "Xy7-Qp2_Lm9#" * 5
 
 

@@ -17,6 +17,9 @@ from django.conf import settings
 
 from tests.factories import ROOT
 
+# Its tests run the migration linter as a process.
+pytestmark = pytest.mark.processes
+
 PLANTED = '''from django.db import migrations, models
 
 

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from jobs.fleet import KV_CACHE_KEY, report_kv_cache
 from jobs.lib import queues
 from jobs.services.validation import planning_cache_tokens
+
+# It talks to Redis.
+pytestmark = pytest.mark.redis
 
 
 def test_planning_assumes_the_smallest_cache_the_live_workers_report(settings) -> None:

@@ -13,6 +13,9 @@ import pytest
 
 from tests.factories import ROOT, wait_for
 
+# Its tests start child processes.
+pytestmark = pytest.mark.processes
+
 # A stand-in worker: one exec'd child (vLLM's "spawn") and, started after the watchdog, one
 # forked child (vLLM's "fork": it inherits the worker's descriptors), both registered.
 WORKER = f"""

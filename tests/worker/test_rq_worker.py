@@ -20,6 +20,9 @@ from jobs.worker.presence import Presence
 from jobs.worker.rq_worker import BatchWorker
 from tests.factories import wait_for
 
+# Its tests talk to Redis (those without the database too).
+pytestmark = pytest.mark.redis
+
 
 def test_unsubscribe_returns_at_once_when_the_listener_reads_the_reply_first() -> None:
     worker = BatchWorker([queues.queue(queues.CONTROL_QUEUE)], connection=queues.connection())
