@@ -57,6 +57,17 @@ between (b) and (c): --rounds N runs (b) and (c) N times, swapping which runs fi
 round (--batchweb-first sets the first round's order), and reports every round's c/b
 against run_batch's batch phase and their median. The table shows the first round.
 
+CPU outside the engine core: what each path's own processes spend beside vLLM's engine
+core, per 1,000 output tokens and per request, the figure that says how far its front end
+would weigh beside a faster engine (bench/gpu.md). vLLM's engine core names itself
+"VLLM::EngineCore" (setproctitle; its workers "VLLM::Worker..."): the processes so titled and
+everything below them are the engine (harness.cpu_split), every other process counted is
+the front end. (a) this process over LLM.chat; (b) run_batch's processes over its batch
+phase (sampled every 0.1 s, the last sample before its output file was written); (c) the
+worker, the web server and the private Redis this script starts, from the upload to the end
+of the download (the database is SQLite, inside them). --profile-worker DIR samples (c)'s
+worker with py-spy in the first round and prints where its CPU went, by thread and frame.
+
 --keep-scratch keeps the scratch folder: run_batch's log and the worker's log, whose engine
 configuration lines ("Initializing a V1 LLM engine ... with config") can be compared.
 
@@ -70,10 +81,13 @@ import argparse
 import json
 import os
 import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -168,14 +182,18 @@ def run_raw(requests: list[dict], model_path: str, dtype: str, eager: bool = Tru
     params = [SamplingParams(temperature=0, max_tokens=r["body"]["max_tokens"])
               for r in requests]
     cpu = harness.cpu_seconds(os.getpid())
+    split = harness.cpu_split(os.getpid())
     started = time.monotonic()
     outputs = llm.chat([r["body"]["messages"] for r in requests], params, use_tqdm=False)
     elapsed = time.monotonic() - started
     cpu = harness.cpu_seconds(os.getpid()) - cpu
+    # This process is LLM.chat's front end (nothing else of the benchmark runs meanwhile).
+    split = _spent(split, harness.cpu_split(os.getpid()))
     row = {"tokens": sum(len(o.outputs[0].token_ids) for o in outputs),
            "prompt_tokens": sum(len(o.prompt_token_ids or ()) for o in outputs),
            "cached_tokens": sum(o.num_cached_tokens or 0 for o in outputs),
            "seconds": elapsed, "start": load, "cpu": cpu,
+           "front_cpu": split["front"], "engine_cpu": split["engine"],
            # What this engine was built with, for the report (the other paths use the same).
            "max_num_seqs": config.scheduler_config.max_num_seqs,
            "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
@@ -203,7 +221,7 @@ def run_vllm_batch(requests: list[dict], model_path: str, dtype: str, scratch: P
                "--max-model-len", "2048", "--max-num-seqs", str(max_num_seqs),
                "--max-num-batched-tokens", str(max_num_batched_tokens),
                "--enable-prompt-tokens-details"]
-    start = ready = None
+    start = ready = sampler = None
     started = time.monotonic()
     # Its log, read as it comes: the line it writes once its engine is up ends its start.
     with open(log_path, "w") as log, subprocess.Popen(
@@ -214,6 +232,10 @@ def run_vllm_batch(requests: list[dict], model_path: str, dtype: str, scratch: P
             log.write(line)
             if start is None and "Reading batch from" in line:
                 start, ready = time.monotonic() - started, time.time()
+                # Its processes are all there now (front end, engine core).
+                sampler = CpuSampler(harness.process_tree(proc.pid))
+        if sampler is not None:
+            sampler.stop()
     elapsed = time.monotonic() - started
     if proc.returncode:
         raise RuntimeError(f"run_batch exited {proc.returncode}:\n"
@@ -221,26 +243,66 @@ def run_vllm_batch(requests: list[dict], model_path: str, dtype: str, scratch: P
     row = read_output_lines(target.read_text().splitlines())
     row.update(seconds=elapsed, max_num_seqs=max_num_seqs,
                max_num_batched_tokens=max_num_batched_tokens)
-    if start is not None and ready is not None:
+    if start is not None and ready is not None and sampler is not None:
         # Its batch phase ends when it has written the output file, once at the end;
         # its engine shutdown (seconds) comes after.
         phase = target.stat().st_mtime - ready
         row.update(start=start, batch_phase_seconds=phase,
                    batch_phase_tok_s=row["tokens"] / phase)
+        # Its processes' CPU over the batch phase: from its "Reading batch from" to the
+        # last sample before its output file was written (its engine shutdown after).
+        split = _spent(sampler.first, sampler.before(target.stat().st_mtime))
+        row.update(front_cpu=split["front"], engine_cpu=split["engine"])
     return row
+
+
+def _spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("front", "engine")}
+
+
+class CpuSampler:
+    """`harness.tree_cpu` of a process tree every `every` seconds on a thread of its own,
+    for processes that exit at their end (run_batch): what they had spent at a moment of
+    their run is the last sample before it. The tree is read once (a few /proc reads per
+    sample, not a scan of every process, which would take CPU from the engine)."""
+
+    def __init__(self, tree: list[tuple[Any, bool]], every: float = 0.1) -> None:
+        self.tree, self.every = tree, every
+        self.first = harness.tree_cpu(tree)
+        self.samples: list[tuple[float, dict[str, float]]] = [(time.time(), self.first)]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            split = harness.tree_cpu(self.tree)
+            last = self.samples[-1][1]
+            if split["engine"] < last["engine"] or split["front"] < last["front"]:
+                return  # one of them exited: what follows no longer counts it
+            self.samples.append((time.time(), split))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def before(self, moment: float) -> dict[str, float]:
+        return next((split for at, split in reversed(self.samples) if at <= moment), {})
 
 
 def run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Path,
                  model_name: str = MODEL, model_path: str = "", eager: bool = True,
-                 tp: int = 1, poll_seconds: float = 0.5, prefix_gate: bool = True) -> dict:
-    with harness.private_redis(scratch, reuse=True):
+                 tp: int = 1, poll_seconds: float = 0.5, prefix_gate: bool = True,
+                 profile: Path | None = None) -> dict:
+    with harness.private_redis(scratch, reuse=True) as redis_pid:
         return _run_batchweb(requests, dtype, shard_size, scratch, model_name, model_path,
-                             eager, tp, poll_seconds, prefix_gate)
+                             eager, tp, poll_seconds, prefix_gate, redis_pid, profile)
 
 
 def _run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Path,
                   model_name: str, model_path: str, eager: bool, tp: int,
-                  poll_seconds: float, prefix_gate: bool) -> dict:
+                  poll_seconds: float, prefix_gate: bool, redis_pid: int | None,
+                  profile: Path | None) -> dict:
     import openai
 
     env = {**os.environ, "BATCHWEB_VAR_DIR": str(scratch), "BATCHWEB_DTYPE": dtype,
@@ -281,6 +343,11 @@ def _run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Pa
         source = scratch / "in.jsonl"
         source.write_bytes(harness.jsonl(requests))
         cpu = harness.cpu_seconds(worker.pid) + harness.cpu_seconds(server.pid)
+        # Ours: the worker's front end (its engine core apart), the web server, and Redis
+        # when this benchmark started it (SQLite is in those processes).
+        parts = {"worker": worker.pid, "web": server.pid, "redis": redis_pid}
+        split = {name: harness.cpu_split(pid) for name, pid in parts.items()}
+        spy = _profiler(worker.pid, profile) if profile else None
         started = time.monotonic()
         file = client.files.create(file=source.open("rb"), purpose="batch")
         batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
@@ -293,6 +360,10 @@ def _run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Pa
         lines = client.files.content(batch.output_file_id).text.splitlines()
         elapsed = time.monotonic() - started
         cpu = harness.cpu_seconds(worker.pid) + harness.cpu_seconds(server.pid) - cpu
+        split = {name: _spent(split[name], harness.cpu_split(pid))
+                 for name, pid in parts.items()}
+        if spy is not None:
+            _stop_profiler(spy)
         assert len(lines) + batch.request_counts.failed == len(requests)
         row = read_output_lines(lines)
         row["failed"] += batch.request_counts.failed  # those are in the error file
@@ -308,10 +379,73 @@ def _run_batchweb(requests: list[dict], dtype: str, shard_size: int, scratch: Pa
         server.terminate()
         server.wait()
     idle = re.search(r"engine idle ([\d.]+)% of ([\d.]+)s", log_path.read_text())
+    if profile is not None and profile.exists():
+        row["profile"] = {"file": str(profile), **profile_summary(profile)}
     row.update(seconds=elapsed, start=load, cpu=cpu, plan=plan,
+               front_cpu=sum(part["front"] for part in split.values()),
+               engine_cpu=split["worker"]["engine"],
+               front_parts={name: part["front"] for name, part in split.items()
+                            if parts[name] is not None},
                idle=float(idle.group(1)) if idle else None,
                window=float(idle.group(2)) if idle else None)
     return row
+
+
+def _profiler(pid: int, path: Path) -> subprocess.Popen:
+    """py-spy sampling the worker's front end (its engine core is a process of its own, not
+    sampled), without pausing it (--nonblocking), until SIGINT: collapsed stacks per thread
+    to PATH (`profile_summary` reads them)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--format", "raw",
+                             "--output", str(path), "--rate", "100", "--nonblocking",
+                             "--threads"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def _stop_profiler(spy: subprocess.Popen) -> None:
+    spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+    try:
+        spy.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        spy.wait()
+
+
+# Innermost frames of a thread that waits: py-spy --nonblocking takes some of those for
+# running, so they are left out of the summary.
+WAITS = ("Condition.wait ", "Event.wait ", "EpollSelector.select ", "_PollLikeSelector.select ",
+         "SocketBuffer._read_from_socket ", "BaseSelector.select ", "sleep ")
+
+
+def profile_summary(path: Path, top: int = 15) -> dict[str, Any]:
+    """Where the sampled CPU went, from py-spy's collapsed stacks: the share of samples per
+    thread, per innermost frame (self time) and per frame anywhere on the stack (samples
+    waiting, `WAITS`, left out)."""
+    threads: dict[str, int] = {}
+    inner: dict[str, int] = {}
+    anywhere: dict[str, int] = {}
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        if frames[-1].startswith(WAITS):
+            continue
+        total += n
+        thread = re.sub(r" ?\(?0x[0-9a-f]+\)?", "", frames[0])
+        threads[thread] = threads.get(thread, 0) + n
+        inner[frames[-1]] = inner.get(frames[-1], 0) + n
+        for frame in set(frames[1:]):
+            anywhere[frame] = anywhere.get(frame, 0) + n
+
+    def shares(counts: dict[str, int]) -> list[tuple[str, float]]:
+        ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+        return [(name, round(n / max(1, total), 4)) for name, n in ranked]
+
+    return {"samples": total, "threads": shares(threads), "self": shares(inner),
+            "inclusive": shares(anywhere)}
 
 
 def compare_outputs(results: dict[str, dict], count: int) -> dict[str, Any]:
@@ -358,6 +492,7 @@ def run_workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     skip = set(args.skip.split(","))
     if "a" not in skip:
         results[PATHS["a"]] = run_raw(requests, model_path, args.dtype, args.eager, tp)
+        results[PATHS["a"]]["requests"] = len(requests)
         print(_brief(results), flush=True)
     block_size = results.get(PATHS["a"], {}).get("block_size") or default_block_size()
     limit = prefix_limit(requests, model_path, block_size)
@@ -384,10 +519,11 @@ def run_workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
                 ran[PATHS[path]] = run_batchweb(requests, args.dtype, args.shard_size,
                                                 where, args.model_name, args.model_path,
                                                 args.eager or path == "e", tp,
-                                                args.poll_seconds, prefix_gate=path != "d")
+                                                args.poll_seconds, prefix_gate=path != "d",
+                                                profile=_profile_path(args, path, number))
             # The machine's 1-minute load as the path ends: others' jobs share its cores,
             # and a round run beside them says so.
-            ran[PATHS[path]]["load"] = os.getloadavg()[0]
+            ran[PATHS[path]].update(load=os.getloadavg()[0], requests=len(requests))
             print(_brief(ran), flush=True)
         if number == 0:
             results.update(ran)
@@ -419,6 +555,14 @@ def run_workload(args: argparse.Namespace, workload: str) -> dict[str, Any]:
     return figures
 
 
+def _profile_path(args: argparse.Namespace, path: str, number: int) -> Path | None:
+    """Where (c)'s worker is profiled in the first round, with --profile-worker."""
+    if args.profile_worker is None or path != "c" or number:
+        return None
+    args.profile_worker.mkdir(parents=True, exist_ok=True)
+    return args.profile_worker / "worker.txt"
+
+
 def _round(ran: dict[str, dict], order: str, count: int, limit: dict[str, Any]
            ) -> dict[str, Any]:
     """One round of (b) and (c): their seconds, batchweb's rate against run_batch's whole
@@ -430,6 +574,8 @@ def _round(ran: dict[str, dict], order: str, count: int, limit: dict[str, Any]
         if row:
             out[f"{path}_seconds"] = row["seconds"]
             out[f"{path}_load"] = row.get("load")
+        if row and "front_cpu" in row:
+            out[f"{path}_front_cpu_per_1k"] = 1000 * row["front_cpu"] / max(1, row["tokens"])
         if row and limit["computed_tokens"]:
             out[f"{path}_over_limit"] = ((row["prompt_tokens"] - row["cached_tokens"])
                                          / limit["computed_tokens"] - 1)
@@ -454,6 +600,9 @@ def _figures(row: dict, limit: dict[str, Any]) -> dict:
     prompt tokens it computed against the limit's."""
     out = {k: v for k, v in row.items() if k != "texts"}
     computed = row["prompt_tokens"] - row["cached_tokens"]
+    if "front_cpu" in row:
+        out.update(front_cpu_per_1k_tokens=1000 * row["front_cpu"] / max(1, row["tokens"]),
+                   front_cpu_per_request=row["front_cpu"] / max(1, row["requests"]))
     out.update(tok_s=row["tokens"] / row["seconds"],
                prompt_tok_s=row["prompt_tokens"] / row["seconds"],
                cache_hit_rate=row["cached_tokens"] / row["prompt_tokens"]
@@ -523,6 +672,7 @@ def print_table(f: dict[str, Any]) -> None:
         if "c/e" in r:
             print(f"  compiled / eager batchweb: e {r['e_seconds']:.1f} s; c/e {r['c/e']:.3f}; "
                   f"identical c=e {r['identical_ce']}; load after e {r['e_load']:.1f}")
+    print_front_cpu(f)
     if "c/b_phase_median" in f:
         print(f"c/b against the batch phase, median of {len(f['rounds'])} rounds: "
               f"{f['c/b_phase_median']:.3f}")
@@ -541,6 +691,39 @@ def print_table(f: dict[str, Any]) -> None:
               f"{plan.get('hits_file_order', 0):.0%}, grouped {plan.get('hits_grouped', 0):.0%}"
               f" (for a cache of {plan.get('cache_tokens', '?')} tokens)"
               f"{': ' + plan['reason'] if plan.get('reason') else ''}")
+
+
+def print_front_cpu(f: dict[str, Any]) -> None:
+    """Each path's CPU outside its engine core, per 1,000 output tokens and per request
+    (what its front end would cost beside a faster engine), and where the worker's went."""
+    rows = {name: row for name, row in f["paths"].items() if "front_cpu" in row}
+    if not rows:
+        return
+    print("CPU outside the engine core (engine core: the processes titled VLLM::*; (a) "
+          "this process during LLM.chat, (b) run_batch's batch phase, (c) worker, web "
+          "server and Redis from upload to download):")
+    print(f"{'path':<18} {'cpu s':>7} {'per 1k out tok':>14} {'per request':>11} "
+          f"{'engine core s':>13}  parts")
+    for name, row in rows.items():
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in row.get("front_parts", {}).items())
+        print(f"{name:<18} {row['front_cpu']:>7.2f} {row['front_cpu_per_1k_tokens']:>14.3f} "
+              f"{row['front_cpu_per_request']:>11.4f} {row['engine_cpu']:>13.1f}  {parts}")
+    b, c = rows.get(PATHS["b"]), rows.get(PATHS["c"])
+    if b and c:
+        ratio = c["front_cpu_per_1k_tokens"] / max(1e-9, b["front_cpu_per_1k_tokens"])
+        print(f"batchweb / run_batch, CPU outside the engine core per 1k output tokens: "
+              f"{ratio:.2f}x (target <= 1: {'met' if ratio <= 1 else 'NOT MET'})")
+    rounds = [r for r in f.get("rounds", ()) if "c_front_cpu_per_1k" in r
+              and "b_front_cpu_per_1k" in r]
+    if len(rounds) > 1:
+        print("  per round, b / c per 1k output tokens: " + "; ".join(
+            f"{r['b_front_cpu_per_1k']:.3f} / {r['c_front_cpu_per_1k']:.3f}" for r in rounds))
+    profile = (c or {}).get("profile")
+    if profile:
+        print(f"worker front end sampled ({profile['samples']} samples, {profile['file']}):")
+        for title in ("threads", "self", "inclusive"):
+            print(f"  by {title}: " + "; ".join(f"{share:.1%} {name}"
+                                                for name, share in profile[title][:10]))
 
 
 def run_all(args: argparse.Namespace) -> None:
@@ -611,6 +794,10 @@ def main() -> None:
     parser.add_argument("--eager-too", action="store_true",
                         help="with --no-eager: also run (e) batchweb eager each round, for "
                              "compiled / eager (c/e) and their outputs compared")
+    parser.add_argument("--profile-worker", type=Path, default=None, metavar="DIR",
+                        help="sample (c)'s worker front end with py-spy in the first round "
+                             "(DIR/worker.txt, collapsed stacks) and report where its CPU "
+                             "went")
     parser.add_argument("--batchweb-first", action="store_true",
                         help="run (c) batchweb before (b) run_batch")
     parser.add_argument("--rounds", type=int, default=1,

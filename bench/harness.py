@@ -13,6 +13,7 @@ settings, its database) run in a child process as `python -m bench.harness COMMA
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -92,17 +93,18 @@ def private_s3(stack: ExitStack, scratch: Path) -> dict[str, str]:
 
 
 @contextmanager
-def private_redis(scratch: Path, *, reuse: bool = False) -> Iterator[None]:
+def private_redis(scratch: Path, *, reuse: bool = False) -> Iterator[int | None]:
     """A private Redis (batchweb.embedded) for the scratch deployment, exported as REDIS_URL to this
     process and the children started meanwhile. Private by default, so that no other worker
-    takes the benchmark's jobs; with `reuse`, a REDIS_URL already set is used instead."""
+    takes the benchmark's jobs; with `reuse`, a REDIS_URL already set is used instead.
+    Yields the pid of the Redis it started (None when it reused one)."""
     from batchweb.embedded import ensure_redis
 
     if not reuse:
         os.environ.pop("REDIS_URL", None)
     server = ensure_redis(scratch / "redis")
     try:
-        yield
+        yield server.process.pid if server is not None and server.process else None
     finally:
         if server is not None:
             server.stop()
@@ -233,6 +235,71 @@ def cpu_seconds(pid: int) -> float:
             continue
         total += times.user + times.system
     return total
+
+
+# How vLLM's engine processes name themselves (setproctitle, vllm.utils.system_utils):
+# "VLLM::EngineCore" (or "VLLM::EngineCore_DP0"), and with tensor parallelism its
+# workers "VLLM::Worker_TP0"...; the prefix is VLLM_PROCESS_NAME_PREFIX's default.
+ENGINE_TITLE = "VLLM::"
+
+
+def is_engine_process(proc: Any) -> bool:
+    """Whether a psutil Process is one of vLLM's engine processes: its title (the cmdline
+    setproctitle writes, and the name, which it sets too) begins with "VLLM::"."""
+    import psutil
+
+    try:
+        cmdline = proc.cmdline()
+        return (proc.name().startswith(ENGINE_TITLE)
+                or bool(cmdline) and cmdline[0].startswith(ENGINE_TITLE))
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def process_tree(*pids: int | None) -> list[tuple[Any, bool]]:
+    """The processes of the trees rooted at PIDS (psutil Processes), each with whether it is
+    one of vLLM's engine processes or below one (`is_engine_process`)."""
+    import psutil
+
+    out: list[tuple[Any, bool]] = []
+    stack: list[tuple[Any, bool]] = []
+    for pid in pids:
+        if pid is not None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                stack.append((psutil.Process(pid), False))
+    while stack:
+        proc, engine = stack.pop()
+        engine = engine or is_engine_process(proc)
+        try:
+            children = proc.children()
+        except psutil.NoSuchProcess:
+            continue
+        out.append((proc, engine))
+        stack.extend((child, engine) for child in children)
+    return out
+
+
+def tree_cpu(tree: list[tuple[Any, bool]]) -> dict[str, float]:
+    """CPU seconds (user + system) so far of a `process_tree`, split in two: "engine",
+    vLLM's engine processes (the engine core a front end spawns, and everything below it),
+    and "front", every other process (the front end that tokenizes, detokenizes and writes
+    the results; the web server; Redis). A process that exited counts nothing: measure
+    while the trees run."""
+    import psutil
+
+    out = {"front": 0.0, "engine": 0.0}
+    for proc, engine in tree:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        out["engine" if engine else "front"] += times.user + times.system
+    return out
+
+
+def cpu_split(*pids: int | None) -> dict[str, float]:
+    """`tree_cpu` of the process trees rooted at PIDS as they are now."""
+    return tree_cpu(process_tree(*pids))
 
 
 def peak_rss_mb(pid: int) -> float:
