@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from django.core.handlers.wsgi import WSGIHandler
@@ -65,3 +68,13 @@ def test_requests_carry_none_of_the_servers_environment(monkeypatch, user, api_k
               environ={"DATABASE_URL": os.environ["DATABASE_URL"]})
     assert "DATABASE_URL" not in seen[0] and seen[0]["HTTP_X_CUSTOM"] == "kept"
     assert seen[0]["PATH_INFO"] == "/v1/models"
+
+
+@pytest.mark.processes
+def test_the_routes_are_loaded_before_the_first_request() -> None:
+    # A fresh interpreter: in this one, earlier tests have resolved URLs already.
+    code = ("import sys, batchweb.wsgi; "
+            "print(all(m in sys.modules for m in ('batchweb.urls', 'jobs.api.batches')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2],
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "True", done.stderr[-2000:]
