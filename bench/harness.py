@@ -297,6 +297,17 @@ def tree_cpu(tree: list[tuple[Any, bool]]) -> dict[str, float]:
     return out
 
 
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) so far of each thread of a process, by its native id
+    (what py-spy names a thread by); {} once it has exited."""
+    import psutil
+
+    try:
+        return {t.id: t.user_time + t.system_time for t in psutil.Process(pid).threads()}
+    except psutil.NoSuchProcess:
+        return {}
+
+
 def cpu_split(*pids: int | None) -> dict[str, float]:
     """`tree_cpu` of the process trees rooted at PIDS as they are now."""
     return tree_cpu(process_tree(*pids))
@@ -506,8 +517,17 @@ def _plan(batch_id: str) -> dict[str, Any]:
     return Batch.objects.get(pk=batch_id).plan
 
 
+def _completed_at(batch_id: str) -> float:
+    """When BATCH_ID completed (its row's completed_at, as a Unix time)."""
+    from jobs.models import Batch
+
+    ended = Batch.objects.get(pk=batch_id).completed_at
+    assert ended is not None, f"{batch_id} has not completed"
+    return ended.timestamp()
+
+
 COMMANDS = {"user": _user, "keys": _keys, "more_keys": _more_keys, "models": _models,
-            "history": _history, "plan": _plan}
+            "history": _history, "plan": _plan, "completed_at": _completed_at}
 
 
 def main() -> None:
