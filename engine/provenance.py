@@ -23,8 +23,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchweb import release
-
 log = logging.getLogger(__name__)
 
 # The cache of a folder's content hash, inside the folder (a rebuilt folder drops it with
@@ -95,7 +93,6 @@ class Provenance:
     # greedy float32 outputs, other speed); empty for an engine without the choice.
     engine_mode: str = ""
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
-    batchweb_version: str = field(default_factory=release.version)
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)

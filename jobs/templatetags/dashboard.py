@@ -18,8 +18,8 @@ from django import template
 from django.utils.html import escape, format_html
 from django.utils.safestring import SafeString, mark_safe
 
-from batchweb import release
 from engine.endpoints import show_request, show_response
+from jobs.lib import release
 from jobs.lib.scale import Axis, axis
 
 register = template.Library()

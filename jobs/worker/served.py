@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 from engine.provenance import serving_key
+from jobs.lib import release
 from jobs.models import Shard
 from jobs.worker.adapters import AdapterFolders
 from jobs.worker.db import ShardStore
@@ -34,7 +35,9 @@ class Served:
     def record(self) -> dict[str, Any]:
         with self._lock:
             if self._record is None:
-                self._record = self.engine.provenance()
+                # The engine's record, and the release of batchweb that ran it.
+                self._record = {**self.engine.provenance(),
+                                "batchweb_version": release.version()}
             return self._record
 
     def claimed(self, shard: Shard) -> None:

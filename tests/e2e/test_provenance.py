@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 
-from batchweb import release
 from engine.provenance import HASH_CACHE, content_hash
+from jobs.lib import release
 from jobs.models import Batch
 from tests.e2e.test_engine import CHAT_MODEL, ENGINE_ENV, chat
 from tests.factories import jsonl, wait_for

@@ -1,4 +1,4 @@
-"""One version, in pyproject.toml, read in one place (batchweb.release) and shown where an
+"""One version, in pyproject.toml, read in one place (jobs.lib.release) and shown where an
 operator looks: the dashboard's footer, `manage.py batchwebversion`, each engine's
 provenance; the CHANGELOG starts with it, and the previous release is a commit of this
 repository's history with a lower version."""
@@ -15,8 +15,7 @@ import pytest
 from django.urls import reverse
 from packaging.version import Version
 
-from batchweb import release
-from engine.provenance import Provenance
+from jobs.lib import release
 from tests.factories import ROOT
 from tests.upgrade.releases import previous_release, pyproject_of
 
@@ -36,10 +35,17 @@ def test_manage_py_batchwebversion_prints_it() -> None:
     assert done.stdout.strip() == pyproject_version()
 
 
-def test_provenance_carries_it() -> None:
-    made = Provenance(model="m", model_source="s", model_sha256="0" * 64, engine="echo",
-                      engine_version="1", dtype="float32")
-    assert made.as_json()["batchweb_version"] == pyproject_version()
+def test_the_worker_records_it_beside_the_engines_record(tmp_path) -> None:
+    """The engine's record says what ran the model; the worker adds the release that ran
+    the engine (the engine knows nothing of batchweb)."""
+    from engine.base import ModelSpec
+    from engine.echo import EchoEngine
+    from jobs.worker.served import Served
+
+    engine = EchoEngine(ModelSpec(name="echo-test", backend="echo"))
+    assert "batchweb_version" not in engine.provenance()
+    served = Served(engine=engine, store=None, adapters=None)  # type: ignore[arg-type]
+    assert served.record()["batchweb_version"] == pyproject_version()
 
 
 def test_the_footer_shows_it_to_a_signed_in_user_only(site) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from engine.base import ModelSpec
 from engine.echo import EchoEngine
+from jobs.lib import release
 from jobs.models import Batch, Shard
 from jobs.worker.pipeline import Pipeline
 from jobs.worker.served import Served
@@ -31,7 +32,9 @@ def served_of(pipeline: Pipeline) -> Served:
 def test_the_engines_record_is_read_once(pipeline):
     served = served_of(pipeline)
     record = served.record()
-    assert record == pipeline.state.engine.provenance() and record["engine"] == "echo"
+    # The engine's record, and the release that ran it (added by the worker).
+    assert record == {**pipeline.state.engine.provenance(),
+                      "batchweb_version": release.version()} and record["engine"] == "echo"
     assert served.record() is record
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand
 
-from batchweb import release
+from jobs.lib import release
 
 
 class Command(BaseCommand):
