@@ -1,8 +1,7 @@
-"""/v1/batches and /v1/models"""
+"""/v1/batches"""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from django.db.models import QuerySet, TextField
@@ -13,10 +12,9 @@ from django.http.response import HttpResponseBase
 from django.utils.cache import get_conditional_response, patch_cache_control, set_response_etag
 
 from jobs.api.base import api_view, json_body, paginate, parse_limit
-from jobs.engines import model_names
 from jobs.http.web import LIST_LIMIT, LIST_MAX_LIMIT, REMEMBER_SECONDS, remember
 from jobs.lib.errors import ServiceError
-from jobs.models import Batch, LoraAdapter
+from jobs.models import Batch
 from jobs.queries import results as result_pages
 from jobs.services import batches, rerun, stopping
 
@@ -133,20 +131,8 @@ def rerun_batch(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
     return JsonResponse(shown(batches.get_batch_for_user(owner=user, batch_id=new.pk)))
 
 
-def list_models(request: HttpRequest, user: Any) -> HttpResponse:
-    created = int(time.time())
-    # LoRA adapters are models a request can name too; `parent` (vLLM's field) says which
-    # model they run on.
-    return JsonResponse({"object": "list", "data": [
-        {"id": name, "object": "model", "created": created, "owned_by": "batchweb"}
-        for name in model_names()] + [
-        {"id": name, "object": "model", "created": created, "owned_by": "batchweb",
-         "parent": base} for name, base in sorted(LoraAdapter.objects.usable().items())]})
-
-
 batch_list = api_view({"GET": list_batches, "POST": create})
 batch_detail = api_view({"GET": retrieve})
 batch_cancel = api_view({"POST": cancel})
 batch_results = api_view({"GET": results})
 batch_rerun = api_view({"POST": rerun_batch})
-models = api_view({"GET": list_models})

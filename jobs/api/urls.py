@@ -1,6 +1,6 @@
 from django.urls import path
 
-from jobs.api import batches, eval_sets, files, message_batches, uploads, usage
+from jobs.api import batches, eval_sets, files, message_batches, models, uploads, usage
 from jobs.http import poll_rows
 from jobs.http.web import polled
 
@@ -18,7 +18,7 @@ urlpatterns = [
     path("batches/<str:batch_id>/cancel", batches.batch_cancel),
     path("batches/<str:batch_id>/results", batches.batch_results),
     path("batches/<str:batch_id>/rerun", batches.batch_rerun),
-    path("models", batches.models),
+    path("models", models.models),
     # OpenAI's Usage and Costs API, over the usage ledger.
     path("organization/usage/completions", usage.usage_completions),
     path("organization/usage/embeddings", usage.usage_embeddings),
