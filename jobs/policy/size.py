@@ -23,7 +23,6 @@ class PromptSizeRules:
     def __init__(self, rules: list[Any]) -> None:
         self.rules = [r for r in rules if r.kind == "max_prompt_tokens" and r.max_tokens]
         self.floor = min((r.max_tokens for r in self.rules), default=0)
-        self.counters: dict[str, PromptCounter | None] = {}
         self.counter: PromptCounter | None = None  # the batch model's (`count_for`)
 
     def count_for(self, model: Any) -> bool:
@@ -72,9 +71,7 @@ class PromptSizeRules:
         refuses its lines anyway)."""
         if not isinstance(model, str):
             return None
-        if model not in self.counters:
-            from jobs.engines import model_spec
-            from jobs.prompts import counter_for
+        from jobs.engines import model_spec
+        from jobs.prompts import counter_for
 
-            self.counters[model] = counter_for(model_spec(model))
-        return self.counters[model]
+        return counter_for(model_spec(model))
