@@ -384,7 +384,7 @@ BATCHWEB: dict[str, Any] = {
     "MODEL_SWITCH_SECONDS": env_float("BATCHWEB_MODEL_SWITCH_SECONDS", 60.0),
     "HEARTBEAT_TIMEOUT_SECONDS": env_int("BATCHWEB_HEARTBEAT_TIMEOUT_SECONDS", 30),
     "RECONCILE_SECONDS": env_int("BATCHWEB_RECONCILE_SECONDS", 15),
-    # The capacity plan (jobs.capacity, docs/operations.md): the share of a
+    # The capacity plan (jobs.capacity.plan, docs/operations.md): the share of a
     # batch's time left that it aims to leave unused (its margin for late workers and
     # estimates), and a worker's output tokens per second assumed for a model of which
     # neither the ledger nor a live worker says anything yet.
@@ -436,7 +436,7 @@ BATCHWEB: dict[str, Any] = {
 # tensor_parallel_size, max_model_len, max_num_seqs, enforce_eager, ...) and source.
 MODELS_DIR = Path(os.environ.get("BATCHWEB_MODELS_DIR", VAR_DIR / "models"))
 _CPU_OPTIONS = {
-    # Empty: the model registry (jobs.engines) picks bf16 only where the CPU has native
+    # Empty: the model registry (jobs.lib.model_registry) picks bf16 only where the CPU has native
     # bf16 (elsewhere it falls back to slow kernels), float32 otherwise.
     "dtype": os.environ.get("BATCHWEB_DTYPE", ""),
     # Eager or compiled (engine/compile_cache.py): auto runs eager on a model's first start
@@ -466,7 +466,7 @@ DEFAULT_MODELS = [
     for entry in json.loads((BASE_DIR / "engine" / "catalog.json").read_text())
 ]
 # The test-only echo engine: no "endpoints", so it serves every registered endpoint
-# (jobs.engines), each answering with its own `echo`.
+# (jobs.lib.model_registry), each answering with its own `echo`.
 ECHO_MODEL = {
     "name": "echo-test",
     "backend": "echo",

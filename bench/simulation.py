@@ -1,5 +1,5 @@
 """Benchmark: a day of batches on a fleet that follows `batchweb_workers_needed`, with the
-capacity plan's deadline order and without it (jobs/capacity.py, jobs/services/deadlines.py,
+capacity plan's deadline order and without it (jobs/capacity/plan.py, jobs/services/deadlines.py,
 docs/operations.md "Capacity and deadlines").
 
 Everything that decides is real: the API, validation, the scheduler, the reconciler's pass
@@ -155,7 +155,7 @@ def offline_fewest(plan: list[Planned], speed: float, tick: float = 0.05
         for deadline, remaining in left:  # earliest deadline first
             work += remaining
             room = deadline - now
-            if room > 1e-9:  # one due now is past helping (as jobs.capacity counts it)
+            if room > 1e-9:  # one due now is past helping (as jobs.capacity.plan counts it)
                 need = max(need, math.ceil(work / (speed * room) - 1e-9))
         return need
 

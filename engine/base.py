@@ -52,7 +52,7 @@ class EngineRequest:
     # 128 characters, none of '@', '/', '\\' or NUL (vLLM's rule); empty: no salt.
     cache_salt: str = ""
     # Requests with the same nonzero `prefix` (and salt) share a long prompt prefix (a
-    # group of a grouped shard, jobs.prefix_keys): the engine has the first one compute it
+    # group of a grouped shard, jobs.formats.prefix_keys): the engine has the first one compute it
     # before the others start, so they all find it in its prefix cache.
     prefix: int = 0
     # The most output tokens of one answer when the body names no limit: what the budget

@@ -106,7 +106,7 @@ def set_env_defaults() -> None:
 # vLLM fetches media URLs from any host when its allow-list (`allowed_media_domains`) is
 # empty. An engine given none gets this one, under .invalid (RFC 2606): no URL it names
 # resolves, so every http(s) media URL is refused; validation refuses them first, this
-# holds for a field validation missed. jobs/engines.py passes the operator's
+# holds for a field validation missed. jobs/lib/model_registry.py passes the operator's
 # BATCHWEB_MEDIA_ALLOWED_DOMAINS.
 NO_MEDIA_HOSTS = ("media-urls-not-allowed.invalid",)
 

@@ -12,9 +12,6 @@ class JobsConfig(AppConfig):
         from jobs.storage.temp import temp_dir
 
         temp_dir()
-        # Deleting an eval set or run removes what it stored (jobs/signals.py).
-        from jobs import signals  # noqa: F401
-
         # A wrong S3 endpoint, bucket or credentials stops every process at start, naming
         # the setting (a filesystem storage checks nothing here).
         check_at_start()

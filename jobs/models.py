@@ -5,19 +5,22 @@ Workflows live in `jobs/services/`; nothing here changes state beyond a single s
 
 from __future__ import annotations
 
+import math
 import secrets
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import models
+from django.core.files.storage import default_storage
+from django.db import models, transaction
 from django.db.models.functions import Coalesce
+from django.db.models.signals import post_delete
+from django.dispatch import receiver
 from django.utils import timezone
 
-from jobs import projection
-from jobs.engines import adapter_problem, model_specs, serves_adapters
+from jobs.lib.model_registry import adapter_problem, model_specs, serves_adapters
 from jobs.lib.re2check import regex_problem
-from jobs.projection import Projection
 from jobs.storage.external import grant_problem
 
 PROGRESS_FIELDS = ("completed", "failed", "input_tokens", "output_tokens", "cached_tokens",
@@ -246,6 +249,114 @@ class BatchQuerySet(models.QuerySet["Batch"]):
                            stop_code="")
 
 
+# A running batch's projected end as it is read: what the capacity plan (jobs.capacity.plan)
+# last wrote on its row, brought up to the moment of reading. The one rule that both API faces'
+# batch objects, the batch page and list, and queue health ask. docs/operations.md,
+# "Capacity and deadlines".
+#
+# On the reconciler's pass the plan writes on the row when it expects the batch to end
+# (`expected_completion_at`), when it planned that (`planned_at`), whether that is past the
+# batch's target (`at_risk`), and what the batch waits for (`waits_for`), "" once a worker
+# runs its model:
+# - WORKER: no live worker serves its model. The capacity signal
+#   (`batchweb_workers_needed`, 1 at least while anything of the model waits) asks for one;
+#   the end counts that worker's cold start, then the batch's work on it.
+# - START: none serves it yet, but one is loading its engine: the end counts what is left
+#   of its cold start.
+# Nothing of a waiting batch runs, so the time since the plan adds to its end: read later
+# (the next pass has not come, or no process runs the reconciler any more), the end has moved
+# on by as long, and once it passes the batch's target the batch is at risk. A batch that
+# runs is projected where the plan put it, but never before the moment of reading: one the
+# plan expected to have ended by now is due now, until the next pass says when.
+#
+# Here, beside the row it reads; the plan uses it too (a batch's target included).
+
+# What a waiting batch waits for (Batch.waits_for), in words for its pages: at length, the
+# few words after its ETA, and its label in a list.
+WAITS_FOR_WORKER = "worker"
+WAITS_FOR_START = "start"
+WAITS = {WAITS_FOR_WORKER: "counting the start of a worker, which is asked for (none of its "
+                           "model runs now)",
+         WAITS_FOR_START: "counting what is left of the start of a worker of its model, "
+                          "loading now"}
+CONDITIONS = {WAITS_FOR_WORKER: "if a worker starts now",
+              WAITS_FOR_START: "as a worker starts"}
+LABELS = {WAITS_FOR_WORKER: "waits for a worker", WAITS_FOR_START: "a worker is starting"}
+
+
+def target_seconds(expires_at: datetime | None, now: datetime) -> float:
+    """Seconds from now to a batch's target: its window's end less BATCHWEB_CAPACITY_MARGIN
+    of the time left (infinite without a window)."""
+    if expires_at is None:
+        return math.inf
+    left = (expires_at - now).total_seconds()
+    return left * (1 - float(settings.BATCHWEB["CAPACITY_MARGIN"]))
+
+
+@dataclass(frozen=True)
+class Projection:
+    """When a batch is expected to end (None: it ended, is not running, or has no plan
+    yet), what it waits for ("" once it runs) and whether the end is past its target."""
+
+    end: datetime | None = None
+    waits_for: str = ""
+    at_risk: bool = False
+    # How long this reading stays true (seconds): an answer showing it may be replayed
+    # (the poll memo) that long, and no longer.
+    fresh_for: float = math.inf
+
+    def seconds_left(self, now: datetime) -> float | None:
+        return None if self.end is None else max(0.0, (self.end - now).total_seconds())
+
+    @property
+    def epoch(self) -> int | None:
+        """The end in whole seconds, rounded up: never a second before it."""
+        return None if self.end is None else math.ceil(self.end.timestamp())
+
+    def fields(self) -> dict[str, object]:
+        """As both API faces' batch objects show it."""
+        return {"expected_completion_at": self.epoch, "waits_for": self.waits_for or None,
+                "at_risk": self.at_risk}
+
+    @property
+    def waiting(self) -> str:
+        """What it waits for, in words ("" when it runs)."""
+        return WAITS.get(self.waits_for, self.waits_for)
+
+    @property
+    def condition(self) -> str:
+        """What its ETA counts on, in a few words ("" when it runs)."""
+        return CONDITIONS.get(self.waits_for, "")
+
+    @property
+    def label(self) -> str:
+        return LABELS.get(self.waits_for, self.waits_for)
+
+
+def read_projection(*, running: bool, end: datetime | None, planned_at: datetime | None,
+         waits_for: str, at_risk: bool, expires_at: datetime | None,
+         now: datetime) -> Projection:
+    """The projection of a batch whose row says this, read at `now` (`running`: in
+    progress and not being stopped)."""
+    if not running or end is None:
+        return Projection()
+    target = now + timedelta(seconds=target_seconds(expires_at, now)) if expires_at else None
+    if waits_for:
+        waited = max(timedelta(0), now - (planned_at or now))
+        end = end + waited
+        # Its end moves on with the clock: an answer showing it stays true until that end
+        # comes, or, while not at risk, until it passes the target.
+        fresh = (end - now).total_seconds()
+        if target is not None and not at_risk and end <= target:
+            fresh = min(fresh, (target - end).total_seconds())
+    else:
+        fresh = (end - now).total_seconds()
+    end = max(end, now)
+    at_risk = at_risk or (target is not None and end > target)
+    return Projection(end=end, waits_for=waits_for, at_risk=at_risk,
+                      fresh_for=max(0.0, fresh))
+
+
 class Batch(models.Model):
     class Status(models.TextChoices):
         VALIDATING = "validating"
@@ -342,7 +453,7 @@ class Batch(models.Model):
     # The work its requests are (validation's count of the prompts' tokens, ~4 characters
     # a token, and the sum of the output limits they run with), which the capacity plan
     # prices in engine seconds by what the model's requests really took
-    # (jobs.capacity); and what the plan last said of it: when it is expected
+    # (jobs.capacity.plan); and what the plan last said of it: when it is expected
     # to end, whether that is past its window, and whether its shards go first in line.
     work_input_tokens = models.BigIntegerField(default=0)
     work_output_tokens = models.BigIntegerField(default=0)
@@ -517,9 +628,9 @@ class Batch(models.Model):
                 **self.projection().fields()}
 
     def projection(self, now: datetime | None = None) -> Projection:
-        """Its projected end as read now (jobs.projection): never a moment already past
+        """Its projected end as read now (Batch.projection): never a moment already past
         while it waits or runs."""
-        return projection.read(
+        return read_projection(
             running=self.status == Batch.Status.IN_PROGRESS and not self.stop_code,
             end=self.expected_completion_at, planned_at=self.planned_at,
             waits_for=self.waits_for, at_risk=self.at_risk, expires_at=self.expires_at,
@@ -608,7 +719,7 @@ class Shard(models.Model):
     # Storage names of this shard's results, set only when an attempt finishes whole.
     output_part = models.CharField(max_length=255, blank=True)
     error_part = models.CharField(max_length=255, blank=True)
-    # Quality flags of this shard's outputs (jobs.quality): a part of {"custom_id", "flags"}
+    # Quality flags of this shard's outputs (jobs.policy.quality): a part of {"custom_id", "flags"}
     # lines, and the count of each flag.
     flags_part = models.CharField(max_length=255, blank=True)
     flag_counts = models.JSONField(default=dict, blank=True)
@@ -1262,3 +1373,23 @@ class EvalRun(models.Model):
         """Who may make a run its set's baseline: an operator, or the set's owner."""
         return bool(user.is_staff or (self.eval_set.owner_id
                                       and self.eval_set.owner_id == user.pk))
+
+
+# An eval set's JSONL and an eval run's scored results go with their rows, whoever deletes
+# them (the API, the dashboard, the admin, or a user's deletion cascading to what they
+# own): removed from storage once the deletion commits. Cleanup's orphan sweep does not list
+# their folders (`evalsets/`, `evals/`), so nothing else would.
+def _remove_after_commit(name: str, using: str) -> None:
+    if name:
+        # robust: a storage error is logged by Django and never undoes the deletion.
+        transaction.on_commit(lambda: default_storage.delete(name), using=using, robust=True)
+
+
+@receiver(post_delete, sender=EvalSet, dispatch_uid="batchweb-eval-set-file")
+def eval_set_deleted(sender: Any, instance: EvalSet, using: str, **kwargs: Any) -> None:
+    _remove_after_commit(instance.storage_name, using)
+
+
+@receiver(post_delete, sender=EvalRun, dispatch_uid="batchweb-eval-run-results")
+def eval_run_deleted(sender: Any, instance: EvalRun, using: str, **kwargs: Any) -> None:
+    _remove_after_commit(instance.results_name, using)

@@ -293,7 +293,7 @@ class Endpoint:
     # A pooling model's endpoint: no output tokens and no sampling (the same request gets
     # the same answer), no generated text to check, retry or prefix-group.
     pooling = False
-    # Whether validation groups its requests by prompt prefix (jobs/prefix_keys.py).
+    # Whether validation groups its requests by prompt prefix (jobs/formats/prefix_keys.py).
     prefix_grouped = False
     # The body field an engine cannot answer without.
     prompt_field: str

@@ -86,7 +86,7 @@ def retrieve(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
     patch_cache_control(response, private=True, no_cache=True)
     answer = get_conditional_response(request, etag=response["ETag"], response=response)
     # Replayed, while the batch row is unchanged, to this client's next polls (batchweb.polls),
-    # until its projected end would be past or its at-risk flag due (jobs.projection).
+    # until its projected end would be past or its at-risk flag due (Batch.projection).
     remember(answer or response, seconds=batch.projection().fresh_for)
     return answer or response
 

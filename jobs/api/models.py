@@ -8,7 +8,7 @@ from typing import Any
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
 from jobs.api.base import api_view
-from jobs.engines import model_names
+from jobs.lib.model_registry import model_names
 from jobs.models import LoraAdapter
 
 

@@ -95,9 +95,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from engine.remote_limits import REASONS
-from jobs import capacity
-from jobs.engines import model_names
+from jobs.capacity.plan import live_workers
 from jobs.lib import queues
+from jobs.lib.model_registry import model_names
 from jobs.models import Batch, Shard, UsageDay, WebhookEvent
 from jobs.queries.queue_health import Health, queue_health, shard_counts_by_model
 
@@ -335,7 +335,7 @@ def remote_metrics(health: Health) -> Iterator[Metric]:
 
 
 def capacity_metrics(health: Health) -> Iterator[Metric]:
-    """The capacity plan (jobs.capacity): what an autoscaler scales on."""
+    """The capacity plan (jobs.capacity.plan): what an autoscaler scales on."""
     needed = GaugeMetricFamily(
         "batchweb_workers_needed", "The fewest workers of a model that finish every running "
         "batch inside its window (less the capacity margin); 0 when none is left to run.",
@@ -351,7 +351,7 @@ def capacity_metrics(health: Health) -> Iterator[Metric]:
         plan = planned.get(model)
         needed.add_metric([model], plan.workers_needed if plan else 0)
         at_risk.add_metric([model], sum(p.at_risk for p in plan.batches) if plan else 0)
-        for worker in plan.workers if plan else capacity.live_workers(model):
+        for worker in plan.workers if plan else live_workers(model):
             rates.add_metric([model, worker.name, "prompt"], worker.prompt_tokens_per_second)
             rates.add_metric([model, worker.name, "output"], worker.output_tokens_per_second)
     yield from (needed, at_risk, rates)

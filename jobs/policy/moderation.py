@@ -20,7 +20,7 @@ def moderation_engine(model: str) -> Engine:
     """The embeddings engine for a moderation rule, loaded once per process."""
     if model not in _ENGINES:
         from engine import load_engine
-        from jobs.engines import model_spec
+        from jobs.lib.model_registry import model_spec
 
         spec = model_spec(model)
         if spec is None or EMBEDDINGS not in spec.endpoints:

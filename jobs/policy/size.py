@@ -66,12 +66,12 @@ class PromptSizeRules:
         return list(range(len(chunk)))  # each line bounded again, or counted (over)
 
     def _counter(self, model: Any) -> PromptCounter | None:
-        """The model's prompt token counter (`jobs.prompts.counter_for`, loaded once a
+        """The model's prompt token counter (`jobs.formats.prompts.counter_for`, loaded once a
         process); None for a model without a tokenizer (or not served here: validation
         refuses its lines anyway)."""
         if not isinstance(model, str):
             return None
-        from jobs.engines import model_spec
-        from jobs.prompts import counter_for
+        from jobs.formats.prompts import counter_for
+        from jobs.lib.model_registry import model_spec
 
         return counter_for(model_spec(model))

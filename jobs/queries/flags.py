@@ -23,7 +23,7 @@ from jobs.formats.result_lines import (
 )
 from jobs.lib.compiled import Compiled
 from jobs.models import Batch, File, Shard
-from jobs.quality import FLAG_LABELS, FLAGS
+from jobs.policy.quality import FLAG_LABELS, FLAGS
 from jobs.queries.results import PAGE_SIZE, PREVIEW_LINE_BYTES, parse_cursor
 from jobs.storage.objects import open_range
 

@@ -10,7 +10,7 @@ died shows as a host whose every worker is lost, with the shards it still holds.
 A worker is *busy* while it holds a running shard, whatever RQ says: RQ's job only claims
 a shard and hands it to the engine pipeline, which runs it on after the job has returned
 (RQ then calls the worker idle, with no current job). Its current job is then the oldest
-shard it holds. Its tokens per second are what its presence thread reports (jobs.fleet)."""
+shard it holds. Its tokens per second are what its presence thread reports (jobs.capacity.fleet)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ from django.utils import timezone
 from rq import Worker
 
 from engine.remote_limits import DEFAULT_CEILING, ServerState, server_state
-from jobs.capacity import ModelPlan, plans
-from jobs.engines import model_names, model_spec, model_specs
-from jobs.fleet import WorkerRate, standby_models, worker_rates
+from jobs.capacity.fleet import WorkerRate, standby_models, worker_rates
+from jobs.capacity.plan import ModelPlan, plans
 from jobs.lib import queues
+from jobs.lib.model_registry import model_names, model_spec, model_specs
 from jobs.models import Shard
 
 

@@ -11,7 +11,7 @@ exceeds what is left. The check and the new batch's row are one transaction that
 lock on the owner's row, so two creates of one owner cannot both take the same room.
 
 The ceiling is the most a batch could cost: for each request, a bound of the prompt tokens
-the engine will count (`jobs.prompts.prompt_bound`: rendered by the model's own tokenizer
+the engine will count (`jobs.formats.prompts.prompt_bound`: rendered by the model's own tokenizer
 and chat template, tools, tool calls and results included, where this host has them; else
 one token per UTF-8 byte of everything the template renders) and its output limit (the
 one it names, else the one it is sent to the engine with: the model's context less the

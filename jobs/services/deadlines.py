@@ -1,6 +1,6 @@
-"""The capacity plan's writes (the plan itself is jobs.capacity): on the reconciler's pass,
+"""The capacity plan's writes (the plan itself is jobs.capacity.plan): on the reconciler's pass,
 each running batch's expected end (with when it was planned and what the batch waits for,
-which jobs.projection reads it by), whether it is at risk and whether its shards go first
+which Batch.projection reads it by), whether it is at risk and whether its shards go first
 in line are written on its row; a batch whose shards become urgent has those already
 waiting moved to the front of its queue, and a batch newly at risk gets its owner's
 webhook event, once. docs/operations.md, "Capacity and deadlines"."""
@@ -15,9 +15,9 @@ from django.db.models import F
 from django.utils import timezone
 
 from engine.remote_limits import set_floor, token_seconds
-from jobs.capacity import ModelPlan, Planned, plans, remote_floor
-from jobs.engines import model_specs
+from jobs.capacity.plan import ModelPlan, Planned, plans, remote_floor
 from jobs.lib import queues
+from jobs.lib.model_registry import model_specs
 from jobs.models import Batch, Shard
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ def refresh(*, now: datetime | None = None) -> int:
             finish = item.finish.replace(microsecond=0) if item.finish else None
             answered = batch.completed + batch.failed
             if batch.pace_at is None and answered:
-                # Its pace is counted from here (jobs.capacity._own_pace).
+                # Its pace is counted from here (jobs.capacity.plan._own_pace).
                 Batch.objects.filter(pk=batch.pk, pace_at__isnull=True).update(
                     pace_at=now, pace_answered=answered)
             if (finish, item.at_risk, item.urgent, item.waits_for) == (
@@ -70,7 +70,7 @@ def refresh(*, now: datetime | None = None) -> int:
 
 def _waits_as_long(item: Planned, finish: datetime | None, now: datetime) -> bool:
     """Whether a waiting batch still waits as the row says, as long: its end moves on with
-    the clock as it is read (jobs.projection), so its row, and every poll's answer, stays
+    the clock as it is read (Batch.projection), so its row, and every poll's answer, stays
     as it was rather than becoming a new version on every pass."""
     batch = item.batch
     if not (item.waits_for and finish and batch.expected_completion_at and batch.planned_at

@@ -45,13 +45,13 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from engine.endpoints import CHAT, EMBEDDINGS, REGISTRY, check_body
-from jobs import evalrules
+from jobs.formats.prompts import ceiling, room_for
 from jobs.formats.wire import RequestLine
 from jobs.lib import heavy, queues
 from jobs.lib.errors import ServiceError, not_found, storable_id, wrong_state
 from jobs.models import Batch, EvalRun, EvalSet, File
-from jobs.prompts import ceiling, room_for
-from jobs.quality import output_texts
+from jobs.policy import eval_rules
+from jobs.policy.quality import output_texts
 from jobs.services.budgets import Estimate, estimate, lock_owner
 from jobs.services.files import get_file_for_user, store_file
 from jobs.services.grants import check_source_readable
@@ -135,7 +135,7 @@ def _item_problem(item: Any, *, rule: str, url: str | None,
         return problem.param or "body", problem.message
     if "expected" not in item:
         return "expected", "expected is required."
-    message = evalrules.expected_problem(rule, item["expected"])
+    message = eval_rules.expected_problem(rule, item["expected"])
     return ("expected", message) if message else None
 
 
@@ -145,16 +145,16 @@ def create_eval_set(*, name: str, path: str | Path, rule: str, owner: Any = None
                     watch_models: list[str] | None = None) -> EvalSet:
     """Check a set's JSONL (a local file the caller owns: every line, streamed) and store
     it. ServiceError naming the first bad line; nothing is stored then."""
-    from jobs.engines import model_spec
+    from jobs.lib.model_registry import model_spec
 
-    if rule not in evalrules.RULES:
-        raise ServiceError(f"rule must be one of {', '.join(evalrules.RULES)}.", param="rule")
+    if rule not in eval_rules.RULES:
+        raise ServiceError(f"rule must be one of {', '.join(eval_rules.RULES)}.", param="rule")
     if not isinstance(name, str) or not name or len(name) > 100 or "\x00" in name:
         raise ServiceError("name must be 1 to 100 characters.", param="name")
     if _SET_ID.fullmatch(name):
         raise ServiceError("name must not look like a set's id (a number, or evalset_ and "
                            "a number).", param="name")
-    if rule == evalrules.EMBEDDING:
+    if rule == eval_rules.EMBEDDING:
         spec = model_spec(embedding_model)
         if spec is None or EMBEDDINGS not in spec.endpoints:
             raise ServiceError("The embedding rule needs a served embeddings model.",
@@ -283,7 +283,7 @@ def _create_own(*, owner: Any, name: Any, path: str | Path, rule: Any,
                 tolerance: Any = None, embedding_model: Any = None,
                 similarity: Any = None, drift_threshold: Any = None) -> EvalSet:
     if not isinstance(rule, str):
-        raise ServiceError(f"rule must be one of {', '.join(evalrules.RULES)}.", param="rule")
+        raise ServiceError(f"rule must be one of {', '.join(eval_rules.RULES)}.", param="rule")
     if embedding_model is not None and not isinstance(embedding_model, str):
         raise ServiceError("embedding_model must be a served embeddings model's name.",
                            param="embedding_model")
@@ -322,9 +322,9 @@ def create_eval_set_from_file(*, owner: Any, file_id: Any, **fields: Any) -> Eva
 def delete_eval_set(*, eval_set: EvalSet, user: Any) -> None:
     """Delete one of the user's own sets; its runs go with it (a batch object keeps their
     summaries), and its stored file and the runs' results are removed once the deletion
-    commits (jobs.signals, whoever deletes). Refused (409) while a batch that has not ended
-    has it attached, or a run of it is not scored yet: that run reads the set's file when
-    it starts and when it is scored."""
+    commits (jobs.models' post_delete receivers, whoever deletes). Refused (409) while a
+    batch that has not ended has it attached, or a run of it is not scored yet: that run
+    reads the set's file when it starts and when it is scored."""
     if eval_set.owner_id is None or eval_set.owner_id != user.pk:
         raise ServiceError("Only the operator deletes the operator's eval sets.",
                            status=403, code="permission_denied")
@@ -352,7 +352,7 @@ def eval_ceiling(*, eval_set: EvalSet, model: str, first_model: str | None,
     MAX_ITEMS) made under `guard` only the first time: a stored set never changes, so its
     tokens are cached by its content, the model as served and this deployment's limits;
     the price is applied to them at every call."""
-    from jobs.engines import model_spec
+    from jobs.lib.model_registry import model_spec
 
     named = first_model or model
 
@@ -552,10 +552,10 @@ def _score(run: EvalRun) -> None:
     with open_range(eval_set.storage_name, 0) as stream:
         for _, item in _lines(stream):
             items.append((item["custom_id"], item["expected"], answers.get(item["custom_id"])))
-    if eval_set.rule == evalrules.EMBEDDING:
+    if eval_set.rule == eval_rules.EMBEDDING:
         verdicts = _similar(eval_set, items)
     else:
-        verdicts = [answer is not None and evalrules.passes(
+        verdicts = [answer is not None and eval_rules.passes(
             eval_set.rule, answer, expected, tolerance=eval_set.tolerance)
             for _, expected, answer in items]
     results_name = default_storage.save(f"evals/{run.pk}.jsonl", ContentFile(b"".join(
@@ -617,7 +617,7 @@ def _similar(eval_set: EvalSet, items: list[tuple[str, Any, str | None]]) -> lis
         texts = [text for _, expected, answer in part for text in (answer or "", expected)]
         vectors = embed(eval_set.embedding_model, texts)
         for index, (_, _, answer) in enumerate(part):
-            verdicts.append(answer is not None and evalrules.similar(
+            verdicts.append(answer is not None and eval_rules.similar(
                 vectors[2 * index], vectors[2 * index + 1], threshold=eval_set.similarity))
     return verdicts
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from jobs.formats.prompts import dedup_key
 from jobs.formats.wire import RequestLine
-from jobs.prompts import dedup_key
 from jobs.storage.lines import Line
 
 

@@ -1,8 +1,8 @@
 """Prefix planning: whether a batch's shards run its lines grouped by prompt prefix, and if
 so, which lines each shard runs.
 
-Validation hands every line that runs (`add`) with its prefix key (jobs.prefix_keys). At the end
-(`finish`) the file's own statistics decide:
+Validation hands every line that runs (`add`) with its prefix key
+(jobs.formats.prefix_keys). At the end (`finish`) the file's own statistics decide:
 
 - grouped, every request after the first of its group can find the shared prefix in the
   engine's prefix cache;
@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from jobs.prefix_keys import PrefixKey
+from jobs.formats.prefix_keys import PrefixKey
 from jobs.storage.line_index import RECORD
 from jobs.storage.lines import Line
 

@@ -15,8 +15,8 @@ from django.conf import settings
 from django.db.models import Max, Min, Sum
 from django.utils import timezone
 
-from jobs.engines import served_endpoints
 from jobs.lib.heavy import Guard, cached, version
+from jobs.lib.model_registry import served_endpoints
 from jobs.models import ContentRule, File, LoraAdapter, Shard
 from jobs.services.budgets import Estimate
 from jobs.services.files import create_input_file

@@ -43,7 +43,7 @@ def enqueue_next_shards(*, batch_id: str) -> int:
         if Shard.objects.filter(pk=shard_id, status=Shard.Status.QUEUED,
                                 enqueued_at__isnull=True).update(enqueued_at=now):
             # A batch that would miss its window sharing the workers goes first in line
-            # (jobs.capacity): its shards are taken before the others'.
+            # (jobs.capacity.plan): its shards are taken before the others'.
             queues.enqueue_shard(shard_id, queue_name, at_front=urgent)
             created += 1
     return created

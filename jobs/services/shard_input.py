@@ -20,10 +20,10 @@ from django.db.models import Q
 from django.utils.crypto import salted_hmac
 
 from jobs.formats.checkpoint import Checkpoint
+from jobs.formats.prompts import Room, room_for
 from jobs.formats.wire import LineError, failure_line, refused_line
 from jobs.models import ContentRule, RequestCopy, ScreenedLine, Shard
 from jobs.policy import VIOLATION, Violation
-from jobs.prompts import Room, room_for
 from jobs.storage.lines import open_range_lines
 from jobs.storage.objects import location
 

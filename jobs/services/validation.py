@@ -33,9 +33,10 @@ from django.db import transaction
 from django.utils import timezone
 from redis import RedisError
 
-from jobs.engines import served_endpoints
-from jobs.fleet import kv_cache_tokens
+from jobs.capacity.fleet import kv_cache_tokens
 from jobs.formats.anthropic import params_named
+from jobs.formats.prefix_keys import prefix_key
+from jobs.formats.prompts import Room, ceiling, estimate_tokens, prompt_text, room_for
 from jobs.formats.wire import (
     Code,
     LineError,
@@ -45,10 +46,9 @@ from jobs.formats.wire import (
 )
 from jobs.lib import queues
 from jobs.lib.digestset import DigestSet
+from jobs.lib.model_registry import served_endpoints
 from jobs.models import Batch, LoraAdapter, RequestCopy, ScreenedLine, Shard
 from jobs.policy import VIOLATION, Screener, ScreeningChunker, Violation
-from jobs.prefix_keys import prefix_key
-from jobs.prompts import Room, ceiling, estimate_tokens, prompt_text, room_for
 from jobs.services.budgets import Estimate, estimate
 from jobs.services.evals import eval_ceiling
 from jobs.services.finalize import notify_ended
@@ -83,7 +83,7 @@ class InputReport:
     refused: int = 0
     refused_lines: list[dict[str, Any]] = field(default_factory=list)
     # The most the requests that run can use, by the model each names (an adapter is
-    # priced as itself): [input tokens, output tokens] (jobs.prompts.ceiling).
+    # priced as itself): [input tokens, output tokens] (jobs.formats.prompts.ceiling).
     ceilings: dict[str, list[int]] = field(default_factory=dict)
     # The prompts' tokens as estimated for planning (~4 characters a token) of the
     # requests that run: with their output limits, the work the capacity plan prices.

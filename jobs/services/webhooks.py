@@ -6,7 +6,7 @@ The event, as OpenAI's batch webhooks:
 with type batch.completed, batch.failed, batch.expired or batch.cancelled; and, as
 extensions, batchweb.eval.drift when an eval run of the batch scored below its baseline by
 more than its set's threshold (docs/eval-sets.md), and batchweb.batch.at_risk when the
-capacity plan first projects the batch past its window (jobs.capacity).
+capacity plan first projects the batch past its window (jobs.capacity.plan).
 
 Signed the Standard Webhooks way (as OpenAI's own webhooks, so `openai`'s
 `client.webhooks.unwrap(body, headers, secret=...)` verifies it):

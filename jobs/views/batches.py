@@ -43,7 +43,7 @@ from jobs.http.web import (
 from jobs.lib import heavy
 from jobs.lib.errors import ServiceError
 from jobs.models import Batch, File
-from jobs.quality import FLAG_LABELS, FLAGS
+from jobs.policy.quality import FLAG_LABELS, FLAGS
 from jobs.queries import dashboard, flags, queue_health, results, spot_samples, usage
 from jobs.queries.evals import batch_record, engines_of
 from jobs.services import preflight, rerun, spotcheck
@@ -186,7 +186,7 @@ def batch_list(request: SignedInRequest) -> HttpResponse:
     if first:
         # The table is replayed to this browser's next requests while its batches are
         # unchanged (batchweb.polls), until the running ones' ETAs are due again, and
-        # never past a projection's moment (jobs.projection).
+        # never past a projection's moment (Batch.projection).
         remember(response, seconds=min([LIST_STALE_SECONDS, *(
             row["projection"].fresh_for for row in rows if "projection" in row)]))
     return response

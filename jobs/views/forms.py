@@ -8,7 +8,7 @@ from typing import Any
 from django import forms
 
 from engine.endpoints import EMBEDDINGS, ENDPOINTS
-from jobs.engines import served_endpoints
+from jobs.lib.model_registry import served_endpoints
 from jobs.models import Batch, EvalSet, File, LoraAdapter, SpotCheck
 from jobs.services.evals import public_id, sets_for
 from jobs.services.grants import granted

@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 
 from engine.base import EngineRequest, EngineResult
 from engine.endpoints import usage_of
+from jobs.formats.prompts import output_room
 from jobs.formats.wire import Code
-from jobs.prompts import output_room
 from jobs.worker.adapters import AdapterFolders
 from jobs.worker.db import ShardStore
 from jobs.worker.finish import finish

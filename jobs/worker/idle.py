@@ -32,7 +32,7 @@ class IdleMeter:
         self.clock = 0.0
         self.clock_at = time.monotonic()
         self.shares: dict[str, list[float]] = {}
-        # The worker's throughput (jobs.fleet.WorkerRate, reported with its presence): the
+        # The worker's throughput (jobs.capacity.fleet.WorkerRate, reported with its presence): the
         # seconds the engine had requests in flight, and the tokens of the answers it gave.
         self.busy_total = 0.0
         self.prompt_tokens = 0

@@ -26,7 +26,7 @@ from rq import SimpleWorker
 from rq.utils import now, utcformat
 from rq.worker import BaseWorker
 
-from jobs import fleet
+from jobs.capacity import fleet
 from jobs.lib import queues
 from jobs.worker.idle import IdleMeter
 from jobs.worker.loop import Loop
@@ -87,7 +87,7 @@ class Presence(Loop):
 
     def report(self, worker: BaseWorker) -> None:
         """Report the loaded engine's KV cache (at start too: a batch validated then plans
-        with it) and the worker's throughput (jobs.fleet)."""
+        with it) and the worker's throughput (jobs.capacity.fleet)."""
         if self.kv_cache_tokens:
             fleet.report_kv_cache(worker.connection, worker.name, self.model,
                                   self.kv_cache_tokens, self.every)

@@ -7,7 +7,7 @@ from typing import Any
 
 from engine.base import EngineRequest, EngineResult
 from jobs.formats.wire import RequestLine
-from jobs.quality import json_problem, output_texts, wants_json
+from jobs.policy.quality import json_problem, output_texts, wants_json
 
 # Appended to a request id for its second run, so its result is known as the final one.
 RETRY_SUFFIX = "r"

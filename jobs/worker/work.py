@@ -23,11 +23,11 @@ from engine.base import EngineRequest, EngineResult
 from engine.endpoints import reasoning_of, usage_of
 from engine.prefix_limit import PrefixLimit
 from jobs.formats.checkpoint import Checkpoint, Progress, ShardUsage
+from jobs.formats.prefix_keys import prefix_key
+from jobs.formats.prompts import Room, output_room
 from jobs.formats.wire import Code, RequestLine, failure_line, response_line, unrun_message
 from jobs.models import Shard
-from jobs.prefix_keys import prefix_key
-from jobs.prompts import Room, output_room
-from jobs.quality import flags_for
+from jobs.policy.quality import flags_for
 from jobs.services.shard_input import Screened, ShardInput
 
 

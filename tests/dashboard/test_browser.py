@@ -482,7 +482,7 @@ def test_batch_page_eta_is_the_plans_projection(live_server, user, browser, tmp_
 
     from django.utils import timezone
 
-    from jobs import fleet
+    from jobs.capacity import fleet
     from jobs.lib import queues
     from jobs.models import Batch
     from jobs.services import deadlines
@@ -536,7 +536,7 @@ def test_queue_health_shows_a_busy_worker_its_shard_and_its_speed(
     cell says how many batches are at risk."""
     from rq import Worker
 
-    from jobs import fleet
+    from jobs.capacity import fleet
     from jobs.lib import queues
     from jobs.models import Shard
     from jobs.queries import queue_health

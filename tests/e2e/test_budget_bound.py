@@ -29,8 +29,8 @@ ENGINE_ENV = {"BATCHWEB_DTYPE": "float32", "VLLM_CPU_KVCACHE_SPACE": "1",
 
 def test_what_a_budget_accepts_is_never_charged_past_it(openai_client, anthropic_client,
                                                         workers, settings, user, tmp_path):
+    from jobs.formats.prompts import prompt_bound, room_for
     from jobs.models import Batch, Price, Quota, UsageRecord
-    from jobs.prompts import prompt_bound, room_for
 
     models = [{**m, "options": {**m["options"], "chat_template": str(TEMPLATE),
                                 "enable_auto_tool_choice": True, "tool_call_parser": "hermes"}}

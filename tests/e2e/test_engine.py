@@ -310,7 +310,7 @@ def chat_token_ids(*texts):
     """The chat model's token id of each text (one token each), and its end-of-sequence id."""
     from transformers import AutoTokenizer
 
-    from jobs.engines import model_spec
+    from jobs.lib.model_registry import model_spec
 
     tokenizer = AutoTokenizer.from_pretrained(model_spec(CHAT_MODEL).path)
     ids = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
@@ -330,9 +330,9 @@ def test_content_policy_under_both_policies_and_quality_flags_with_the_real_engi
     from django.core.files.storage import default_storage
 
     from engine.tokens import PromptCounter
-    from jobs.engines import model_spec
+    from jobs.lib.model_registry import model_spec
     from jobs.models import ContentRule, ScreenedLine, Shard
-    from jobs.quality import FLAGS
+    from jobs.policy.quality import FLAGS
 
     (the,), eos = chat_token_ids(" the")
     flag_lines = [

@@ -1,6 +1,6 @@
 """The budget's input bound against the real engine: for a generated corpus of request shapes
 on every chat face (tests/engine/prompt_shapes.py), vLLM's own `prompt_tokens` never
-exceeds the bound the budget counts (`jobs.prompts.prompt_bound`), with SmolLM2's own chat
+exceeds the bound the budget counts (`jobs.formats.prompts.prompt_bound`), with SmolLM2's own chat
 template (a default system prompt when the first message is not one) and with a template
 that renders tools, tool calls and tool results (tests/engine/templates/tools_chatml.jinja);
 and without a tokenizer (one token per byte), the fallback still holds. On plain chat the
@@ -20,8 +20,8 @@ from engine.endpoints import endpoint, usage_of
 from engine.prepare import prepare_model
 from engine.tokens import PromptCounter
 from engine.vllm_engine import VllmEngine
+from jobs.formats.prompts import Room, prompt_bound
 from jobs.formats.wire import RequestLine
-from jobs.prompts import Room, prompt_bound
 from tests.engine import needs_vllm
 from tests.engine.prompt_shapes import corpus
 

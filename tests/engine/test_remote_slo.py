@@ -625,7 +625,7 @@ def test_our_answers_come_out_of_the_ticks_their_first_tokens_came_in():
 def test_the_floor_is_the_concurrency_the_windows_need():
     from django.utils import timezone
 
-    from jobs.capacity import ModelPlan, Planned, Rates, remote_floor
+    from jobs.capacity.plan import ModelPlan, Planned, Rates, remote_floor
     from jobs.models import Batch
 
     now = timezone.now()
@@ -635,7 +635,7 @@ def test_the_floor_is_the_concurrency_the_windows_need():
     batch = Batch(expires_at=now + timedelta(hours=1), total=10, completed=0, failed=0)
     plan = ModelPlan(model="m", workers=[], rates=Rates(0.005, 0.05),
                      batches=[Planned(batch, remaining=3600.0)])
-    from jobs.capacity import target
+    from jobs.capacity.plan import target
 
     floor = remote_floor(plan, token_seconds=0.5, now=now)
     assert floor == pytest.approx(10 * 3600 / target(batch, now))
@@ -684,7 +684,7 @@ def test_queue_health_and_metrics_say_the_slo_is_traded_for_a_deadline(made, adm
 def test_the_reconcilers_pass_writes_each_servers_floor(settings):
     from django.utils import timezone
 
-    from jobs.capacity import ModelPlan, Planned, Rates
+    from jobs.capacity.plan import ModelPlan, Planned, Rates
     from jobs.models import Batch
     from jobs.services.deadlines import publish_remote_floors
 

@@ -18,7 +18,7 @@ from engine.endpoints import (
     request_messages,
 )
 from engine.tokens import PromptCounter
-from jobs.engines import model_spec
+from jobs.lib.model_registry import model_spec
 
 pytestmark = pytest.mark.models
 
@@ -51,8 +51,8 @@ def assert_over_agrees(counter: PromptCounter, url: str, body: dict) -> int:
     """`over` says "over" exactly when the count is over the limit, for limits on both
     sides of the count: the bound that spares the tokenizer is never below the count, nor
     is the looser one that clears whole chunks from the cost preview's estimate."""
+    from jobs.formats.prompts import estimate_tokens
     from jobs.formats.wire import RequestLine
-    from jobs.prompts import estimate_tokens
 
     count = counter.count(url, body)
     estimate = estimate_tokens(RequestLine("x", url, body))
@@ -126,10 +126,10 @@ def test_the_prompt_size_rule_counts_the_models_tokens(chat_counter):
     (tests/e2e/test_engine.py checks it against vLLM), not by the 4-characters estimate:
     exactly at the limit runs, one word more is refused, and Japanese far under the limit
     by the estimate is refused by its real count."""
+    from jobs.formats.prompts import estimate_tokens, prompt_text
     from jobs.formats.wire import RequestLine
     from jobs.models import ContentRule
     from jobs.policy import Screener
-    from jobs.prompts import estimate_tokens, prompt_text
 
     def line(custom_id: str, text: str) -> RequestLine:
         return RequestLine(custom_id, CHAT, {"model": "SmolLM2-135M-Instruct",

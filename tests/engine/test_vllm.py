@@ -30,7 +30,7 @@ from engine.endpoints.responses import output_text as response_output_text
 from engine.prefix_limit import PrefixLimit
 from engine.prepare import prepare_model
 from engine.vllm_engine import VllmEngine
-from jobs.quality import flags_for
+from jobs.policy.quality import flags_for
 from tests.engine import needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.engine, pytest.mark.timeout(600)]

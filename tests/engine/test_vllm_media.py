@@ -14,7 +14,7 @@ import pytest
 
 from engine.base import ModelSpec
 from engine.vllm_engine import serve_args, set_env_defaults
-from jobs.engines import engine_media_domains
+from jobs.lib.model_registry import engine_media_domains
 from tests.engine import needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.engine]
@@ -101,7 +101,7 @@ def test_the_engine_gets_the_operators_allow_list(settings):
                          "MEDIA_ALLOWED_DOMAINS": ["Images.Example.com", ".cdn.example.org"]}
     assert engine_media_domains() == ["images.example.com", "cdn.example.org"]
     settings.BATCHWEB_MODELS = [{"name": "m", "backend": "vllm", "path": "/m"}]
-    from jobs.engines import model_spec
+    from jobs.lib.model_registry import model_spec
 
     spec = model_spec("m")
     assert spec is not None

@@ -95,7 +95,7 @@ def test_settings_create_nothing_and_load_no_engine(tmp_path: Path) -> None:
 
 def test_the_cpu_defaults_get_this_cpus_dtype(settings: object) -> None:
     from engine.vllm_engine import best_cpu_dtype
-    from jobs.engines import model_spec
+    from jobs.lib.model_registry import model_spec
 
     spec = model_spec("SmolLM2-135M-Instruct")
     assert spec is not None

@@ -13,7 +13,7 @@ import pytest
 from django.urls import reverse
 
 from engine.prepare import adapter_source_problem, pinned_requirement, prepare_adapter
-from jobs.engines import adapter_problem
+from jobs.lib.model_registry import adapter_problem
 from jobs.models import LoraAdapter
 from tests.lora import build_wheel, write_adapter_config
 

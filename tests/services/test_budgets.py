@@ -265,8 +265,8 @@ def test_a_media_part_counts_at_what_its_model_may_make_of_it():
     counts at the room's `media_tokens` (the registry's max_tokens_per_media, else the
     model's whole context), nested ones (an Anthropic tool result's) included."""
     from engine.endpoints import CHAT, MESSAGES
+    from jobs.formats.prompts import Room, prompt_bound
     from jobs.formats.wire import RequestLine
-    from jobs.prompts import Room, prompt_bound
 
     room = Room(context=4096, cap=4096, media_tokens=1000)
     image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}

@@ -1,4 +1,4 @@
-"""The capacity plan (jobs.capacity, written by jobs.services.deadlines): a batch's work in
+"""The capacity plan (jobs.capacity.plan, written by jobs.services.deadlines): a batch's work in
 engine seconds priced by what the model's requests took, its projected end on the workers
 alive now, the order that gets a short window through behind a long batch, the at-risk
 flag and its webhook, and the number of workers an autoscaler scales on."""
@@ -14,9 +14,18 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from jobs import capacity, fleet
+from jobs.capacity import fleet
+from jobs.capacity import plan as capacity
 from jobs.lib import queues
-from jobs.models import Batch, Shard, UsageRecord, WebhookEvent
+from jobs.models import (
+    WAITS_FOR_START,
+    WAITS_FOR_WORKER,
+    Batch,
+    Shard,
+    UsageRecord,
+    WebhookEvent,
+    target_seconds,
+)
 from jobs.services import deadlines, webhooks
 from jobs.services.scheduling import enqueue_next_shards
 from tests.factories import chat_line, make_batch, prometheus_values
@@ -356,7 +365,6 @@ def test_a_worker_loading_its_engine_leaves_what_is_left_of_its_start(
     """A worker of the model began loading its engine 60 s ago and the last one took
     100 s: the batch waits for the 40 s left, then its work (100 requests of 100 output
     tokens at 0.01 s: 100 s). Once that worker is ready and reports itself, nothing waits."""
-    from jobs import projection
 
     history()
     connection = queues.connection()
@@ -367,7 +375,7 @@ def test_a_worker_loading_its_engine_leaves_what_is_left_of_its_start(
     connection.hset(starting, "w0", f"{timezone.now().timestamp() - 60:.0f}")
     deadlines.refresh()
     row = Batch.objects.get(pk=batch.pk)
-    assert row.waits_for == projection.START
+    assert row.waits_for == WAITS_FOR_START
     assert (row.expected_completion_at - row.planned_at).total_seconds() == pytest.approx(
         40 + 100, abs=2)
     assert plan_of().startup.starting_for == pytest.approx(60, abs=2)
@@ -375,7 +383,7 @@ def test_a_worker_loading_its_engine_leaves_what_is_left_of_its_start(
     # One that began long ago died loading, and is forgotten: it waits for a worker again.
     connection.hset(starting, "w0", f"{timezone.now().timestamp() - 3600:.0f}")
     deadlines.refresh()
-    assert Batch.objects.get(pk=batch.pk).waits_for == projection.WORKER
+    assert Batch.objects.get(pk=batch.pk).waits_for == WAITS_FOR_WORKER
     # Ready: no longer starting; alive, it runs the batch.
     fleet.report_starting(connection, "echo-test", "w0")
     fleet.report_cold_start(connection, "echo-test", 95.0, name="w0")
@@ -428,7 +436,6 @@ def test_a_projection_is_never_a_moment_already_past(
     long after it was written), a running batch's projected end, read at any moment, is
     that moment or later; it says it waits for a worker exactly while none runs its model,
     and it is at risk whenever that end is past its target."""
-    from jobs import projection
 
     connection = queues.connection()
     connection.delete(fleet.RATES_KEY.format(model="echo-test"),
@@ -464,9 +471,9 @@ def test_a_projection_is_never_a_moment_already_past(
         assert read.end is not None and read.end >= moment
         assert read.epoch is not None and read.epoch >= moment.timestamp()
         assert read.waits_for in (
-            {""} if workers_alive else {projection.WORKER, projection.START})
+            {""} if workers_alive else {WAITS_FOR_WORKER, WAITS_FOR_START})
         if not workers_alive and starting is None:
-            assert read.waits_for == projection.WORKER
-        target = projection.target_seconds(row.expires_at, moment)
+            assert read.waits_for == WAITS_FOR_WORKER
+        target = target_seconds(row.expires_at, moment)
         if (read.end - moment).total_seconds() > target:
             assert read.at_risk

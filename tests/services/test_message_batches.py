@@ -18,6 +18,7 @@ from engine.base import ModelSpec
 from engine.echo import EchoEngine
 from engine.endpoints import MESSAGES, anthropic_error, check_body, usage_of
 from jobs.formats import anthropic
+from jobs.formats.prompts import dedup_key, prompt_text
 from jobs.formats.wire import (
     Code,
     LineError,
@@ -28,8 +29,7 @@ from jobs.formats.wire import (
 )
 from jobs.lib.errors import ServiceError
 from jobs.models import Batch
-from jobs.prompts import dedup_key, prompt_text
-from jobs.quality import LENGTH, flags_for
+from jobs.policy.quality import LENGTH, flags_for
 from jobs.services.message_batches import iter_requests
 from jobs.templatetags.dashboard import request_text, response_text
 

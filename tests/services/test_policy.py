@@ -12,13 +12,13 @@ import pytest
 import re2
 from django.core.exceptions import ValidationError
 
+from jobs.formats.prompts import estimate_tokens, prompt_text
 from jobs.formats.wire import RequestLine
 from jobs.models import Batch, ContentRule, ScreenedLine
 from jobs.policy import CHUNK_TOKENS, LINE_TOKENS, Screener, Violation
 from jobs.policy.prefilter import Prefilter
 from jobs.policy.re2rules import term_pattern
 from jobs.policy.texts import ChunkText
-from jobs.prompts import estimate_tokens, prompt_text
 from jobs.services import preflight
 from jobs.services.files import create_input_file
 from tests.factories import chat_line, jsonl, make_batch, responses_line, wait_for

@@ -9,9 +9,9 @@ import random
 import numpy as np
 import pytest
 
+from jobs.formats.prefix_keys import PREFIX_BLOCK_CHARS, prefix_key
 from jobs.formats.wire import RequestLine
 from jobs.models import Batch, RequestCopy, Shard
-from jobs.prefix_keys import PREFIX_BLOCK_CHARS, prefix_key
 from jobs.services.shard_input import shard_custom_ids, shard_lines, shard_requests
 from jobs.storage import line_index
 from tests.factories import chat_line, chat_lines, make_batch, shared_prefix_lines, template_of

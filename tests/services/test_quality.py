@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.quality import flags_for, is_repetitive, json_problem
+from jobs.policy.quality import flags_for, is_repetitive, json_problem
 
 CHAT = "/v1/chat/completions"
 

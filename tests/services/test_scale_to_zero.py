@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from jobs import fleet
+from jobs.capacity import fleet
 from jobs.lib import queues
 from jobs.models import Batch, Shard
 from tests.factories import chat_line, jsonl, prometheus_values, wait_for

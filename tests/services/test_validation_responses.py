@@ -12,12 +12,12 @@ import pytest
 
 from engine.endpoints import CHAT, REGISTRY, RESPONSES, check_body, request_messages, usage_of
 from engine.endpoints.base import Refusal
+from jobs.formats.prompts import estimate_tokens, prompt_text
 from jobs.formats.wire import (
     Code,
     RequestLine,
     parse_line,
 )
-from jobs.prompts import estimate_tokens, prompt_text
 
 MODEL = "echo-test"
 CAP = 1000

@@ -13,12 +13,12 @@ import pytest
 from engine.endpoints import POOLING_ENDPOINTS, REGISTRY, RERANK, SCORE, check_body, usage_of
 from engine.endpoints.base import Refusal
 from engine.endpoints.score import SCORE_SIDES
+from jobs.formats.prompts import dedup_key, estimate_tokens, prompt_text
 from jobs.formats.wire import (
     Code,
     RequestLine,
     parse_line,
 )
-from jobs.prompts import dedup_key, estimate_tokens, prompt_text
 
 MODEL = "echo-test"
 CAP = 1000
@@ -166,7 +166,7 @@ def test_usage_of_score_and_rerank_responses() -> None:
 def test_the_default_embeddings_model_serves_score_and_rerank(settings: Any) -> None:
     from batchweb.settings import DEFAULT_MODELS
     from engine.catalog import DEFAULT_MODELS as PREPARED
-    from jobs.engines import model_spec
+    from jobs.lib.model_registry import model_spec
     from jobs.services.validation import check_input
 
     embeddings = next(m for m in DEFAULT_MODELS if m["name"] == "all-MiniLM-L6-v2")

@@ -19,10 +19,10 @@ from django.db import connection
 from engine.base import EngineRequest, ModelSpec
 from engine.echo import EchoEngine
 from engine.endpoints import CHAT, COMPLETIONS, RESPONSES, endpoint
+from jobs.formats.prompts import ceiling, output_room, room_for
 from jobs.formats.wire import RequestLine
 from jobs.lib.errors import ServiceError
 from jobs.models import Batch, EvalRun, LoraAdapter, Price, Quota, UsageRecord
-from jobs.prompts import ceiling, output_room, room_for
 from jobs.services import evals, preflight
 from jobs.services.batches import create_batch
 from jobs.services.budgets import reserved_nanos

@@ -15,9 +15,9 @@ import pytest
 from engine.base import EngineResult, ModelSpec
 from engine.echo import EchoEngine
 from jobs.formats.checkpoint import Checkpoint
+from jobs.formats.prompts import Room
 from jobs.formats.wire import RequestLine
 from jobs.models import Batch, Shard
-from jobs.prompts import Room
 from jobs.worker.checkpointer import Checkpointer
 from jobs.worker.db import ShardStore
 from jobs.worker.state import WorkerState

@@ -12,8 +12,8 @@ import pytest
 
 from engine.base import ABORTED_STATUS, EngineRequest, EngineResult, ModelSpec
 from engine.echo import EchoEngine
+from jobs.formats.prompts import Room
 from jobs.formats.wire import Code, RequestLine
-from jobs.prompts import Room
 from jobs.worker.dispatch import parse_request_id
 from jobs.worker.pipeline import Pipeline
 from jobs.worker.work import ShardWork

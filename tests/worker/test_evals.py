@@ -234,9 +234,9 @@ def test_a_set_is_checked_line_by_line(tmp_path, storage):
     ("numeric", "3.2", 3.14, False),
 ])
 def test_scoring_rules(rule, answer, expected, passed):
-    from jobs import evalrules
+    from jobs.policy import eval_rules
 
-    assert evalrules.passes(rule, answer, expected, tolerance=0.01) is passed
+    assert eval_rules.passes(rule, answer, expected, tolerance=0.01) is passed
 
 
 def test_drift_shows_on_the_page_the_list_the_api_and_metrics(make_pipeline, run_with_eval,

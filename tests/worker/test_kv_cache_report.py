@@ -1,5 +1,5 @@
 """Workers report their engine's KV cache; prefix planning assumes what the model's live
-workers have (jobs.fleet, jobs.services.validation.planning_cache_tokens)."""
+workers have (jobs.capacity.fleet, jobs.services.validation.planning_cache_tokens)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from jobs.fleet import KV_CACHE_KEY, report_kv_cache
+from jobs.capacity.fleet import KV_CACHE_KEY, report_kv_cache
 from jobs.lib import queues
 from jobs.services.validation import planning_cache_tokens
 

@@ -12,9 +12,9 @@ import pytest
 from engine.endpoints import REGISTRY
 from engine.endpoints.base import ModelOptionsError, cosine, echo_vector
 from engine.endpoints.moderations import DEFAULT_CATEGORIES, categories_of
+from jobs.formats.prompts import prompt_bound, room_for
 from jobs.formats.wire import RequestLine
 from jobs.models import Price, UsageRecord
-from jobs.prompts import prompt_bound, room_for
 from jobs.services import quotas
 from jobs.tasks import validate_batch
 from tests.factories import assert_exactly_once, jsonl, upload, wait_status

@@ -11,7 +11,7 @@ import pytest
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 
-from jobs.prompts import Room
+from jobs.formats.prompts import Room
 from jobs.worker.part_storage import delete_stored, store_parts, store_segment
 from jobs.worker.work import ShardWork
 from tests.factories import storage_snapshot, use_private_storage

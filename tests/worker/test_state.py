@@ -11,8 +11,8 @@ import pytest
 
 from engine.base import EngineRequest, EngineResult, ModelSpec
 from engine.echo import EchoEngine
+from jobs.formats.prompts import Room
 from jobs.formats.wire import RequestLine
-from jobs.prompts import Room
 from jobs.worker.state import WorkerState
 from jobs.worker.work import ShardWork
 

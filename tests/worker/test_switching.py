@@ -87,7 +87,7 @@ def test_one_worker_runs_two_models_one_at_a_time(openai_client, workers, two_mo
 @pytest.mark.django_db
 def test_a_model_is_due_once_its_oldest_shard_waited_long_enough(user, tmp_path, settings):
     settings.BATCHWEB_MODELS = [{"name": "echo-test", **ECHO}, {"name": "echo-other", **ECHO}]
-    from jobs.engines import model_spec
+    from jobs.lib.model_registry import model_spec
 
     other = model_spec("echo-other")
     assert other is not None

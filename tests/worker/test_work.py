@@ -10,8 +10,8 @@ import json
 from engine.base import EngineResult, ModelSpec
 from engine.echo import EchoEngine
 from jobs.formats.checkpoint import Checkpoint, Progress
+from jobs.formats.prompts import Room
 from jobs.formats.wire import Code, LineError, RequestLine
-from jobs.prompts import Room
 from jobs.services.shard_input import Screened
 from jobs.worker.work import PartBuffer, ShardWork
 

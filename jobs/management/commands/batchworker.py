@@ -30,11 +30,11 @@ from django.core.management.base import BaseCommand, CommandError
 from batchweb.embedded import redis_in_use
 from engine import load_engine
 from engine.base import ModelSpec
-from jobs import fleet
-from jobs.engines import model_spec
+from jobs.capacity import fleet
+from jobs.formats.prompts import counter_for
 from jobs.lib import queues
+from jobs.lib.model_registry import model_spec
 from jobs.policy import close_engines
-from jobs.prompts import counter_for
 from jobs.services.cleanup import sweep_temp_dir
 from jobs.worker import rq_worker
 from jobs.worker.pipeline import Pipeline

@@ -5,7 +5,7 @@ reconciler's pass (expiry, lost jobs, cleanup, the capacity plan).
 Every `batchworker` does this work too, beside its shards, so a fleet with a worker up
 needs nothing more. It is what keeps the service going while a model's workers are scaled
 to zero: a new batch is validated here, on a CPU and in seconds, becomes `in_progress`,
-and only then asks for a worker of its model (`batchweb_workers_needed`, jobs/capacity.py).
+and only then asks for a worker of its model (`batchweb_workers_needed`, jobs/capacity/plan.py).
 Without it nothing would take the validation job of a batch that arrives at zero workers,
 the batch would never ask for a worker, and none would come. A batch whose file fails
 validation never starts a GPU. Run one or two beside the web server (each job is

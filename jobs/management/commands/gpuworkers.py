@@ -34,7 +34,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from engine.base import ModelSpec
-from jobs.engines import model_spec
+from jobs.lib.model_registry import model_spec
 from jobs.management.commands.batchworker import Command as BatchWorker
 from jobs.management.commands.runservice import MAX_RESTARTS, RESTART_WINDOW_SECONDS, Restarts
 from jobs.worker.presence import free_name, registered

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 
 from engine.prepare import prepare_model
-from jobs.engines import model_specs
+from jobs.lib.model_registry import model_specs
 
 
 class Command(BaseCommand):

@@ -34,7 +34,7 @@ from batchweb.embedded import (
     keep_files_private,
     redis_in_use,
 )
-from jobs.engines import model_specs
+from jobs.lib.model_registry import model_specs
 
 # A process that dies this often within the window is not going to recover by itself.
 MAX_RESTARTS = 5

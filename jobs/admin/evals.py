@@ -10,10 +10,10 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from jobs import evalrules
 from jobs.http.web import uploaded_path
 from jobs.lib.errors import ServiceError
 from jobs.models import EvalRun, EvalSet
+from jobs.policy import eval_rules
 from jobs.services import evals
 
 
@@ -36,7 +36,7 @@ class EvalSetForm(forms.ModelForm):
         if upload is not None:
             with uploaded_path(upload) as path:
                 try:
-                    evals.check_set_file(path=path, rule=data.get("rule") or evalrules.EXACT)
+                    evals.check_set_file(path=path, rule=data.get("rule") or eval_rules.EXACT)
                 except ServiceError as exc:  # the file's (a line's)
                     raise forms.ValidationError({"upload": exc.message}) from None
         return data

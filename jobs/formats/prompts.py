@@ -18,8 +18,8 @@ from django.conf import settings
 from engine.base import ModelSpec
 from engine.endpoints import endpoint
 from engine.tokens import PromptCounter
-from jobs.engines import model_spec
 from jobs.formats.wire import RequestLine
+from jobs.lib.model_registry import model_spec
 
 
 def prompt_text(line: RequestLine) -> tuple[str, int]:

@@ -7,7 +7,7 @@ Work is counted in engine seconds: the ledger's `engine_seconds` split a worker'
 among the requests in its engine, so a worker gives one engine second per second while
 busy, whatever its batch size. A model's price of a prompt token and of an output token in
 engine seconds (prefill and decode apart) is fitted on its recent ledger rows; before it
-has any, from what its live workers report (jobs.fleet), else BATCHWEB_DEFAULT_WORKER_
+has any, from what its live workers report (jobs.capacity.fleet), else BATCHWEB_DEFAULT_WORKER_
 TOKENS_PER_SECOND. A batch's work is what validation counted (its prompts' tokens and its
 output limits), output scaled by the share of their limits the model's requests really
 produced (the batch's own once it has answers), and its requests not yet answered.
@@ -32,7 +32,7 @@ Each batch has a target: its window's end less BATCHWEB_CAPACITY_MARGIN of the t
   is projected on that one worker after its cold start (the model's last one, reported by
   its worker; COLD_START_SECONDS before any), or, once a worker of the model is loading
   its engine, after what is left of it (`Startup`). Its row says which (`waits_for`), and
-  as it waits its end moves on with the clock (jobs.projection, the rule every reader
+  as it waits its end moves on with the clock (Batch.projection, the rule every reader
   asks).
 - **At risk**: projected past its target, on the workers alive now (one after its cold
   start, when none is): flagged on its page, list, API object and /metrics, and its
@@ -63,9 +63,9 @@ from django.conf import settings
 from django.db.models import F, Min, Q, Sum
 from django.utils import timezone
 
-from jobs import fleet, projection
+from jobs.capacity import fleet
 from jobs.lib import queues
-from jobs.models import Batch, Shard, UsageRecord
+from jobs.models import WAITS_FOR_START, WAITS_FOR_WORKER, Batch, Shard, UsageRecord, target_seconds
 
 # The ledger rows a model's rates are fitted on: its newest within HISTORY.
 HISTORY = timedelta(hours=24)
@@ -169,7 +169,7 @@ def remaining_seconds(batch: Batch, rates: Rates) -> float:
 
 def target(batch: Batch, now: datetime) -> float:
     """Seconds from now to the batch's target: its window's end less the margin."""
-    return projection.target_seconds(batch.expires_at, now)
+    return target_seconds(batch.expires_at, now)
 
 
 @dataclass
@@ -180,7 +180,7 @@ class Planned:
     urgent: bool = False
     at_risk: bool = False
     slack: float = 0.0
-    waits_for: str = ""  # what it waits for before it can run (jobs.projection)
+    waits_for: str = ""  # what it waits for before it can run (Batch.projection)
 
 
 @dataclass
@@ -218,7 +218,7 @@ class Startup:
 
     @property
     def waits_for(self) -> str:
-        return projection.WORKER if self.starting_for is None else projection.START
+        return WAITS_FOR_WORKER if self.starting_for is None else WAITS_FOR_START
 
 
 def workers_needed(planned: Iterable[Planned], *, now: datetime) -> int:

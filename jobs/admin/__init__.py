@@ -16,8 +16,8 @@ from django.urls import URLPattern, path
 from django.utils import timezone
 from django.utils.cache import add_never_cache_headers
 
-from jobs.engines import model_specs, serves_adapters
 from jobs.lib.errors import ServiceError
+from jobs.lib.model_registry import model_specs, serves_adapters
 from jobs.models import (
     ApiKey,
     Batch,
@@ -465,5 +465,5 @@ class StorageGrantAdmin(admin.ModelAdmin):
         return request.user.is_superuser and super().has_change_permission(request, obj)
 
 
-# Eval sets and their runs (jobs/admin_evals.py registers them).
-import jobs.admin_evals  # noqa: E402, F401
+# Eval sets and their runs (jobs/admin/evals.py registers them).
+from jobs.admin import evals  # noqa: E402, F401
