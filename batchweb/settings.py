@@ -18,7 +18,7 @@ from django.core.checks.security.base import (
 )
 from django.core.exceptions import ImproperlyConfigured
 
-from batchweb.embedded import SECRET_KEY_FILE
+from batchweb.secret_key import SECRET_KEY_FILE
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("BATCHWEB_VAR_DIR", BASE_DIR / "var"))
@@ -65,7 +65,7 @@ DEBUG = env_bool("DEBUG", False)
 
 # The key signs sessions, CSRF tokens and password-reset links: whoever knows it can forge a
 # staff session. `make install` writes a random one to the checkout's var/secret_key once
-# (batchweb.embedded.ensure_secret_key) so `make run` and the benchmarks, whose scratch
+# (batchweb.secret_key.ensure_secret_key) so `make run` and the benchmarks, whose scratch
 # BATCHWEB_VAR_DIR is elsewhere, all find it; a deployment sets SECRET_KEY. Without DEBUG the
 # service refuses the development key and any key `check --deploy` would call weak.
 DEV_SECRET_KEY = "dev-only-insecure-key-change-me"
@@ -112,8 +112,8 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     # Outermost but one: every page gets it, Django's error pages and django-axes' too.
-    "batchweb.csp.ContentSecurityPolicyMiddleware",
-    "batchweb.middleware.BodySizeLimitMiddleware",
+    "jobs.http.csp.ContentSecurityPolicyMiddleware",
+    "jobs.api.body_limit.BodySizeLimitMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -129,7 +129,7 @@ MIDDLEWARE = [
 # The API (/v1/) authenticates each request by its key, sets no cookie and has no pages or
 # forms: its requests skip the middlewares only pages need (batchweb/wsgi.py).
 PAGE_ONLY_MIDDLEWARE = {
-    "batchweb.csp.ContentSecurityPolicyMiddleware",
+    "jobs.http.csp.ContentSecurityPolicyMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -223,26 +223,26 @@ AUTH_PASSWORD_VALIDATORS = [
 # accounts (credential stuffing from one place); the owner, signing in from elsewhere, is not
 # affected. A lock lifts after AXES_COOLOFF_TIME without failures; distributed guessing is
 # left to the password validators above.
-# batchweb.auth.ModelBackend is Django's, with a cheaper lookup of a session's user. A
+# jobs.http.auth.ModelBackend is Django's, with a cheaper lookup of a session's user. A
 # session records the backend that signed it in: one of Django's own ModelBackend (before
 # this one replaced it) is signed out once.
 AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",
-    "batchweb.auth.ModelBackend",
+    "jobs.http.auth.ModelBackend",
 ]
 LOGIN_FAILURES_PER_USER = 5
 LOGIN_FAILURES_PER_IP = 20
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"], "ip_address"]
-AXES_FAILURE_LIMIT = "batchweb.throttle.login_failure_limit"
+AXES_FAILURE_LIMIT = "jobs.http.throttle.login_failure_limit"
 AXES_COOLOFF_TIME = timedelta(minutes=15)
 # A success must not reset the address's count: an attacker with an account of their own
 # could sign in between guesses to start over.
 AXES_RESET_ON_SUCCESS = False
 # Reverse proxies between the clients and Granian (0: none), for the client's address.
 BATCHWEB_PROXY_COUNT = env_int("BATCHWEB_PROXY_COUNT", 0)
-AXES_CLIENT_IP_CALLABLE = "batchweb.throttle.client_ip"
-# Django's database sessions, read with a cheaper query (see batchweb/sessions.py).
-SESSION_ENGINE = "batchweb.sessions"
+AXES_CLIENT_IP_CALLABLE = "jobs.http.throttle.client_ip"
+# Django's database sessions, read with a cheaper query (see jobs/http/sessions.py).
+SESSION_ENGINE = "jobs.http.sessions"
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "batch_list"
 LOGOUT_REDIRECT_URL = "login"
@@ -355,8 +355,8 @@ REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 # Django's default per-process memory would compute each result once per process.
 # "local" is each process's own memory, for what is cheaper to compute again than to fetch
 # from Redis, and the same for every process (the rendered row of an ended batch).
-# (batchweb.cache.RedisCache is Django's RedisCache, sharing one redis-py client.)
-CACHES = {"default": {"BACKEND": "batchweb.cache.RedisCache",
+# (jobs.http.cache.RedisCache is Django's RedisCache, sharing one redis-py client.)
+CACHES = {"default": {"BACKEND": "jobs.http.cache.RedisCache",
                       "LOCATION": REDIS_URL, "KEY_PREFIX": "batchweb-cache"},
           "local": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache",
                     "LOCATION": "batchweb-local", "OPTIONS": {"MAX_ENTRIES": 5000}}}

@@ -122,7 +122,7 @@ class Sample:
     cpu_ms: float = 0.0
     db_ms: float = 0.0
     queries: int = 0
-    remembered: int = 0  # 1: answered from the poll memo (batchweb.polls), before Django
+    remembered: int = 0  # 1: answered from the poll memo (jobs.http.polls), before Django
 
 
 @dataclass

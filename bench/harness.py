@@ -84,7 +84,7 @@ def remove(path: Path) -> None:
 def private_s3(stack: ExitStack, scratch: Path) -> dict[str, str]:
     """A local S3 server (stopped when `stack` closes) with a bucket for the scratch
     deployment: the variables that point batchweb's storage at it."""
-    from batchweb.embedded import PrivateS3
+    from jobs.storage.embedded import PrivateS3
 
     server = PrivateS3(scratch)
     stack.callback(server.stop)
@@ -94,11 +94,11 @@ def private_s3(stack: ExitStack, scratch: Path) -> dict[str, str]:
 
 @contextmanager
 def private_redis(scratch: Path, *, reuse: bool = False) -> Iterator[int | None]:
-    """A private Redis (batchweb.embedded) for the scratch deployment, exported as REDIS_URL to this
+    """A private Redis (jobs.storage.embedded) for the scratch deployment, exported as REDIS_URL to this
     process and the children started meanwhile. Private by default, so that no other worker
     takes the benchmark's jobs; with `reuse`, a REDIS_URL already set is used instead.
     Yields the pid of the Redis it started (None when it reused one)."""
-    from batchweb.embedded import ensure_redis
+    from jobs.storage.embedded import ensure_redis
 
     if not reuse:
         os.environ.pop("REDIS_URL", None)

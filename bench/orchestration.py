@@ -5,7 +5,7 @@ batch, let 2 `batchworker` processes validate, shard, run and finalize it, downl
 output. Reports requests/s of each stage and the peak RSS of the web server and of each
 worker (VmHWM). Uses its own scratch SQLite database, storage and (unless REDIS_URL is set)
 a private Redis. With `--storage s3` every file lives in a bucket of a local S3 server
-(moto's, batchweb.embedded.PrivateS3) instead of the filesystem.
+(moto's, jobs.storage.embedded.PrivateS3) instead of the filesystem.
 
     .venv/bin/python bench/orchestration.py [--sizes 100000,1000000] [--workers 2]
     .venv/bin/python bench/orchestration.py --sizes 1000000 --storage s3

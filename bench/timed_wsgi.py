@@ -7,7 +7,7 @@ one header to every answer:
 
 WALL is the time in Django (ms), CPU the CPU time its thread spent meanwhile (ms), DB the time
 spent waiting on database queries (ms) and QUERIES their number; M is 1 when the answer was
-a remembered poll (batchweb.polls), else 0. The difference WALL - CPU - DB
+a remembered poll (jobs.http.polls), else 0. The difference WALL - CPU - DB
 is time the thread was ready but not running (the GIL held by another thread of the process,
 or the core taken by another process) or waiting on Redis. What gunicorn spends around the
 call (reading and parsing the request, writing the answer, its event loop) is not in these
@@ -29,7 +29,7 @@ from django.db import connection
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "batchweb.settings")
 django.setup(set_prefix=False)
 
-from batchweb.polls import REMEMBERED  # noqa: E402
+from jobs.http.polls import REMEMBERED  # noqa: E402
 from batchweb.wsgi import application as _service  # noqa: E402
 
 

@@ -622,7 +622,7 @@ class PrivateRedis:
     """A redis-server of the test's own, without persistence, that can be stopped (its
     data is then gone, as after a crash) and started again on the same port.
 
-    Not batchweb.embedded.PrivateRedis: that one stops with SIGTERM on a unix socket; the
+    Not jobs.storage.embedded.PrivateRedis: that one stops with SIGTERM on a unix socket; the
     fault tests kill this one (SIGKILL, a crash) and give workers a TCP REDIS_URL."""
 
     def __init__(self, workdir: Path) -> None:

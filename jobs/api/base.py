@@ -19,7 +19,7 @@ from django.views import defaults
 from django.views.decorators.csrf import csrf_exempt
 
 from engine.endpoints import anthropic_error
-from jobs.http.web import declared_length
+from jobs.http.web import API_PREFIX, declared_length
 from jobs.lib.errors import ServiceError
 from jobs.services.keys import authenticate_key
 
@@ -90,7 +90,6 @@ ANTHROPIC = Dialect(secret=lambda request: request.headers.get("x-api-key") or _
 
 # Where each API's paths are: everything under /v1/ is answered in an API's error shape,
 # Anthropic's under its Message Batches paths (/v1/messages...), OpenAI's elsewhere.
-API_PREFIX = "/v1/"
 ANTHROPIC_PATHS = "/v1/messages"
 
 

@@ -12,7 +12,8 @@ from django.http.response import HttpResponseBase
 from django.utils.cache import get_conditional_response, patch_cache_control, set_response_etag
 
 from jobs.api.base import api_view, json_body, paginate, parse_limit
-from jobs.http.web import LIST_LIMIT, LIST_MAX_LIMIT, REMEMBER_SECONDS, remember
+from jobs.http.polls import REMEMBER_SECONDS, remember
+from jobs.http.web import LIST_LIMIT, LIST_MAX_LIMIT
 from jobs.lib.errors import ServiceError
 from jobs.models import Batch
 from jobs.queries import results as result_pages
@@ -54,7 +55,7 @@ def list_batches(request: HttpRequest, user: Any) -> HttpResponse:
     response = paginate(request, objects, default_limit=LIST_LIMIT,
                         max_limit=LIST_MAX_LIMIT, newest=newest, shown=shown_on_page)
     # The first page is replayed, while its batches are unchanged, to this client's next
-    # polls (batchweb.polls takes only that page), while their projections hold.
+    # polls (jobs.http.polls takes only that page), while their projections hold.
     remember(response, seconds=min(fresh, default=REMEMBER_SECONDS))
     return response
 
@@ -85,7 +86,7 @@ def retrieve(request: HttpRequest, user: Any, batch_id: str) -> HttpResponse:
     # Revalidated on every use (a shared cache must never keep one owner's batch).
     patch_cache_control(response, private=True, no_cache=True)
     answer = get_conditional_response(request, etag=response["ETag"], response=response)
-    # Replayed, while the batch row is unchanged, to this client's next polls (batchweb.polls),
+    # Replayed, while the batch row is unchanged, to this client's next polls (jobs.http.polls),
     # until its projected end would be past or its at-risk flag due (Batch.projection).
     remember(answer or response, seconds=batch.projection().fresh_for)
     return answer or response

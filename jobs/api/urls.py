@@ -1,8 +1,8 @@
 from django.urls import path
 
 from jobs.api import batches, eval_sets, files, message_batches, models, uploads, usage
-from jobs.http import poll_rows
-from jobs.http.web import polled
+from jobs.http import polls
+from jobs.http.polls import polled
 
 urlpatterns = [
     path("files", files.files),
@@ -12,9 +12,9 @@ urlpatterns = [
     path("uploads/<str:upload_id>/parts", uploads.upload_parts),
     path("uploads/<str:upload_id>/complete", uploads.upload_complete),
     path("uploads/<str:upload_id>/cancel", uploads.upload_cancel),
-    # Polled: a GET may be answered from Django's last answer (batchweb/polls.py).
-    path("batches", polled(batches.batch_list, poll_rows.api_list)),
-    path("batches/<str:batch_id>", polled(batches.batch_detail, poll_rows.api_batch)),
+    # Polled: a GET may be answered from Django's last answer (jobs/http/polls.py).
+    path("batches", polled(batches.batch_list, polls.api_list)),
+    path("batches/<str:batch_id>", polled(batches.batch_detail, polls.api_batch)),
     path("batches/<str:batch_id>/cancel", batches.batch_cancel),
     path("batches/<str:batch_id>/results", batches.batch_results),
     path("batches/<str:batch_id>/rerun", batches.batch_rerun),

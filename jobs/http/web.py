@@ -1,16 +1,13 @@
 """Web helpers both faces share, the `/v1` API (`jobs/api/`) and the dashboard
 (`jobs/views/`): the sizes of their lists' pages, a request's declared size, an upload as a
 local path, a stored file as a download, and the marks of a polled route and of an answer
-the poll memo may replay (batchweb/polls.py)."""
+the poll memo may replay (jobs/http/polls.py)."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
 
 from django.contrib.auth.models import User
 from django.core.files.uploadedfile import UploadedFile
@@ -25,45 +22,13 @@ from jobs.storage.external import ObjectChanged
 from jobs.storage.objects import download_url, open_file
 from jobs.storage.temp import local_temp
 
+# The API's paths (the /v1 views, and what pages alone need skips them).
+API_PREFIX = "/v1/"
 # The first page of GET /v1/batches: its default size, and the largest a client may ask for.
 LIST_LIMIT = 20
 LIST_MAX_LIMIT = 100
 # Batches a page of the dashboard's list shows.
 LIST_PAGE_SIZE = 20
-
-# A remembered answer is dropped after this long even if nothing changed, so a client's
-# first poll after it goes through Django again (the API key's last-used time, a revoked
-# staff right). Polls come every 2-30 s.
-REMEMBER_SECONDS = 60.0
-
-View = TypeVar("View", bound=Callable[..., Any])
-
-
-def polled(view: View, rows: Callable[..., Any]) -> View:
-    """Mark a route's view as polled (in urls.py, beside its path): a GET of it may be
-    answered by the poll memo, from the answer Django last gave the same client, while
-    `rows` (a reader of jobs/http/poll_rows.py) finds the same rows. The view still says,
-    answer by answer, whether it may be replayed (`remember`)."""
-    view.poll_rows = rows  # type: ignore[attr-defined]
-    return view
-
-
-@dataclass(frozen=True)
-class Validity:
-    """What a view says of an answer it lets be remembered: until when it is good
-    (time.monotonic()), and checks (a function, the value it gave) of inputs other than
-    the batch row, each called again before the answer is replayed."""
-
-    until: float
-    checks: tuple[tuple[Callable[[], object], object], ...] = ()
-
-
-def remember(response: HttpResponseBase, *, seconds: float = REMEMBER_SECONDS,
-             checks: tuple[tuple[Callable[[], object], object], ...] = ()) -> None:
-    """Let this answer to a poll be replayed while the batch row is unchanged."""
-    response.poll_validity = Validity(  # type: ignore[attr-defined]
-        time.monotonic() + min(seconds, REMEMBER_SECONDS), checks)
-
 
 class SignedInRequest(HttpRequest):
     """What a dashboard view behind `login_required` gets, for the type checker: a real

@@ -78,7 +78,7 @@ class Compiled:
 
     def raw_rows(self, **values: Any) -> list[Any]:
         """The rows as the database driver gives them, before the ORM's conversions: what
-        a caller that only compares rows needs (batchweb.polls, on every poll of a batch).
+        a caller that only compares rows needs (jobs.http.polls, on every poll of a batch).
 
         The query runs on the driver's own cursor with its SQL made ready once: Django's
         cursor rewrites the placeholders of every query on SQLite (a regular expression

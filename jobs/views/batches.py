@@ -33,13 +33,8 @@ from django.views.decorators.http import require_GET, require_POST
 from django_htmx.http import HttpResponseClientRedirect, HttpResponseStopPolling
 
 from jobs.formats import result_lines
-from jobs.http.web import (
-    LIST_PAGE_SIZE,
-    SignedInRequest,
-    download_response,
-    remember,
-    uploaded_path,
-)
+from jobs.http.polls import remember
+from jobs.http.web import LIST_PAGE_SIZE, SignedInRequest, download_response, uploaded_path
 from jobs.lib import heavy
 from jobs.lib.errors import ServiceError
 from jobs.models import Batch, File
@@ -66,7 +61,7 @@ BUSY_RETRY_SECONDS = 2
 # page's period spread by +-15% so that many open pages do not all ask at the same instant.
 # While the batch does not change the page lets polls pass, up to 30 s apart (static/js/
 # app.js): the polling URL stays the same, so each such poll is the browser revalidating
-# its copy, which the poll memo (batchweb.polls) answers without Django.
+# its copy, which the poll memo (jobs.http.polls) answers without Django.
 POLL_MIN_SECONDS = 2
 POLL_MAX_SECONDS = 30
 POLL_JITTER = 0.15
@@ -185,7 +180,7 @@ def batch_list(request: SignedInRequest) -> HttpResponse:
     response = render(request, template, context)
     if first:
         # The table is replayed to this browser's next requests while its batches are
-        # unchanged (batchweb.polls), until the running ones' ETAs are due again, and
+        # unchanged (jobs.http.polls), until the running ones' ETAs are due again, and
         # never past a projection's moment (Batch.projection).
         remember(response, seconds=min([LIST_STALE_SECONDS, *(
             row["projection"].fresh_for for row in rows if "projection" in row)]))

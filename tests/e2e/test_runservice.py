@@ -178,7 +178,7 @@ def test_the_test_command_beside_a_service_leaves_it_alone(service: Service) -> 
     wait_for(service.up, timeout=90, message="the service")
     key = api_key(service)
     # What `make test` wraps its run in: a Redis of its own, started and stopped.
-    subprocess.run([sys.executable, "-m", "batchweb.embedded", sys.executable, "-c", "pass"],
+    subprocess.run([sys.executable, "-m", "jobs.storage.embedded", sys.executable, "-c", "pass"],
                    cwd=ROOT, check=True, timeout=60,
                    env={k: v for k, v in service.env.items() if k != "REDIS_URL"})
     batch_id = submit(service, key, 60)

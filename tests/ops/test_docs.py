@@ -17,7 +17,7 @@ READ = re.compile(
     r"""(?:\benv_(?:bool|int|float|list)|\benviron\.get|\bgetenv|\benv\.get)\(\s*"""
     r"""["']([A-Z][A-Z0-9_]+)["']"""
     r"""|\b(?:environ|env)\[\s*["']([A-Z][A-Z0-9_]+)["']\s*\](?!\s*=[^=])""")
-# A WSGI request's environ (batchweb.polls reads it by the same names): not settings.
+# A WSGI request's environ (jobs.http.polls reads it by the same names): not settings.
 CGI = {"REQUEST_METHOD", "SCRIPT_NAME", "PATH_INFO", "QUERY_STRING", "CONTENT_TYPE",
        "CONTENT_LENGTH", "SERVER_NAME", "SERVER_PORT", "SERVER_PROTOCOL", "REMOTE_ADDR"}
 

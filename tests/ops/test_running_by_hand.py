@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from batchweb.embedded import redis_in_use
+from jobs.storage.embedded import redis_in_use
 from tests.factories import ROOT
 
 # What a fresh clone has of the checkout (no var/: no secret_key, database or models).

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from batchweb.embedded import PrivateS3
+from jobs.storage.embedded import PrivateS3
 
 try:
     import boto3

@@ -18,8 +18,8 @@ from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from django.utils import timezone
 
-from batchweb.embedded import PrivateS3
 from jobs.storage import backends as storage
+from jobs.storage.embedded import PrivateS3
 from jobs.storage.lines import open_range_lines
 from tests.factories import ROOT, free_port
 

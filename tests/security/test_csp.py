@@ -1,4 +1,4 @@
-"""The Content-Security-Policy (batchweb/csp.py): on every page, the dashboard's, the admin's
+"""The Content-Security-Policy (jobs/http/csp.py): on every page, the dashboard's, the admin's
 and django-rq's, with nothing inline allowed but the fixed blocks of the packages' own
 templates, each by its hash; the dashboard's templates and static files carry no inline
 code at all. tests/dashboard/test_csp_browser.py shows Chromium finds no violation."""
@@ -11,8 +11,8 @@ import pytest
 from django.test import Client
 from django.urls import reverse
 
-from batchweb.csp import HEADER, allowed_hashes, hash_source, inline_code, policy
 from batchweb.wsgi import application
+from jobs.http.csp import HEADER, allowed_hashes, hash_source, inline_code, policy
 from tests.factories import ROOT, wsgi_call
 
 pytestmark = pytest.mark.django_db

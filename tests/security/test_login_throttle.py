@@ -84,7 +84,7 @@ def test_a_lock_lifts_after_the_cool_off(people: dict) -> None:
 
 
 def test_the_client_address_behind_proxies_is_the_one_they_saw(settings: Any) -> None:
-    from batchweb.throttle import client_ip
+    from jobs.http.throttle import client_ip
 
     factory = RequestFactory()
     spoofed = factory.get("/", REMOTE_ADDR="10.0.0.2",

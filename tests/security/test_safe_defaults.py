@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from batchweb.embedded import SECRET_KEY_FILE, ensure_secret_key
+from batchweb.secret_key import SECRET_KEY_FILE, ensure_secret_key
 from tests.factories import ROOT
 
 # Its tests start the service's settings in processes of their own.
@@ -27,8 +27,8 @@ def _settings(code: str, *, key_file: Path, **env: str | None) -> subprocess.Com
     child = {k: v for k, v in os.environ.items()
              if k not in ("DJANGO_SETTINGS_MODULE", "SECRET_KEY", "DEBUG", "BATCHWEB_HTTPS")}
     child.update({k: v for k, v in env.items() if v is not None})
-    script = (f"from pathlib import Path\nimport batchweb.embedded\n"
-              f"batchweb.embedded.SECRET_KEY_FILE = Path({str(key_file)!r})\n"
+    script = (f"from pathlib import Path\nimport batchweb.secret_key\n"
+              f"batchweb.secret_key.SECRET_KEY_FILE = Path({str(key_file)!r})\n"
               f"from batchweb import settings as s\n{code}")
     return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=child, text=True,
                           capture_output=True, timeout=60)

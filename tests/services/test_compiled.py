@@ -17,8 +17,8 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from batchweb.auth import ModelBackend
-from batchweb.sessions import SessionStore
+from jobs.http.auth import ModelBackend
+from jobs.http.sessions import SessionStore
 from jobs.lib.compiled import Compiled
 from jobs.lib.errors import ServiceError
 from jobs.models import Batch, SpotCheck

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from batchweb.embedded import PrivateS3
+from jobs.storage.embedded import PrivateS3
 from tests.factories import ROOT, PrivateRedis, chat_line, jsonl, wait_for
 from tests.upgrade.stack import (
     Stack,

@@ -27,7 +27,6 @@ from django.conf import settings
 from django.core.checks import Tags
 from django.core.management.base import BaseCommand, CommandError
 
-from batchweb.embedded import redis_in_use
 from engine import load_engine
 from engine.base import ModelSpec
 from jobs.capacity import fleet
@@ -36,6 +35,7 @@ from jobs.lib import queues
 from jobs.lib.model_registry import model_spec
 from jobs.policy import close_engines
 from jobs.services.cleanup import sweep_temp_dir
+from jobs.storage.embedded import redis_in_use
 from jobs.worker import rq_worker
 from jobs.worker.pipeline import Pipeline
 from jobs.worker.presence import Presence, free_name

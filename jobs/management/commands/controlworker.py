@@ -26,8 +26,8 @@ from django.conf import settings
 from django.core.checks import Tags
 from django.core.management.base import BaseCommand
 
-from batchweb.embedded import redis_in_use
 from jobs.lib import queues
+from jobs.storage.embedded import redis_in_use
 from jobs.worker.periodic import Periodic
 from jobs.worker.presence import Presence, free_name
 from jobs.worker.rq_worker import take_jobs

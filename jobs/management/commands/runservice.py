@@ -27,14 +27,14 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from batchweb.embedded import (
+from jobs.lib.model_registry import model_specs
+from jobs.storage.embedded import (
     EmbeddedRedisError,
     InstanceLock,
     ensure_redis,
     keep_files_private,
     redis_in_use,
 )
-from jobs.lib.model_registry import model_specs
 
 # A process that dies this often within the window is not going to recover by itself.
 MAX_RESTARTS = 5

@@ -9,7 +9,7 @@ the first one's Redis and left its workers without a queue.)
 - `manage.py runservice` (`make run`) holds `var/run.lock` for its whole life, draining
   included, and keeps its Redis in `var/run/`: a second instance in the same `var/` waits
   for the first to stop before it starts anything.
-- `python -m batchweb.embedded CMD` (`make test`, `make chaos`) gives CMD a Redis in a
+- `python -m jobs.storage.embedded CMD` (`make test`, `make chaos`) gives CMD a Redis in a
   fresh temporary directory, so the tests never touch a running service's Redis or files.
 
 Real deployments set REDIS_URL and never start this.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import secrets
 import shutil
 import socket
 import subprocess
@@ -256,31 +255,8 @@ class PrivateS3:
         self.log.close()
 
 
-# In the checkout's var/, not BATCHWEB_VAR_DIR: benchmarks and tests give each run a scratch
-# VAR_DIR, and every one of them must sign with the same key as `make run`.
-SECRET_KEY_FILE = Path(__file__).resolve().parent.parent / "var" / "secret_key"
-
-
-def ensure_secret_key(path: Path = SECRET_KEY_FILE) -> Path:
-    """Write a random SECRET_KEY to `path` unless one is there (`make install` runs this), so
-    a laptop never runs on a key that is published in the source."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, scratch = tempfile.mkstemp(dir=path.parent, prefix=".secret_key-")  # mode 0600
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(secrets.token_urlsafe(64) + "\n")
-        # link() publishes the whole file at once and fails if a key is there: a process
-        # never reads a half-written key, and two `make` runs never replace each other's.
-        os.link(scratch, path)
-    except FileExistsError:
-        pass
-    finally:
-        os.unlink(scratch)
-    return path
-
-
 def main() -> None:
-    """`python -m batchweb.embedded CMD...`: run CMD with a Redis of its own if needed."""
+    """`python -m jobs.storage.embedded CMD...`: run CMD with a Redis of its own if needed."""
     # Short: a unix socket path must stay under ~100 bytes.
     directory = Path(tempfile.mkdtemp(prefix="bw-redis-"))
     server = ensure_redis(directory)

@@ -26,7 +26,7 @@ from pathlib import Path
 from django.conf import settings
 from django.http import HttpRequest, HttpResponseBase
 
-from jobs.api.base import API_PREFIX
+from jobs.http.web import API_PREFIX
 
 HEADER = "Content-Security-Policy"
 # Where the pages served but not written here come from: the admin's templates, the CSRF

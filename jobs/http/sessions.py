@@ -29,7 +29,7 @@ class SessionStore(DatabaseSessionStore):
 
 
 # Each session's user, as the session engine read it once (a session key belongs to one
-# user: signing in gives a new key), for the poll memo (batchweb/polls.py): a poll of the
+# user: signing in gives a new key), for the poll memo (jobs/http/polls.py): a poll of the
 # batch table needs no session read of its own; its rows' query still checks that the
 # session is signed in.
 _USERS: OrderedDict[str, int] = OrderedDict()
