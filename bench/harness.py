@@ -453,7 +453,7 @@ def _history(count: str, per_batch: str, password: str) -> dict[str, str]:
     from django.core.files.base import ContentFile
     from django.core.files.storage import default_storage
 
-    from jobs.formats.checkpoint import Progress
+    from jobs.formats.checkpoint_record import Progress
     from jobs.formats.wire import response_line
     from jobs.lib import queues
     from jobs.models import Shard

@@ -725,7 +725,7 @@ class Shard(models.Model):
     flag_counts = models.JSONField(default=dict, blank=True)
     # Requests run a second time because their JSON output did not parse or match.
     json_retries = models.PositiveIntegerField(default=0)
-    # The results a running attempt has saved so far (jobs.formats.checkpoint.Checkpoint as
+    # The results a running attempt has saved so far (jobs.formats.checkpoint_record.Checkpoint as
     # JSON: stored segments of its part files, the input lines they answer, their counters),
     # written only under the attempt that saved them. It stays on the row when the attempt
     # ends unfinished, and the next attempt adopts it: only lines without a result run again.

@@ -2,7 +2,7 @@
 
 No PyPI package ships a moderation classifier vLLM can load, so a model that serves
 embeddings serves moderations the way the moderation content rule screens prompts
-(jobs/policy/moderation.py): each input is embedded in one call with the examples of
+(jobs/policy/embedding_rule.py): each input is embedded in one call with the examples of
 every category, and a category's score is the input's highest cosine similarity to one of
 its examples (0 below none). An input is flagged in a category at or above the threshold.
 

@@ -19,7 +19,7 @@ from typing import IO, Any, Literal
 from django.conf import settings
 from django.core.files.storage import default_storage
 
-from jobs.formats.checkpoint import Checkpoint
+from jobs.formats.checkpoint_record import Checkpoint
 from jobs.formats.wire import read_result_line
 from jobs.lib.heavy import Guard, cached, version
 from jobs.models import Batch, File, Shard

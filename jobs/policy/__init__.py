@@ -14,7 +14,7 @@ The admin's check of a regex rule is `jobs.lib.re2check` (the models use it).
 """
 
 from jobs.policy.chunker import CHUNK_TOKENS, LINE_TOKENS, ScreeningChunker
-from jobs.policy.moderation import close_engines
+from jobs.policy.embedding_rule import close_engines
 from jobs.policy.screener import Screener
 from jobs.policy.violation import VIOLATION, Violation
 

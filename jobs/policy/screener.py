@@ -8,7 +8,7 @@ from typing import Any
 
 from jobs.formats.wire import RequestLine
 from jobs.models import ContentRule
-from jobs.policy.moderation import Moderation
+from jobs.policy.embedding_rule import Moderation
 from jobs.policy.re2rules import text_rules
 from jobs.policy.size import PromptSizeRules
 from jobs.policy.violation import Violation, ViolationSink

@@ -608,7 +608,7 @@ def baselines(run: EvalRun) -> Any:
 def _similar(eval_set: EvalSet, items: list[tuple[str, Any, str | None]]) -> list[bool]:
     """The embedding rule: each answer and its expected text embedded with the set's
     embeddings model (loaded in this process, as moderation rules are)."""
-    from jobs.policy.moderation import embed
+    from jobs.policy.embedding_rule import embed
 
     verdicts = []
     chunk = 128

@@ -24,7 +24,7 @@ from typing import Any
 from django.db import connection
 from django.utils import timezone
 
-from jobs.formats.checkpoint import ShardUsage
+from jobs.formats.checkpoint_record import ShardUsage
 from jobs.models import EvalRun, Shard, UsageDay, UsageRecord
 from jobs.services.pricing import rates_for
 

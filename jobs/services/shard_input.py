@@ -19,7 +19,7 @@ from typing import Any
 from django.db.models import Q
 from django.utils.crypto import salted_hmac
 
-from jobs.formats.checkpoint import Checkpoint
+from jobs.formats.checkpoint_record import Checkpoint
 from jobs.formats.prompts import Room, room_for
 from jobs.formats.wire import LineError, failure_line, refused_line
 from jobs.models import ContentRule, RequestCopy, ScreenedLine, Shard

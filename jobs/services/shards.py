@@ -22,7 +22,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from jobs.formats.checkpoint import Checkpoint, Progress, ShardUsage
+from jobs.formats.checkpoint_record import Checkpoint, Progress, ShardUsage
 from jobs.formats.wire import Code
 from jobs.models import Batch, Shard
 from jobs.services.ledger import record_shard_usage

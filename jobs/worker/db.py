@@ -19,7 +19,7 @@ from typing import Any, ParamSpec, TypeVar
 from django.db import InterfaceError, OperationalError, close_old_connections, connection
 from django.db.models import Min
 
-from jobs.formats.checkpoint import Checkpoint, Progress
+from jobs.formats.checkpoint_record import Checkpoint, Progress
 from jobs.lib import queues
 from jobs.models import LoraAdapter, Shard
 from jobs.services import evals, shard_input, shards, stopping, what_ran

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from jobs.formats.checkpoint import Progress
+from jobs.formats.checkpoint_record import Progress
 from jobs.worker.db import ShardStore
 from jobs.worker.loop import Loop
 from jobs.worker.state import WorkerState

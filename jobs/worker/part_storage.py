@@ -11,7 +11,7 @@ import logging
 from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 
-from jobs.formats.checkpoint import PART_KINDS
+from jobs.formats.checkpoint_record import PART_KINDS
 from jobs.storage.backends import Source, backend
 from jobs.worker.work import ShardWork
 

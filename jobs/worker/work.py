@@ -22,7 +22,7 @@ from typing import Any
 from engine.base import EngineRequest, EngineResult
 from engine.endpoints import reasoning_of, usage_of
 from engine.prefix_limit import PrefixLimit
-from jobs.formats.checkpoint import Checkpoint, Progress, ShardUsage
+from jobs.formats.checkpoint_record import Checkpoint, Progress, ShardUsage
 from jobs.formats.prefix_keys import prefix_key
 from jobs.formats.prompts import Room, output_room
 from jobs.formats.wire import Code, RequestLine, failure_line, response_line, unrun_message

@@ -16,7 +16,7 @@ from django.core.handlers.wsgi import WSGIHandler
 from django.db import connection
 
 from batchweb.wsgi import application
-from jobs.formats.checkpoint import Progress
+from jobs.formats.checkpoint_record import Progress
 from jobs.http import polls, web
 from jobs.lib.compiled import Compiled
 from jobs.models import Batch, SpotCheck

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from django.core.cache import cache
 
-from jobs.formats.checkpoint import Progress
+from jobs.formats.checkpoint_record import Progress
 from jobs.models import ApiKey, Batch, Shard
 from jobs.services.keys import authenticate_key, revoke_api_key
 from jobs.services.progress import refresh_progress

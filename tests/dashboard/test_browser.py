@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from jobs.formats.checkpoint import Progress
+from jobs.formats.checkpoint_record import Progress
 from jobs.services.shards import heartbeat
 from tests.factories import (
     chat_line,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from django.urls import reverse
 
-from jobs.formats.checkpoint import Progress
+from jobs.formats.checkpoint_record import Progress
 from jobs.http.csp import HEADER, policy
 from jobs.services.shards import heartbeat
 from tests.dashboard.test_browser import CHROMIUM, browser, sign_in  # noqa: F401

@@ -18,7 +18,7 @@ from django.test import Client
 from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
-from jobs.formats.checkpoint import Progress
+from jobs.formats.checkpoint_record import Progress
 from jobs.models import Batch, Shard
 from jobs.services.progress import refresh_progress
 from jobs.services.shards import finish_shard, heartbeat

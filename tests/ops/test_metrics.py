@@ -104,7 +104,7 @@ def test_metrics_workers_per_host(admin_client, user, tmp_path, settings):
 
 
 def test_metrics_usage_ledger(admin_client, user, tmp_path, settings):
-    from jobs.formats.checkpoint import Progress
+    from jobs.formats.checkpoint_record import Progress
     from jobs.models import Price
     from jobs.services import shards as shard_service
 

@@ -15,7 +15,7 @@ import pytest
 from django.urls import reverse
 from django.utils import timezone
 
-from jobs.formats.checkpoint import Progress
+from jobs.formats.checkpoint_record import Progress
 from jobs.models import Batch, Price, Quota, Shard, UsageRecord
 from jobs.services import shards as shard_service
 from jobs.services.budgets import budget_for
@@ -184,7 +184,7 @@ def test_adapter_requests_are_charged_at_the_adapters_price(user, tmp_path, sett
     """A shard whose requests named a LoRA adapter: one ledger row for the adapter at its
     price, one for the base model's rest at the default price; the base model's row takes
     the failures; a late finish writes nothing more."""
-    from jobs.formats.checkpoint import ShardUsage
+    from jobs.formats.checkpoint_record import ShardUsage
 
     Price.objects.create(model="", input_per_million=1, output_per_million=1,
                          batch_discount_percent=0)

@@ -13,7 +13,7 @@ from django.core.files.base import ContentFile
 from django.core.files.storage import default_storage
 from django.utils import timezone
 
-from jobs.formats.checkpoint import Checkpoint, Progress
+from jobs.formats.checkpoint_record import Checkpoint, Progress
 from jobs.models import Batch, Shard, UsageRecord
 from jobs.services import shards as shard_service
 from jobs.services.batches import create_batch

@@ -14,7 +14,7 @@ import pytest
 
 from engine.base import EngineResult, ModelSpec
 from engine.echo import EchoEngine
-from jobs.formats.checkpoint import Checkpoint
+from jobs.formats.checkpoint_record import Checkpoint
 from jobs.formats.prompts import Room
 from jobs.formats.wire import RequestLine
 from jobs.models import Batch, Shard

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from django.core.files.storage import default_storage
 
-from jobs.formats.checkpoint import Checkpoint
+from jobs.formats.checkpoint_record import Checkpoint
 from jobs.models import Shard
 from jobs.services import shards as shard_service
 from tests.factories import (

@@ -9,7 +9,7 @@ import json
 
 from engine.base import EngineResult, ModelSpec
 from engine.echo import EchoEngine
-from jobs.formats.checkpoint import Checkpoint, Progress
+from jobs.formats.checkpoint_record import Checkpoint, Progress
 from jobs.formats.prompts import Room
 from jobs.formats.wire import Code, LineError, RequestLine
 from jobs.services.shard_input import Screened

@@ -1,6 +1,8 @@
-"""The moderation rule: each prompt embedded with a configured embeddings model, through the
-same engine code as inference, and flagged when it is close (cosine similarity) to one of
-the rule's example texts. Lines are embedded in chunks."""
+"""The moderation rule of content policy (a ContentRule of kind moderation; not the
+/v1/moderations endpoint, engine/endpoints/moderations.py): each prompt embedded with a
+configured embeddings model, through the same engine code as inference, and flagged when it
+is close (cosine similarity) to one of the rule's example texts. Lines are embedded in
+chunks."""
 
 from __future__ import annotations
 
