@@ -44,7 +44,8 @@ class ApiHandler(BaseHandler):
         self._view_middleware: list[Any] = []
         self._template_response_middleware: list[Any] = []
         self._exception_middleware: list[Any] = []
-        handler = convert_exception_to_response(self._get_response)
+        # The view step Django's own load_middleware wraps (not in the type stubs).
+        handler = convert_exception_to_response(self._get_response)  # type: ignore[attr-defined]
         for path in reversed(settings.API_MIDDLEWARE):
             try:
                 middleware = import_string(path)(handler)
