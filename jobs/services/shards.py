@@ -89,11 +89,14 @@ def _lost_segments(checkpoint: Checkpoint) -> list[str]:
 
 
 def heartbeat(*, shard_id: str, attempt: int, progress: Progress, unsaved: int | None = 0,
-              batch_id: str = "") -> tuple[bool, str]:
+              batch_id: str = "", moved: bool = True) -> tuple[bool, str]:
     """Record that the worker is alive, how far it got, and how many of the requests it
     computed its checkpoint does not hold yet (None: left as the last checkpoint recorded
     it). Returns (still ours, the batch's stop code: non-empty when the shard must stop).
-    `batch_id`: the shard's, when the caller knows it (one read less)."""
+    `batch_id`: the shard's, when the caller knows it (one read less). `moved`: False when
+    `progress` is what this attempt's last heartbeat wrote, so the batch's sums cannot have
+    changed by it: they are not read again (two queries of four, on most beats of a shard
+    of long answers)."""
     batch_id = batch_id or Shard.objects.filter(pk=shard_id).values_list(
         "batch_id", flat=True).first() or ""
     counts = {} if unsaved is None else {"computed_unsaved": unsaved}
@@ -101,7 +104,7 @@ def heartbeat(*, shard_id: str, attempt: int, progress: Progress, unsaved: int |
         mine = Shard.objects.filter(pk=shard_id, attempt=attempt,
                                     status=Shard.Status.RUNNING).update(
             heartbeat_at=timezone.now(), **counts, **progress.as_fields())
-        if mine and batch_id:
+        if mine and batch_id and moved:
             refresh_progress(batch_id=batch_id)
     stop_code = (Batch.objects.filter(pk=batch_id).values_list("stop_code", flat=True)
                  .first() or "")

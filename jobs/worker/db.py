@@ -107,14 +107,15 @@ class ShardStore:
         return what_ran.record_adapter(shard=shard, worker=self.worker, engine=engine,
                                        adapter=adapter)
 
-    def heartbeat(self, work: ShardWork, *, progress: Progress, unsaved: int | None
-                  ) -> tuple[bool, str]:
+    def heartbeat(self, work: ShardWork, *, progress: Progress, unsaved: int | None,
+                  moved: bool = True) -> tuple[bool, str]:
         """Keep the attempt alive with its progress: (still ours, the batch's stop code).
-        Not retried: the heartbeat thread beats again a few seconds later."""
+        `moved`: False when `progress` is what its last heartbeat wrote. Not retried: the
+        heartbeat thread beats again a few seconds later."""
         with timed("heartbeat"):
             return shards.heartbeat(shard_id=work.shard_id, attempt=work.attempt,
                                     progress=progress, unsaved=unsaved,
-                                    batch_id=work.batch_id)
+                                    batch_id=work.batch_id, moved=moved)
 
     @_retried
     def checkpoint(self, work: ShardWork, checkpoint: Checkpoint, *, unsaved: int = 0

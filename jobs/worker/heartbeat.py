@@ -21,6 +21,9 @@ class Heartbeat(Loop):
         self.state = state
         self.store = store
         self.every = every
+        # What the last beat wrote of each attempt's progress (shard id, attempt): a beat
+        # that writes the same again leaves the batch's sums alone.
+        self.written: dict[tuple[str, int], Progress] = {}
         super().__init__()
 
     def _loop(self) -> None:
@@ -29,7 +32,11 @@ class Heartbeat(Loop):
 
     def beat(self) -> None:
         state = self.state
-        for work in state.current_works():
+        works = state.current_works()
+        current = {(work.shard_id, work.attempt) for work in works}
+        self.written = {key: seen for key, seen in self.written.items() if key in current}
+        for work in works:
+            key = (work.shard_id, work.attempt)
             # The unsaved count is read and written with no checkpoint in between: one
             # recorded meanwhile would otherwise be overwritten by this older, larger count
             # (and a lost attempt's recomputed requests over-counted). While a checkpoint
@@ -39,8 +46,10 @@ class Heartbeat(Loop):
                 with work.lock:
                     snapshot = Progress(**work.progress.as_fields())
                     unsaved = work.computed - work.saved_computed if counting else None
-                mine, stop_code = self.store.heartbeat(work, progress=snapshot,
-                                                       unsaved=unsaved)
+                mine, stop_code = self.store.heartbeat(
+                    work, progress=snapshot, unsaved=unsaved,
+                    moved=self.written.get(key) != snapshot)
+                self.written[key] = snapshot
             finally:
                 if counting:
                     work.checkpoint_lock.release()

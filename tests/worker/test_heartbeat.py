@@ -72,3 +72,27 @@ def test_a_cancelled_batchs_shard_stops_its_requests(pipeline,
     assert work.stop_code == Code.BATCH_CANCELLED
     # Still this worker's, to write its lines' error lines and finish.
     assert not work.dead and pipeline.state.current_works() == [work]
+
+
+def test_a_beat_with_nothing_new_leaves_the_batchs_sums_alone(
+        pipeline, make_batch: Callable[..., Batch]):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    batch = make_batch(chat_lines(3), shard_size=10)
+    work = running(pipeline, batch)
+    with work.lock:
+        work.progress.completed = 1
+    pipeline.heartbeat.beat()
+    assert Batch.objects.get(pk=batch.pk).completed == 1
+    with CaptureQueriesContext(connection) as moved_not:
+        pipeline.heartbeat.beat()
+    # Kept alive all the same, without the batch's sums read again.
+    assert not any("SUM(" in q["sql"].upper() for q in moved_not.captured_queries)
+    assert any("heartbeat_at" in q["sql"] for q in moved_not.captured_queries)
+    with work.lock:
+        work.progress.completed = 2
+    with CaptureQueriesContext(connection) as moved:
+        pipeline.heartbeat.beat()
+    assert any("SUM(" in q["sql"].upper() for q in moved.captured_queries)
+    assert Batch.objects.get(pk=batch.pk).completed == 2
