@@ -94,9 +94,10 @@ def private_s3(stack: ExitStack, scratch: Path) -> dict[str, str]:
 
 @contextmanager
 def private_redis(scratch: Path, *, reuse: bool = False) -> Iterator[int | None]:
-    """A private Redis (jobs.storage.embedded) for the scratch deployment, exported as REDIS_URL to this
-    process and the children started meanwhile. Private by default, so that no other worker
-    takes the benchmark's jobs; with `reuse`, a REDIS_URL already set is used instead.
+    """A private Redis (jobs.storage.embedded) for the scratch deployment, exported as
+    REDIS_URL to this process and the children started meanwhile. Private by default, so
+    that no other worker takes the benchmark's jobs; with `reuse`, a REDIS_URL already set
+    is used instead.
     Yields the pid of the Redis it started (None when it reused one)."""
     from jobs.storage.embedded import ensure_redis
 

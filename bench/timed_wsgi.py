@@ -29,8 +29,8 @@ from django.db import connection
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "batchweb.settings")
 django.setup(set_prefix=False)
 
-from jobs.http.polls import REMEMBERED  # noqa: E402
 from batchweb.wsgi import application as _service  # noqa: E402
+from jobs.http.polls import REMEMBERED  # noqa: E402
 
 
 class _Queries:
