@@ -31,9 +31,16 @@ engine/remote_limits.py is steered here by what online users see, at the SLO's p
   a p90, a hundred for a p99): grown where the step's share of the room (in proportion
   to the limit) stays under `slo_band`, held up to it, cut past it; and cut at once,
   before a full window, when more samples are past the SLO than a full window may have.
+  A growth is taken where the step's share of the room, in proportion to the limit,
+  stays under `slo_band`; where it would not, one request more is still tried while the
+  measured percentile is well under the band and the SLO's budget allows (a trial): a
+  server's first batch request costs online users more than each next one, which the
+  proportion cannot know. A limit cut back from is not tried again for BUDGET_SECONDS.
   A limit of 1 that must be cut goes to 0 (paused) while online users are there: even
-  one batch request in flight breaks the SLO; it is tried again after
-  PAUSE_RETRY_SECONDS, and a lull resumes the batch meanwhile.
+  one batch request in flight breaks the SLO; one is tried again after
+  PAUSE_RETRY_SECONDS while under half the budget is spent (each retry that fails
+  spends some of it, so retries thin out by themselves), and a lull resumes the batch
+  meanwhile.
 - **The deadline floor**: the concurrency the server's batches need to meet their windows
   (jobs/capacity.py's plan, written to the server's state by the reconciler's pass). The
   SLO never cuts below it, nor pauses under it; the reason then says the SLO is traded
@@ -87,8 +94,12 @@ QUIET_SECONDS = 300.0
 # Online users coming back after a lull are judged over this long: those that came in it
 # met the lull's batch requests until they were aborted.
 ONSET_SECONDS = 10.0
-# Paused with online users there: one batch request is tried again after this long.
-PAUSE_RETRY_SECONDS = 300.0
+# Paused with online users there: one batch request is tried again after this long, while
+# under half the SLO's budget is spent.
+PAUSE_RETRY_SECONDS = 30.0
+# A growth the proportion would not take is tried where the percentile is under this
+# share of the band.
+TRIAL_SHARE = 0.75
 # A deadline floor older than this was written by no live reconciler: ignored.
 FLOOR_FRESH_SECONDS = 120.0
 # Our answers' times to first token kept in the stream (the prober reads them each tick).
@@ -234,6 +245,8 @@ class Decision:
     # The requests in flight above the new limit are aborted, not run to their end: online
     # users are back after a lull, or even one batch request breaks the SLO.
     shed: bool = False
+    # Cut for what online users met (not for their return after a lull).
+    cut: bool = False
 
 
 def pressure(measured: float, *, alone: float, target: float) -> float:
@@ -245,7 +258,8 @@ def pressure(measured: float, *, alone: float, target: float) -> float:
 def decide(*, pressure_now: float | None, over: bool, enough: bool, band: float,
            limit: float, ceiling: float, floor: float, binding: bool, online: bool,
            slo_limit: float | None, fill_cap: float | None = None, draining: bool = False,
-           retry: bool = False, pressure_cut: float | None = None) -> Decision:
+           retry: bool = False, pressure_cut: float | None = None,
+           trial: bool = False, tried: float | None = None) -> Decision:
     """The next limit. `pressure_now`: the measured percentile's place between alone and
     the SLO (None: nothing to go by yet); `pressure_cut`: the same where a cut is decided,
     where it reads lower (the measure's samples that may be ours left out); `over`: more
@@ -256,7 +270,9 @@ def decide(*, pressure_now: float | None, over: bool, enough: bool, band: float,
     SLO last held; `fill_cap`: how high a lull is filled (the ceiling where None);
     `draining`: more requests are in flight than the limit (a cut not yet felt: the
     requests above it still run to their end, and cutting again would overshoot);
-    `retry`: paused long enough to try one batch request again."""
+    `retry`: paused long enough to try one batch request again; `trial`: the budget
+    allows a growth the proportion would not take; `tried`: the lowest limit cut back
+    from lately (growth stays under it)."""
     # A floor asks for requests in flight: at least one (never paused under it).
     floor = min(max(floor, 1.0), ceiling) if floor > 0 else 0.0
     if not online:
@@ -265,10 +281,10 @@ def decide(*, pressure_now: float | None, over: bool, enough: bool, band: float,
         new = max(grown, floor)
         return Decision(new, "ceiling" if new >= ceiling else "no_online_traffic")
 
-    def held(new: float, shed: bool = False) -> Decision:
+    def held(new: float, shed: bool = False, cut: bool = False) -> Decision:
         if new < floor:
-            return Decision(floor, "deadline_floor")
-        return Decision(new, "paused" if new < 1 else "slo", shed)
+            return Decision(floor, "deadline_floor", cut=cut)
+        return Decision(new, "paused" if new < 1 else "slo", shed, cut)
 
     if slo_limit is not None and limit > slo_limit:
         # Online users are back: straight to where the SLO held, the excess aborted.
@@ -286,19 +302,25 @@ def decide(*, pressure_now: float | None, over: bool, enough: bool, band: float,
             return held(1.0)
         return held(0.0)
     if cut and limit <= 1:
-        return held(0.0, shed=True)  # one batch request breaks the SLO: none
+        return held(0.0, shed=True, cut=True)  # one batch request breaks the SLO: none
     if cut and draining:
         return held(limit)
     if cut:
         worst = max(cut_at, band, 1.0 if over else 0.0)
-        return held(max(1.0, limit * max(0.5, min(0.85, band / worst * 0.85))))
+        return held(max(1.0, limit * max(0.5, min(0.85, band / worst * 0.85))), cut=True)
     if enough and binding:
         # Far below the band the step is larger: a p99's window is long to wait for. A
         # step is taken where the room it uses, in proportion to the requests in flight
-        # (a CPU server's steps grow so), stays under the band.
+        # (a CPU server's steps grow so), stays under the band; else one request more as
+        # a trial, where the budget allows it and the percentile is well under the band.
         step = 0.5 if pressure_now < band / 4 else 0.1
         new = min(ceiling, limit + max(1.0, step * limit))
-        if pressure_now * new / limit < band:
+        if tried is not None and new >= tried:
+            new = min(new, tried - 1)
+        if new > limit and pressure_now * new / limit < band:
+            return Decision(max(new, floor), "ceiling" if new >= ceiling else "slo")
+        if new > limit and trial and pressure_now < band * TRIAL_SHARE:
+            new = min(new, limit + 1)
             return Decision(max(new, floor), "ceiling" if new >= ceiling else "slo")
     new = max(limit, floor)
     if new > limit:
@@ -754,7 +776,7 @@ class Steering:
         pipe.lrange(self.samples_key, 0, -1)
         pipe.lrange(self.alone_key, 0, -1)
         pipe.hmget(state_key, "limit", "steered_at", "floor", "floor_at", "slo_limit",
-                   "fill_cap", "paused_at", "untimed")
+                   "fill_cap", "paused_at", "untimed", "tried", "tried_at")
         after, raw_samples, raw_alone, fields = await pipe.execute()
         now, clock = time.time(), time.monotonic()
         in_flight = len(after)
@@ -863,13 +885,19 @@ class Steering:
         if moved_cap:  # each move starts the budget's window afresh
             fill_cap, self._budget_since = moved, now
         quiet = clock - self._seen_at >= QUIET_SECONDS
+        # The budget allows a try (a retry from a pause, a trial growth): under half of it
+        # spent, over a window that holds enough samples to say.
+        may_try = budget.n >= self.slo.enough and spent < 0.5
+        tried = float(fields[8]) if fields[8] and now - float(fields[9] or 0) \
+            < BUDGET_SECONDS else None
         decision = decide(pressure_now=now_pressure, pressure_cut=cut_pressure, over=over,
                           enough=tail.n >= self.slo.enough, band=self.slo.band, limit=limit,
                           ceiling=ceiling, floor=floor, binding=in_flight + 1 >= int(limit),
                           online=online, slo_limit=slo_limit,
                           fill_cap=None if quiet else fill_cap,
                           draining=in_flight > max(1, int(limit)),
-                          retry=bool(paused_at) and now - paused_at >= PAUSE_RETRY_SECONDS)
+                          retry=bool(paused_at) and now - paused_at >= PAUSE_RETRY_SECONDS
+                          and may_try, trial=may_try, tried=tried)
         if self._lull is not None:
             self._lull = (self._lull[0], max(self._lull[1], decision.limit))
         self._last_at = now
@@ -884,6 +912,10 @@ class Steering:
             else "probes", "budget_spent": round(spent, 3), "slo_seen_at": round(now, 3)}
         if moved_cap:
             shown["fill_cap"] = round(fill_cap, 3)
+        if decision.cut and limit >= 1:
+            # Not grown back to where it was cut from while the budget's window lasts.
+            shown["tried"] = round(min(limit, tried if tried is not None else limit), 3)
+            shown["tried_at"] = round(now, 3)
         if online and decision.reason != "measuring":
             # Where the SLO holds now: where the limit comes back to when online users
             # return after a lull.

@@ -503,7 +503,7 @@ def test_decisions():
     # A cut not felt yet (more in flight than the limit) is not cut again.
     assert decide(pressure_now=2.0, limit=8.0, draining=True, **base).limit == 8.0
     assert decide(pressure_now=2.0, limit=8.0, **{**base, "floor": 6.0}) == Decision(
-        6.0, "deadline_floor")
+        6.0, "deadline_floor", cut=True)
     assert decide(pressure_now=0.1, limit=8.0, **{**base, "binding": False}).limit == 8.0
     assert decide(pressure_now=None, limit=8.0, **{**base, "online": False}) == Decision(
         16.0, "no_online_traffic")
@@ -512,12 +512,33 @@ def test_decisions():
         6.0, "slo", shed=True)
 
 
+def test_trial_growths():
+    base = {"over": False, "enough": True, "band": 0.8, "ceiling": 32.0, "floor": 0.0,
+            "binding": True, "online": True, "slo_limit": None}
+    # The proportion says a second request would take the percentile past the band; a
+    # server's first batch request costs more than each next one, so while the budget
+    # allows, one more is tried where the percentile is well under the band...
+    assert decide(pressure_now=0.46, limit=1.0, **base) == Decision(1.0, "slo")
+    assert decide(pressure_now=0.46, limit=1.0, trial=True, **base) == Decision(2.0, "slo")
+    # ...one request at a time, never near the band...
+    assert decide(pressure_now=0.3, limit=8.0, trial=True, **base) == Decision(9.0, "slo")
+    assert decide(pressure_now=0.7, limit=2.0, trial=True, **base) == Decision(2.0, "slo")
+    # ...and never back up to a limit cut back from lately.
+    assert decide(pressure_now=0.46, limit=1.0, trial=True, tried=2.0, **base).limit == 1.0
+    assert decide(pressure_now=0.1, limit=8.0, tried=10.0, **base).limit == 9.0
+    # A cut says it is one (the limit it was cut from is remembered); users' return is not.
+    assert decide(pressure_now=2.0, limit=8.0, **base).cut
+    assert decide(pressure_now=1.5, limit=1.0, **base).cut
+    assert not decide(pressure_now=None, limit=32.0, **{**base, "slo_limit": 6.0}).cut
+
+
 def test_pause_decisions():
     base = {"over": False, "enough": True, "band": 0.8, "ceiling": 32.0, "floor": 0.0,
             "binding": True, "online": True, "slo_limit": None}
     # At 1, a cut is a pause: even one batch request breaks the SLO; the one in flight
     # is aborted.
-    assert decide(pressure_now=1.5, limit=1.0, **base) == Decision(0.0, "paused", shed=True)
+    assert decide(pressure_now=1.5, limit=1.0, **base) == Decision(0.0, "paused", shed=True,
+                                                                   cut=True)
     assert decide(pressure_now=0.5, limit=1.0, **{**base, "over": True}).limit == 0.0
     # Paused with online users there: it stays paused, however quiet it looks...
     assert decide(pressure_now=0.0, limit=0.0, **base) == Decision(0.0, "paused")
@@ -534,7 +555,7 @@ def test_pause_decisions():
         0.0, "paused", shed=True)
     # Never paused under a deadline floor: it holds one request at least, saying so.
     assert decide(pressure_now=1.5, limit=1.0, **{**base, "floor": 0.4}) == Decision(
-        1.0, "deadline_floor")
+        1.0, "deadline_floor", cut=True)
     assert decide(pressure_now=None, limit=16.0, **{**base, "slo_limit": 0.0,
                                                    "floor": 3.0}) == Decision(
         3.0, "deadline_floor")
