@@ -502,9 +502,12 @@ def slo_round(args: argparse.Namespace, batch: list[EngineRequest], scratch: Pat
         row["alone"] = alone
         slo = {f: f * alone["ttft_p99"] * 1000 for f in factors}
         # The batch's idle rate: at the ceiling, fixed, no online client.
+        # Both idle drains settle as long as the runs beside the client: a drain started
+        # afresh hands in a whole ceiling of prompts at once, and its requests outlive
+        # SETTLE, so a shorter settling measures where their phases happen to be.
         idle = BatchDrain(server.url, source, args.ceiling, **fixed_options(args.ceiling))
         try:
-            row["ceiling_idle"] = idle.run(args.seconds, settle=SETTLE)
+            row["ceiling_idle"] = idle.run(args.seconds, settle=SLO_SETTLE)
         finally:
             idle.close()
         idle_tok_s = row["ceiling_idle"]["generated"] / args.seconds
@@ -514,7 +517,7 @@ def slo_round(args: argparse.Namespace, batch: list[EngineRequest], scratch: Pat
         alone_slo = BatchDrain(server.url, source, args.ceiling, ttft_slo_ms=slo[factors[0]],
                                ttft_slo_percentile=99, slo_probe_interval=args.probe_every)
         try:
-            row["slo_idle"] = alone_slo.run(args.seconds, settle=SETTLE)
+            row["slo_idle"] = alone_slo.run(args.seconds, settle=SLO_SETTLE)
         finally:
             alone_slo.close()
         row["no_online_ratio"] = row["slo_idle"]["generated"] / args.seconds / idle_tok_s
