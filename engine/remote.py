@@ -10,7 +10,7 @@ Options (the model's `options` in BATCHWEB_MODELS_FILE):
                          false: refused at start)
     max_concurrency      the ceiling of requests in flight there, summed over every worker
                          that names the same base_url (default 64)
-    initial_concurrency  where the adaptive limit starts (default 4)
+    initial_concurrency  where the adaptive limit starts (default 4; 1 under an SLO)
     connect_timeout      seconds (default 10); request_timeout: seconds per attempt (600)
     max_retries          retries of one request on 429, 503, a timeout or a reset (8)
     backoff_base, backoff_max   full-jitter exponential backoff, seconds (0.5, 30)
@@ -31,7 +31,7 @@ Options (the model's `options` in BATCHWEB_MODELS_FILE):
     max_in_flight        requests the worker hands in at once (default 2 x max_concurrency)
     lease_seconds        how long the slots of a worker killed mid-request stay taken
                          (default 30; a live worker renews its own every third of it)
-    redis_url            set by jobs/engines.py: the Redis holding the shared limit
+    redis_url            set by jobs/lib/model_registry.py: the Redis holding the shared limit
     ttft_slo_ms | ttft_slo_factor, ttft_slo_percentile, itl_slo_ms, slo_probe_interval,
     slo_band, online_priority   the online latency to hold (engine/remote_slo.py); with
                          one set, the limit is steered by it instead of by latency and
@@ -288,7 +288,12 @@ class RemoteEngine(LoopEngine):
         self.metrics_url = self._metrics_url(options["metrics_url"])
         self._auth, self._metrics_auth = self._keys(options)
         self.ceiling = max(1, int(options["max_concurrency"]))
-        self.initial = max(1, min(self.ceiling, int(options["initial_concurrency"])))
+        # Under an SLO the limit starts at one request where the operator names no start:
+        # a start above where the SLO holds would spend the SLO's budget (which allows
+        # the controller's trials) on its way down.
+        initial = options["initial_concurrency"] if self.slo is None or \
+            "initial_concurrency" in spec.options else 1
+        self.initial = max(1, min(self.ceiling, int(initial)))
         self.max_retries = int(options["max_retries"])
         self.backoff_base = float(options["backoff_base"])
         self.backoff_max = float(options["backoff_max"])
@@ -322,7 +327,7 @@ class RemoteEngine(LoopEngine):
         self._floor = float("inf")
         self._floor_at = time.monotonic()
         # Seconds per output token of one request, smoothed: the deadline floor's measure
-        # of what one slot yields (jobs/capacity.py).
+        # of what one slot yields (jobs/capacity/plan.py).
         self._token_seconds = 0.0
         self._token_seconds_at = 0.0
         self._noted: dict[str, float] = {}

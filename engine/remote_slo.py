@@ -42,7 +42,7 @@ engine/remote_limits.py is steered here by what online users see, at the SLO's p
   spends some of it, so retries thin out by themselves), and a lull resumes the batch
   meanwhile.
 - **The deadline floor**: the concurrency the server's batches need to meet their windows
-  (jobs/capacity.py's plan, written to the server's state by the reconciler's pass). The
+  (the plan of jobs/capacity/plan.py, written to the server's state by the reconciler's pass). The
   SLO never cuts below it, nor pauses under it; the reason then says the SLO is traded
   for a deadline.
 

@@ -482,6 +482,14 @@ def test_an_slo_needs_a_model_that_generates():
     assert slo.enough == 100 and slo.budget == pytest.approx(0.01)
 
 
+def test_under_an_slo_the_limit_starts_at_one_request_unless_told(made):
+    server = make_server(made)
+    assert make_engine(made, server.url).initial == 4
+    # A start above where the SLO holds would spend its budget on the way down.
+    assert make_engine(made, server.url, ttft_slo_ms=500).initial == 1
+    assert make_engine(made, server.url, ttft_slo_ms=500, initial_concurrency=6).initial == 6
+
+
 def test_decisions():
     base = {"over": False, "enough": True, "band": 0.8, "ceiling": 32.0, "floor": 0.0,
             "binding": True, "online": True, "slo_limit": None}
