@@ -30,7 +30,7 @@ controller hold it back?); then, per online pattern (--patterns: steady, one req
 then --burst-off seconds of none), the batch with each factor's SLO started afresh beside
 the client, and the oracle: each fixed max_concurrency of --oracle (0: no batch) beside
 the same client (the same seed), the best one that holds each SLO being the bar. Each run
-settles for SLO_SETTLE seconds, then is measured for --seconds. Reported, medians over the
+settles for --settle seconds, then is measured for --seconds. Reported, medians over the
 rounds: the client's p99 TTFT against the SLO (rounds met), the batch's share of its idle
 rate for the controller and for the oracle, and their ratio. Here the client runs in a
 process of its own, as online users do (in the batch worker's process it would wait on
@@ -79,7 +79,9 @@ MAX_MODEL_LEN = 2048
 KV_GIB = 2
 # interactive: seconds a drain runs before its window (and the client) starts.
 SETTLE = 10.0
-# interactive with an SLO: seconds the client and the batch run together before the window.
+# interactive with an SLO: seconds the client and the batch run together before the window
+# (--settle): a p99 controller decides once 100 samples are in, so it needs several times
+# 100 / the client's rate to settle.
 SLO_SETTLE = 30.0
 
 
@@ -455,10 +457,10 @@ def fixed_options(limit: int) -> dict[str, Any]:
 def beside_client(args: argparse.Namespace, url: str, source: Any, idle_tok_s: float,
                   ceiling: int, pattern: str, seed: int, **options: Any) -> dict[str, Any]:
     """A batch started afresh beside the online client in `pattern`, both through the
-    settling time (SLO_SETTLE, unmeasured) and a window of args.seconds: the client's p99
+    settling time (args.settle, unmeasured) and a window of args.seconds: the client's p99
     TTFT over the window, and the batch's tokens/s as a share of `idle_tok_s`. A ceiling
     of 0 runs no batch (the client's own p99 in that pattern)."""
-    client = {"every": args.every, "skip": SLO_SETTLE, "pattern": pattern, "seed": seed,
+    client = {"every": args.every, "skip": args.settle, "pattern": pattern, "seed": seed,
               "on": args.burst_on, "off": args.burst_off}
     if ceiling == 0:
         beside = online_client(url, args.seconds, **client)
@@ -469,7 +471,7 @@ def beside_client(args: argparse.Namespace, url: str, source: Any, idle_tok_s: f
     done: list[dict[str, Any]] = []
     try:
         thread = threading.Thread(target=lambda: done.append(drain.run(args.seconds,
-                                                                       settle=SLO_SETTLE)))
+                                                                       settle=args.settle)))
         thread.start()
         beside = online_client(url, args.seconds, **client)
         thread.join()
@@ -507,7 +509,7 @@ def slo_round(args: argparse.Namespace, batch: list[EngineRequest], scratch: Pat
         # SETTLE, so a shorter settling measures where their phases happen to be.
         idle = BatchDrain(server.url, source, args.ceiling, **fixed_options(args.ceiling))
         try:
-            row["ceiling_idle"] = idle.run(args.seconds, settle=SLO_SETTLE)
+            row["ceiling_idle"] = idle.run(args.seconds, settle=args.settle)
         finally:
             idle.close()
         idle_tok_s = row["ceiling_idle"]["generated"] / args.seconds
@@ -517,7 +519,7 @@ def slo_round(args: argparse.Namespace, batch: list[EngineRequest], scratch: Pat
         alone_slo = BatchDrain(server.url, source, args.ceiling, ttft_slo_ms=slo[factors[0]],
                                ttft_slo_percentile=99, slo_probe_interval=args.probe_every)
         try:
-            row["slo_idle"] = alone_slo.run(args.seconds, settle=SLO_SETTLE)
+            row["slo_idle"] = alone_slo.run(args.seconds, settle=args.settle)
         finally:
             alone_slo.close()
         row["no_online_ratio"] = row["slo_idle"]["generated"] / args.seconds / idle_tok_s
@@ -589,7 +591,7 @@ def slo_interactive(args: argparse.Namespace) -> dict[str, Any]:
                 "controller_over_oracle": median([m["over_oracle"] for m in mine])}
     return {"rounds": rows, "summary": summary, "batch_requests": args.batch,
             "seconds": args.seconds, "every": args.every, "ceiling": args.ceiling,
-            "probe_every": args.probe_every, "slo_settle": SLO_SETTLE,
+            "probe_every": args.probe_every, "slo_settle": args.settle,
             "patterns": args.patterns, "oracle": args.oracle, "burst_on": args.burst_on,
             "burst_off": args.burst_off}
 
@@ -640,6 +642,8 @@ def main() -> None:
     parser.add_argument("--slo-factors", default="",
                         help="interactive: SLOs to hold, as multiples of the client's p99 "
                         "TTFT alone (e.g. 2,1.25); empty: no SLO, as before")
+    parser.add_argument("--settle", type=float, default=SLO_SETTLE,
+                        help="interactive with an SLO: seconds before each window")
     parser.add_argument("--probe-every", type=float, default=1.0,
                         help="interactive with an SLO: slo_probe_interval, seconds")
     parser.add_argument("--pin", action="store_true",
