@@ -55,6 +55,8 @@ SMOKES = [
           ("peak RSS MB", "Uploads API 2 MB"), marks=(SLOW,)),
     Smoke("orchestration", ("--sizes", "100", "--workers", "1"),
           ("upload r/s | validate r/s",), marks=(SLOW,)),
+    Smoke("service_floor", ("-n", "4", "--hold", "1", "--idle", "1"),
+          ("ms of CPU per second", "median:"), marks=(SLOW,)),
     Smoke("planning", ("-n", "1000", "--repeats", "1"),
           ("shared-prefix grouping on", "labels grouping on"), marks=(SLOW,)),
     Smoke("dashboard_load", ("--seconds", "2", "--pollers", "2", "--listers", "1",
