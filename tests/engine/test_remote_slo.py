@@ -312,7 +312,9 @@ def test_the_limit_settles_where_the_slo_holds_at_its_percentile(made):
     # flight. The batch's own first tokens (400 ms, past the SLO) are in the server's
     # histogram too, and taken out.
     server = make_server(made, per_request=0.02)
-    engine = make_engine(made, server.url, ttft_slo_ms=220)
+    # Started at 4 (under an SLO it starts at 1 unless told): this is about where it
+    # settles, and each step waits for a p99's window.
+    engine = make_engine(made, server.url, ttft_slo_ms=220, initial_concurrency=4)
     made.append(Drain(engine))
     # Past where the SLO's room is half used (5 in flight, with the latency alone here):
     # the percentile of the server's own samples lets the limit grow.
@@ -333,7 +335,8 @@ def test_a_server_that_does_not_slow_down_reaches_the_ceiling(made):
     server = make_server(made, per_request=0.0)
     # An SLO well above its 20 ms: on a loaded test machine the probes themselves read
     # 80-150 ms, which must not pass for the batch's doing.
-    engine = make_engine(made, server.url, ttft_slo_ms=400, max_concurrency=16)
+    engine = make_engine(made, server.url, ttft_slo_ms=400, max_concurrency=16,
+                         initial_concurrency=4)
     made.append(Drain(engine))
     wait_for(lambda: state(server.url, 16).limit >= 16
              and state(server.url, 16).slo_ms is not None, seconds=90)
