@@ -223,12 +223,12 @@ AUTH_PASSWORD_VALIDATORS = [
 # accounts (credential stuffing from one place); the owner, signing in from elsewhere, is not
 # affected. A lock lifts after AXES_COOLOFF_TIME without failures; distributed guessing is
 # left to the password validators above.
-# jobs.http.auth.ModelBackend is Django's, with a cheaper lookup of a session's user. A
+# batchweb.auth.ModelBackend is Django's, with a cheaper lookup of a session's user. A
 # session records the backend that signed it in: one of Django's own ModelBackend (before
 # this one replaced it) is signed out once.
 AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",
-    "jobs.http.auth.ModelBackend",
+    "batchweb.auth.ModelBackend",
 ]
 LOGIN_FAILURES_PER_USER = 5
 LOGIN_FAILURES_PER_IP = 20

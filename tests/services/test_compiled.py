@@ -17,7 +17,7 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from jobs.http.auth import ModelBackend
+from batchweb.auth import ModelBackend
 from jobs.http.sessions import SessionStore
 from jobs.lib.compiled import Compiled
 from jobs.lib.errors import ServiceError

@@ -1,6 +1,10 @@
 """The authentication backend of passwords and sessions: Django's ModelBackend, whose
 lookup of a session's user (on every request of a signed-in page, each poll of the batch
-page among them) runs a query compiled once per process (jobs.lib.compiled)."""
+page among them) runs a query compiled once per process (jobs.lib.compiled).
+
+It stays here, with the settings that name it: Django records this dotted path in every
+signed-in session and signs out a session whose backend is no longer in
+AUTHENTICATION_BACKENDS, so moving it would sign every user out at an upgrade."""
 
 from __future__ import annotations
 
