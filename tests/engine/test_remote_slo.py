@@ -347,7 +347,8 @@ def test_a_server_that_does_not_slow_down_reaches_the_ceiling(made):
 def test_without_online_traffic_the_batch_goes_up_and_comes_back_when_users_return(
         made, lull):
     server = make_server(made, online=0.0)
-    engine = make_engine(made, server.url, ttft_slo_ms=120, max_concurrency=16)
+    engine = make_engine(made, server.url, ttft_slo_ms=120, max_concurrency=16,
+                         initial_concurrency=4)
     made.append(Drain(engine))
     # No one to protect (once the first second, taken as online, is past): the SLO does
     # not hold the batch back.
