@@ -649,13 +649,6 @@ def main() -> None:
     report(args, rows, load_start)
 
 
-def cpu_model() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return ""
-
-
 def report(args: argparse.Namespace, rows: list[dict[str, Any]],
            load_start: tuple[float, float, float]) -> None:
     good = [r for r in rows if not r["saturated"] and "exactly_once" in r
@@ -680,7 +673,7 @@ def report(args: argparse.Namespace, rows: list[dict[str, Any]],
         "in_flight": args.in_flight, "batch_size": args.batch_size,
         "shard_size": args.shard_size, "users": args.users, "pooler": args.pooler,
         "pool_size": args.pool_size, "load_start": load_start, "steps": rows,
-        "cpu": cpu_model(),
+        "cpu": harness.cpu_model(),
         "ceiling_rps": ceiling["finished_rps"] if ceiling else 0.0,
         "saturated_at": saturated["offered_rps"] if saturated else None})
 

@@ -314,6 +314,14 @@ def cpu_split(*pids: int | None) -> dict[str, float]:
     return tree_cpu(process_tree(*pids))
 
 
+def cpu_model() -> str:
+    """The CPU's model name (lscpu's), for a benchmark's report; "" where lscpu has none."""
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+        if line.startswith("Model name:"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
 def peak_rss_mb(pid: int) -> float:
     """The process's peak resident memory so far (VmHWM), in MB; 0 once it has exited."""
     try:

@@ -85,13 +85,6 @@ SETTLE = 10.0
 SLO_SETTLE = 30.0
 
 
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    found = [line.split(":", 1)[1].strip() for line in out.splitlines()
-             if line.startswith("Model name")]
-    return found[0] if found else "unknown CPU"
-
-
 def engine_requests(requests: list[dict], model: str) -> list[EngineRequest]:
     return [EngineRequest(r["custom_id"], CHAT, {**r["body"], "model": model,
                                                  "ignore_eos": True}) for r in requests]
@@ -676,7 +669,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-redis-") as folder, \
             harness.private_redis(Path(folder)):
         result = throughput(args) if args.part == "throughput" else interactive(args)
-    result["cpu"] = cpu_name()
+    result["cpu"] = harness.cpu_model() or "unknown CPU"
     print(json.dumps(result, indent=1))
     harness.write_json(args.json, result)
 

@@ -124,14 +124,7 @@ def main() -> None:
     totals = sorted(row["total_ms_per_s"] for row in rows)
     print(f"median: {totals[len(totals) // 2]:.2f} ms of CPU per second")
     harness.write_json(args.json, {"rounds": rows, "median_total_ms_per_s":
-                                   totals[len(totals) // 2], "cpu": cpu_name()})
-
-
-def cpu_name() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    found = [line.split(":", 1)[1].strip() for line in out.splitlines()
-             if line.startswith("Model name")]
-    return found[0] if found else "unknown CPU"
+                                   totals[len(totals) // 2], "cpu": harness.cpu_model()})
 
 
 if __name__ == "__main__":

@@ -495,18 +495,11 @@ def main() -> None:
               f"fleet; peak {result['peak_workers']} workers, {result['workers_started']} "
               f"started; {result['run_seconds']:.0f} s", flush=True)
     harness.write_json(args.json, {
-        "cpu": cpu_model(), "day_seconds": args.day_seconds, "compression": c,
+        "cpu": harness.cpu_model(), "day_seconds": args.day_seconds, "compression": c,
         "size_scale": args.size_scale, "worker_rps": speed, "seed": args.seed,
         "work_worker_seconds": round(work, 1), "fewest_worker_seconds": round(fewest, 1),
         "fewest_peak": fewest_peak, "fixed_workers": fixed,
         "fixed_worker_seconds": fixed * args.day_seconds, "orders": results})
-
-
-def cpu_model() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return ""
 
 
 if __name__ == "__main__":
