@@ -9,13 +9,12 @@ engine/remote_limits.py is steered here by what online users see, at the SLO's p
 - **The measure**: vLLM's own histogram of time to first token
   (`vllm:time_to_first_token_seconds`, every request the server served), read from its
   /metrics at each tick, less our batch requests' own share: a server started with
-  `--enable-per-request-metrics` says each answer's time to first token, which the
-  workers put in a Redis stream (`Ours`), and the prober takes them out of the
-  histogram bucket by bucket. Where our answers do not say (another server, the flag
-  off) the measure is the probes alone: one tiny streamed request at online priority
-  every `slo_probe_interval` seconds, timed from the POST to its first token, which
-  also measure the latency *alone* (no batch request in flight) and stand guard from
-  the client's side.
+  `--enable-per-request-metrics` says each answer's time to first token, which the workers
+  put in a Redis stream (`Ours`), and the prober takes them out of the histogram bucket by
+  bucket. Where our answers do not say (another server, the flag off) the measure is the
+  probes alone: one tiny streamed request at online priority every `slo_probe_interval`
+  seconds, timed from the POST to its first token, which also measure the latency *alone*
+  (no batch request in flight) and stand guard from the client's side.
 - **Whether any online user is there now**: the server's requests running and waiting
   (vLLM's gauges) beyond our leases. With none for LULL_SECONDS the limit fills the lull
   (doubling per tick up to the fill cap; the ceiling where no online user was seen for
@@ -24,27 +23,29 @@ engine/remote_limits.py is steered here by what online users see, at the SLO's p
   later). The fill cap starts where the SLO holds, halves from what users coming back met
   where they met the SLO broken (ONSET_SECONDS), and doubles after a lull they came back
   from unharmed while under half of the SLO's budget over BUDGET_SECONDS (the share of
-  online samples the percentile lets past it) is spent. A server without vLLM's metrics
-  is taken to always have online users.
+  online samples the percentile lets past it, counted over a full window at least) is
+  spent. A server without vLLM's metrics is taken to always have online users.
 - **The controller**: between the latency alone and the SLO, the measured percentile of
-  the samples since the limit last moved decides once there are enough of them (ten for
-  a p90, a hundred for a p99): grown where the step's share of the room (in proportion
-  to the limit) stays under `slo_band`, held up to it, cut past it; and cut at once,
-  before a full window, when more samples are past the SLO than a full window may have.
-  A growth is taken where the step's share of the room, in proportion to the limit,
-  stays under `slo_band`; where it would not, one request more is still tried while the
-  measured percentile is well under the band and the SLO's budget allows (a trial): a
-  server's first batch request costs online users more than each next one, which the
-  proportion cannot know. A limit cut back from is not tried again for BUDGET_SECONDS.
-  A limit of 1 that must be cut goes to 0 (paused) while online users are there: even
-  one batch request in flight breaks the SLO; one is tried again after
-  PAUSE_RETRY_SECONDS while under half the budget is spent (each retry that fails
-  spends some of it, so retries thin out by themselves), and a lull resumes the batch
-  meanwhile.
+  the samples since the limit last moved decides once there are enough of them (ten for a
+  p90, a hundred for a p99). A lull's fill and the return from it do not start a new
+  window (the samples taken above the level are left out of it), so a p99's window fills
+  across bursts of online users, each too short to fill one. Grown where the step's share
+  of the room (in proportion to the limit) stays under `slo_band`, held up to it, cut past
+  it; and cut at once, before a full window, when more samples are past the SLO than a
+  full window may have. A growth is taken where the step's share of the room, in
+  proportion to the limit, stays under `slo_band`; where it would not, one request more is
+  still tried while the measured percentile is well under the band and the SLO's budget
+  allows (a trial, on a fifth of a window with no sample past the SLO): a server's first
+  batch request costs online users more than each next one, which the proportion cannot
+  know. A limit cut back from is not tried again for BUDGET_SECONDS. A limit of 1 that
+  must be cut goes to 0 (paused) while online users are there: even one batch request in
+  flight breaks the SLO; one is tried again after PAUSE_RETRY_SECONDS while under half the
+  budget is spent (each retry that fails spends some of it, so retries thin out by
+  themselves), and a lull resumes the batch meanwhile.
 - **The deadline floor**: the concurrency the server's batches need to meet their windows
-  (the plan of jobs/capacity/plan.py, written to the server's state by the reconciler's pass). The
-  SLO never cuts below it, nor pauses under it; the reason then says the SLO is traded
-  for a deadline.
+  (the plan of jobs/capacity/plan.py, written to the server's state by the reconciler's
+  pass). The SLO never cuts below it, nor pauses under it; the reason then says the SLO is
+  traded for a deadline.
 
 The 429/503/timeout cuts of remote_limits.ADJUST still apply on top.
 """
@@ -98,8 +99,11 @@ ONSET_SECONDS = 10.0
 # under half the SLO's budget is spent.
 PAUSE_RETRY_SECONDS = 30.0
 # A growth the proportion would not take is tried where the percentile is under this
-# share of the band.
+# share of the band, once a window holds this part of a full one with no sample past the
+# SLO: a p99's full window takes bursts of online users minutes to fill, and a trial that
+# was wrong costs a sample or two past the SLO before it is cut back.
 TRIAL_SHARE = 0.75
+TRIAL_PART = 0.2
 # A deadline floor older than this was written by no live reconciler: ignored.
 FLOOR_FRESH_SECONDS = 120.0
 # Our answers' times to first token kept in the stream (the prober reads them each tick).
@@ -128,6 +132,12 @@ class Slo:
     def enough(self) -> int:
         """Samples a window needs before its percentile decides a growth."""
         return math.ceil(TAIL_SAMPLES / self.budget - 1e-9)
+
+    @property
+    def trial_samples(self) -> int:
+        """Samples a window needs, none past the SLO, before a trial growth: a part of a
+        full window (ten at least, where a full window holds more)."""
+        return min(self.enough, max(10, math.ceil(self.enough * TRIAL_PART)))
 
 
 def number_option(name: str, option: str, value: Any, *, low: float,
@@ -183,6 +193,11 @@ def percentile(values: Sequence[float], p: float) -> float:
     return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
 
 
+def apart(at: float, spans: Sequence[tuple[float, float]]) -> bool:
+    """Whether the time `at` falls in one of `spans` ((start, end])."""
+    return any(start < at <= end for start, end in spans)
+
+
 @dataclass(frozen=True)
 class Tail:
     """A window of online samples as the controller reads it: how many, the SLO's
@@ -196,6 +211,12 @@ class Tail:
         """More samples past the SLO than a full window may hold: the percentile of any
         window holding these is past it, however many samples come next."""
         return self.over > slo.budget * max(self.n, slo.enough) + 1e-6
+
+    def spent(self, slo: Slo) -> float:
+        """The samples past the SLO over those its percentile lets past, in a full window
+        at least: a few samples with none past it spend nothing, one past it in a few
+        spends a full window's share."""
+        return self.over / (slo.budget * max(self.n, slo.enough))
 
 
 def samples_tail(values_ms: Sequence[float], p: float, target_ms: float | None) -> Tail:
@@ -271,8 +292,9 @@ def decide(*, pressure_now: float | None, over: bool, enough: bool, band: float,
     `draining`: more requests are in flight than the limit (a cut not yet felt: the
     requests above it still run to their end, and cutting again would overshoot);
     `retry`: paused long enough to try one batch request again; `trial`: the budget
-    allows a growth the proportion would not take; `tried`: the lowest limit cut back
-    from lately (growth stays under it)."""
+    allows a growth the proportion would not take, and the window (a full one or not)
+    holds no sample past the SLO; `tried`: the lowest limit cut back from lately (growth
+    stays under it)."""
     # A floor asks for requests in flight: at least one (never paused under it).
     floor = min(max(floor, 1.0), ceiling) if floor > 0 else 0.0
     if not online:
@@ -308,16 +330,18 @@ def decide(*, pressure_now: float | None, over: bool, enough: bool, band: float,
     if cut:
         worst = max(cut_at, band, 1.0 if over else 0.0)
         return held(max(1.0, limit * max(0.5, min(0.85, band / worst * 0.85))), cut=True)
-    if enough and binding:
+    if (enough or trial) and binding:
         # Far below the band the step is larger: a p99's window is long to wait for. A
         # step is taken where the room it uses, in proportion to the requests in flight
         # (a CPU server's steps grow so), stays under the band; else one request more as
-        # a trial, where the budget allows it and the percentile is well under the band.
+        # a trial, where the budget allows it and the percentile is well under the band
+        # (a trial decides on a part of a window: a wrong one costs a sample or two past
+        # the SLO and is cut back at once, by `over`).
         step = 0.5 if pressure_now < band / 4 else 0.1
         new = min(ceiling, limit + max(1.0, step * limit))
         if tried is not None and new >= tried:
             new = min(new, tried - 1)
-        if new > limit and pressure_now * new / limit < band:
+        if enough and new > limit and pressure_now * new / limit < band:
             return Decision(max(new, floor), "ceiling" if new >= ceiling else "slo")
         if new > limit and trial and pressure_now < band * TRIAL_SHARE:
             new = min(new, limit + 1)
@@ -328,13 +352,23 @@ def decide(*, pressure_now: float | None, over: bool, enough: bool, band: float,
     return Decision(new, "ceiling" if new >= ceiling else "slo")
 
 
+def window_start(steered_at: float, now: float, *, online: bool,
+                 decision: Decision) -> float:
+    """When the window of samples that steers the limit starts once `decision` moved it
+    (from a window begun at `steered_at`): a lull's fill, and the return from it to where
+    the SLO held, keep the window of that level (the samples taken above it are left out);
+    a move of the level itself starts a new one."""
+    kept = not online or (decision.shed and not decision.cut)
+    return steered_at if kept else now
+
+
 def next_fill_cap(cap: float, *, onset_bad: bool | None, reached: float, spent: float,
-                  enough: bool, slo_limit: float, ceiling: float) -> float:
+                  slo_limit: float, ceiling: float) -> float:
     """How high the next lull is filled. `onset_bad`: whether online users coming back
     after the last lull (which reached `reached`) met a time to first token past the SLO
-    before its batch requests were aborted (None: no lull ended since); `spent`: the share
-    of online samples past the SLO over the share the percentile allows, over the budget's
-    window (`enough`: it holds enough samples to say). Halved from what users met where
+    before its batch requests were aborted (None: no lull ended since); `spent`: the
+    samples past the SLO over those the percentile allows in the budget's window (in a
+    full window at least: a few samples say nothing of a p99). Halved from what users met where
     they met the SLO broken (never below where the SLO holds; a half under 1 is none: lulls
     are not filled); doubled after a lull filled to it that users came back from
     unharmed, while under half the budget is spent: each try of a higher fill may cost
@@ -342,14 +376,14 @@ def next_fill_cap(cap: float, *, onset_bad: bool | None, reached: float, spent: 
     if onset_bad:
         half = min(cap, reached) / 2
         return max(slo_limit, half if half >= 1 else 0.0)
-    if onset_bad is False and reached >= cap and enough and spent < 0.5 and cap < ceiling:
+    if onset_bad is False and reached >= cap and spent < 0.5 and cap < ceiling:
         return min(ceiling, max(1.0, cap * 2))
     return cap
 
 
-# KEYS: state. ARGV: the limit read, the new limit, reason, ceiling, now (the prober's
-# clock, which its samples carry). Written only if no one changed the limit meanwhile (a
-# 429's cut since is kept).
+# KEYS: state. ARGV: the limit read, the new limit, reason, ceiling, when the window of
+# samples that steers the limit starts (the prober's clock, which its samples carry).
+# Written only if no one changed the limit meanwhile (a 429's cut since is kept).
 STEER = """
 local ceiling = tonumber(ARGV[4])
 local limit = math.min(tonumber(redis.call('HGET', KEYS[1], 'limit') or ceiling), ceiling)
@@ -517,18 +551,19 @@ class Histogram:
             self.ours[bucket] -= 1  # counted once, when it came
             self.take_out(first_at, bucket)
 
-    def window(self, since: float, held: set[bytes], until: float = math.inf
+    def window(self, since: float, held: set[bytes], until: float = math.inf,
+               left_out: Sequence[tuple[float, float]] = ()
                ) -> tuple[tuple[float, ...], int]:
-        """Online counts per bucket since `since` (to `until`), and how many of our leases held now
-        were held at a tick in it (at most that many of our first tokens are still in
-        those counts). Our answer's time to first token is a little shorter than the
-        server's count of it (which starts at the request's arrival in its front end and
-        ends when the front end has the token): where a bucket is left below 0, the
-        deficit is ours counted a bucket or more higher, and is taken from there."""
+        """Online counts per bucket since `since` (to `until`; ticks in the spans `left_out` not
+        counted), and how many of our leases held now were held at a tick in it (at most that
+        many of our first tokens are still in those counts). Our answer's time to first token is
+        a little shorter than the server's count of it (which starts at the request's arrival in
+        its front end and ends when the front end has the token): where a bucket is left below
+        0, the deficit is ours counted a bucket or more higher, and is taken from there."""
         sums = [0.0] * len(self.edges)
         pending: set[bytes] = set()
         for tick in self.ticks:
-            if since < tick.at <= until:
+            if since < tick.at <= until and not apart(tick.at, left_out):
                 for i, c in enumerate(tick.online):
                     sums[i] += c
                 pending |= tick.leases & held
@@ -575,6 +610,12 @@ class Steering:
         # users back from one: the same, judged ONSET_SECONDS after.
         self._lull: tuple[float, float] | None = None
         self._onset: tuple[float, float] | None = None
+        # Spans of time (start, end] whose samples were taken with the limit above where
+        # the SLO holds (a lull filled, users back until its excess was aborted): they are
+        # no measure of that level, and are left out of the window that steers it, which
+        # a lull's fill does not end (a p99's window fills across bursts of users).
+        self._apart: deque[tuple[float, float]] = deque()
+        self._above = False  # the last tick left the limit above where the SLO holds
 
     # -- the probe ------------------------------------------------------------------
 
@@ -771,6 +812,10 @@ class Steering:
         before = await redis.zrange(leases_key, 0, -1)
         scrape = await self._scrape()
         read_at = time.time()
+        if self._above:
+            self._apart.append((self._last_at, read_at))
+        while self._apart and self._apart[0][1] < read_at - BUDGET_SECONDS:
+            self._apart.popleft()
         pipe = redis.pipeline()
         pipe.zrange(leases_key, 0, -1)
         pipe.lrange(self.samples_key, 0, -1)
@@ -826,13 +871,13 @@ class Steering:
         by_histogram = h.timed and bool(h.ticks) and \
             clock - self._untimed_at >= BUDGET_SECONDS
         self._budget_since = max(self._budget_since, now - BUDGET_SECONDS)
-        recent = [s for s in samples if s.at > steered_at]
+        recent = [s for s in samples if s.at > steered_at and not apart(s.at, self._apart)]
         probes = samples_tail([s.ttft_ms for s in recent], p, target)
         if by_histogram:
             # Read two ways (Histogram): our first tokens possibly not taken out yet spread
             # as our answers' are, for a growth; taken from the top, for a cut.
             held = set(after)
-            counts, pending = h.window(steered_at, held)
+            counts, pending = h.window(steered_at, held, left_out=self._apart)
             tail = histogram_tail(h.edges, without_like(counts, pending, h.ours), p, target)
             low = histogram_tail(h.edges, without_top(counts, pending), p, target)
             counts, pending = h.window(self._budget_since, held)
@@ -876,18 +921,16 @@ class Steering:
                                       target).over
             onset_bad, reached = bad >= 1, self._onset[1]
             self._onset = None
-        spent = budget.over / (self.slo.budget * budget.n) if budget.n else 0.0
-        moved = next_fill_cap(fill_cap, onset_bad=onset_bad,
-                              reached=reached,
-                              spent=spent, enough=budget.n >= self.slo.enough,
+        spent = budget.spent(self.slo)
+        moved = next_fill_cap(fill_cap, onset_bad=onset_bad, reached=reached, spent=spent,
                               slo_limit=slo_limit, ceiling=ceiling)
         moved_cap = moved != fill_cap
         if moved_cap:  # each move starts the budget's window afresh
             fill_cap, self._budget_since = moved, now
         quiet = clock - self._seen_at >= QUIET_SECONDS
         # The budget allows a try (a retry from a pause, a trial growth): under half of it
-        # spent, over a window that holds enough samples to say.
-        may_try = budget.n >= self.slo.enough and spent < 0.5
+        # spent.
+        may_try = spent < 0.5
         tried = float(fields[8]) if fields[8] and now - float(fields[9] or 0) \
             < BUDGET_SECONDS else None
         decision = decide(pressure_now=now_pressure, pressure_cut=cut_pressure, over=over,
@@ -897,7 +940,8 @@ class Steering:
                           fill_cap=None if quiet else fill_cap,
                           draining=in_flight > max(1, int(limit)),
                           retry=bool(paused_at) and now - paused_at >= PAUSE_RETRY_SECONDS
-                          and may_try, trial=may_try, tried=tried)
+                          and may_try, tried=tried,
+                          trial=may_try and tail.n >= self.slo.trial_samples and tail.over < 1)
         if self._lull is not None:
             self._lull = (self._lull[0], max(self._lull[1], decision.limit))
         self._last_at = now
@@ -926,9 +970,11 @@ class Steering:
                 shown["paused_at"] = round(now, 3)  # the SLO's level is now none
         await redis.hset(state_key, mapping={k: str(v) for k, v in shown.items()})
         self.filling = not online and decision.limit > slo_limit
+        self._above = self.filling or decision.shed
         if abs(decision.limit - limit) > 1e-6:
             steered = await self.engine._steer(keys=[state_key], args=[
-                repr(limit), repr(decision.limit), decision.reason, ceiling, repr(now)])
+                repr(limit), repr(decision.limit), decision.reason, ceiling,
+                repr(window_start(steered_at, now, online=online, decision=decision))])
             if decision.shed and abs(float(steered) - decision.limit) < 1e-6:
                 await redis.hset(state_key, "shed_at", repr(now))
         else:

@@ -418,6 +418,41 @@ def test_where_one_batch_request_breaks_the_slo_it_pauses_and_resumes_in_a_lull(
     assert max(limits_over(server.url, 2.0)) == 0 and server.in_flight == 0
 
 
+def test_bursts_of_online_users_raise_the_level_and_the_lulls_between_are_filled(
+        made, lull):
+    # TTFT = 20 ms + 10 ms per batch request in flight: 100 ms holds up to 8 in flight.
+    # Bursts of online users of 1 s, then 4 s of none (the window kept across them:
+    # test_a_lulls_fill_and_the_return_from_it_keep_the_levels_window).
+    server = make_server(made, per_request=0.01, online=0.0)
+    engine = make_engine(made, server.url, ttft_slo_ms=100, max_concurrency=16)
+    made.append(Drain(engine))
+    client = redis.Redis.from_url(REDIS_URL)
+    stop = threading.Event()
+
+    def bursts() -> None:
+        while not stop.is_set():
+            server.set_online(20.0)
+            stop.wait(1.0)
+            server.set_online(0.0)
+            stop.wait(4.0)
+
+    threading.Thread(target=bursts, daemon=True).start()
+    levels: list[float] = []
+
+    def level() -> float:
+        levels.append(float(client.hget(keys(server.url)[1], "slo_limit") or 0))
+        return levels[-1]
+
+    try:
+        wait_for(lambda: level() >= 4, seconds=150)
+        # The lulls between the bursts are filled above it.
+        wait_for(lambda: state(server.url).reason in ("no_online_traffic", "ceiling")
+                 and state(server.url).limit > level(), seconds=30)
+    finally:
+        stop.set()
+    assert max(levels) <= 8, levels
+
+
 def test_a_multiple_of_the_time_alone_is_measured_before_the_batch(made):
     # A server whose answers do not say their time to first token: the probes measure.
     server = make_server(made, base=0.04, timed=False)
@@ -540,6 +575,11 @@ def test_trial_growths():
     # ...one request at a time, never near the band...
     assert decide(pressure_now=0.3, limit=8.0, trial=True, **base) == Decision(9.0, "slo")
     assert decide(pressure_now=0.7, limit=2.0, trial=True, **base) == Decision(2.0, "slo")
+    # ...on a part of a window (the caller says the budget allows it and none of its
+    # samples is past the SLO), where a full one is needed for a growth in proportion...
+    part = {**base, "enough": False}
+    assert decide(pressure_now=0.3, limit=2.0, trial=True, **part) == Decision(3.0, "slo")
+    assert decide(pressure_now=0.1, limit=2.0, **part) == Decision(2.0, "slo")
     # ...and never back up to a limit cut back from lately.
     assert decide(pressure_now=0.46, limit=1.0, trial=True, tried=2.0, **base).limit == 1.0
     assert decide(pressure_now=0.1, limit=8.0, tried=10.0, **base).limit == 9.0
@@ -579,7 +619,7 @@ def test_pause_decisions():
 
 
 def test_the_fill_cap_follows_what_users_back_from_a_lull_met():
-    base = {"spent": 0.0, "enough": True, "slo_limit": 1.0, "ceiling": 32.0}
+    base = {"spent": 0.0, "slo_limit": 1.0, "ceiling": 32.0}
     # Users back from a lull filled to 16 met the SLO broken: half of that next time,
     # never below where the SLO holds, and no fill at all where that is 0 and half is
     # under 1.
@@ -594,11 +634,44 @@ def test_the_fill_cap_follows_what_users_back_from_a_lull_met():
                          **{**base, "slo_limit": 0.0}) == 1.0
     assert next_fill_cap(32.0, onset_bad=False, reached=32.0, **base) == 32.0
     assert next_fill_cap(8.0, onset_bad=False, reached=4.0, **base) == 8.0  # not reached
-    # Not while the budget is half spent, or too few samples say how much is.
+    # Not while the budget is half spent.
     assert next_fill_cap(8.0, onset_bad=False, reached=8.0, **{**base, "spent": 0.6}) == 8
-    assert next_fill_cap(8.0, onset_bad=False, reached=8.0, **{**base, "enough": False}) == 8
     # No lull ended: as it was.
     assert next_fill_cap(8.0, onset_bad=None, reached=0.0, **{**base, "spent": 1.5}) == 8
+
+
+def test_the_budget_spent_is_counted_over_a_full_window_at_least():
+    p99 = parse("m", {"ttft_slo_ms": 100}, [CHAT])
+    assert p99 is not None and p99.enough == 100 and p99.trial_samples == 20
+    # A few samples none past the SLO spend nothing; one past it in a few, a full
+    # window's share (a p99 lets one in 100 past).
+    assert Tail(20, 50.0, 0).spent(p99) == 0.0
+    assert Tail(20, 150.0, 1).spent(p99) == pytest.approx(1.0)
+    assert Tail(400, 90.0, 1).spent(p99) == pytest.approx(0.25)
+    p90 = parse("m", {"ttft_slo_ms": 100, "ttft_slo_percentile": 90}, [CHAT])
+    assert p90 is not None and p90.enough == p90.trial_samples == 10
+
+
+def test_a_window_leaves_out_the_spans_taken_above_the_slos_level():
+    h = Histogram(edges=(0.1, math.inf), last=(0, 0), begun=0.0)
+    for at, counts in ((1.0, [5.0, 0.0]), (2.0, [0.0, 3.0]), (3.0, [4.0, 0.0])):
+        h.add(Tick(at, counts, frozenset({b"a"} if at == 2.0 else set())))
+    assert h.window(0.0, {b"a"}) == ((9.0, 3.0), 1)
+    # The tick read at 2.0 (a lull filled above the level): not counted, nor its leases.
+    assert h.window(0.0, {b"a"}, left_out=[(1.0, 2.0)]) == ((9.0, 0.0), 0)
+    assert remote_slo.apart(2.0, [(1.0, 2.0)]) and not remote_slo.apart(1.0, [(1.0, 2.0)])
+
+
+def test_a_lulls_fill_and_the_return_from_it_keep_the_levels_window():
+    start = remote_slo.window_start
+    # A lull filled, and users back to where the SLO held: the window goes on...
+    assert start(10.0, 50.0, online=False, decision=Decision(8.0, "no_online_traffic")) == 10
+    assert start(10.0, 50.0, online=True, decision=Decision(2.0, "slo", shed=True)) == 10
+    # ...a growth or a cut of the level starts a new one (a pause included).
+    assert start(10.0, 50.0, online=True, decision=Decision(3.0, "slo")) == 50
+    assert start(10.0, 50.0, online=True, decision=Decision(1.0, "slo", cut=True)) == 50
+    assert start(10.0, 50.0, online=True,
+                 decision=Decision(0.0, "paused", shed=True, cut=True)) == 50
 
 
 def test_a_histograms_tail():
