@@ -22,14 +22,17 @@ the batch flows (SETTLE). Rounds alternate the two server settings.
 
 --part interactive --slo-factors 2,1.25: the online latency SLO (engine/remote_slo.py), on
 a server with priority scheduling, judged against the best fixed limit. Per round: the
-client alone (its p99 TTFT is the "alone" the SLO is a multiple of: ttft_slo_ms = factor x
-that, at p99); the batch at a fixed ceiling with no client (its tokens/s: the idle rate
-every share below is of); the batch with the first factor's SLO and no client (does the
-controller hold it back?); then, per online pattern (--patterns: steady, one request every
---every seconds; bursty, --burst-on seconds of seeded Poisson arrivals at that mean rate
-then --burst-off seconds of none), the batch with each factor's SLO started afresh beside
-the client, and the oracle: each fixed max_concurrency of --oracle (0: no batch) beside
-the same client (the same seed), the best one that holds each SLO being the bar. Each run
+batch at a fixed ceiling with no client (its tokens/s: the idle rate every share below is
+of); the batch with the first factor's SLO (of the steady client alone, measured first)
+and no client (does the controller hold it back?); then, per online pattern (--patterns:
+steady, one request every --every seconds; bursty, --burst-on seconds of seeded Poisson
+arrivals at that mean rate then --burst-off seconds of none): the client alone in that
+pattern (its p99 TTFT is the "alone" the pattern's SLO is a multiple of: ttft_slo_ms =
+factor x that, at p99; bursty arrivals queue on each other, so their p99 alone is higher
+than a steady client's), the batch with each factor's SLO started afresh beside the
+client, and the oracle: each fixed max_concurrency of --oracle beside the same client (the
+same seed), the best one that holds each SLO being the bar (0, no batch, where none does).
+A p99 of fewer than 100 samples is their largest: --seconds should give a window 100. Each run
 settles for --settle seconds, then is measured for --seconds. Reported, medians over the
 rounds: the client's p99 TTFT against the SLO (rounds met), the batch's share of its idle
 rate for the controller and for the oracle, and their ratio. Here the client runs in a
@@ -517,7 +520,11 @@ def slo_round(args: argparse.Namespace, batch: list[EngineRequest], scratch: Pat
             alone_slo.close()
         row["no_online_ratio"] = row["slo_idle"]["generated"] / args.seconds / idle_tok_s
         for pattern in args.patterns.split(","):
-            mine: dict[str, Any] = {}
+            # The client alone in this pattern, settled and measured as every run beside it.
+            alone_here = beside_client(args, server.url, source, idle_tok_s, 0, pattern, seed)
+            slo = {f: f * alone_here["ttft_p99_ms"] for f in factors}
+            mine: dict[str, Any] = {"alone": alone_here}
+            print(json.dumps({pattern: {"alone": alone_here}}), flush=True)
             for factor in factors:
                 got = beside_client(args, server.url, source, idle_tok_s, args.ceiling,
                                     pattern, seed, ttft_slo_ms=slo[factor],
@@ -529,8 +536,8 @@ def slo_round(args: argparse.Namespace, batch: list[EngineRequest], scratch: Pat
                       flush=True)
             # The oracle: each fixed limit in turn (up to the first that holds no SLO
             # asked for), in the same pattern and seed.
-            sweep = []
-            for limit in (int(x) for x in args.oracle.split(",")):
+            sweep = [{"limit": 0, **alone_here}]
+            for limit in (int(x) for x in args.oracle.split(",") if int(x)):
                 got = beside_client(args, server.url, source, idle_tok_s, limit, pattern,
                                     seed, **fixed_options(limit))
                 sweep.append({"limit": limit, **got})
@@ -570,6 +577,8 @@ def slo_interactive(args: argparse.Namespace) -> dict[str, Any]:
         for factor in (float(f) for f in args.slo_factors.split(",")):
             mine = [r[pattern][f"slo_{factor:g}"] for r in rows]
             summary[f"{pattern}_slo_{factor:g}"] = {
+                "alone_ms": statistics.median(r[pattern]["alone"]["ttft_p99_ms"]
+                                              for r in rows),
                 "slo_ms": statistics.median(m["slo_ms"] for m in mine),
                 "controller_ttft_p99_ms": statistics.median(
                     m["controller"]["ttft_p99_ms"] for m in mine),
