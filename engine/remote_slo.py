@@ -35,7 +35,8 @@ engine/remote_limits.py is steered here by what online users see, at the SLO's p
   full window may have. A growth is taken where the step's share of the room, in
   proportion to the limit, stays under `slo_band`; where it would not, one request more is
   still tried while the measured percentile is well under the band and the SLO's budget
-  allows (a trial, on a fifth of a window with no sample past the SLO): a server's first
+  allows (a trial, on a full window too: trials on a fifth of one spent the budget within
+  a minute on the CPU server here, and paused the batch for minutes): a server's first
   batch request costs online users more than each next one, which the proportion cannot
   know. A limit cut back from is not tried again for BUDGET_SECONDS. A limit of 1 that
   must be cut goes to 0 (paused) while online users are there: even one batch request in
@@ -99,11 +100,8 @@ ONSET_SECONDS = 10.0
 # under half the SLO's budget is spent.
 PAUSE_RETRY_SECONDS = 30.0
 # A growth the proportion would not take is tried where the percentile is under this
-# share of the band, once a window holds this part of a full one with no sample past the
-# SLO: a p99's full window takes bursts of online users minutes to fill, and a trial that
-# was wrong costs a sample or two past the SLO before it is cut back.
+# share of the band.
 TRIAL_SHARE = 0.75
-TRIAL_PART = 0.2
 # A deadline floor older than this was written by no live reconciler: ignored.
 FLOOR_FRESH_SECONDS = 120.0
 # Our answers' times to first token kept in the stream (the prober reads them each tick).
@@ -132,12 +130,6 @@ class Slo:
     def enough(self) -> int:
         """Samples a window needs before its percentile decides a growth."""
         return math.ceil(TAIL_SAMPLES / self.budget - 1e-9)
-
-    @property
-    def trial_samples(self) -> int:
-        """Samples a window needs, none past the SLO, before a trial growth: a part of a
-        full window (ten at least, where a full window holds more)."""
-        return min(self.enough, max(10, math.ceil(self.enough * TRIAL_PART)))
 
 
 def number_option(name: str, option: str, value: Any, *, low: float,
@@ -292,9 +284,8 @@ def decide(*, pressure_now: float | None, over: bool, enough: bool, band: float,
     `draining`: more requests are in flight than the limit (a cut not yet felt: the
     requests above it still run to their end, and cutting again would overshoot);
     `retry`: paused long enough to try one batch request again; `trial`: the budget
-    allows a growth the proportion would not take, and the window (a full one or not)
-    holds no sample past the SLO; `tried`: the lowest limit cut back from lately (growth
-    stays under it)."""
+    allows a growth the proportion would not take; `tried`: the lowest limit cut back
+    from lately (growth stays under it)."""
     # A floor asks for requests in flight: at least one (never paused under it).
     floor = min(max(floor, 1.0), ceiling) if floor > 0 else 0.0
     if not online:
@@ -330,18 +321,16 @@ def decide(*, pressure_now: float | None, over: bool, enough: bool, band: float,
     if cut:
         worst = max(cut_at, band, 1.0 if over else 0.0)
         return held(max(1.0, limit * max(0.5, min(0.85, band / worst * 0.85))), cut=True)
-    if (enough or trial) and binding:
+    if enough and binding:
         # Far below the band the step is larger: a p99's window is long to wait for. A
         # step is taken where the room it uses, in proportion to the requests in flight
         # (a CPU server's steps grow so), stays under the band; else one request more as
-        # a trial, where the budget allows it and the percentile is well under the band
-        # (a trial decides on a part of a window: a wrong one costs a sample or two past
-        # the SLO and is cut back at once, by `over`).
+        # a trial, where the budget allows it and the percentile is well under the band.
         step = 0.5 if pressure_now < band / 4 else 0.1
         new = min(ceiling, limit + max(1.0, step * limit))
         if tried is not None and new >= tried:
             new = min(new, tried - 1)
-        if enough and new > limit and pressure_now * new / limit < band:
+        if new > limit and pressure_now * new / limit < band:
             return Decision(max(new, floor), "ceiling" if new >= ceiling else "slo")
         if new > limit and trial and pressure_now < band * TRIAL_SHARE:
             new = min(new, limit + 1)
@@ -941,7 +930,7 @@ class Steering:
                           draining=in_flight > max(1, int(limit)),
                           retry=bool(paused_at) and now - paused_at >= PAUSE_RETRY_SECONDS
                           and may_try, tried=tried,
-                          trial=may_try and tail.n >= self.slo.trial_samples and tail.over < 1)
+                          trial=may_try)
         if self._lull is not None:
             self._lull = (self._lull[0], max(self._lull[1], decision.limit))
         self._last_at = now
