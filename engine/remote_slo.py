@@ -310,12 +310,19 @@ def decide(*, pressure_now: float | None, over: bool, enough: bool, band: float,
     cut_at = pressure_now if pressure_cut is None else pressure_cut
     cut = over or (enough and cut_at >= band)
     if limit < 1:
-        # Paused: tried again only after a while, with the time paused as its window.
-        if retry and not cut and enough and pressure_now < band / 2:
+        # Paused: tried again only after a while, with the time paused as its window,
+        # where online users alone leave room under the band.
+        if retry and not cut and enough and pressure_now < band:
             return held(1.0)
         return held(0.0)
     if cut and limit <= 1:
-        return held(0.0, shed=True, cut=True)  # one batch request breaks the SLO: none
+        if over or cut_at >= 1.0:
+            return held(0.0, shed=True, cut=True)  # one batch request breaks the SLO: none
+        # Past the band, not the SLO: one request holds. The band is a margin for the
+        # steps between limits; the latency alone it is measured from is the probes',
+        # under the online users' own (a one-token "Hi" against their prompts), so at 1
+        # it can read past the band where users still meet the SLO.
+        return held(limit)
     if cut and draining:
         return held(limit)
     if cut:

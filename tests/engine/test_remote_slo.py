@@ -595,10 +595,14 @@ def test_pause_decisions():
     assert decide(pressure_now=1.5, limit=1.0, **base) == Decision(0.0, "paused", shed=True,
                                                                    cut=True)
     assert decide(pressure_now=0.5, limit=1.0, **{**base, "over": True}).limit == 0.0
+    # Past the band but not the SLO: one request holds (the band is a margin for steps).
+    assert decide(pressure_now=0.9, limit=1.0, **base) == Decision(1.0, "slo")
     # Paused with online users there: it stays paused, however quiet it looks...
     assert decide(pressure_now=0.0, limit=0.0, **base) == Decision(0.0, "paused")
     # ...until a retry is due.
     assert decide(pressure_now=0.0, limit=0.0, retry=True, **base) == Decision(1.0, "slo")
+    assert decide(pressure_now=0.6, limit=0.0, retry=True, **base) == Decision(1.0, "slo")
+    assert decide(pressure_now=0.9, limit=0.0, retry=True, **base).limit == 0.0
     assert decide(pressure_now=0.0, limit=0.0, **{**base, "slo_limit": 0.0}).limit == 0.0
     # A lull fills up to the fill cap, then the ceiling once it is not lowered.
     lull = {**base, "online": False, "slo_limit": 0.0}
