@@ -18,13 +18,14 @@ engine/remote_limits.py is steered here by what online users see, at the SLO's p
 - **Whether any online user is there now**: the server's requests running and waiting
   (vLLM's gauges) beyond our leases. With none for LULL_SECONDS the limit fills the lull
   (doubling per tick up to the fill cap; the ceiling where no online user was seen for
-  QUIET_SECONDS) and, when online users come back, drops at once to where the SLO held,
-  aborting the batch requests above it (engine/remote.py sheds them; they run again
-  later). The fill cap starts where the SLO holds, halves from what users coming back met
-  where they met the SLO broken (ONSET_SECONDS), and doubles after a lull they came back
-  from unharmed while under half of the SLO's budget over BUDGET_SECONDS (the share of
-  online samples the percentile lets past it, counted over a full window at least) is
-  spent. A server without vLLM's metrics is taken to always have online users.
+  QUIET_SECONDS, or none ever in the FIRST_QUIET_SECONDS since the prober started) and,
+  when online users come back, drops at once to where the SLO held, aborting the batch
+  requests above it (engine/remote.py sheds them; they run again later). The fill cap
+  starts where the SLO holds, halves from what users coming back met where they met the
+  SLO broken (ONSET_SECONDS), and doubles after a lull they came back from unharmed while
+  under half of the SLO's budget over BUDGET_SECONDS (the share of online samples the
+  percentile lets past it, counted over a full window at least) is spent. A server without
+  vLLM's metrics is taken to always have online users.
 - **The controller**: between the latency alone and the SLO, the measured percentile of
   the samples since the limit last moved decides once there are enough of them (ten for a
   p90, a hundred for a p99). A lull's fill and the return from it do not start a new
@@ -93,6 +94,10 @@ LULL_SECONDS = 3.0
 # (which starts where the SLO holds and doubles after each lull users came back from
 # unharmed); none seen for this long: up to the ceiling.
 QUIET_SECONDS = 300.0
+# Where no online user was seen since the prober started, quiet after this long: users of
+# a server a worker starts beside take seconds to show in its counts, and a lull filled
+# to the ceiling before they do has their first requests meet it.
+FIRST_QUIET_SECONDS = 30.0
 # Online users coming back after a lull are judged over this long: those that came in it
 # met the lull's batch requests until they were aborted.
 ONSET_SECONDS = 10.0
@@ -335,8 +340,8 @@ def decide(*, pressure_now: float | None, over: bool, enough: bool, band: float,
         # a trial, where the budget allows it and the percentile is well under the band.
         step = 0.5 if pressure_now < band / 4 else 0.1
         new = min(ceiling, limit + max(1.0, step * limit))
-        if tried is not None and new >= tried:
-            new = min(new, tried - 1)
+        if tried is not None and limit < tried <= new:
+            new = tried - 1
         if new > limit and pressure_now * new / limit < band:
             return Decision(max(new, floor), "ceiling" if new >= ceiling else "slo")
         if new > limit and trial and pressure_now < band * TRIAL_SHARE:
@@ -601,6 +606,7 @@ class Steering:
         self._untimed_at = -math.inf
         self._budget_since = time.time()
         self._seen_at = -math.inf  # online users last seen in the server's own counts
+        self._started = time.monotonic()
         self._last_at = time.time()  # the last tick
         # A lull now: (when the last tick with online users was, the highest limit since);
         # users back from one: the same, judged ONSET_SECONDS after.
@@ -923,7 +929,8 @@ class Steering:
         moved_cap = moved != fill_cap
         if moved_cap:  # each move starts the budget's window afresh
             fill_cap, self._budget_since = moved, now
-        quiet = clock - self._seen_at >= QUIET_SECONDS
+        quiet = clock - self._seen_at >= QUIET_SECONDS if self._seen_at > -math.inf \
+            else clock - self._started >= FIRST_QUIET_SECONDS
         # The budget allows a try (a retry from a pause, a trial growth): under half of it
         # spent.
         may_try = spent < 0.5

@@ -304,6 +304,7 @@ def lull(monkeypatch):
     back from one are judged, shortened from 3 and 10 s to the probes' own scale here
     (0.1 s apart): the rules are the same."""
     monkeypatch.setattr(remote_slo, "LULL_SECONDS", 1.0)
+    monkeypatch.setattr(remote_slo, "FIRST_QUIET_SECONDS", 3.0)
     monkeypatch.setattr(remote_slo, "ONSET_SECONDS", 2.0)
 
 
@@ -581,6 +582,8 @@ def test_trial_growths():
     # ...and never back up to a limit cut back from lately.
     assert decide(pressure_now=0.46, limit=1.0, trial=True, tried=2.0, **base).limit == 1.0
     assert decide(pressure_now=0.1, limit=8.0, tried=10.0, **base).limit == 9.0
+    # A limit back at the one cut from (a retry after a pause that held) grows again.
+    assert decide(pressure_now=0.1, limit=1.0, tried=1.0, **base).limit == 2.0
     # A cut says it is one (the limit it was cut from is remembered); users' return is not.
     assert decide(pressure_now=2.0, limit=8.0, **base).cut
     assert decide(pressure_now=1.5, limit=1.0, **base).cut
