@@ -605,8 +605,9 @@ class Steering:
         self._untimed: int | None = None
         self._untimed_at = -math.inf
         self._budget_since = time.time()
-        self._seen_at = -math.inf  # online users last seen in the server's own counts
-        self._started = time.monotonic()
+        # Online users last seen in the server's own counts; none yet: as if seen long
+        # enough ago that the quiet begins FIRST_QUIET_SECONDS from now.
+        self._seen_at = time.monotonic() - QUIET_SECONDS + FIRST_QUIET_SECONDS
         self._last_at = time.time()  # the last tick
         # A lull now: (when the last tick with online users was, the highest limit since);
         # users back from one: the same, judged ONSET_SECONDS after.
@@ -616,8 +617,9 @@ class Steering:
         # the SLO holds (a lull filled, users back until its excess was aborted): they are
         # no measure of that level, and are left out of the window that steers it, which
         # a lull's fill does not end (a p99's window fills across bursts of users).
+        # One span per time above, grown at each tick while it lasts.
         self._apart: deque[tuple[float, float]] = deque()
-        self._above = False  # the last tick left the limit above where the SLO holds
+        self._above_since: float | None = None  # the limit above that level since then
 
     # -- the probe ------------------------------------------------------------------
 
@@ -814,8 +816,10 @@ class Steering:
         before = await redis.zrange(leases_key, 0, -1)
         scrape = await self._scrape()
         read_at = time.time()
-        if self._above:
-            self._apart.append((self._last_at, read_at))
+        if self._above_since is not None:
+            if self._apart and self._apart[-1][0] == self._above_since:
+                self._apart.pop()
+            self._apart.append((self._above_since, read_at))
         while self._apart and self._apart[0][1] < read_at - BUDGET_SECONDS:
             self._apart.popleft()
         pipe = redis.pipeline()
@@ -929,8 +933,7 @@ class Steering:
         moved_cap = moved != fill_cap
         if moved_cap:  # each move starts the budget's window afresh
             fill_cap, self._budget_since = moved, now
-        quiet = clock - self._seen_at >= QUIET_SECONDS if self._seen_at > -math.inf \
-            else clock - self._started >= FIRST_QUIET_SECONDS
+        quiet = clock - self._seen_at >= QUIET_SECONDS
         # The budget allows a try (a retry from a pause, a trial growth): under half of it
         # spent.
         may_try = spent < 0.5
@@ -943,8 +946,7 @@ class Steering:
                           fill_cap=None if quiet else fill_cap,
                           draining=in_flight > max(1, int(limit)),
                           retry=bool(paused_at) and now - paused_at >= PAUSE_RETRY_SECONDS
-                          and may_try, tried=tried,
-                          trial=may_try)
+                          and may_try, trial=may_try, tried=tried)
         if self._lull is not None:
             self._lull = (self._lull[0], max(self._lull[1], decision.limit))
         self._last_at = now
@@ -973,7 +975,10 @@ class Steering:
                 shown["paused_at"] = round(now, 3)  # the SLO's level is now none
         await redis.hset(state_key, mapping={k: str(v) for k, v in shown.items()})
         self.filling = not online and decision.limit > slo_limit
-        self._above = self.filling or decision.shed
+        if not (self.filling or decision.shed):
+            self._above_since = None
+        elif self._above_since is None:
+            self._above_since = now
         if abs(decision.limit - limit) > 1e-6:
             steered = await self.engine._steer(keys=[state_key], args=[
                 repr(limit), repr(decision.limit), decision.reason, ceiling,
