@@ -41,9 +41,11 @@ engine/remote_limits.py is steered here by what online users see, at the SLO's p
   batch request costs online users more than each next one, which the proportion cannot
   know. A limit cut back from is not tried again for BUDGET_SECONDS. A limit of 1 that
   must be cut goes to 0 (paused) while online users are there: even one batch request in
-  flight breaks the SLO; one is tried again after PAUSE_RETRY_SECONDS while under half the
-  budget is spent (each retry that fails spends some of it, so retries thin out by
-  themselves), and a lull resumes the batch meanwhile.
+  flight breaks the SLO; one is tried again after PAUSE_RETRY_SECONDS, the wait doubled
+  after each retry that ends paused again (pause_retry_wait), and a lull resumes the batch
+  meanwhile. The budget's window starts again at a pause: the samples that caused it are
+  answered by it (and by the level not being tried again), so they do not hold back the
+  retry and the trials after it for the rest of the budget's window.
 - **The deadline floor**: the concurrency the server's batches need to meet their windows
   (the plan of jobs/capacity/plan.py, written to the server's state by the reconciler's
   pass). The SLO never cuts below it, nor pauses under it; the reason then says the SLO is
@@ -101,8 +103,8 @@ FIRST_QUIET_SECONDS = 30.0
 # Online users coming back after a lull are judged over this long: those that came in it
 # met the lull's batch requests until they were aborted.
 ONSET_SECONDS = 10.0
-# Paused with online users there: one batch request is tried again after this long, while
-# under half the SLO's budget is spent.
+# Paused with online users there: one batch request is tried again after this long,
+# doubled after each retry that ends paused again, up to half the budget's window.
 PAUSE_RETRY_SECONDS = 30.0
 # A growth the proportion would not take is tried where the percentile is under this
 # share of the band.
@@ -361,6 +363,15 @@ def window_start(steered_at: float, now: float, *, online: bool,
     a move of the level itself starts a new one."""
     kept = not online or (decision.shed and not decision.cut)
     return steered_at if kept else now
+
+
+def pause_retry_wait(fails: int) -> float:
+    """How long a pause lasts before one batch request is tried again, after `fails`
+    pauses with no window held at one request or more between them (the first pause: 1).
+    A retry that fails costs online users about two samples past the SLO (a pause at one
+    request needs two); doubling the wait bounds what failing retries spend to a few in
+    the budget's window."""
+    return min(BUDGET_SECONDS / 2, PAUSE_RETRY_SECONDS * 2 ** max(0, fails - 1))
 
 
 def next_fill_cap(cap: float, *, onset_bad: bool | None, reached: float, spent: float,
@@ -827,7 +838,7 @@ class Steering:
         pipe.lrange(self.samples_key, 0, -1)
         pipe.lrange(self.alone_key, 0, -1)
         pipe.hmget(state_key, "limit", "steered_at", "floor", "floor_at", "slo_limit",
-                   "fill_cap", "paused_at", "untimed", "tried", "tried_at")
+                   "fill_cap", "paused_at", "untimed", "tried", "tried_at", "pause_fails")
         after, raw_samples, raw_alone, fields = await pipe.execute()
         now, clock = time.time(), time.monotonic()
         in_flight = len(after)
@@ -934,9 +945,11 @@ class Steering:
         if moved_cap:  # each move starts the budget's window afresh
             fill_cap, self._budget_since = moved, now
         quiet = clock - self._seen_at >= QUIET_SECONDS
-        # The budget allows a try (a retry from a pause, a trial growth): under half of it
-        # spent.
+        # The budget allows a trial growth: under half of it spent. A retry from a pause
+        # waits by its own clock instead (pause_retry_wait): the samples past the SLO that
+        # caused the pause were answered by it, and the budget starts again there.
         may_try = spent < 0.5
+        fails = int(fields[10] or 0)
         tried = float(fields[8]) if fields[8] and now - float(fields[9] or 0) \
             < BUDGET_SECONDS else None
         decision = decide(pressure_now=now_pressure, pressure_cut=cut_pressure, over=over,
@@ -945,8 +958,9 @@ class Steering:
                           online=online, slo_limit=slo_limit,
                           fill_cap=None if quiet else fill_cap,
                           draining=in_flight > max(1, int(limit)),
-                          retry=bool(paused_at) and now - paused_at >= PAUSE_RETRY_SECONDS
-                          and may_try, trial=may_try, tried=tried)
+                          retry=bool(paused_at)
+                          and now - paused_at >= pause_retry_wait(fails),
+                          trial=may_try, tried=tried)
         if self._lull is not None:
             self._lull = (self._lull[0], max(self._lull[1], decision.limit))
         self._last_at = now
@@ -971,8 +985,14 @@ class Steering:
             shown["slo_limit"] = round(decision.limit, 3)
             if decision.limit >= 1:
                 shown["paused_at"] = ""
+                if fails and limit >= 1 and tail.n >= self.slo.enough and not decision.cut:
+                    shown["pause_fails"] = 0  # a full window held: retries are prompt again
             elif slo_limit >= 1 or not paused_at:
                 shown["paused_at"] = round(now, 3)  # the SLO's level is now none
+                shown["pause_fails"] = fails + 1
+                # The pause answers the samples that caused it; what a retry and the
+                # trials after it spend is counted from here (not again for minutes).
+                self._budget_since = now
         await redis.hset(state_key, mapping={k: str(v) for k, v in shown.items()})
         self.filling = not online and decision.limit > slo_limit
         if not (self.filling or decision.shed):

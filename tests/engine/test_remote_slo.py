@@ -419,6 +419,41 @@ def test_where_one_batch_request_breaks_the_slo_it_pauses_and_resumes_in_a_lull(
     assert max(limits_over(server.url, 2.0)) == 0 and server.in_flight == 0
 
 
+def test_a_pause_is_retried_later_each_time_and_grows_once_the_cause_is_gone(
+        made, monkeypatch):
+    # One batch request in flight: 20 + 300 ms, past an SLO of 150 ms, until the server
+    # mends (as a run's first seconds, or another tenant's burst, can break it).
+    monkeypatch.setattr(remote_slo, "PAUSE_RETRY_SECONDS", 1.0)
+    server = make_server(made, per_request=0.3, duration=2.0)
+    engine = make_engine(made, server.url, ttft_slo_ms=150)
+    made.append(Drain(engine))
+    client = redis.Redis.from_url(REDIS_URL)
+    state_key = keys(server.url)[1]
+    pauses: dict[int, float] = {}
+
+    def paused(fails: int) -> bool:
+        got = client.hmget(state_key, "pause_fails", "paused_at")
+        if got[0] and got[1] and int(got[0]) not in pauses:
+            pauses[int(got[0])] = float(got[1])
+        return fails in pauses
+
+    # Each retry breaks the SLO again: paused again, and the next wait is twice as long.
+    wait_for(lambda: paused(3), seconds=60)
+    for fails in (1, 2):
+        assert pauses[fails + 1] - pauses[fails] >= remote_slo.pause_retry_wait(fails)
+    # The cause gone: the next retry holds, and the limit grows from it, though the
+    # samples that caused the pauses are within the budget's 10 minutes.
+    server.per_request = 0.01
+    wait_for(lambda: state(server.url).limit >= 2, seconds=60)
+    wait_for(lambda: client.hget(state_key, "pause_fails") == b"0", seconds=30)
+
+
+def test_the_wait_before_a_retry_doubles_while_retries_fail():
+    assert remote_slo.pause_retry_wait(1) == remote_slo.PAUSE_RETRY_SECONDS
+    assert remote_slo.pause_retry_wait(2) == 2 * remote_slo.PAUSE_RETRY_SECONDS
+    assert remote_slo.pause_retry_wait(20) == remote_slo.BUDGET_SECONDS / 2
+
+
 def test_bursts_of_online_users_raise_the_level_and_the_lulls_between_are_filled(
         made, lull):
     # TTFT = 20 ms + 10 ms per batch request in flight: 100 ms holds up to 8 in flight.
