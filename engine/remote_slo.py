@@ -204,12 +204,22 @@ class Tail:
 
     n: float
     value_ms: float | None
+    # Samples past the SLO: of a histogram's bucket across it, the share past it.
     over: float
+    # Those past it for certain (a histogram's buckets wholly past it); None: `over`
+    # (exact samples). With no bucket edge at the SLO the two differ: vLLM's own edges
+    # are 250 ms apart above 250 ms, and a bucket across the SLO holds users who met it.
+    sure: float | None = None
+
+    @property
+    def surely_over(self) -> float:
+        return self.over if self.sure is None else self.sure
 
     def certain_over(self, slo: Slo) -> bool:
-        """More samples past the SLO than a full window may hold: the percentile of any
-        window holding these is past it, however many samples come next."""
-        return self.over > slo.budget * max(self.n, slo.enough) + 1e-6
+        """More samples past the SLO for certain than a full window may hold: the
+        percentile of any window holding these is past it, however many samples come
+        next."""
+        return self.surely_over > slo.budget * max(self.n, slo.enough) + 1e-6
 
     def spent(self, slo: Slo) -> float:
         """The samples past the SLO over those its percentile lets past, in a full window
@@ -230,7 +240,7 @@ def histogram_tail(edges: Sequence[float], counts: Sequence[float], p: float,
                    target_ms: float | None) -> Tail:
     """The tail of a histogram (upper edges in seconds, ascending, the last +Inf; counts
     per bucket), read as Prometheus' histogram_quantile does: linear within a bucket.
-    A bucket edge at the SLO makes its count past the SLO exact."""
+    A bucket edge at the SLO makes its count past the SLO exact (`over` and `sure` meet)."""
     n = sum(counts)
     if n <= 0:
         return Tail(0, None, 0)
@@ -244,17 +254,18 @@ def histogram_tail(edges: Sequence[float], counts: Sequence[float], p: float,
             break
         seen += count
         lower = lower if math.isinf(edge) else edge
-    over = 0.0
+    over = sure = 0.0
     if target_ms is not None:
         target, lower = target_ms / 1000, 0.0
         for edge, count in zip(edges, counts, strict=True):
             if lower >= target:
                 over += count
+                sure += count
             elif edge > target:
                 over += count if math.isinf(edge) else count * (edge - target) / (
                     edge - lower)
             lower = edge
-    return Tail(n, value * 1000, over)
+    return Tail(n, value * 1000, over, sure)
 
 
 @dataclass(frozen=True)
@@ -935,7 +946,7 @@ class Steering:
             if by_histogram:
                 counts, pending = h.window(came, set(after), until)
                 bad += histogram_tail(h.edges, without_top(counts, pending), p,
-                                      target).over
+                                      target).surely_over
             onset_bad, reached = bad >= 1, self._onset[1]
             self._onset = None
         spent = budget.spent(self.slo)

@@ -722,6 +722,11 @@ def test_a_histograms_tail():
     assert tail.n == 100
     assert tail.value_ms == pytest.approx(250)  # halfway through the 200-300 ms bucket
     assert tail.over == pytest.approx(1)  # half of that bucket is past 250 ms
+    # ...none for certain: the two may have met 250 ms. Only those of a bucket wholly
+    # past the SLO count toward a cut before a full window.
+    assert tail.sure == 0 and not tail.certain_over(parse("m", {"ttft_slo_ms": 250},
+                                                          (CHAT,)))
+    assert histogram_tail(edges, (90, 0, 8, 2), 99, 250).surely_over == 2
     assert histogram_tail(edges, (90, 8, 2, 0), 99, 200).over == pytest.approx(2)
     assert histogram_tail(edges, (0, 0, 0, 0), 99, 200).value_ms is None
     slo = parse("m", {"ttft_slo_ms": 100}, (CHAT,))
