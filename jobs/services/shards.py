@@ -13,7 +13,9 @@ and their counters, and computes only the lines without a result.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
@@ -88,27 +90,55 @@ def _lost_segments(checkpoint: Checkpoint) -> list[str]:
     return [name for name in checkpoint.storage_names() if not default_storage.exists(name)]
 
 
+@dataclass(frozen=True)
+class Beat:
+    """What a heartbeat records of one attempt: how far it got (`progress`) and how many
+    of the requests it computed its checkpoint does not hold yet (`unsaved`; None: left as
+    the last checkpoint recorded it). `moved`: False when `progress` is what this
+    attempt's last heartbeat wrote, so the batch's sums cannot have changed by it."""
+
+    shard_id: str
+    attempt: int
+    batch_id: str
+    progress: Progress
+    unsaved: int | None = 0
+    moved: bool = True
+
+
 def heartbeat(*, shard_id: str, attempt: int, progress: Progress, unsaved: int | None = 0,
               batch_id: str = "", moved: bool = True) -> tuple[bool, str]:
-    """Record that the worker is alive, how far it got, and how many of the requests it
-    computed its checkpoint does not hold yet (None: left as the last checkpoint recorded
-    it). Returns (still ours, the batch's stop code: non-empty when the shard must stop).
-    `batch_id`: the shard's, when the caller knows it (one read less). `moved`: False when
-    `progress` is what this attempt's last heartbeat wrote, so the batch's sums cannot have
-    changed by it: they are not read again (two queries of four, on most beats of a shard
-    of long answers)."""
+    """One attempt's heartbeat (see `heartbeats`): (still ours, the batch's stop code).
+    `batch_id`: the shard's, when the caller knows it (one read less)."""
     batch_id = batch_id or Shard.objects.filter(pk=shard_id).values_list(
         "batch_id", flat=True).first() or ""
-    counts = {} if unsaved is None else {"computed_unsaved": unsaved}
+    mine, stop_codes = heartbeats(beats=[Beat(shard_id, attempt, batch_id, progress,
+                                              unsaved, moved)])
+    return shard_id in mine, stop_codes.get(batch_id, "")
+
+
+def heartbeats(*, beats: Sequence[Beat]) -> tuple[set[str], dict[str, str]]:
+    """Record that a worker is alive with each of its attempts' progress, in one
+    transaction. Returns the shards still its own and each batch's stop code (non-empty
+    when its shards must stop). A batch's sums are refreshed and its stop code read once,
+    however many of its shards beat: a worker with several shards of one batch made as
+    many of each a beat."""
+    mine: set[str] = set()
+    now = timezone.now()
     with transaction.atomic():
-        mine = Shard.objects.filter(pk=shard_id, attempt=attempt,
+        for beat in beats:
+            counts = {} if beat.unsaved is None else {"computed_unsaved": beat.unsaved}
+            if Shard.objects.filter(pk=beat.shard_id, attempt=beat.attempt,
                                     status=Shard.Status.RUNNING).update(
-            heartbeat_at=timezone.now(), **counts, **progress.as_fields())
-        if mine and batch_id and moved:
+                    heartbeat_at=now, **counts, **beat.progress.as_fields()):
+                mine.add(beat.shard_id)
+        # In one order, so that two workers refreshing the same batches never wait on
+        # each other's batch rows.
+        for batch_id in sorted({b.batch_id for b in beats
+                                if b.moved and b.shard_id in mine}):
             refresh_progress(batch_id=batch_id)
-    stop_code = (Batch.objects.filter(pk=batch_id).values_list("stop_code", flat=True)
-                 .first() or "")
-    return bool(mine), stop_code
+        stop_codes = dict(Batch.objects.filter(
+            pk__in={b.batch_id for b in beats}).values_list("pk", "stop_code"))
+    return mine, stop_codes
 
 
 def record_checkpoint(*, shard_id: str, attempt: int, checkpoint: Checkpoint,

@@ -19,7 +19,7 @@ from typing import Any, ParamSpec, TypeVar
 from django.db import InterfaceError, OperationalError, close_old_connections, connection
 from django.db.models import Min
 
-from jobs.formats.checkpoint_record import Checkpoint, Progress
+from jobs.formats.checkpoint_record import Checkpoint
 from jobs.lib import queues
 from jobs.models import LoraAdapter, Shard
 from jobs.services import evals, shard_input, shards, stopping, what_ran
@@ -107,15 +107,12 @@ class ShardStore:
         return what_ran.record_adapter(shard=shard, worker=self.worker, engine=engine,
                                        adapter=adapter)
 
-    def heartbeat(self, work: ShardWork, *, progress: Progress, unsaved: int | None,
-                  moved: bool = True) -> tuple[bool, str]:
-        """Keep the attempt alive with its progress: (still ours, the batch's stop code).
-        `moved`: False when `progress` is what its last heartbeat wrote. Not retried: the
-        heartbeat thread beats again a few seconds later."""
+    def heartbeat(self, beats: list[shards.Beat]) -> tuple[set[str], dict[str, str]]:
+        """Keep the attempts alive with their progress, together: (the shards still ours,
+        each batch's stop code). Not retried: the heartbeat thread beats again a few
+        seconds later."""
         with timed("heartbeat"):
-            return shards.heartbeat(shard_id=work.shard_id, attempt=work.attempt,
-                                    progress=progress, unsaved=unsaved,
-                                    batch_id=work.batch_id, moved=moved)
+            return shards.heartbeats(beats=beats)
 
     @_retried
     def checkpoint(self, work: ShardWork, checkpoint: Checkpoint, *, unsaved: int = 0

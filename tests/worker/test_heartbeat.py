@@ -1,7 +1,8 @@
 """The heartbeat (`jobs.worker.heartbeat`): each beat keeps this worker's shards alive with
 their progress, drops a shard whose attempt is no longer the running one, and stops the
-requests of a shard whose batch was cancelled. On a pipeline's own heartbeat (its thread
-not started: the test beats), on the test database."""
+requests of a shard whose batch was cancelled; all of the worker's shards in one
+transaction, each batch's sums refreshed and its stop code read once. On a pipeline's own
+heartbeat (its thread not started: the test beats), on the test database."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def pipeline() -> Iterator[Pipeline]:
     engine.close()
 
 
-def running(pipeline: Pipeline, batch: Batch) -> ShardWork:
-    shard = pipeline.store.claim(Shard.objects.get(batch=batch).pk)
+def running(pipeline: Pipeline, batch: Batch, index: int = 0) -> ShardWork:
+    shard = pipeline.store.claim(Shard.objects.get(batch=batch, index=index).pk)
     assert shard is not None
     work = pipeline.store.open(shard)
     pipeline.state.register(work)
@@ -96,3 +97,30 @@ def test_a_beat_with_nothing_new_leaves_the_batchs_sums_alone(
         pipeline.heartbeat.beat()
     assert any("SUM(" in q["sql"].upper() for q in moved.captured_queries)
     assert Batch.objects.get(pk=batch.pk).completed == 2
+
+
+def test_a_batchs_shards_beat_together(pipeline, make_batch: Callable[..., Batch]):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    batch = make_batch(chat_lines(9), shard_size=3)
+    works = [running(pipeline, batch, index) for index in range(3)]
+    for work in works:
+        with work.lock:
+            work.progress.completed = 1
+    pipeline.heartbeat.beat()
+    assert Batch.objects.get(pk=batch.pk).completed == 3
+    with works[0].lock:
+        works[0].progress.completed = 2
+    cancel_batch(batch=batch)
+    with CaptureQueriesContext(connection) as beat:
+        pipeline.heartbeat.beat()
+    sql = [q["sql"] for q in beat.captured_queries]
+    # Each shard's row, the batch's sums once (one shard moved), its stop code once.
+    assert sum(s.startswith("UPDATE") and "heartbeat_at" in s for s in sql) == 3
+    assert sum("SUM(" in s.upper() for s in sql) == 1
+    assert sum("stop_code" in s and s.startswith("SELECT") for s in sql) == 1
+    assert Batch.objects.get(pk=batch.pk).completed == 4
+    assert [work.stop_code for work in works] == [Code.BATCH_CANCELLED] * 3
+    assert {shard.heartbeat_at for shard in Shard.objects.filter(batch=batch)} == {
+        Shard.objects.filter(batch=batch).first().heartbeat_at}
