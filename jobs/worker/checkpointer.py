@@ -30,8 +30,10 @@ class Checkpointer(Loop):
         self.store = store
         self.every_seconds = every_seconds
         self.every_requests = max(1, every_requests)
-        # Set by the dispatcher when a shard has CHECKPOINT_REQUESTS unsaved results.
+        # Set by the dispatcher when a shard has CHECKPOINT_REQUESTS unsaved results, or
+        # a first one while the loop waits with none (`timing` False).
         self.wake = threading.Event()
+        self.timing = False
         super().__init__()
 
     def join(self, timeout: float) -> None:
@@ -40,19 +42,39 @@ class Checkpointer(Loop):
 
     def notice(self, unsaved_results: int) -> None:
         """Called by the dispatcher after each result, with the shard's unsaved count."""
-        if unsaved_results >= self.every_requests:
+        if unsaved_results >= self.every_requests or (unsaved_results and not self.timing):
             self.wake.set()
 
     def _loop(self) -> None:
         state = self.state
+        wait = self.every_seconds
         while not state.closing.is_set():
-            self.wake.wait(min(0.5, self.every_seconds))
+            self.wake.wait(wait)
             self.wake.clear()
             for work in state.current_works():
                 if state.closing.is_set() or not self._due(work):
                     continue
                 self.step(f"checkpoint of shard {work.shard_id}",
                           functools.partial(self.save, work))
+            wait = self._wait()
+
+    def _wait(self) -> float:
+        """Until the first shard with unsaved results is due, rather than a look every
+        half second: at least that half second (a checkpoint put off by a heartbeat or a
+        finish is tried again then), at most CHECKPOINT_SECONDS (results no notice
+        announced: a stopped batch's lines never run)."""
+        # Cleared before the shards are read: a first unsaved result counted from here
+        # on wakes the loop (`notice`), whether or not the reading below saw it.
+        self.timing = False
+        now = time.monotonic()
+        left = []
+        for work in self.state.current_works():
+            with work.lock:
+                if work.unsaved_results():
+                    left.append(work.saved_at + self.every_seconds - now)
+        self.timing = bool(left)
+        poll = min(0.5, self.every_seconds)
+        return min(self.every_seconds, max(poll, min(left, default=self.every_seconds)))
 
     def _due(self, work: ShardWork) -> bool:
         with work.lock:

@@ -49,10 +49,33 @@ def write(work: ShardWork, number: int, line: dict[str, Any]) -> None:
 
 def test_it_wakes_once_a_shard_has_enough_unsaved_results():
     saver = checkpointer(every_requests=3)
+    saver.timing = True  # it waits for a shard's checkpoint to come due
     saver.notice(2)
     assert not saver.wake.is_set()
     saver.notice(3)
     assert saver.wake.is_set()
+
+
+def test_it_waits_until_a_shard_is_due_and_a_first_result_wakes_it():
+    saver = checkpointer()
+    # No shard: nothing to wait for but results no notice announces.
+    assert saver._wait() == 60 and not saver.timing
+    work = ShardWork(shard_id="s1", attempt=1, batch_id="b", copies={}, skip=set(),
+                     screened={}, room=Room(context=None, cap=64), model="echo-test")
+    saver.state.register(work)
+    assert saver._wait() == 60
+    # A first unsaved result wakes a loop that waits with none.
+    saver.notice(1)
+    assert saver.wake.is_set()
+    saver.wake.clear()
+    write(work, 0, chat_line("r0", "hi"))
+    work.saved_at -= 45
+    assert 14 < saver._wait() <= 15 and saver.timing
+    saver.notice(1)
+    assert not saver.wake.is_set()
+    # Due already (its checkpoint put off): looked at again half a second later.
+    work.saved_at -= 100
+    assert saver._wait() == 0.5
 
 
 def test_nothing_is_stored_for_a_dropped_attempt_or_one_with_nothing_new(
