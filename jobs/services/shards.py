@@ -125,14 +125,14 @@ def heartbeats(*, beats: Sequence[Beat]) -> tuple[set[str], dict[str, str]]:
     mine: set[str] = set()
     now = timezone.now()
     with transaction.atomic():
-        for beat in beats:
+        # Rows locked in one order (shards, then batches): another transaction taking
+        # several of them never waits on this one in a circle.
+        for beat in sorted(beats, key=lambda b: b.shard_id):
             counts = {} if beat.unsaved is None else {"computed_unsaved": beat.unsaved}
             if Shard.objects.filter(pk=beat.shard_id, attempt=beat.attempt,
                                     status=Shard.Status.RUNNING).update(
                     heartbeat_at=now, **counts, **beat.progress.as_fields()):
                 mine.add(beat.shard_id)
-        # In one order, so that two workers refreshing the same batches never wait on
-        # each other's batch rows.
         for batch_id in sorted({b.batch_id for b in beats
                                 if b.moved and b.shard_id in mine}):
             refresh_progress(batch_id=batch_id)
