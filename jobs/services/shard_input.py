@@ -42,6 +42,9 @@ class ShardLines:
     skip: set[int]
     # Primary line -> the custom_ids of its copies, which get its result too.
     copies: dict[int, list[str]]
+    # A grouped shard's records of the line index (None: a byte range), read once: its
+    # lines are streamed by them (`shard_requests`).
+    records: Any = None
 
     def where(self, field: str) -> list[Q]:
         """Filters (one query each) on a line-number field for the shard's lines."""
@@ -53,9 +56,10 @@ class ShardLines:
 
 def shard_lines(shard: Shard) -> ShardLines:
     if shard.lines_from is not None:
-        numbers = sorted(int(n) for n in _records(shard)["line"])
+        records = _records(shard)
+        numbers = sorted(int(n) for n in records["line"])
         lines = ShardLines(first_line=numbers[0], last_line=numbers[-1], numbers=numbers,
-                           skip=set(), copies={})
+                           skip=set(), copies={}, records=records)
     else:
         nxt = Shard.objects.filter(batch_id=shard.batch_id, index=shard.index + 1
                                    ).values_list("first_line", flat=True).first()
@@ -125,6 +129,8 @@ class ShardInput:
     cache_salt: str
     # The checkpoint the claim handed on (its segments found in storage).
     checkpoint: Checkpoint
+    # A grouped shard's records of the line index (ShardLines.records).
+    records: Any = None
 
 
 def open_input(shard: Shard) -> ShardInput:
@@ -134,7 +140,8 @@ def open_input(shard: Shard) -> ShardInput:
     lines = shard_lines(shard)
     return ShardInput(copies=lines.copies, skip=lines.skip,
                       screened=screened_lines(shard, lines), room=room_for(shard.batch.model),
-                      cache_salt=cache_salt, checkpoint=Checkpoint.from_json(shard.checkpoint))
+                      cache_salt=cache_salt, checkpoint=Checkpoint.from_json(shard.checkpoint),
+                      records=lines.records)
 
 
 def prefix_cache_salt(owner_id: int) -> str:
@@ -156,11 +163,11 @@ def _records(shard: Shard) -> Any:
 
 
 @contextmanager
-def shard_requests(shard: Shard, skip: set[int]) -> Iterator[Iterator[tuple[int, Any]]]:
+def shard_requests(shard: Shard, *, skip: set[int], records: Any
+                   ) -> Iterator[Iterator[tuple[int, Any]]]:
     """(line number, request object) of each line the shard runs, in the order it runs
     them, streamed from the input: its byte range (a Range read on object storage), or the
-    lines its records in the line index name."""
-    records = _records(shard) if shard.lines_from is not None else None
+    lines its `records` in the line index name (ShardLines.records: None for a range)."""
     # A stored name, or a registered object pinned to its version (a replaced one raises
     # ObjectChanged before a line is read).
     storage_name = location(shard.batch.input_file)
@@ -182,7 +189,7 @@ def shard_custom_ids(shard: Shard) -> Iterator[str]:
     """The custom_ids a shard answers for: its lines that are not copies, then the copies
     of its primaries."""
     lines = shard_lines(shard)
-    with shard_requests(shard, lines.skip) as requests:
+    with shard_requests(shard, skip=lines.skip, records=lines.records) as requests:
         for _, request in requests:
             yield request["custom_id"]
     for custom_ids in lines.copies.values():

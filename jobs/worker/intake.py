@@ -104,7 +104,8 @@ class Intake:
         # other, each with its group's key: the engine has the group's first request
         # compute the prefix before the rest, which then find it in its prefix cache.
         grouped = shard.lines_from is not None
-        with shard_requests(shard, work.skip | work.adopted) as requests:
+        with shard_requests(shard, skip=work.skip | work.adopted,
+                            records=work.records) as requests:
             for number, line in work.lines_to_run(requests):
                 adapter_path = self.served.adapter_folder(shard, work, line.model)
                 request = work.engine_request(number, line, adapter_path=adapter_path,

@@ -80,6 +80,8 @@ class ShardWork:
     model: str = ""
     # The prefix cache salt of the batch owner's requests (shard_input.prefix_cache_salt).
     cache_salt: str = ""
+    # A grouped shard's records of the line index: the lines it runs, read once at open.
+    records: Any = None
     # The LoRA adapters its lines name, each resolved once per attempt (by the intake):
     # name -> its folder on this host, None when it is no longer registered.
     adapter_paths: dict[str, str | None] = field(default_factory=dict)
@@ -130,7 +132,8 @@ class ShardWork:
         """A claimed shard's work, from its input and the checkpoint its claim handed on."""
         work = cls(shard_id=shard.id, attempt=shard.attempt, batch_id=shard.batch_id,
                    copies=opened.copies, skip=opened.skip, screened=opened.screened,
-                   room=opened.room, model=shard.batch.model, cache_salt=opened.cache_salt)
+                   room=opened.room, model=shard.batch.model, cache_salt=opened.cache_salt,
+                   records=opened.records)
         work.adopt(opened.checkpoint)
         return work
 

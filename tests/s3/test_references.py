@@ -205,7 +205,8 @@ def test_an_object_changed_before_validation_fails_the_batch(store, user):
 
     shard = Shard(batch=failed, index=0, start_byte=0, end_byte=file.bytes, first_line=1,
                   request_count=10)
-    with pytest.raises(ObjectChanged, match="replaced"), shard_requests(shard, set()) as rows:
+    with pytest.raises(ObjectChanged, match="replaced"), shard_requests(
+            shard, skip=set(), records=None) as rows:
         next(rows)
     # Downloads of it are refused rather than serving other bytes.
     from jobs.http.web import download_response
