@@ -759,3 +759,16 @@ def register_worker(name: str, host: str, *, heartbeat_age: float = 0.0,
     beat = timezone.now() - timedelta(seconds=heartbeat_age)
     queues.connection().hset(worker.key, "last_heartbeat", utcformat(beat))
     return worker
+
+
+def heartbeat(*, shard_id: str, attempt: int, progress: Any, unsaved: int | None = 0,
+              moved: bool = True) -> tuple[bool, str]:
+    """One attempt's heartbeat, as a worker beating for that shard alone sends it: (still
+    ours, its batch's stop code)."""
+    from jobs.models import Shard
+    from jobs.services.shards import Beat, heartbeats
+
+    batch_id = Shard.objects.values_list("batch_id", flat=True).get(pk=shard_id)
+    mine, stop_codes = heartbeats(beats=[Beat(shard_id, attempt, batch_id, progress,
+                                              unsaved, moved)])
+    return shard_id in mine, stop_codes.get(batch_id, "")

@@ -105,17 +105,6 @@ class Beat:
     moved: bool = True
 
 
-def heartbeat(*, shard_id: str, attempt: int, progress: Progress, unsaved: int | None = 0,
-              batch_id: str = "", moved: bool = True) -> tuple[bool, str]:
-    """One attempt's heartbeat (see `heartbeats`): (still ours, the batch's stop code).
-    `batch_id`: the shard's, when the caller knows it (one read less)."""
-    batch_id = batch_id or Shard.objects.filter(pk=shard_id).values_list(
-        "batch_id", flat=True).first() or ""
-    mine, stop_codes = heartbeats(beats=[Beat(shard_id, attempt, batch_id, progress,
-                                              unsaved, moved)])
-    return shard_id in mine, stop_codes.get(batch_id, "")
-
-
 def heartbeats(*, beats: Sequence[Beat]) -> tuple[set[str], dict[str, str]]:
     """Record that a worker is alive with each of its attempts' progress, in one
     transaction. Returns the shards still its own and each batch's stop code (non-empty

@@ -23,10 +23,9 @@ from jobs.models import Batch, SpotCheck
 from jobs.queries import queue_health
 from jobs.services import batches
 from jobs.services.keys import revoke_api_key
-from jobs.services.shards import heartbeat
 from jobs.services.stopping import cancel_batch
 from jobs.views import batches as views
-from tests.factories import claimed_batch, connection_kept, wsgi_call
+from tests.factories import claimed_batch, connection_kept, heartbeat, wsgi_call
 
 pytestmark = pytest.mark.django_db
 

@@ -15,8 +15,8 @@ from jobs.formats.checkpoint_record import Progress
 from jobs.models import ApiKey, Batch, Shard
 from jobs.services.keys import authenticate_key, revoke_api_key
 from jobs.services.progress import refresh_progress
-from jobs.services.shards import finish_shard, heartbeat
-from tests.factories import Api, claimed_batch
+from jobs.services.shards import finish_shard
+from tests.factories import Api, claimed_batch, heartbeat
 
 pytestmark = pytest.mark.django_db
 

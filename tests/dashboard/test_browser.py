@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 
 from jobs.formats.checkpoint_record import Progress
-from jobs.services.shards import heartbeat
 from tests.factories import (
     chat_line,
     chat_lines,
     claimed_batch,
+    heartbeat,
     jsonl,
     make_batch,
     run_batch,

@@ -14,9 +14,8 @@ from django.urls import reverse
 
 from jobs.formats.checkpoint_record import Progress
 from jobs.http.csp import HEADER, policy
-from jobs.services.shards import heartbeat
 from tests.dashboard.test_browser import CHROMIUM, browser, sign_in  # noqa: F401
-from tests.factories import claimed_batch
+from tests.factories import claimed_batch, heartbeat
 
 pytestmark = [
     pytest.mark.browser,

@@ -21,9 +21,17 @@ from django.urls import reverse
 from jobs.formats.checkpoint_record import Progress
 from jobs.models import Batch, Shard
 from jobs.services.progress import refresh_progress
-from jobs.services.shards import finish_shard, heartbeat
+from jobs.services.shards import finish_shard
 from jobs.views import batches as views
-from tests.factories import HTMX, chat_lines, claimed_batch, make_batch, poll_of, run_batch
+from tests.factories import (
+    HTMX,
+    chat_lines,
+    claimed_batch,
+    heartbeat,
+    make_batch,
+    poll_of,
+    run_batch,
+)
 
 pytestmark = pytest.mark.django_db
 

@@ -27,6 +27,7 @@ from tests.factories import (
     chat_line,
     computed_twice,
     engine_request_log,
+    heartbeat,
     jsonl,
     make_batch,
     wait_for,
@@ -58,7 +59,7 @@ def test_claim_is_exclusive_and_fenced(batch):
     # The first worker wakes up: none of its writes land.
     assert not shard_service.finish_shard(shard_id=shard.pk, attempt=1, output_part="x",
                                           error_part="", progress=Progress(completed=2))
-    assert shard_service.heartbeat(shard_id=shard.pk, attempt=1, progress=Progress()) == (
+    assert heartbeat(shard_id=shard.pk, attempt=1, progress=Progress()) == (
         False, "")
     shard.refresh_from_db()
     assert (shard.status, shard.attempt, shard.worker, shard.output_part) == (
@@ -159,7 +160,7 @@ def test_batch_row_keeps_the_shards_sums_through_every_transition(batch):
 
     first, second = Shard.objects.filter(batch=batch).order_by("index")
     shard_service.claim_shard(shard_id=first.pk, worker="w1")
-    shard_service.heartbeat(shard_id=first.pk, attempt=1,
+    heartbeat(shard_id=first.pk, attempt=1,
                             progress=Progress(completed=1, input_tokens=7, output_tokens=3,
                                               cached_tokens=5, cacheable_tokens=6,
                                               reasoning_tokens=2))
@@ -170,12 +171,12 @@ def test_batch_row_keeps_the_shards_sums_through_every_transition(batch):
     assert sums_agree()["completed"] == 0
     Shard.objects.filter(pk=first.pk).update(not_before=None)
     shard_service.claim_shard(shard_id=first.pk, worker="w2")
-    shard_service.heartbeat(shard_id=first.pk, attempt=2, progress=Progress(completed=1))
+    heartbeat(shard_id=first.pk, attempt=2, progress=Progress(completed=1))
     shard_service.release_shard(shard_id=first.pk, attempt=2)  # handed back: reset
     assert sums_agree()["completed"] == 0
     shard_service.claim_shard(shard_id=first.pk, worker="w3")
     # The stale worker of attempt 1 writes nothing, the batch row neither.
-    shard_service.heartbeat(shard_id=first.pk, attempt=1, progress=Progress(completed=2))
+    heartbeat(shard_id=first.pk, attempt=1, progress=Progress(completed=2))
     assert sums_agree()["completed"] == 0
     shard_service.finish_shard(shard_id=first.pk, attempt=3, output_part="", error_part="",
                                progress=Progress(completed=1, failed=1, input_tokens=9,
@@ -183,7 +184,7 @@ def test_batch_row_keeps_the_shards_sums_through_every_transition(batch):
     for attempt in (1, 2, 3):  # the other shard runs out of attempts: all failed
         Shard.objects.filter(pk=second.pk).update(not_before=None)
         shard_service.claim_shard(shard_id=second.pk, worker="w")
-        shard_service.heartbeat(shard_id=second.pk, attempt=attempt,
+        heartbeat(shard_id=second.pk, attempt=attempt,
                                 progress=Progress(completed=1))
         shard_service.fail_shard(shard_id=second.pk, attempt=attempt, reason="boom")
     assert sums_agree() == {"completed": 1, "failed": 3, "input_tokens": 9,
@@ -249,7 +250,7 @@ def test_checkpoints_are_fenced_and_handed_on_by_the_claim(batch):
                        flag_counts={"length_limit": 1}, json_retries=0)
     assert shard_service.record_checkpoint(shard_id=shard.pk, attempt=1, checkpoint=saved,
                                            unsaved=0)
-    shard_service.heartbeat(shard_id=shard.pk, attempt=1, progress=Progress(completed=2),
+    heartbeat(shard_id=shard.pk, attempt=1, progress=Progress(completed=2),
                             unsaved=1)
     # The worker is lost: the request it computed past its checkpoint is computed again.
     shard_service.fail_shard(shard_id=shard.pk, attempt=1, reason="worker lost")
